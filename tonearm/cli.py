@@ -1,0 +1,134 @@
+"""`tonearm` command line: one subcommand per flow of SPEC §1.
+
+Handlers are imported lazily so that a service-only install (no torch) can run
+`serve` and `bundle ...` while `train` tells the user which extra is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from tonearm.errors import TonearmError
+
+log = logging.getLogger("tonearm")
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _lazy(target: str, extra: str) -> Handler:
+    """A handler that imports ``module:function`` on first call, naming the pip extra if it fails."""
+
+    def run(args: argparse.Namespace) -> int:
+        module_name, function_name = target.split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            missing = err.name or "a dependency"
+            if missing.split(".")[0] in {"tonearm", "training", "index", "service"}:
+                raise
+            raise TonearmError(
+                f"`tonearm {args.command}` needs {missing!r}; install it with: pip install 'tonearm[{extra}]'"
+            ) from err
+        handler: Handler = getattr(module, function_name)
+        return handler(args)
+
+    return run
+
+
+def _add_synth(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("synth", help="write the procedural multilingual sound-scene corpus (SPEC §2)")
+    p.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output directory (WAV files + manifest.jsonl)")
+    p.set_defaults(handler=_lazy("training.data.synth:cli_synth", "train"))
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a dual encoder from a YAML config")
+    p.add_argument("config", nargs="?", help="YAML preset (configs/*.yaml); defaults when omitted")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-3 data.manifest=x.jsonl")
+    p.set_defaults(handler=_lazy("training.loop:cli_train", "train"))
+
+
+def _add_evaluate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("evaluate", help="recall, mAP@10 and consistency of a checkpoint (SPEC §5)")
+    p.add_argument("checkpoint", help="checkpoint directory (runs/NAME/best)")
+    p.add_argument("--data", required=True, help="JSONL manifest")
+    p.add_argument("--split", default="test")
+    p.add_argument("--out", help="report directory (default: CHECKPOINT/eval-SPLIT)")
+    p.set_defaults(handler=_lazy("training.evaluate:cli_evaluate", "train"))
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="export a checkpoint to a bundle (ONNX + FAISS + manifest)")
+    p.add_argument("checkpoint")
+    p.add_argument("--data", required=True, help="JSONL manifest whose clips are indexed")
+    p.add_argument("--out", required=True, help="bundles directory; the bundle is written inside it")
+    p.add_argument("--index", help="FAISS factory string (default: chosen by collection size)")
+    p.add_argument("--quantize-text", action="store_true", help="dynamic int8 text encoder")
+    p.set_defaults(handler=_lazy("index.export:cli_export", "train"))
+
+
+def _add_bundle(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bundle", help="inspect bundles, or manage a running service's bundles")
+    bsub = p.add_subparsers(dest="bundle_command", required=True)
+    verify = bsub.add_parser("verify", help="checksums, dimensions, ONNX shapes, index sizes")
+    verify.add_argument("dir")
+    verify.set_defaults(handler=_lazy("index.bundle_cli:cli_verify", "service"))
+    evaluate = bsub.add_parser("eval", help="SPEC §5 metrics from the ONNX encoders and FAISS indices only")
+    evaluate.add_argument("dir")
+    evaluate.set_defaults(handler=_lazy("index.bundle_cli:cli_eval", "service"))
+    for name, help_text in (
+        ("list", "bundles known to a running service"),
+        ("activate", "activate a bundle on a running service (runs the quality gate)"),
+        ("rollback", "return a running service to its previous bundle"),
+    ):
+        q = bsub.add_parser(name, help=help_text)
+        q.add_argument("--url", required=True, help="service base URL, e.g. http://127.0.0.1:8000")
+        q.add_argument("--token-env", default="TONEARM_ADMIN_TOKEN", help="environment variable holding the admin token")
+        if name == "activate":
+            q.add_argument("bundle_id")
+            q.add_argument("--force", action="store_true", help="skip the quality gate")
+        q.set_defaults(handler=_lazy(f"service.admin_client:cli_{name}", "service"))
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve search over a bundle (builds the demo bundle when none is set)")
+    p.add_argument("--bundle", help="bundle directory (default: settings / the embedded demo bundle)")
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--workers", type=int, default=None)
+    p.set_defaults(handler=_lazy("service.cli:cli_serve", "service"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tonearm", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_synth, _add_train, _add_evaluate, _add_export, _add_bundle, _add_serve):
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.handler(args) or 0)
+    except TonearmError as err:
+        sys.stderr.write(f"error: {err}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""The one typed configuration tree of `tonearm train` / `evaluate`.
+
+Loaded from YAML, overridden by dotted ``key=value`` pairs from the CLI, validated
+once here. Unknown keys are errors everywhere (``extra="forbid"``). Defaults live
+only in these classes. The resolved tree is saved beside every checkpoint and in
+every bundle manifest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tonearm.errors import TonearmError
+from index.languages import DEFAULT_LANGUAGES, validate_language_codes
+
+
+class ConfigError(TonearmError, ValueError):
+    """A configuration file or override that cannot be used, with a readable message."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class FrontendConfig(_Strict):
+    """Log-mel frontend (SPEC §2); the same numbers are baked into the ONNX audio encoder."""
+
+    sample_rate: int = 16_000
+    n_fft: int = 512
+    win_length: int = 400
+    hop_length: int = 160
+    n_mels: int = 64
+    f_min: float = 0.0
+    f_max: float = 8_000.0
+
+
+class DataConfig(_Strict):
+    manifest: Path | None = None
+    """JSONL manifest (SPEC §2). Other formats are converted with `tonearm data convert`."""
+    languages: list[str] = Field(default_factory=lambda: list(DEFAULT_LANGUAGES))
+    clip_seconds: float = Field(5.0, gt=0)
+    eval_crop: Literal["center", "chunk"] = "chunk"
+    """Evaluation policy for clips longer than `clip_seconds`: center crop or chunk-and-average."""
+    skip_missing_audio: bool = False
+    """Missing audio files are an error unless this is set; then they are reported and skipped."""
+    num_workers: int = Field(0, ge=0)
+    max_clips: int | None = Field(None, ge=1)
+    """Use only the first N clips of each split (quick experiments)."""
+
+    @model_validator(mode="after")
+    def _check_languages(self) -> DataConfig:
+        validate_language_codes(self.languages)
+        return self
+
+
+class AudioTowerConfig(_Strict):
+    kind: Literal["cnn", "hf_ast", "hf_clap", "hf_auto"] = "cnn"
+    path: str | None = None
+    """Local directory or hub id for the `hf_*` kinds (from_pretrained)."""
+    channels: list[int] = Field(default_factory=lambda: [32, 64, 128, 192])
+    dropout: float = Field(0.1, ge=0, lt=1)
+
+
+class TextTowerConfig(_Strict):
+    kind: Literal["builtin", "hf_auto", "hf_clap"] = "builtin"
+    path: str | None = None
+    pooling: Literal["mean", "cls"] = "mean"
+    vocab_size: int = Field(4000, ge=260)
+    max_length: int = Field(48, ge=4)
+    width: int = Field(192, ge=16)
+    layers: int = Field(3, ge=1)
+    heads: int = Field(4, ge=1)
+    dropout: float = Field(0.1, ge=0, lt=1)
+
+
+class ModelConfig(_Strict):
+    embed_dim: int = Field(256, ge=8)
+    audio: AudioTowerConfig = Field(default_factory=AudioTowerConfig)
+    text: TextTowerConfig = Field(default_factory=TextTowerConfig)
+
+
+class OptimConfig(_Strict):
+    epochs: int = Field(20, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many optimizer steps (smoke tests, quick runs)."""
+    batch_size: int = Field(64, ge=2)
+    lr: float = Field(5e-4, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    betas: tuple[float, float] = (0.9, 0.98)
+    warmup_steps: int = Field(100, ge=0)
+    schedule: Literal["cosine", "step", "constant"] = "cosine"
+    step_size_epochs: int = Field(10, ge=1)
+    step_gamma: float = Field(0.1, gt=0, le=1)
+    grad_clip: float | None = Field(1.0, gt=0)
+    amp: bool = True
+    """Mixed precision; only takes effect on CUDA."""
+
+
+class ObjectiveConfig(_Strict):
+    """Base loss + multilingual strategy + regularizers + distillation + knowledge (SPEC §4).
+
+    Each entry is ``{"name": registry key, **params}``; the registry validates the
+    params against the objective's own config class.
+    """
+
+    base: dict[str, Any] = Field(default_factory=lambda: {"name": "infonce"})
+    strategy: dict[str, Any] = Field(default_factory=lambda: {"name": "random"})
+    regularizers: list[dict[str, Any]] = Field(default_factory=list)
+    distill: dict[str, Any] | None = None
+    knowledge: dict[str, Any] | None = None
+
+
+class EvalConfig(_Strict):
+    every_epochs: int = Field(1, ge=1)
+    split: str = "val"
+    batch_size: int = Field(64, ge=1)
+    select_metric: str = "t2a_R@10_mean"
+    """Metric (key of the evaluation report) that decides the `best` checkpoint."""
+
+
+class TrainConfig(_Strict):
+    seed: int = 0
+    out_dir: Path = Path("runs/default")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = Field(None, ge=1)
+    resume: bool = False
+    """Continue from `out_dir/last` when it exists."""
+    frontend: FrontendConfig = Field(default_factory=FrontendConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse an override value with YAML rules (``3`` → int, ``[a, b]`` → list, ``null``)."""
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides to a nested dict (returns the same dict)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        dotted, raw = item.split("=", 1)
+        keys = dotted.strip().split(".")
+        node = tree
+        for key in keys[:-1]:
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
+            node = child
+        node[keys[-1]] = _parse_scalar(raw)
+    return tree
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for problem in err.errors():
+        where = ".".join(str(p) for p in problem["loc"]) or "<root>"
+        if problem["type"] == "extra_forbidden":
+            lines.append(f"  - unknown key '{where}'")
+        else:
+            lines.append(f"  - {where}: {problem['msg']}")
+    return "\n".join(lines)
+
+
+def load_train_config(path: Path | str | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML preset (or start from defaults when `path` is None) and apply overrides."""
+    tree: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
+        tree = loaded or {}
+        source = str(path)
+    apply_overrides(tree, overrides or [])
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None

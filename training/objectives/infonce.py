@@ -1,0 +1,56 @@
+"""Symmetric InfoNCE (NT-Xent), the CLAP baseline.
+
+``L = ½ [CE(S/τ, I) + CE(Sᵀ/τ, I)]`` with ``S_ij = left_i · right_j``: the mean of the
+left→right (audio→text) and right→left (text→audio) cross-entropies whose targets
+are the diagonal.
+
+Args:
+    tau: temperature τ (logit scale = 1/τ), default 0.07.
+    learnable_tau: learn τ through ``log(1/τ)`` (CLIP/CLAP practice) instead of fixing it.
+
+Shapes: pair.left (B, d), pair.right (B, d), both L2-normalized → scalar.
+
+References: van den Oord et al. 2018 (CPC, Eq. 4); CLAP (Elizalde et al. 2023);
+the correspondence paper's ``L_sup`` (Eq. 1–2, τ = 0.05); ATRI Eq. 1–3.
+
+Relations: the base every other contrastive objective extends (SVR adds a term,
+KCL/CACL change the pairs, distillation replaces the one-hot targets).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor
+
+from training.objectives.base import AlignedPair, BuildEnv, PairTerm, TermConfig
+from training.objectives.temperature import Temperature
+
+
+def symmetric_cross_entropy(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """(left→right, right→left) cross-entropies of a square logit matrix with diagonal targets."""
+    targets = torch.arange(logits.shape[0], device=logits.device)
+    return F.cross_entropy(logits, targets), F.cross_entropy(logits.t(), targets)
+
+
+class InfoNCEConfig(TermConfig):
+    tau: float = Field(0.07, gt=0)
+    learnable_tau: bool = True
+
+
+class InfoNCE(PairTerm):
+    name = "infonce"
+    Config = InfoNCEConfig
+
+    def __init__(self, config: InfoNCEConfig, env: BuildEnv) -> None:
+        super().__init__()
+        self.temperature = Temperature(config.tau, learnable=config.learnable_tau)
+
+    def forward(self, pair: AlignedPair) -> dict[str, Tensor]:
+        logits = self.temperature.scale() * pair.left @ pair.right.t()
+        left_to_right, right_to_left = symmetric_cross_entropy(logits)
+        return {
+            "infonce_loss": 0.5 * (left_to_right + right_to_left),
+            "tau": self.temperature.tau().detach(),
+        }

@@ -1,0 +1,56 @@
+"""Registry: objective config (SPEC §4) → :class:`Objective`.
+
+Adding an objective is one file and one line in one of these dicts. Names are
+exact keys; nothing is chosen by substring.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from training.config import ConfigError, ObjectiveConfig
+from training.objectives.base import BuildEnv, Objective, PairTerm, Strategy
+from training.objectives.infonce import InfoNCE
+from training.objectives.random_language import RandomLanguage
+from training.objectives.siglip import SigLIP
+
+BASE_LOSSES: dict[str, type[PairTerm]] = {
+    InfoNCE.name: InfoNCE,
+    SigLIP.name: SigLIP,
+}
+STRATEGIES: dict[str, type[Strategy]] = {
+    RandomLanguage.name: RandomLanguage,
+}
+REGULARIZERS: dict[str, type[PairTerm]] = {}
+
+
+def _build(table: dict[str, type[Any]], section: str, spec: dict[str, Any], env: BuildEnv) -> Any:
+    params = dict(spec)
+    name = params.pop("name", None)
+    if name not in table:
+        known = ", ".join(sorted(table)) or "(none)"
+        raise ConfigError(f"objective.{section}: unknown name {name!r}; known: {known}")
+    cls = table[name]
+    try:
+        config = cls.Config.model_validate(params)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {'unknown key' if e['type'] == 'extra_forbidden' else e['msg']}"
+            for e in err.errors()
+        )
+        raise ConfigError(f"objective.{section} ({name}): {problems}") from None
+    return cls(config, env)
+
+
+def build_objective(config: ObjectiveConfig, env: BuildEnv) -> Objective:
+    """Build the composed objective; raises :class:`ConfigError` with the offending key."""
+    base = _build(BASE_LOSSES, "base", config.base, env)
+    strategy = _build(STRATEGIES, "strategy", config.strategy, env)
+    regularizers = [
+        _build(REGULARIZERS, f"regularizers[{i}]", spec, env) for i, spec in enumerate(config.regularizers)
+    ]
+    if config.distill is not None or config.knowledge is not None:
+        raise ConfigError("objective.distill / objective.knowledge are not available in this build")
+    return Objective(base=base, strategy=strategy, regularizers=regularizers)

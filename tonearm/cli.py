@@ -102,7 +102,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--workers", type=int, default=None)
-    p.set_defaults(handler=_lazy("service.cli:cli_serve", "service"))
+    p.set_defaults(handler=_lazy("tonearm.serve:cli_serve", "service"))
 
 
 def build_parser() -> argparse.ArgumentParser:

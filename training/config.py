@@ -79,6 +79,8 @@ class TextTowerConfig(_Strict):
 
 class ModelConfig(_Strict):
     embed_dim: int = Field(256, ge=8)
+    init_checkpoint: Path | None = None
+    """Start from this checkpoint's weights (e.g. the distillation student, SPEC §4.4)."""
     audio: AudioTowerConfig = Field(default_factory=AudioTowerConfig)
     text: TextTowerConfig = Field(default_factory=TextTowerConfig)
 

@@ -51,6 +51,13 @@ def build_objective(config: ObjectiveConfig, env: BuildEnv) -> Objective:
     regularizers = [
         _build(REGULARIZERS, f"regularizers[{i}]", spec, env) for i, spec in enumerate(config.regularizers)
     ]
-    if config.distill is not None or config.knowledge is not None:
-        raise ConfigError("objective.distill / objective.knowledge are not available in this build")
+    if config.distill is not None:
+        # Imported here: distillation pulls in checkpoint loading, which plain runs never need.
+        from training.objectives.distill import wrap_with_distillation
+
+        base = wrap_with_distillation(config.distill, base, env)
+    if config.knowledge is not None:
+        from training.objectives.ask import wrap_with_knowledge
+
+        base = wrap_with_knowledge(config.knowledge, base, env)
     return Objective(base=base, strategy=strategy, regularizers=regularizers)

@@ -1,0 +1,18 @@
+# The two set-up commands of the README. Each installs what it needs into .venv.
+.PHONY: serve test lint
+
+# Serve search over the built-in demo bundle (built once, then cached).
+serve:
+	@scripts/install.sh train,service
+	.venv/bin/tonearm serve
+
+# The whole test suite (what CI runs).
+test:
+	@scripts/install.sh train,service,dev
+	@scripts/ensure-redis.sh
+	.venv/bin/ruff check .
+	.venv/bin/python -m pytest -q
+
+lint:
+	.venv/bin/ruff check .
+	.venv/bin/mypy

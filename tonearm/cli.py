@@ -47,6 +47,13 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_lazy("training.data.synth:cli_synth", "train"))
 
 
+def _add_data(sub: argparse._SubParsersAction) -> None:
+    # formats.py is stdlib + numpy only (no torch), so building its parser here stays cheap.
+    from training.data.formats import add_data_parser
+
+    add_data_parser(sub)
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a dual encoder from a YAML config")
     p.add_argument("config", nargs="?", help="YAML preset (configs/*.yaml); defaults when omitted")
@@ -109,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tonearm", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_synth, _add_train, _add_evaluate, _add_export, _add_bundle, _add_serve):
+    for add in (_add_synth, _add_data, _add_train, _add_evaluate, _add_export, _add_bundle, _add_serve):
         add(sub)
     return parser
 

@@ -1,0 +1,156 @@
+"""Audio decoding and length fitting shared by training, export and the service (SPEC §2).
+
+numpy only (no torch): soundfile decodes WAV/FLAC/OGG/MP3 (whatever the bundled
+libsndfile supports), channels are averaged to mono and soxr resamples to the
+model's rate. :func:`fit_length` and :func:`eval_chunks` turn a waveform of any
+length into the fixed-length windows the encoders see:
+
+* training: a random crop of ``n`` samples (zero-padded at the end when shorter);
+* evaluation ``center``: the middle ``n`` samples;
+* evaluation ``chunk``: non-overlapping windows of ``n`` samples, the last one
+  right-aligned to the end of the clip; the clip embedding is the L2-normalized
+  mean of the window embeddings (the PaSST/ATST setup of the correspondence paper).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import soundfile as sf
+import soxr
+
+from tonearm.errors import AudioDecodeError
+
+CropMode = Literal["center", "random", "start"]
+
+
+class AudioTooLongError(AudioDecodeError):
+    """Audio longer than the caller's ``max_seconds`` limit (the service answers 413)."""
+
+
+def _describe(source: Path | str | bytes) -> str:
+    if isinstance(source, bytes | bytearray):
+        return f"uploaded audio ({len(source)} bytes)"
+    return str(source)
+
+
+def _open(source: Path | str | bytes) -> sf.SoundFile:
+    """Open ``source`` with soundfile, turning every failure into :class:`AudioDecodeError`."""
+    name = _describe(source)
+    if isinstance(source, bytes | bytearray):
+        if not source:
+            raise AudioDecodeError(f"{name}: empty input, not audio")
+        handle: io.BytesIO | str = io.BytesIO(bytes(source))
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise AudioDecodeError(f"{name}: audio file not found")
+        if not path.is_file():
+            raise AudioDecodeError(f"{name}: not a regular file")
+        if path.stat().st_size == 0:
+            raise AudioDecodeError(f"{name}: empty file, not audio")
+        handle = str(path)
+    try:
+        return sf.SoundFile(handle)
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as err:
+        raise AudioDecodeError(
+            f"{name}: not a supported audio format or corrupt (WAV, FLAC, OGG, MP3 are read): {err}"
+        ) from None
+
+
+def _read_mono(source: Path | str | bytes, *, max_seconds: float | None) -> tuple[np.ndarray, int]:
+    """Decode to float32 mono at the file's own rate, enforcing ``max_seconds`` before decoding."""
+    name = _describe(source)
+    with _open(source) as f:
+        rate = int(f.samplerate)
+        if max_seconds is not None and f.frames > 0 and f.frames / rate > max_seconds:
+            raise AudioTooLongError(
+                f"{name}: {f.frames / rate:.1f} s of audio exceeds the limit of {max_seconds:g} s"
+            )
+        try:
+            data = f.read(dtype="float32", always_2d=True)
+        except (sf.LibsndfileError, RuntimeError, ValueError) as err:
+            raise AudioDecodeError(f"{name}: corrupt audio data: {err}") from None
+    if data.shape[0] == 0:
+        raise AudioDecodeError(f"{name}: contains no audio samples")
+    if max_seconds is not None and data.shape[0] / rate > max_seconds:
+        raise AudioTooLongError(
+            f"{name}: {data.shape[0] / rate:.1f} s of audio exceeds the limit of {max_seconds:g} s"
+        )
+    mono = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]
+    if not np.all(np.isfinite(mono)):
+        raise AudioDecodeError(f"{name}: audio contains NaN or infinite samples")
+    return np.ascontiguousarray(mono, dtype=np.float32), rate
+
+
+def decode_audio(
+    source: Path | str | bytes, *, sample_rate: int = 16000, max_seconds: float | None = None
+) -> np.ndarray:
+    """Decode a file path or raw bytes to float32 mono at ``sample_rate`` in [-1, 1].
+
+    Channels are averaged; soxr (high quality) resamples when the file's rate
+    differs. ``max_seconds`` rejects longer audio with :class:`AudioTooLongError`
+    (checked from the header before decoding when the header knows the length).
+
+    Raises:
+        AudioDecodeError: missing, empty, unreadable, corrupt or non-audio input;
+            the message names the file (or says "uploaded audio" for bytes).
+    """
+    mono, rate = _read_mono(source, max_seconds=max_seconds)
+    if rate != sample_rate:
+        mono = soxr.resample(mono, rate, sample_rate, quality="HQ").astype(np.float32, copy=False)
+        if mono.size == 0:
+            raise AudioDecodeError(f"{_describe(source)}: too short to resample to {sample_rate} Hz")
+    return np.clip(mono, -1.0, 1.0)
+
+
+def fit_length(
+    wave: np.ndarray, n: int, *, mode: CropMode, rng: np.random.Generator | None = None
+) -> np.ndarray:
+    """Crop or zero-pad a 1-D waveform to exactly ``n`` samples.
+
+    Longer input: ``start`` keeps the first ``n`` samples, ``center`` the middle
+    ones (offset ``(len - n) // 2``), ``random`` a uniformly drawn window (needs
+    ``rng``). Shorter input is zero-padded at the end in every mode.
+    """
+    if n <= 0:
+        raise ValueError(f"target length must be positive, got {n}")
+    wave = np.asarray(wave, dtype=np.float32)
+    if wave.ndim != 1:
+        raise ValueError(f"expected a 1-D waveform, got shape {wave.shape}")
+    excess = wave.shape[0] - n
+    if excess <= 0:
+        out = np.zeros(n, dtype=np.float32)
+        out[: wave.shape[0]] = wave
+        return out
+    if mode == "start":
+        offset = 0
+    elif mode == "center":
+        offset = excess // 2
+    elif mode == "random":
+        if rng is None:
+            raise ValueError("mode='random' needs an rng")
+        offset = int(rng.integers(0, excess + 1))
+    else:
+        raise ValueError(f"unknown crop mode {mode!r}; use center, random or start")
+    return wave[offset : offset + n].copy()
+
+
+def eval_chunks(wave: np.ndarray, n: int) -> np.ndarray:
+    """Split a waveform into the (C, n) windows of the chunk-and-average policy.
+
+    ``len <= n`` gives one zero-padded window; longer clips give ``ceil(len / n)``
+    non-overlapping windows starting at 0, n, 2n, … with the last one moved left
+    so that it ends exactly at the end of the clip (it may overlap its neighbour).
+    """
+    wave = np.asarray(wave, dtype=np.float32)
+    if wave.ndim != 1:
+        raise ValueError(f"expected a 1-D waveform, got shape {wave.shape}")
+    if wave.shape[0] <= n:
+        return fit_length(wave, n, mode="start")[None, :]
+    count = -(-wave.shape[0] // n)
+    starts = [i * n for i in range(count - 1)] + [wave.shape[0] - n]
+    return np.stack([wave[s : s + n] for s in starts]).astype(np.float32, copy=False)

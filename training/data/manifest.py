@@ -1,0 +1,215 @@
+"""The generic JSONL manifest (SPEC §2): one clip a line, validated with line numbers.
+
+Line format (keys in any order)::
+
+    {"id": "dog-001", "audio": "audio/dog-001.wav", "split": "train",
+     "captions": {"eng": ["a dog barks", ".."], "fra": ["un chien aboie", ".."]},
+     "meta": {...}}
+
+``audio`` is relative to the manifest's directory (absolute paths are kept).
+Captions at the same position in different languages are translations of each
+other (a *query group*, SPEC §5). ``meta`` is optional free-form JSON; any other
+top-level key is also kept in :attr:`ClipRecord.meta`.
+
+Problems the user can fix raise :class:`tonearm.errors.DataError` naming the file
+and line: bad JSON, missing or mistyped fields, duplicate ids, captions in a
+language outside the configured set (an error rather than a silent drop, so a
+typo such as ``"fre"`` is not lost), and missing audio files (reported with the
+count and first examples; skipped with a warning only when asked to).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from index.languages import validate_language_codes
+from tonearm.errors import DataError
+
+log = logging.getLogger(__name__)
+
+REQUIRED_FIELDS = ("id", "audio", "captions", "split")
+MISSING_EXAMPLES = 5
+"""How many missing audio files a report lists by name."""
+
+
+@dataclass
+class ClipRecord:
+    """One clip: absolute audio path, captions per language (aligned by position), split, metadata."""
+
+    id: str
+    audio: Path
+    captions: dict[str, list[str]]
+    split: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _check_code(code: str, where: str) -> None:
+    try:
+        validate_language_codes([code])
+    except ValueError as err:
+        raise DataError(f"{where}: {err}") from None
+
+
+def _parse_captions(value: Any, *, where: str, languages: Sequence[str] | None) -> dict[str, list[str]]:
+    """Validate the ``captions`` object; ``languages=None`` accepts any ISO 639-3 code."""
+    if not isinstance(value, dict):
+        raise DataError(f"{where}: 'captions' must be an object {{lang: [captions]}}, got {type(value).__name__}")
+    captions: dict[str, list[str]] = {}
+    for lang, texts in value.items():
+        _check_code(lang, where)
+        if languages is not None and lang not in languages:
+            raise DataError(
+                f"{where}: captions in language {lang!r}, which is not among the configured "
+                f"languages ({', '.join(languages)}); add it to data.languages or remove it"
+            )
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise DataError(f"{where}: captions[{lang!r}] must be a list of strings")
+        cleaned = [t.strip() for t in texts]
+        if any(not t for t in cleaned):
+            raise DataError(f"{where}: captions[{lang!r}] contains an empty caption")
+        if cleaned:
+            captions[lang] = cleaned
+    if not captions:
+        raise DataError(f"{where}: clip has no captions")
+    return captions
+
+
+def _parse_line(
+    obj: Any, *, where: str, base: Path, languages: Sequence[str] | None
+) -> ClipRecord:
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    missing = [key for key in REQUIRED_FIELDS if key not in obj]
+    if missing:
+        raise DataError(f"{where}: missing field(s) {', '.join(missing)}")
+    for key in ("id", "audio", "split"):
+        if not isinstance(obj[key], str) or not obj[key].strip():
+            raise DataError(f"{where}: {key!r} must be a non-empty string")
+    meta = obj.get("meta", {})
+    if not isinstance(meta, dict):
+        raise DataError(f"{where}: 'meta' must be an object")
+    extra = {k: v for k, v in obj.items() if k not in (*REQUIRED_FIELDS, "meta")}
+    return ClipRecord(
+        id=obj["id"],
+        audio=Path(os.path.normpath(base / obj["audio"])),
+        captions=_parse_captions(obj["captions"], where=where, languages=languages),
+        split=obj["split"],
+        meta={**meta, **extra},
+    )
+
+
+def read_manifest(path: Path, *, languages: Sequence[str] | None) -> list[tuple[int, ClipRecord]]:
+    """Parse and validate every line (no audio check); returns (line number, record) pairs."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: manifest not found")
+    base = path.resolve().parent
+    rows: list[tuple[int, ClipRecord]] = []
+    first_line: dict[str, int] = {}
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+            record = _parse_line(obj, where=where, base=base, languages=languages)
+            if record.id in first_line:
+                raise DataError(f"{where}: duplicate id {record.id!r} (first on line {first_line[record.id]})")
+            first_line[record.id] = number
+            rows.append((number, record))
+    if not rows:
+        raise DataError(f"{path}: manifest is empty")
+    return rows
+
+
+def drop_missing_audio(
+    records: Sequence[ClipRecord], *, source: str, skip_missing_audio: bool, labels: Sequence[str] | None = None
+) -> list[ClipRecord]:
+    """Report clips whose audio file does not exist; raise, or drop them with a warning.
+
+    ``labels`` (one per record, e.g. ``"line 12"``) locate the examples in the source.
+    """
+    missing = [i for i, r in enumerate(records) if not r.audio.is_file()]
+    if not missing:
+        return list(records)
+    examples = ", ".join(
+        f"{records[i].audio}" + (f" ({labels[i]})" if labels else "") for i in missing[:MISSING_EXAMPLES]
+    )
+    summary = f"{source}: {len(missing)} of {len(records)} audio files are missing, e.g. {examples}"
+    if not skip_missing_audio:
+        raise DataError(f"{summary}; fix the paths or skip these clips (skip_missing_audio / --skip-missing)")
+    log.warning("%s; skipping them", summary)
+    dropped = set(missing)
+    return [r for i, r in enumerate(records) if i not in dropped]
+
+
+def load_manifest(
+    path: Path,
+    *,
+    languages: Sequence[str],
+    skip_missing_audio: bool = False,
+    split: str | None = None,
+) -> list[ClipRecord]:
+    """Load and validate a JSONL manifest; optionally keep one split.
+
+    The whole file is validated; only the selected split's audio files are
+    checked for existence. Raises :class:`DataError` when the split is absent.
+    """
+    path = Path(path)
+    rows = read_manifest(path, languages=list(languages))
+    if split is not None:
+        present = sorted({r.split for _, r in rows})
+        rows = [(n, r) for n, r in rows if r.split == split]
+        if not rows:
+            raise DataError(f"{path}: no clips in split {split!r} (splits present: {', '.join(present)})")
+    return drop_missing_audio(
+        [r for _, r in rows],
+        source=str(path),
+        skip_missing_audio=skip_missing_audio,
+        labels=[f"line {n}" for n, _ in rows],
+    )
+
+
+def record_to_json(record: ClipRecord, *, base: Path) -> dict[str, Any]:
+    """The JSON object of one line, with ``audio`` relative to ``base`` (POSIX separators)."""
+    audio = Path(record.audio)
+    relative = Path(os.path.relpath(audio.resolve(), base.resolve())) if audio.is_absolute() else audio
+    return {
+        "id": record.id,
+        "audio": relative.as_posix(),
+        "captions": record.captions,
+        "split": record.split,
+        "meta": record.meta,
+    }
+
+
+def write_manifest(records: Iterable[ClipRecord], path: Path) -> None:
+    """Write records as JSONL (sorted keys, UTF-8), atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    base = path.parent
+    seen: set[str] = set()
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=base)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            for record in records:
+                if record.id in seen:
+                    raise DataError(f"{path}: duplicate id {record.id!r} while writing")
+                seen.add(record.id)
+                line = json.dumps(record_to_json(record, base=base), ensure_ascii=False, sort_keys=True)
+                handle.write(line + "\n")
+        os.chmod(tmp_name, 0o644)
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,173 @@
+"""Export the dual encoder's towers to ONNX (SPEC §6), verified against PyTorch.
+
+Signatures (dynamic batch and length):
+
+* audio: ``waveform`` float32 (batch, samples) → ``embedding`` float32 (batch, d),
+  log-mel frontend inside (its DFT-as-conv1d path, see
+  ``training.models.frontend``);
+* text: ``input_ids``, ``attention_mask`` int64 (batch, tokens) → ``embedding``.
+
+Uses the TorchScript-based exporter (``dynamo=False``): it handles the dynamic
+axes of these models reliably and quickly. Every export is checked with
+``onnx.checker`` and by running onnxruntime against the module on a probe
+batch (cosine ≥ :data:`MIN_COSINE` per item) — a failed check raises
+:class:`ExportError`. This module (with ``index/export.py``) is the only part of
+``index`` that imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from torch import nn
+
+from tonearm.errors import TonearmError
+
+log = logging.getLogger(__name__)
+
+MIN_COSINE = 0.999
+"""ONNX vs torch agreement required per item (SPEC §6)."""
+
+
+class ExportError(TonearmError):
+    """An ONNX export that failed or does not reproduce the PyTorch module."""
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence the exporter's warnings and stdout chatter (tracer, deprecation notes)."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        loggers = [
+            logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._dynamo")
+        ]
+        levels = [logger.level for logger in loggers]
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels, strict=True):
+                logger.setLevel(level)
+
+
+def _export(
+    module: nn.Module,
+    args: tuple[torch.Tensor, ...],
+    path: Path,
+    *,
+    input_names: list[str],
+    opset: int,
+) -> None:
+    dynamic_axes = {
+        name: {0: "batch", 1: "samples" if name == "waveform" else "tokens"} for name in input_names
+    }
+    dynamic_axes["embedding"] = {0: "batch"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    was_training = module.training
+    module.eval()
+    try:
+        with _quiet(), torch.no_grad():
+            torch.onnx.export(
+                module,
+                args,
+                str(path),
+                input_names=input_names,
+                output_names=["embedding"],
+                dynamic_axes=dynamic_axes,
+                opset_version=opset,
+                dynamo=False,
+                do_constant_folding=True,
+            )
+    except Exception as err:  # the exporter raises many unrelated types
+        raise ExportError(f"ONNX export to {path} failed: {err}") from err
+    finally:
+        module.train(was_training)
+    onnx.checker.check_model(str(path))
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a / np.maximum(np.linalg.norm(a, axis=-1, keepdims=True), 1e-12)
+    b = b / np.maximum(np.linalg.norm(b, axis=-1, keepdims=True), 1e-12)
+    return (a * b).sum(axis=-1)
+
+
+def onnx_session(path: Path | str, *, threads: int = 1) -> ort.InferenceSession:
+    """A CPU onnxruntime session (used by the export checks and tests)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def verify_export(module: nn.Module, path: Path | str, inputs: dict[str, torch.Tensor]) -> float:
+    """Run torch and onnxruntime on ``inputs``; return the minimum per-item cosine.
+
+    Raises :class:`ExportError` when it is below :data:`MIN_COSINE`.
+    """
+    was_training = module.training
+    module.eval()
+    with torch.no_grad():
+        expected = module(*inputs.values()).cpu().numpy()
+    module.train(was_training)
+    feeds = {name: tensor.cpu().numpy() for name, tensor in inputs.items()}
+    got = onnx_session(path).run(["embedding"], feeds)[0]
+    worst = float(_cosines(expected, got).min())
+    if not worst >= MIN_COSINE:
+        raise ExportError(
+            f"{path}: ONNX and PyTorch disagree (min cosine {worst:.5f} < {MIN_COSINE})"
+        )
+    return worst
+
+
+def export_audio_encoder(
+    module: nn.Module, path: Path | str, *, sample_rate: int, opset: int = 18
+) -> Path:
+    """Export ``module(waveform) -> embedding`` to ``path`` and verify it; returns ``path``."""
+    path = Path(path)
+    generator = torch.Generator().manual_seed(0)
+    trace = 0.1 * torch.randn(2, sample_rate, generator=generator)
+    _export(module, (trace,), path, input_names=["waveform"], opset=opset)
+    probe = 0.1 * torch.randn(3, sample_rate + sample_rate // 3, generator=generator)
+    worst = verify_export(module, path, {"waveform": probe})
+    log.info("exported audio encoder to %s (min cosine vs torch %.6f)", path, worst)
+    return path
+
+
+def _text_probe(max_length: int, vocab_size: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids with right padding of varied lengths (one full row)."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, max(vocab_size, 2), (batch, max_length), generator=generator)
+    lengths = torch.linspace(max_length, 2, batch).round().long()
+    mask = (torch.arange(max_length)[None, :] < lengths[:, None]).long()
+    return ids * mask, mask
+
+
+def _vocab_size(module: nn.Module) -> int:
+    """Rows of the first embedding table (the token embedding in our and HF towers)."""
+    first = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    return first.num_embeddings if first is not None else 2
+
+
+def export_text_encoder(
+    module: nn.Module, path: Path | str, *, max_length: int, opset: int = 18
+) -> Path:
+    """Export ``module(input_ids, attention_mask) -> embedding`` to ``path`` and verify it."""
+    path = Path(path)
+    vocab = _vocab_size(module)
+    ids, mask = _text_probe(max_length, vocab, batch=2)
+    _export(module, (ids, mask), path, input_names=["input_ids", "attention_mask"], opset=opset)
+    ids, mask = _text_probe(max_length, vocab, batch=3)
+    worst = verify_export(module, path, {"input_ids": ids, "attention_mask": mask})
+    log.info("exported text encoder to %s (min cosine vs torch %.6f)", path, worst)
+    return path

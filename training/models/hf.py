@@ -1,0 +1,243 @@
+"""Hugging Face ``transformers`` towers (SPEC §3), loaded with ``from_pretrained``.
+
+Each tower maps the dual encoder's inputs to pooled features; the dual encoder
+adds the projection head to ``embed_dim`` and the L2 norm.
+
+* text ``hf_auto``: any ``AutoModel`` text encoder (BERT, XLM-R, LaBSE, …), mean
+  or CLS pooling of ``last_hidden_state`` over the attention mask;
+* text ``hf_clap``: ``ClapModel.text_model`` + its ``text_projection``;
+* audio ``hf_ast``: ``ASTModel`` on our log-mel (``frontend.n_mels`` must equal the
+  model's ``num_mel_bins``), normalised with AST's dataset statistics, frames
+  right-padded with digital silence / cropped to the model's ``max_length``;
+  pooled output = mean of the CLS and distillation tokens;
+* audio ``hf_clap``: ``ClapModel.audio_model`` (HTS-AT, unfused) + its
+  ``audio_projection`` on our log-mel in dB, frames padded/cropped to
+  ``spec_size · freq_ratio``;
+* audio ``hf_auto``: an ``AutoModel`` backbone (the encoder of an
+  encoder–decoder) that takes ``input_features`` (B, n_mels, frames) —
+  Whisper-style, frames fixed to ``2 · max_source_positions`` when the config
+  has it — or raw ``input_values`` waveforms (wav2vec 2.0 / HuBERT / WavLM,
+  standardised per clip); mean pooling over time.
+
+Features: pretrained models were trained on their own feature extractors; for
+faithful transfer set the ``frontend`` section to the model's parameters
+(sample rate, n_fft, hop, mels, f_min/f_max). The towers convert our natural-log
+mel power to each model's scale; fine-tuning absorbs the rest.
+
+``transformers`` is imported lazily so the built-in towers do not pay for it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from training.config import ConfigError, FrontendConfig
+from training.models.frontend import LOG_EPS, LogMelFrontend
+from training.models.text_transformer import masked_mean
+
+AST_MEAN, AST_STD = -4.2677393, 4.5689974
+"""AudioSet fbank statistics used by ``ASTFeatureExtractor`` (normalised as (x − mean) / (2·std))."""
+DB_PER_NEPER = 10.0 / math.log(10.0)
+"""Converts natural-log power to decibels (CLAP's ``power_to_db`` scale)."""
+SILENCE = math.log(LOG_EPS)
+"""Log-mel value of digital silence (frame padding)."""
+
+
+def hf_config_from_dict(data: dict[str, Any]) -> Any:
+    """Rebuild a ``PretrainedConfig`` from ``config.to_dict()`` output (checkpoint loading)."""
+    from transformers import AutoConfig
+
+    data = dict(data)
+    model_type = data.pop("model_type")
+    return AutoConfig.for_model(model_type, **data)
+
+
+def load_hf_model(
+    class_name: str, *, path: str | None, config: dict[str, Any] | None, key: str
+) -> Any:
+    """``transformers.<class_name>`` from ``path`` (from_pretrained) or from a saved config dict.
+
+    ``key`` names the config key (e.g. ``model.audio.path``) in error messages.
+    """
+    import transformers
+
+    cls = getattr(transformers, class_name)
+    if config is not None:
+        hf_config = hf_config_from_dict(config)
+        return cls.from_config(hf_config) if class_name == "AutoModel" else cls(hf_config)
+    if path is None:
+        raise ConfigError(f"{key} is required for this tower kind (local directory or hub id)")
+    try:
+        return cls.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{key} {path!r}: cannot load a {class_name} ({err})") from None
+
+
+def fit_frames(x: Tensor, frames: int, fill: float) -> Tensor:
+    """Right-pad (with ``fill``) or crop the last axis of ``x`` to exactly ``frames``."""
+    return nn.functional.pad(x, (0, frames), value=fill)[..., :frames]
+
+
+def _check_mels(frontend_cfg: FrontendConfig, n_mels: int, what: str) -> None:
+    if frontend_cfg.n_mels != n_mels:
+        raise ConfigError(
+            f"frontend.n_mels={frontend_cfg.n_mels} but the {what} expects {n_mels} mel bins; "
+            f"set frontend.n_mels={n_mels}"
+        )
+
+
+class HFTextTower(nn.Module):
+    """``AutoModel`` text encoder with mean or CLS pooling."""
+
+    def __init__(self, model: nn.Module, *, pooling: str) -> None:
+        super().__init__()
+        self.model = model
+        self.pooling = pooling
+        self.out_dim = int(model.config.hidden_size)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        if self.pooling == "cls":
+            return hidden[:, 0]
+        return masked_mean(hidden, attention_mask)
+
+
+class ClapTextTower(nn.Module):
+    """CLAP's text encoder and text projection (the pretrained CLAP text embedding)."""
+
+    def __init__(self, clap: nn.Module) -> None:
+        super().__init__()
+        self.text_model = clap.text_model
+        self.text_projection = clap.text_projection
+        self.out_dim = int(clap.config.projection_dim)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        out = self.text_model(input_ids=input_ids, attention_mask=attention_mask)
+        return self.text_projection(out.pooler_output)
+
+
+class ASTAudioTower(nn.Module):
+    """Audio Spectrogram Transformer on our log-mel (frontend inside)."""
+
+    def __init__(self, model: nn.Module, frontend_cfg: FrontendConfig) -> None:
+        super().__init__()
+        _check_mels(frontend_cfg, int(model.config.num_mel_bins), "AST model")
+        self.frontend = LogMelFrontend(frontend_cfg)
+        self.model = model
+        self.frames = int(model.config.max_length)
+        self.out_dim = int(model.config.hidden_size)
+
+    def forward(self, waveform: Tensor) -> Tensor:
+        x = (self.frontend(waveform) - AST_MEAN) / (2 * AST_STD)
+        x = fit_frames(x, self.frames, (SILENCE - AST_MEAN) / (2 * AST_STD))
+        return self.model(input_values=x.transpose(1, 2)).pooler_output
+
+
+class ClapAudioTower(nn.Module):
+    """CLAP's audio encoder (unfused HTS-AT) and audio projection on our log-mel in dB."""
+
+    def __init__(self, clap: nn.Module, frontend_cfg: FrontendConfig) -> None:
+        super().__init__()
+        audio_cfg = clap.config.audio_config
+        if audio_cfg.enable_fusion:
+            raise ConfigError(
+                "model.audio.path: fused CLAP checkpoints are not supported; use an unfused one"
+            )
+        _check_mels(frontend_cfg, int(audio_cfg.num_mel_bins), "CLAP audio model")
+        self.frontend = LogMelFrontend(frontend_cfg)
+        self.audio_model = clap.audio_model
+        self.audio_projection = clap.audio_projection
+        freq_ratio = audio_cfg.spec_size // audio_cfg.num_mel_bins
+        self.frames = int(audio_cfg.spec_size * freq_ratio)
+        self.out_dim = int(clap.config.projection_dim)
+
+    def forward(self, waveform: Tensor) -> Tensor:
+        x = fit_frames(self.frontend(waveform) * DB_PER_NEPER, self.frames, SILENCE * DB_PER_NEPER)
+        out = self.audio_model(input_features=x.transpose(1, 2).unsqueeze(1))
+        return self.audio_projection(out.pooler_output)
+
+
+class HFAutoAudioTower(nn.Module):
+    """Generic ``AutoModel`` audio backbone on log-mel ``input_features`` or raw ``input_values``."""
+
+    def __init__(self, model: nn.Module, frontend_cfg: FrontendConfig) -> None:
+        super().__init__()
+        if getattr(model.config, "is_encoder_decoder", False):
+            model = model.get_encoder()
+        params = inspect.signature(model.forward).parameters
+        self.model = model
+        self.out_dim = int(
+            model.config.hidden_size
+            if hasattr(model.config, "hidden_size")
+            else model.config.d_model
+        )
+        self.frames: int | None = None
+        if "input_features" in params:
+            self.input_name = "input_features"
+            _check_mels(frontend_cfg, int(model.config.num_mel_bins), "audio model")
+            self.frontend: LogMelFrontend | None = LogMelFrontend(frontend_cfg)
+            positions = getattr(model.config, "max_source_positions", None)
+            self.frames = 2 * int(positions) if positions else None
+        elif "input_values" in params:
+            if getattr(model.config, "num_mel_bins", None) is not None:  # spectrogram models (AST)
+                raise ConfigError(
+                    f"model.audio.path: {type(model).__name__} takes spectrogram input_values; "
+                    "use model.audio.kind=hf_ast"
+                )
+            self.input_name = "input_values"
+            self.frontend = None
+        else:
+            raise ConfigError(
+                f"model.audio.path: {type(model).__name__} takes neither input_features nor "
+                "input_values; use kind hf_ast / hf_clap or another backbone"
+            )
+
+    def forward(self, waveform: Tensor) -> Tensor:
+        if self.frontend is None:
+            mean = waveform.mean(dim=-1, keepdim=True)
+            std = torch.sqrt(waveform.var(dim=-1, keepdim=True, unbiased=False) + 1e-7)
+            inputs = (waveform - mean) / std
+        else:
+            inputs = self.frontend(waveform)
+            if self.frames is not None:
+                inputs = fit_frames(inputs, self.frames, SILENCE)
+        hidden = self.model(**{self.input_name: inputs}).last_hidden_state
+        return hidden.mean(dim=1)
+
+
+def build_hf_text_tower(
+    kind: str, *, path: str | None, pooling: str, config: dict[str, Any] | None
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Text tower for ``kind`` and the full HF config dict it was built from."""
+    if kind == "hf_clap":
+        clap = load_hf_model("ClapModel", path=path, config=config, key="model.text.path")
+        return ClapTextTower(clap), clap.config.to_dict()
+    model = load_hf_model("AutoModel", path=path, config=config, key="model.text.path")
+    return HFTextTower(model, pooling=pooling), model.config.to_dict()
+
+
+def build_hf_audio_tower(
+    kind: str, *, path: str | None, frontend_cfg: FrontendConfig, config: dict[str, Any] | None
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Audio tower for ``kind`` and the full HF config dict it was built from."""
+    if kind == "hf_clap":
+        clap = load_hf_model("ClapModel", path=path, config=config, key="model.audio.path")
+        return ClapAudioTower(clap, frontend_cfg), clap.config.to_dict()
+    if kind == "hf_ast":
+        model = load_hf_model("ASTModel", path=path, config=config, key="model.audio.path")
+        return ASTAudioTower(model, frontend_cfg), model.config.to_dict()
+    model = load_hf_model("AutoModel", path=path, config=config, key="model.audio.path")
+    return HFAutoAudioTower(model, frontend_cfg), model.config.to_dict()
+
+
+def build_hf_clap_pair(
+    *, path: str | None, frontend_cfg: FrontendConfig, config: dict[str, Any] | None
+) -> tuple[nn.Module, nn.Module, dict[str, Any]]:
+    """Audio and text towers of one ``ClapModel`` (loaded once), and its config dict."""
+    clap = load_hf_model("ClapModel", path=path, config=config, key="model.audio.path")
+    return ClapAudioTower(clap, frontend_cfg), ClapTextTower(clap), clap.config.to_dict()

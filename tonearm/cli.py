@@ -127,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # faiss announces its CPU-feature loader at INFO on every import; users need none of it.
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     try:
         return int(args.handler(args) or 0)
     except TonearmError as err:

@@ -1,0 +1,390 @@
+"""The bundle format (SPEC §6): manifest schema, checksums, atomic publication.
+
+A bundle is a directory that is never modified once published. Its
+``manifest.json`` describes everything the service needs and lists the sha256
+and size of every other file; the manifest protects itself with a
+``manifest_sha256`` computed over its own bytes with that value zeroed, so a
+changed byte in *any* file of the bundle is detected and named.
+
+Publication is atomic: files are written into a hidden staging directory beside
+the destination, fsynced (files, then the directory), and the directory is
+renamed into place. Readers therefore see either no bundle or a complete one.
+
+:func:`verify_files` checks files and the schema; :func:`verify_bundle` adds the
+deep checks of `tonearm bundle verify` (ONNX interfaces, dimensions, index sizes,
+held-out set) through :class:`index.loader.LoadedBundle`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tonearm.errors import BundleError
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+AUDIO_ENCODER = "audio_encoder.onnx"
+TEXT_ENCODER = "text_encoder.onnx"
+TOKENIZER = "tokenizer.json"
+AUDIO_INDEX = "audio.faiss"
+AUDIO_IDS = "audio_ids.jsonl"
+TEXT_INDEX = "text.faiss"
+TEXT_IDS = "text_ids.jsonl"
+EVAL_DIR = "eval"
+
+_ZERO_HASH = "0" * 64
+_HASH_KEY = '"manifest_sha256": "'
+_CHUNK = 1 << 20
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileEntry(_Frozen):
+    """Checksum of one bundle file."""
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+
+
+class SourceInfo(_Frozen):
+    """Where the encoders came from."""
+
+    checkpoint: str
+    """Checkpoint directory as given to `tonearm export`."""
+    run_name: str
+    config_hash: str
+    """sha256 of the checkpoint's resolved training config (canonical JSON)."""
+    weights_sha256: str
+    """sha256 of the checkpoint's ``model.safetensors``."""
+    data_manifest: str
+    """The manifest whose clips were indexed."""
+
+
+class EncoderInfo(_Frozen):
+    """One ONNX encoder file and its interface."""
+
+    file: str
+    opset: int
+    inputs: list[str]
+    outputs: list[str]
+    quantization: Literal["none", "dynamic-int8"] = "none"
+    parity_min_cosine: float
+    """Lowest ONNX-vs-PyTorch cosine over the export check's items."""
+
+
+class TokenizerInfo(_Frozen):
+    file: str
+    max_length: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+
+
+class IndexInfo(_Frozen):
+    """One FAISS index: the factory string is its whole configuration."""
+
+    file: str
+    ids_file: str
+    factory: str
+    metric: Literal["inner_product"] = "inner_product"
+    dim: int = Field(ge=1)
+    ntotal: int = Field(ge=0)
+    search_params: dict[str, int] = Field(default_factory=dict)
+    """Fixed at load time (``nprobe`` / ``efSearch``), never changed per request."""
+    ann_recall_at_10: float = Field(ge=0, le=1)
+    """Build-time recall@10 against exact search (tie-tolerant)."""
+    language_ranges: dict[str, tuple[int, int]] | None = None
+    """Text index only: captions are stored grouped by language, ``[start, end)`` rows."""
+
+
+class EvalSetInfo(_Frozen):
+    """The held-out multilingual evaluation set stored under ``eval/``."""
+
+    split: str
+    n_clips: int = Field(ge=0)
+    n_captions: int = Field(ge=0)
+    max_clips: int
+    eval_crop: Literal["center", "chunk"]
+
+
+class EvaluationInfo(_Frozen):
+    """SPEC §5 report on the held-out set, computed with the bundle's ONNX encoders."""
+
+    encoder: Literal["onnx"] = "onnx"
+    report: dict[str, float]
+    convention: str
+    fp32_text_report: dict[str, float] | None = None
+    """With a quantized text encoder: the same report with the fp32 text encoder."""
+    quantization_delta: dict[str, float] | None = None
+    """With a quantized text encoder: int8 minus fp32, for every recall / mAP key."""
+
+
+class BundleManifest(_Frozen):
+    """Schema of ``manifest.json`` (SPEC §6)."""
+
+    format_version: Literal[1] = 1
+    bundle_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    created: str
+    """UTC ISO-8601 timestamp."""
+    source: SourceInfo
+    train_config: dict[str, Any]
+    objective: dict[str, Any]
+    frontend: dict[str, Any]
+    embed_dim: int = Field(ge=1)
+    languages: list[str] = Field(min_length=1)
+    sample_rate: int = Field(ge=1)
+    clip_seconds: float = Field(gt=0)
+    clip_samples: int = Field(ge=1)
+    audio_encoder: EncoderInfo
+    text_encoder: EncoderInfo
+    tokenizer: TokenizerInfo
+    audio_index: IndexInfo
+    text_index: IndexInfo
+    eval_set: EvalSetInfo
+    evaluation: EvaluationInfo
+    files: dict[str, FileEntry]
+    manifest_sha256: str = _ZERO_HASH
+    """sha256 of this file's bytes with this value replaced by 64 zeros."""
+
+
+# ----------------------------------------------------------------------------- checksums
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def bundle_files(root: Path) -> list[str]:
+    """Every regular file under ``root`` except the manifest, as sorted POSIX relative paths."""
+    found = [
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file() and p.relative_to(root).as_posix() != MANIFEST_NAME
+    ]
+    return sorted(found)
+
+
+def checksum_files(root: Path) -> dict[str, FileEntry]:
+    """``{relative path: FileEntry}`` for every file of a (staging) bundle directory."""
+    return {
+        rel: FileEntry(sha256=sha256_file(root / rel), size=(root / rel).stat().st_size)
+        for rel in bundle_files(root)
+    }
+
+
+def check_files(root: Path, files: dict[str, FileEntry]) -> None:
+    """Raise :class:`BundleError` naming the first missing, extra, resized or changed file."""
+    present = set(bundle_files(root))
+    for rel in sorted(set(files) - present):
+        raise BundleError(f"{root / rel}: listed in {MANIFEST_NAME} but missing")
+    for rel in sorted(present - set(files)):
+        raise BundleError(f"{root / rel}: not listed in {MANIFEST_NAME} (bundles are immutable)")
+    for rel, entry in files.items():
+        path = root / rel
+        size = path.stat().st_size
+        if size != entry.size:
+            raise BundleError(f"{path}: size {size} != {entry.size} recorded in {MANIFEST_NAME}")
+        if sha256_file(path) != entry.sha256:
+            raise BundleError(f"{path}: sha256 mismatch (file changed or corrupted)")
+
+
+# ----------------------------------------------------------------------------- manifest io
+
+
+def _self_hash(raw: bytes, claimed: str) -> str:
+    """sha256 of the manifest bytes with the claimed self-hash zeroed."""
+    marker = (_HASH_KEY + claimed + '"').encode()
+    if raw.count(marker) != 1:
+        return ""
+    return hashlib.sha256(raw.replace(marker, (_HASH_KEY + _ZERO_HASH + '"').encode())).hexdigest()
+
+
+def manifest_bytes(manifest: BundleManifest) -> bytes:
+    """Serialized manifest with its self-hash filled in."""
+    body = manifest.model_copy(update={"manifest_sha256": _ZERO_HASH}).model_dump(mode="json")
+    raw = (json.dumps(body, indent=2, ensure_ascii=False, sort_keys=False) + "\n").encode()
+    digest = hashlib.sha256(raw).hexdigest()
+    return raw.replace((_HASH_KEY + _ZERO_HASH + '"').encode(), (_HASH_KEY + digest + '"').encode())
+
+
+def read_manifest(root: Path) -> BundleManifest:
+    """Parse and self-check ``manifest.json`` (schema + self-hash); file checksums are not read."""
+    path = root / MANIFEST_NAME
+    if not root.is_dir():
+        raise BundleError(f"{root}: bundle directory not found")
+    if not path.is_file():
+        raise BundleError(f"{path}: missing (not a bundle directory?)")
+    raw = path.read_bytes()
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BundleError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(body, dict):
+        raise BundleError(f"{path}: top level must be an object")
+    claimed = str(body.get("manifest_sha256", ""))
+    if _self_hash(raw, claimed) != claimed:
+        raise BundleError(f"{path}: manifest_sha256 mismatch (file changed or corrupted)")
+    try:
+        return BundleManifest.model_validate(body)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()[:5])
+        raise BundleError(f"{path}: invalid manifest: {problems}") from None
+
+
+def verify_files(root: Path) -> BundleManifest:
+    """Manifest schema and self-hash, then every file's size and sha256."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    check_files(root, manifest.files)
+    return manifest
+
+
+# ----------------------------------------------------------------------------- atomic publish
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _seal(staging: Path) -> None:
+    """fsync every file and directory (deepest first) and make files read-only."""
+    for dirpath, _dirnames, filenames in os.walk(staging, topdown=False):
+        for name in filenames:
+            file_path = Path(dirpath) / name
+            _fsync_path(file_path)
+            file_path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+        _fsync_path(Path(dirpath))
+
+
+@contextmanager
+def staged_bundle(parent: Path, bundle_id: str) -> Iterator[Path]:
+    """A staging directory in ``parent`` (same filesystem as the destination); removed on error.
+
+    The caller writes every file into it and then calls :func:`publish`.
+    """
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    if (parent / bundle_id).exists():
+        raise BundleError(f"{parent / bundle_id}: already exists; bundles are never overwritten")
+    staging = Path(tempfile.mkdtemp(prefix=f".{bundle_id}.", suffix=".tmp", dir=parent))
+    try:
+        yield staging
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish(staging: Path, manifest: BundleManifest) -> Path:
+    """Write the manifest (checksums of the staged files filled in), fsync, rename into place."""
+    staging = Path(staging)
+    manifest = manifest.model_copy(update={"files": checksum_files(staging)})
+    (staging / MANIFEST_NAME).write_bytes(manifest_bytes(manifest))
+    _seal(staging)
+    staging.chmod(0o755)  # mkdtemp makes it 0700; readers (the service) may run as another user
+    final = staging.parent / manifest.bundle_id
+    if final.exists():
+        raise BundleError(f"{final}: already exists; bundles are never overwritten")
+    os.rename(staging, final)
+    _fsync_path(final.parent)
+    log.info("published bundle %s", final)
+    return final
+
+
+# ----------------------------------------------------------------------------- deep verification
+
+
+def verify_bundle(path: Path | str) -> BundleManifest:
+    """Everything `tonearm bundle verify` checks; raises :class:`BundleError` naming the file.
+
+    Checksums and sizes of every file, the manifest schema, ONNX input/output
+    names and shapes, embedding dimensions (a probe run of both encoders), the
+    tokenizer, index sizes against the id files, and the held-out set's
+    consistency with the manifest.
+    """
+    from index.loader import LoadedBundle  # loader imports this module
+
+    root = Path(path)
+    manifest = verify_files(root)
+    _check_onnx_opsets(root, manifest)
+    bundle = LoadedBundle.open(root, verify=False)
+    try:
+        _check_tokenizer(root, manifest, bundle)
+        _check_probe(root, manifest, bundle)
+        _check_eval_set(root, manifest, bundle)
+    finally:
+        bundle.close()
+    return manifest
+
+
+def _check_onnx_opsets(root: Path, manifest: BundleManifest) -> None:
+    """Opset >= 18 (STFT) when the `onnx` package is installed (it is not needed to serve)."""
+    try:
+        import onnx
+    except ImportError:
+        return
+    for info in (manifest.audio_encoder, manifest.text_encoder):
+        model = onnx.load(str(root / info.file), load_external_data=False)
+        opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+        if opset < 18:
+            raise BundleError(f"{root / info.file}: ONNX opset {opset} < 18")
+
+
+def _check_tokenizer(root: Path, manifest: BundleManifest, bundle: Any) -> None:
+    tok = bundle.tokenizer
+    if (tok.max_length, tok.vocab_size) != (manifest.tokenizer.max_length, manifest.tokenizer.vocab_size):
+        raise BundleError(
+            f"{root / manifest.tokenizer.file}: max_length/vocab_size {tok.max_length}/{tok.vocab_size} "
+            f"!= manifest {manifest.tokenizer.max_length}/{manifest.tokenizer.vocab_size}"
+        )
+
+
+def _check_probe(root: Path, manifest: BundleManifest, bundle: Any) -> None:
+    """Both encoders produce finite unit vectors of width ``embed_dim``."""
+    import numpy as np
+
+    probes = {
+        manifest.text_encoder.file: bundle.encode_text([f"probe {lang}" for lang in manifest.languages]),
+        manifest.audio_encoder.file: bundle.encode_audio(
+            [np.zeros(manifest.clip_samples // 2, np.float32), np.full(manifest.clip_samples + 7, 0.1, np.float32)]
+        ),
+    }
+    for name, emb in probes.items():
+        if emb.ndim != 2 or emb.shape[1] != manifest.embed_dim or not np.all(np.isfinite(emb)):
+            raise BundleError(f"{root / name}: output shape {emb.shape} / non-finite values, expected (n, {manifest.embed_dim})")
+
+
+def _check_eval_set(root: Path, manifest: BundleManifest, bundle: Any) -> None:
+    eval_set = bundle.eval_set()
+    where = root / EVAL_DIR
+    info = manifest.eval_set
+    if (len(eval_set.clip_ids), len(eval_set.captions)) != (info.n_clips, info.n_captions):
+        raise BundleError(
+            f"{where}: {len(eval_set.clip_ids)} clips / {len(eval_set.captions)} captions, "
+            f"manifest says {info.n_clips} / {info.n_captions}"
+        )
+    stray = sorted(set(eval_set.lang.tolist()) - set(manifest.languages))
+    if stray:
+        raise BundleError(f"{where}: captions in languages {stray} outside the bundle's {manifest.languages}")

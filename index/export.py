@@ -1,0 +1,455 @@
+"""`tonearm export`: checkpoint → bundle (ONNX encoders + FAISS indices + held-out set + manifest).
+
+Steps (SPEC §6), all inside a staging directory published atomically at the end:
+
+1. export both towers to ONNX (``index.onnx_export``) and check them against
+   PyTorch, cosine >= 0.999 per item: captions of every language (shortest,
+   longest, and one truncated at ``max_length``) and audio shorter than, equal
+   to and longer than the clip length; the export fails otherwise;
+2. optionally quantize the text encoder (dynamic int8);
+3. embed the catalogue — every clip of every split of the data manifest — with
+   the *ONNX* encoders (what the service will compute), build ``audio.faiss``
+   and ``text.faiss`` (captions grouped by language) and measure ANN recall@10;
+4. store the held-out set (``test`` split, else ``val``; at most
+   :data:`index.evalset.MAX_EVAL_CLIPS` clips) and its SPEC §5 report;
+5. write ``manifest.json`` with checksums; fsync; rename into ``out_dir``.
+
+This module and ``index/onnx_export.py`` are the only parts of ``index`` that
+import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import re
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from index import bundle as fmt
+from index.audio import decode_audio
+from index.bundle_eval import evaluate_eval_set, retrieval_delta
+from index.evalset import MAX_EVAL_CLIPS, EvalSet, prepare_waveform, read_eval_set, write_eval_set
+from index.faiss_index import BuiltIndex, build_index, parse_factory, save_index
+from index.loader import (
+    AUDIO_INPUTS,
+    OUTPUTS,
+    TEXT_INPUTS,
+    OnnxEncoder,
+    encode_texts,
+    encode_waveforms,
+)
+from index.onnx_export import MIN_COSINE, ExportError, export_audio_encoder, export_text_encoder
+from index.report import METRIC_CONVENTION
+from index.tokenizer import TextTokenizer
+from tonearm.errors import BundleError
+from training.checkpoint import Checkpoint, load_checkpoint
+from training.config import TrainConfig
+from training.data.dataset import eval_captions
+from training.data.manifest import ClipRecord, load_manifest
+
+log = logging.getLogger(__name__)
+
+OPSET = 18
+HELD_OUT_SPLITS = ("test", "val")
+EMBED_CLIPS_PER_STEP = 8
+
+
+# ----------------------------------------------------------------------------- identity
+
+
+def canonical_hash(value: Any) -> str:
+    """sha256 of canonical JSON (sorted keys, no spaces)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def run_name(checkpoint_dir: Path) -> str:
+    """``runs/NAME/best`` → ``NAME``; otherwise the directory name; made id-safe."""
+    path = Path(checkpoint_dir).resolve()
+    name = path.parent.name if path.name in {"best", "last"} else path.name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._") or "bundle"
+
+
+def make_bundle_id(name: str, *, created: datetime, fingerprint: str) -> str:
+    """``<run name>-<UTC timestamp>-<8 hex of the inputs' fingerprint>``."""
+    return f"{name}-{created.strftime('%Y%m%dT%H%M%SZ')}-{fingerprint[:8]}"
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def clip_samples_of(cfg: TrainConfig) -> int:
+    """Samples per evaluation chunk (as ``training.evaluate.clip_samples``)."""
+    return int(round(cfg.data.clip_seconds * cfg.frontend.sample_rate))
+
+
+def held_out_records(records: Sequence[ClipRecord]) -> tuple[str, list[ClipRecord]]:
+    """The held-out split (``test``, else ``val``), capped at :data:`MAX_EVAL_CLIPS` clips."""
+    for split in HELD_OUT_SPLITS:
+        chosen = [r for r in records if r.split == split]
+        if chosen:
+            return split, chosen[:MAX_EVAL_CLIPS]
+    raise BundleError("the data manifest has neither a 'test' nor a 'val' split for the held-out set")
+
+
+def catalogue_texts(records: Sequence[ClipRecord], languages: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, tuple[int, int]]]:
+    """Caption rows grouped by language (``text_ids.jsonl``) and each language's ``[start, end)``."""
+    items: list[dict[str, Any]] = []
+    ranges: dict[str, tuple[int, int]] = {}
+    for lang in languages:
+        start = len(items)
+        for row, record in enumerate(records):
+            items.extend(
+                {"clip_id": record.id, "clip_row": row, "lang": lang, "text": text}
+                for text in record.captions.get(lang, [])
+            )
+        ranges[lang] = (start, len(items))
+    return items, ranges
+
+
+def audio_uri(record: ClipRecord, manifest: Path) -> str:
+    """The clip's audio path relative to the data manifest when inside its directory, else as stored."""
+    audio = Path(record.audio)
+    try:
+        return audio.resolve().relative_to(manifest.resolve().parent).as_posix()
+    except ValueError:
+        return str(audio)
+
+
+def _write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    with path.open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+@contextmanager
+def _progress(enabled: bool) -> Iterator[Callable[[str, int], Callable[[int], None]]]:
+    """``task(description, total)`` → ``advance(n)``; a no-op when disabled."""
+    if not enabled:
+        yield lambda _description, _total: lambda _n: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=False) as bar:
+
+        def task(description: str, total: int) -> Callable[[int], None]:
+            task_id = bar.add_task(description, total=total)
+            return lambda n: bar.advance(task_id, n)
+
+        yield task
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a / np.maximum(np.linalg.norm(a, axis=-1, keepdims=True), 1e-12)
+    b = b / np.maximum(np.linalg.norm(b, axis=-1, keepdims=True), 1e-12)
+    return (a * b).sum(axis=-1)
+
+
+def parity_texts(records: Sequence[ClipRecord], languages: Sequence[str]) -> list[str]:
+    """Per language: the shortest and the longest caption, and one far over ``max_length``."""
+    texts: list[str] = []
+    for lang in languages:
+        pool = sorted({t for r in records for t in r.captions.get(lang, [])}, key=lambda t: (len(t), t))
+        if pool:
+            texts += [pool[0], pool[-1], " ".join([pool[-1]] * 8)]
+    return texts
+
+
+def parity_waveforms(wave: np.ndarray, clip_samples: int) -> list[np.ndarray]:
+    """Short (a third), exact-length and long (2.5x) versions of a real clip (tiled when needed)."""
+    tiled = np.resize(np.asarray(wave, dtype=np.float32), 3 * clip_samples)
+    return [tiled[: clip_samples // 3], tiled[:clip_samples], tiled[: 5 * clip_samples // 2]]
+
+
+def check_text_parity(model: Any, tokenizer: TextTokenizer, encoder: OnnxEncoder, texts: Sequence[str]) -> float:
+    """Minimum per-caption cosine between the PyTorch and ONNX text encoders."""
+    ids, mask = tokenizer.encode(list(texts))
+    with torch.no_grad():
+        expected = model.encode_text(torch.from_numpy(ids), torch.from_numpy(mask)).float().numpy()
+    got = encoder.run({"input_ids": ids, "attention_mask": mask})
+    return float(cosines(expected, got).min())
+
+
+def check_audio_parity(model: Any, encoder: OnnxEncoder, waveforms: Sequence[np.ndarray]) -> float:
+    """Minimum per-waveform cosine (each length on its own, plus one batch of equal lengths)."""
+    worst = 1.0
+    batches = [w[None, :] for w in waveforms] + [np.stack([waveforms[1], -waveforms[1], 0.5 * waveforms[1]])]
+    for batch in batches:
+        with torch.no_grad():
+            expected = model.encode_audio(torch.from_numpy(np.ascontiguousarray(batch))).float().numpy()
+        worst = min(worst, float(cosines(expected, encoder.run({"waveform": batch})).min()))
+    return worst
+
+
+def _require(value: float, what: str) -> float:
+    if not value >= MIN_COSINE:
+        raise ExportError(f"{what}: ONNX and PyTorch disagree (min cosine {value:.6f} < {MIN_COSINE})")
+    log.info("%s: min cosine ONNX vs PyTorch %.6f", what, value)
+    return value
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+@dataclass
+class _Encoders:
+    audio: OnnxEncoder
+    text: OnnxEncoder
+    audio_cosine: float
+    text_cosine: float
+    text_fp32: OnnxEncoder
+    quantized: bool
+
+
+def _load_session(path: Path, inputs: Sequence[str], dim: int) -> OnnxEncoder:
+    return OnnxEncoder.load(path, inputs=inputs, embed_dim=dim, providers=["CPUExecutionProvider"], threads=None)
+
+
+def export_encoders(
+    ckpt: Checkpoint, staging: Path, scratch: Path, *, records: Sequence[ClipRecord], quantize_text: bool
+) -> _Encoders:
+    """Write both ONNX encoders (+ tokenizer) into ``staging`` and check them against PyTorch."""
+    cfg, model, dim = ckpt.config, ckpt.model, ckpt.config.model.embed_dim
+    model.eval()
+    audio_path = export_audio_encoder(model.audio_module(), staging / fmt.AUDIO_ENCODER,
+                                      sample_rate=cfg.frontend.sample_rate, opset=OPSET)
+    text_fp32_path = scratch / "text_encoder.fp32.onnx"
+    export_text_encoder(model.text_module(), text_fp32_path, max_length=ckpt.tokenizer.max_length, opset=OPSET)
+    ckpt.tokenizer.save(staging / fmt.TOKENIZER)
+    audio = _load_session(audio_path, AUDIO_INPUTS, dim)
+    text_fp32 = _load_session(text_fp32_path, TEXT_INPUTS, dim)
+    texts = parity_texts(records, cfg.data.languages)
+    text_cos = _require(check_text_parity(model, ckpt.tokenizer, text_fp32, texts), "text encoder")
+    clip_samples = clip_samples_of(cfg)
+    sample = decode_audio(records[0].audio, sample_rate=cfg.frontend.sample_rate)
+    audio_cos = _require(check_audio_parity(model, audio, parity_waveforms(sample, clip_samples)), "audio encoder")
+    text_path = staging / fmt.TEXT_ENCODER
+    if quantize_text:
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quantize_dynamic(str(text_fp32_path), str(text_path), weight_type=QuantType.QInt8)
+        text = _load_session(text_path, TEXT_INPUTS, dim)
+        text_cos = check_text_parity(model, ckpt.tokenizer, text, texts)
+        log.info("int8 text encoder: min cosine vs PyTorch %.6f", text_cos)
+    else:
+        text_path.write_bytes(text_fp32_path.read_bytes())
+        text = _load_session(text_path, TEXT_INPUTS, dim)
+    return _Encoders(audio, text, audio_cos, text_cos, text_fp32, quantize_text)
+
+
+def embed_catalogue_audio(
+    encoder: OnnxEncoder, records: Sequence[ClipRecord], cfg: TrainConfig, advance: Callable[[int], None]
+) -> np.ndarray:
+    """(N, d) clip embeddings with the evaluation policy, decoding a few clips at a time."""
+    clip_samples = clip_samples_of(cfg)
+    parts = []
+    for start in range(0, len(records), EMBED_CLIPS_PER_STEP):
+        batch = records[start : start + EMBED_CLIPS_PER_STEP]
+        waves = [
+            prepare_waveform(decode_audio(r.audio, sample_rate=cfg.frontend.sample_rate),
+                             clip_samples=clip_samples, policy=cfg.data.eval_crop)
+            for r in batch
+        ]
+        parts.append(encode_waveforms(encoder, waves, clip_samples=clip_samples, embed_dim=cfg.model.embed_dim))
+        advance(len(batch))
+    return np.concatenate(parts)
+
+
+def embed_catalogue_texts(
+    encoder: OnnxEncoder, tokenizer: TextTokenizer, texts: Sequence[str], dim: int, advance: Callable[[int], None]
+) -> np.ndarray:
+    parts = []
+    step = 256
+    for start in range(0, len(texts), step):
+        parts.append(encode_texts(encoder, tokenizer, texts[start : start + step], embed_dim=dim))
+        advance(len(parts[-1]))
+    return np.concatenate(parts) if parts else np.zeros((0, dim), np.float32)
+
+
+def build_held_out(records: Sequence[ClipRecord], cfg: TrainConfig) -> EvalSet:
+    """The held-out clips' prepared waveforms and caption queries (query groups as `tonearm evaluate`)."""
+    clip_samples = clip_samples_of(cfg)
+    captions = eval_captions(records, cfg.data.languages)
+    return EvalSet(
+        clip_ids=[r.id for r in records],
+        waveforms=[
+            prepare_waveform(decode_audio(r.audio, sample_rate=cfg.frontend.sample_rate),
+                             clip_samples=clip_samples, policy=cfg.data.eval_crop)
+            for r in records
+        ],
+        captions=list(captions.texts),
+        clip=np.asarray(captions.clip, dtype=np.int64),
+        lang=np.asarray(captions.lang, dtype=str),
+        group=np.asarray(captions.group, dtype=np.int64),
+    )
+
+
+def _index_info(built: BuiltIndex, *, file: str, ids_file: str, ranges: dict | None = None) -> fmt.IndexInfo:
+    return fmt.IndexInfo(
+        file=file, ids_file=ids_file, factory=built.spec.factory, dim=built.index.d, ntotal=built.index.ntotal,
+        search_params=built.search_params, ann_recall_at_10=built.ann_recall_at_10, language_ranges=ranges,
+    )
+
+
+def evaluate_staged(staging: Path, encoders: _Encoders, tokenizer: TextTokenizer, cfg: TrainConfig) -> fmt.EvaluationInfo:
+    """SPEC §5 report of the stored held-out set with the ONNX encoders (and the int8 delta)."""
+    eval_set = read_eval_set(staging / fmt.EVAL_DIR)
+    clip_samples = clip_samples_of(cfg)
+    dim, languages = cfg.model.embed_dim, cfg.data.languages
+
+    def audio(waves: Sequence[np.ndarray]) -> np.ndarray:
+        return encode_waveforms(encoders.audio, waves, clip_samples=clip_samples, embed_dim=dim)
+
+    def text_with(encoder: OnnxEncoder) -> Callable[[Sequence[str]], np.ndarray]:
+        return lambda texts: encode_texts(encoder, tokenizer, texts, embed_dim=dim)
+
+    report = evaluate_eval_set(eval_set, encode_audio=audio, encode_text=text_with(encoders.text), languages=languages)
+    if not encoders.quantized:
+        return fmt.EvaluationInfo(report=report, convention=METRIC_CONVENTION)
+    fp32 = evaluate_eval_set(eval_set, encode_audio=audio, encode_text=text_with(encoders.text_fp32), languages=languages)
+    delta = retrieval_delta(report, fp32)
+    log.info("int8 text encoder: t2a R@10 mean %+.2f points, a2t R@10 mean %+.2f points vs fp32",
+             100 * delta.get("t2a_R@10_mean", 0.0), 100 * delta.get("a2t_R@10_mean", 0.0))
+    return fmt.EvaluationInfo(report=report, convention=METRIC_CONVENTION, fp32_text_report=fp32,
+                              quantization_delta=delta)
+
+
+# ----------------------------------------------------------------------------- orchestration
+
+
+def _load_inputs(checkpoint_dir: Path, manifest: Path) -> tuple[Checkpoint, list[ClipRecord]]:
+    ckpt = load_checkpoint(checkpoint_dir, device="cpu")
+    data = ckpt.config.data
+    records = load_manifest(manifest, languages=data.languages, skip_missing_audio=data.skip_missing_audio)
+    if not records:
+        raise BundleError(f"{manifest}: no clips to index")
+    return ckpt, records
+
+
+def export_bundle(
+    checkpoint_dir: Path | str,
+    *,
+    manifest: Path | str,
+    out_dir: Path | str,
+    index_factory: str | None = None,
+    quantize_text: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Export ``checkpoint_dir`` with the clips of ``manifest``; returns ``out_dir/<bundle_id>``."""
+    checkpoint_dir, manifest, out_dir = Path(checkpoint_dir), Path(manifest), Path(out_dir)
+    ckpt, records = _load_inputs(checkpoint_dir, manifest)
+    cfg = ckpt.config
+    if index_factory is not None:
+        parse_factory(index_factory, cfg.model.embed_dim)  # fail before the slow steps
+    split, held_out = held_out_records(records)
+    created = datetime.now(UTC).replace(microsecond=0)
+    config_json = cfg.model_dump(mode="json")
+    weights_sha = fmt.sha256_file(checkpoint_dir / "model.safetensors")
+    fingerprint = canonical_hash([weights_sha, config_json, str(manifest.resolve()), index_factory, quantize_text])
+    bundle_id = make_bundle_id(run_name(checkpoint_dir), created=created, fingerprint=fingerprint)
+    with fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
+        sections = _build_contents(
+            ckpt, records, held_out, staging, Path(scratch), split=split, index_factory=index_factory,
+            quantize_text=quantize_text, progress=progress, source_manifest=manifest,
+        )
+        manifest_model = fmt.BundleManifest(
+            bundle_id=bundle_id,
+            created=created.isoformat().replace("+00:00", "Z"),
+            source=fmt.SourceInfo(
+                checkpoint=str(checkpoint_dir.resolve()), run_name=run_name(checkpoint_dir),
+                config_hash=canonical_hash(config_json), weights_sha256=weights_sha,
+                data_manifest=str(manifest.resolve()),
+            ),
+            train_config=config_json,
+            objective=config_json["objective"],
+            frontend=config_json["frontend"],
+            embed_dim=cfg.model.embed_dim,
+            languages=list(cfg.data.languages),
+            sample_rate=cfg.frontend.sample_rate,
+            clip_seconds=cfg.data.clip_seconds,
+            clip_samples=clip_samples_of(cfg),
+            files={},
+            **sections,
+        )
+        return fmt.publish(staging, manifest_model)
+
+
+def _build_contents(
+    ckpt: Checkpoint,
+    records: list[ClipRecord],
+    held_out: list[ClipRecord],
+    staging: Path,
+    scratch: Path,
+    *,
+    split: str,
+    index_factory: str | None,
+    quantize_text: bool,
+    progress: bool,
+    source_manifest: Path,
+) -> dict[str, Any]:
+    """Write every bundle file except the manifest; return the manifest sections they determine."""
+    cfg, tokenizer, dim = ckpt.config, ckpt.tokenizer, ckpt.config.model.embed_dim
+    encoders = export_encoders(ckpt, staging, scratch, records=records, quantize_text=quantize_text)
+    text_items, ranges = catalogue_texts(records, cfg.data.languages)
+    with _progress(progress) as task:
+        audio_emb = embed_catalogue_audio(encoders.audio, records, cfg, task("embedding clips", len(records)))
+        text_emb = embed_catalogue_texts(encoders.text, tokenizer, [t["text"] for t in text_items], dim,
+                                         task("embedding captions", len(text_items)))
+    audio_built = build_index(audio_emb, index_factory, queries=text_emb)
+    text_built = build_index(text_emb, index_factory, queries=audio_emb)
+    save_index(audio_built.index, staging / fmt.AUDIO_INDEX)
+    save_index(text_built.index, staging / fmt.TEXT_INDEX)
+    _write_jsonl(staging / fmt.AUDIO_IDS, [
+        {"id": r.id, "uri": audio_uri(r, source_manifest), "captions": r.captions} for r in records
+    ])
+    _write_jsonl(staging / fmt.TEXT_IDS, text_items)
+    eval_set = build_held_out(held_out, cfg)
+    write_eval_set(staging / fmt.EVAL_DIR, eval_set)
+    evaluation = evaluate_staged(staging, encoders, tokenizer, cfg)
+    return {
+        "eval_set": fmt.EvalSetInfo(
+            split=split, n_clips=len(eval_set.clip_ids), n_captions=len(eval_set.captions),
+            max_clips=MAX_EVAL_CLIPS, eval_crop=cfg.data.eval_crop,
+        ),
+        "audio_encoder": fmt.EncoderInfo(file=fmt.AUDIO_ENCODER, opset=OPSET, inputs=list(AUDIO_INPUTS),
+                                         outputs=list(OUTPUTS), parity_min_cosine=encoders.audio_cosine),
+        "text_encoder": fmt.EncoderInfo(file=fmt.TEXT_ENCODER, opset=OPSET, inputs=list(TEXT_INPUTS),
+                                        outputs=list(OUTPUTS), parity_min_cosine=encoders.text_cosine,
+                                        quantization="dynamic-int8" if quantize_text else "none"),
+        "tokenizer": fmt.TokenizerInfo(file=fmt.TOKENIZER, max_length=tokenizer.max_length,
+                                       vocab_size=tokenizer.vocab_size),
+        "audio_index": _index_info(audio_built, file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS),
+        "text_index": _index_info(text_built, file=fmt.TEXT_INDEX, ids_file=fmt.TEXT_IDS, ranges=ranges),
+        "evaluation": evaluation,
+    }
+
+
+def cli_export(args: argparse.Namespace) -> int:
+    """`tonearm export CHECKPOINT --data MANIFEST --out BUNDLES_DIR [--index F] [--quantize-text]`."""
+    from rich.console import Console
+
+    from index.report import format_report_rich
+
+    path = export_bundle(
+        args.checkpoint, manifest=args.data, out_dir=args.out, index_factory=args.index,
+        quantize_text=args.quantize_text, progress=True,
+    )
+    manifest = fmt.read_manifest(path)
+    console = Console()
+    console.print(format_report_rich(manifest.evaluation.report, manifest.languages))
+    console.print(f"bundle written: {path}")
+    return 0

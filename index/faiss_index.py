@@ -1,0 +1,299 @@
+"""FAISS indices of a bundle (SPEC §6): the factory string is the index configuration.
+
+* :func:`choose_factory` picks by collection size: exact ``Flat`` for small
+  collections, ``HNSW32,Flat`` for medium, ``IVF{k},PQ{m}`` for large.
+* Only factory forms checked for inner product are accepted
+  (:func:`parse_factory`); everything else is rejected with the accepted forms.
+* Search parameters (``nprobe`` / ``efSearch``) are fixed when the index is built
+  or loaded and passed read-only into each search: nothing shared is mutated per
+  request, so concurrent searches are safe.
+* :func:`ann_recall_at_k` measures an approximate index against exact search with
+  a tie-tolerant comparison: a returned neighbour counts when its true score is
+  at least the exact k-th best score (minus a small tolerance), so equal scores
+  in a different order are not counted as misses.
+* Large index files are memory-mapped at load (:func:`load_index`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import faiss
+import numpy as np
+
+from tonearm.errors import BundleError, TonearmError
+
+log = logging.getLogger(__name__)
+_faiss: Any = faiss  # the SWIG stubs miss SearchParameters kwargs and several index fields
+
+Kind = Literal["flat", "hnsw", "ivf_flat", "ivf_pq"]
+
+EXACT_MAX = 100_000
+"""Collections up to this size get an exact ``Flat`` index."""
+HNSW_MAX = 2_000_000
+"""Collections up to this size get ``HNSW32,Flat``; larger ones ``IVF{k},PQ{m}``."""
+DEFAULT_MMAP_THRESHOLD = 256 << 20
+"""Index files larger than this (bytes) are memory-mapped when loaded."""
+HNSW_EF_CONSTRUCTION = 80
+HNSW_EF_SEARCH = 128
+RECALL_QUERIES = 1000
+MAX_TRAIN_VECTORS = 100_000
+"""IVF / PQ training uses at most this many vectors (a seeded sample); adding uses all."""
+TIE_TOLERANCE = 1e-5
+
+_FORMS: dict[Kind, re.Pattern[str]] = {
+    "flat": re.compile(r"^Flat$"),
+    "hnsw": re.compile(r"^HNSW(?P<m>\d+),Flat$"),
+    "ivf_flat": re.compile(r"^IVF(?P<nlist>\d+),Flat$"),
+    "ivf_pq": re.compile(r"^IVF(?P<nlist>\d+),PQ(?P<m>\d+)$"),
+}
+ACCEPTED_FORMS = "Flat, HNSW<M>,Flat, IVF<nlist>,Flat, IVF<nlist>,PQ<m>"
+
+
+class IndexConfigError(TonearmError):
+    """A FAISS factory string that is not accepted for this collection."""
+
+
+@dataclass(frozen=True)
+class FactorySpec:
+    """A parsed, accepted factory string."""
+
+    factory: str
+    kind: Kind
+    nlist: int = 0
+    m: int = 0
+
+    @property
+    def min_vectors(self) -> int:
+        """Fewest vectors the index can be trained on."""
+        if self.kind == "ivf_pq":
+            return max(self.nlist, 256)
+        return self.nlist if self.kind == "ivf_flat" else 0
+
+
+def parse_factory(factory: str, dim: int) -> FactorySpec:
+    """Accept only the forms whose inner-product behaviour is checked; validate their numbers."""
+    for kind, pattern in _FORMS.items():
+        match = pattern.match(factory.strip())
+        if match is None:
+            continue
+        groups = {k: int(v) for k, v in match.groupdict().items()}
+        spec = FactorySpec(factory=factory.strip(), kind=kind, **groups)
+        _check_numbers(spec, dim)
+        return spec
+    raise IndexConfigError(
+        f"index factory {factory!r} is not accepted for inner-product search; use one of: {ACCEPTED_FORMS}"
+    )
+
+
+def _check_numbers(spec: FactorySpec, dim: int) -> None:
+    if spec.kind in ("ivf_flat", "ivf_pq") and spec.nlist < 1:
+        raise IndexConfigError(f"index factory {spec.factory!r}: nlist must be >= 1")
+    if spec.kind in ("hnsw", "ivf_pq") and spec.m < 1:
+        raise IndexConfigError(f"index factory {spec.factory!r}: M/m must be >= 1")
+    if spec.kind == "ivf_pq" and dim % spec.m != 0:
+        raise IndexConfigError(f"index factory {spec.factory!r}: PQ{spec.m} must divide embed_dim {dim}")
+
+
+def choose_factory(n: int, dim: int) -> str:
+    """Default factory for ``n`` vectors of dimension ``dim`` (see module docstring)."""
+    if n <= EXACT_MAX:
+        return "Flat"
+    if n <= HNSW_MAX:
+        return "HNSW32,Flat"
+    nlist = 2 ** round(math.log2(4 * math.sqrt(n)))
+    m = max(c for c in range(1, dim // 4 + 1) if dim % c == 0)
+    return f"IVF{min(max(nlist, 1024), 65536)},PQ{m}"
+
+
+def default_search_params(spec: FactorySpec) -> dict[str, int]:
+    """Search parameters fixed for the life of the index."""
+    if spec.kind == "hnsw":
+        return {"efSearch": HNSW_EF_SEARCH}
+    if spec.kind in ("ivf_flat", "ivf_pq"):
+        return {"nprobe": min(spec.nlist, max(8, spec.nlist // 16))}
+    return {}
+
+
+# ----------------------------------------------------------------------------- build
+
+
+@dataclass(frozen=True)
+class BuiltIndex:
+    """An index with the configuration the manifest records."""
+
+    index: faiss.Index
+    spec: FactorySpec
+    search_params: dict[str, int] = field(default_factory=dict)
+    ann_recall_at_10: float = 1.0
+
+
+def _as_matrix(vectors: np.ndarray, dim: int | None = None) -> np.ndarray:
+    matrix = np.ascontiguousarray(vectors, dtype=np.float32)
+    if matrix.ndim != 2 or (dim is not None and matrix.shape[1] != dim):
+        raise ValueError(f"expected a (n, {dim or 'd'}) matrix, got shape {matrix.shape}")
+    return matrix
+
+
+def build_index(
+    vectors: np.ndarray,
+    factory: str | None = None,
+    *,
+    queries: np.ndarray | None = None,
+    seed: int = 0,
+    max_train_vectors: int = MAX_TRAIN_VECTORS,
+) -> BuiltIndex:
+    """Build an inner-product index over L2-normalized ``vectors`` and measure its recall@10.
+
+    ``queries`` (e.g. the other modality's embeddings) drive the recall check;
+    by default a sample of the vectors themselves. Trained indices (IVF, PQ)
+    learn from at most ``max_train_vectors`` of them.
+    """
+    matrix = _as_matrix(vectors)
+    n, dim = matrix.shape
+    spec = parse_factory(factory or choose_factory(n, dim), dim)
+    if n < spec.min_vectors:
+        raise IndexConfigError(
+            f"index factory {spec.factory!r} needs at least {spec.min_vectors} vectors to train, got {n}"
+        )
+    index = faiss.index_factory(dim, spec.factory, faiss.METRIC_INNER_PRODUCT)
+    concrete: Any = faiss.downcast_index(index)
+    if spec.kind == "hnsw":
+        concrete.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
+    if spec.kind == "ivf_pq":
+        # Polysemous codes only serve Hamming pre-filtering, which we never enable;
+        # their training costs minutes and changes no search result.
+        concrete.do_polysemous_training = False
+    if not index.is_trained:
+        index.train(_sample_rows(matrix, max(max_train_vectors, spec.min_vectors), seed))
+    index.add(matrix)
+    params = default_search_params(spec)
+    apply_search_params(index, params)
+    sample = _sample_rows(matrix if queries is None else _as_matrix(queries, dim), RECALL_QUERIES, seed)
+    recall = 1.0 if spec.kind == "flat" else ann_recall_at_k(index, matrix, sample, k=10, params=params)
+    log.info("built %s over %d x %d vectors: ANN recall@10 = %.4f", spec.factory, n, dim, recall)
+    return BuiltIndex(index=index, spec=spec, search_params=params, ann_recall_at_10=recall)
+
+
+def _sample_rows(matrix: np.ndarray, count: int, seed: int) -> np.ndarray:
+    """At most ``count`` rows, drawn without replacement in their original order (seeded)."""
+    if len(matrix) <= count:
+        return matrix
+    rows = np.random.default_rng(seed).choice(len(matrix), count, replace=False)
+    return matrix[np.sort(rows)]
+
+
+def ann_recall_at_k(
+    index: faiss.Index,
+    vectors: np.ndarray,
+    queries: np.ndarray,
+    *,
+    k: int = 10,
+    params: dict[str, int] | None = None,
+    tolerance: float = TIE_TOLERANCE,
+) -> float:
+    """Tie-tolerant recall@k of ``index`` against exact inner-product search over ``vectors``.
+
+    A returned row is a hit when its exact score is >= the exact k-th best
+    score minus ``tolerance``; duplicates and ``-1`` rows never count.
+    """
+    matrix = _as_matrix(vectors)
+    queries = _as_matrix(queries, matrix.shape[1])
+    k_eff = min(k, len(matrix))
+    if k_eff == 0 or len(queries) == 0:
+        return 1.0
+    exact = faiss.IndexFlatIP(matrix.shape[1])
+    exact.add(matrix)
+    exact_scores, _ = exact.search(queries, k_eff)
+    _, rows = search(index, queries, k_eff, params=params or {})
+    hits = 0
+    for q, found in enumerate(rows):
+        valid = np.unique(found[found >= 0])
+        true_scores = matrix[valid] @ queries[q]
+        hits += min(int(np.sum(true_scores >= exact_scores[q, -1] - tolerance)), k_eff)
+    return hits / (k_eff * len(queries))
+
+
+# ----------------------------------------------------------------------------- search
+
+
+def apply_search_params(index: faiss.Index, params: dict[str, int]) -> None:
+    """Set ``nprobe`` / ``efSearch`` once, at build or load time (never per request)."""
+    if params:
+        text = ",".join(f"{key}={value}" for key, value in sorted(params.items()))
+        _faiss.ParameterSpace().set_index_parameters(index, text)
+
+
+def _search_parameters(
+    index: faiss.Index, params: dict[str, int], selector: faiss.IDSelector | None
+) -> faiss.SearchParameters | None:
+    """A fresh per-call parameter object (carrying the fixed nprobe/efSearch) for a filtered search."""
+    if selector is None:
+        return None
+    concrete: Any = faiss.downcast_index(index)
+    if isinstance(concrete, faiss.IndexIVF):
+        return _faiss.SearchParametersIVF(sel=selector, nprobe=params.get("nprobe", concrete.nprobe))
+    if isinstance(concrete, faiss.IndexHNSW):
+        return _faiss.SearchParametersHNSW(sel=selector, efSearch=params.get("efSearch", concrete.hnsw.efSearch))
+    return _faiss.SearchParameters(sel=selector)
+
+
+def search(
+    index: faiss.Index,
+    queries: np.ndarray,
+    k: int,
+    *,
+    params: dict[str, int],
+    selector: faiss.IDSelector | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Top-``k`` (scores (n, k) float32, rows (n, k) int64; -1 where fewer hits); read-only."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    queries = _as_matrix(queries, index.d)
+    search_params = _search_parameters(index, params, selector)
+    if search_params is None:
+        scores, rows = index.search(queries, k)
+    else:
+        scores, rows = index.search(queries, k, params=search_params)
+    scores = np.where(rows >= 0, scores, -np.inf).astype(np.float32)
+    return scores, rows.astype(np.int64)
+
+
+# ----------------------------------------------------------------------------- io
+
+
+def save_index(index: faiss.Index, path: Path) -> None:
+    faiss.write_index(index, str(path))
+
+
+def _mmap_flags(spec: FactorySpec) -> int:
+    """IVF indices map their inverted lists; Flat/HNSW map their flat code storage."""
+    if spec.kind in ("ivf_flat", "ivf_pq"):
+        return faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY
+    return faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY
+
+
+def load_index(
+    path: Path,
+    *,
+    spec: FactorySpec,
+    search_params: dict[str, int],
+    mmap_threshold_bytes: int = DEFAULT_MMAP_THRESHOLD,
+) -> faiss.Index:
+    """Read an index (memory-mapped above the threshold) and fix its search parameters."""
+    path = Path(path)
+    mmap = path.stat().st_size > mmap_threshold_bytes
+    try:
+        index = faiss.read_index(str(path), _mmap_flags(spec) if mmap else 0)
+    except RuntimeError as err:
+        raise BundleError(f"{path}: cannot read FAISS index ({str(err).splitlines()[-1]})") from None
+    if index.metric_type != faiss.METRIC_INNER_PRODUCT:
+        raise BundleError(f"{path}: index metric is not inner product")
+    apply_search_params(index, search_params)
+    log.debug("loaded %s (%s, mmap=%s)", path, spec.factory, mmap)
+    return index

@@ -1,0 +1,335 @@
+"""Open a bundle for serving: ONNX Runtime encoders + FAISS indices, no torch (SPEC §1, §6).
+
+:class:`LoadedBundle` is immutable after :meth:`LoadedBundle.open`: encoders,
+indices, the fixed search parameters and the per-language selectors of the
+caption index are built once, and every method only reads them, so any number
+of threads may encode and search concurrently (ONNX Runtime's ``run`` and
+FAISS's ``search`` are thread-safe for concurrent readers).
+
+Per-language caption search: the caption rows of ``text.faiss`` are stored
+grouped by language (``manifest.text_index.language_ranges``), so a language
+filter is an ``IDSelectorRange`` (or an ``IDSelectorOr`` of several) passed in
+a fresh per-call ``SearchParameters`` — never by changing the shared index.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import faiss
+import numpy as np
+import onnxruntime as ort
+
+from index import bundle as fmt
+from index.audio import eval_chunks
+from index.bundle import BundleManifest, read_manifest, verify_files
+from index.bundle import verify_bundle as verify_bundle  # re-exported: the shared API names it here
+from index.evalset import EvalSet, read_eval_set, read_jsonl
+from index.faiss_index import DEFAULT_MMAP_THRESHOLD, load_index, parse_factory, search
+from index.tokenizer import TextTokenizer
+from tonearm.errors import BundleError, TonearmError
+
+log = logging.getLogger(__name__)
+
+Device = Literal["cpu", "cuda", "auto"]
+TEXT_BATCH = 64
+AUDIO_BATCH = 16
+AUDIO_INPUTS = ("waveform",)
+TEXT_INPUTS = ("input_ids", "attention_mask")
+OUTPUTS = ("embedding",)
+
+
+def providers_for(device: Device) -> list[str]:
+    """ONNX Runtime providers: CUDA first when requested (or ``auto``) and available."""
+    available = ort.get_available_providers()
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" in available:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    if device == "cuda":
+        log.warning("CUDA requested but onnxruntime has no CUDA provider here; using CPU")
+    return ["CPUExecutionProvider"]
+
+
+def l2_normalize(x: np.ndarray) -> np.ndarray:
+    """Row-wise L2 normalization (zero rows stay zero)."""
+    return (x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class OnnxEncoder:
+    """One ONNX encoder session with a checked interface (inputs → ``embedding`` (batch, d))."""
+
+    session: ort.InferenceSession
+    path: Path
+
+    @classmethod
+    def load(
+        cls, path: Path, *, inputs: Sequence[str], embed_dim: int, providers: list[str], threads: int | None
+    ) -> OnnxEncoder:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads or 0
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        try:
+            session = ort.InferenceSession(str(path), options, providers=providers)
+        except Exception as err:  # onnxruntime raises its own untyped errors for bad files
+            raise BundleError(f"{path}: cannot load ONNX model ({str(err).splitlines()[0]})") from None
+        encoder = cls(session=session, path=path)
+        encoder.check_interface(inputs, embed_dim)
+        return encoder
+
+    def check_interface(self, inputs: Sequence[str], embed_dim: int) -> None:
+        """Input/output names, ranks and the embedding width; raises :class:`BundleError`."""
+        got_in = [i.name for i in self.session.get_inputs()]
+        got_out = [o.name for o in self.session.get_outputs()]
+        if got_in != list(inputs) or got_out != list(OUTPUTS):
+            raise BundleError(
+                f"{self.path}: ONNX interface {got_in} -> {got_out}, expected {list(inputs)} -> {list(OUTPUTS)}"
+            )
+        for node in [*self.session.get_inputs(), *self.session.get_outputs()]:
+            if len(node.shape) != 2:
+                raise BundleError(f"{self.path}: {node.name} has shape {node.shape}, expected rank 2")
+        width = self.session.get_outputs()[0].shape[1]
+        if isinstance(width, int) and width != embed_dim:
+            raise BundleError(f"{self.path}: embedding width {width} != manifest embed_dim {embed_dim}")
+
+    def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        return np.asarray(self.session.run(list(OUTPUTS), feeds)[0], dtype=np.float32)
+
+
+def encode_texts(
+    encoder: OnnxEncoder, tokenizer: TextTokenizer, texts: Sequence[str], *, embed_dim: int
+) -> np.ndarray:
+    """(n, d) L2-normalized caption embeddings."""
+    parts = []
+    for start in range(0, len(texts), TEXT_BATCH):
+        ids, mask = tokenizer.encode(list(texts[start : start + TEXT_BATCH]))
+        parts.append(encoder.run({"input_ids": ids, "attention_mask": mask}))
+    return l2_normalize(np.concatenate(parts)) if parts else np.zeros((0, embed_dim), np.float32)
+
+
+def encode_waveforms(
+    encoder: OnnxEncoder, waveforms: Sequence[np.ndarray], *, clip_samples: int, embed_dim: int
+) -> np.ndarray:
+    """(n, d) clip embeddings: L2-normalized mean over each clip's ``eval_chunks`` (SPEC §2)."""
+    chunks = [eval_chunks(np.asarray(w, dtype=np.float32), clip_samples) for w in waveforms]
+    if not chunks:
+        return np.zeros((0, embed_dim), np.float32)
+    flat = np.concatenate(chunks)
+    emb = np.concatenate(
+        [encoder.run({"waveform": flat[s : s + AUDIO_BATCH]}) for s in range(0, len(flat), AUDIO_BATCH)]
+    )
+    owner = np.repeat(np.arange(len(chunks)), [len(c) for c in chunks])
+    summed = np.zeros((len(chunks), emb.shape[1]), dtype=np.float64)
+    np.add.at(summed, owner, emb)
+    return l2_normalize(summed)
+
+
+@dataclass(frozen=True)
+class _Index:
+    """A loaded FAISS index with its fixed search parameters."""
+
+    index: faiss.Index
+    params: dict[str, int]
+
+    def search(
+        self, queries: np.ndarray, k: int, selector: faiss.IDSelector | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        return search(self.index, queries, k, params=self.params, selector=selector)
+
+
+def _open_index(root: Path, info: fmt.IndexInfo, *, embed_dim: int, mmap_threshold_bytes: int) -> _Index:
+    spec = parse_factory(info.factory, info.dim)
+    index = load_index(
+        root / info.file, spec=spec, search_params=info.search_params, mmap_threshold_bytes=mmap_threshold_bytes
+    )
+    if index.d != embed_dim or info.dim != embed_dim:
+        raise BundleError(f"{root / info.file}: dimension {index.d} != manifest embed_dim {embed_dim}")
+    if index.ntotal != info.ntotal:
+        raise BundleError(f"{root / info.file}: ntotal {index.ntotal} != {info.ntotal} in manifest")
+    return _Index(index=index, params=dict(info.search_params))
+
+
+def _read_items(path: Path, *, required: Sequence[str], expected: int) -> list[dict[str, Any]]:
+    items = read_jsonl(path, required=required)
+    if len(items) != expected:
+        raise BundleError(f"{path}: {len(items)} lines but the index holds {expected} vectors")
+    return items
+
+
+class LoadedBundle:
+    """A bundle ready to serve: encoders, indices, ids and the held-out set (numpy in/out)."""
+
+    def __init__(
+        self,
+        *,
+        path: Path,
+        manifest: BundleManifest,
+        tokenizer: TextTokenizer,
+        audio_encoder: OnnxEncoder,
+        text_encoder: OnnxEncoder,
+        audio_index: _Index,
+        text_index: _Index,
+        audio_items: list[dict[str, Any]],
+        text_items: list[dict[str, Any]],
+    ) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.bundle_id = manifest.bundle_id
+        self.languages = list(manifest.languages)
+        self.embed_dim = manifest.embed_dim
+        self.sample_rate = manifest.sample_rate
+        self.clip_samples = manifest.clip_samples
+        self.audio_items = audio_items
+        self.text_items = text_items
+        self.tokenizer = tokenizer
+        self._audio_encoder: OnnxEncoder | None = audio_encoder
+        self._text_encoder: OnnxEncoder | None = text_encoder
+        self._audio_index: _Index | None = audio_index
+        self._text_index: _Index | None = text_index
+        ranges = manifest.text_index.language_ranges or {}
+        self._language_selectors = {lang: faiss.IDSelectorRange(lo, hi) for lang, (lo, hi) in ranges.items()}
+
+    # ------------------------------------------------------------------ open / close
+
+    @classmethod
+    def open(
+        cls,
+        path: Path | str,
+        *,
+        device: Device = "cpu",
+        intra_op_threads: int | None = None,
+        verify: bool = True,
+        mmap_threshold_bytes: int = DEFAULT_MMAP_THRESHOLD,
+    ) -> LoadedBundle:
+        """Load a bundle; ``verify`` checks every file's sha256 first (else only the manifest).
+
+        Dimensions, ONNX interfaces, index sizes and id files are always checked.
+        Raises :class:`BundleError` naming the offending file.
+        """
+        root = Path(path)
+        manifest = verify_files(root) if verify else read_manifest(root)
+        providers = providers_for(device)
+        dim = manifest.embed_dim
+        audio_index = _open_index(root, manifest.audio_index, embed_dim=dim, mmap_threshold_bytes=mmap_threshold_bytes)
+        text_index = _open_index(root, manifest.text_index, embed_dim=dim, mmap_threshold_bytes=mmap_threshold_bytes)
+        bundle = cls(
+            path=root,
+            manifest=manifest,
+            tokenizer=_load_tokenizer(root / manifest.tokenizer.file),
+            audio_encoder=OnnxEncoder.load(
+                root / manifest.audio_encoder.file, inputs=AUDIO_INPUTS, embed_dim=dim,
+                providers=providers, threads=intra_op_threads,
+            ),
+            text_encoder=OnnxEncoder.load(
+                root / manifest.text_encoder.file, inputs=TEXT_INPUTS, embed_dim=dim,
+                providers=providers, threads=intra_op_threads,
+            ),
+            audio_index=audio_index,
+            text_index=text_index,
+            audio_items=_read_items(
+                root / manifest.audio_index.ids_file, required=("id", "uri", "captions"), expected=audio_index.index.ntotal
+            ),
+            text_items=_read_items(
+                root / manifest.text_index.ids_file, required=("clip_id", "clip_row", "lang", "text"),
+                expected=text_index.index.ntotal,
+            ),
+        )
+        bundle._check_text_items()
+        log.info("opened bundle %s (%d clips, %d captions, %s)", bundle.bundle_id,
+                 len(bundle.audio_items), len(bundle.text_items), providers[0])
+        return bundle
+
+    def _check_text_items(self) -> None:
+        """Caption rows lie in their language's range and point at the clip they name."""
+        path = self.path / self.manifest.text_index.ids_file
+        ranges = self.manifest.text_index.language_ranges or {}
+        if set(ranges) != set(self.languages):
+            raise BundleError(f"{self.path / fmt.MANIFEST_NAME}: text_index.language_ranges must cover {self.languages}")
+        rows = np.arange(len(self.text_items))
+        lo = np.array([ranges.get(t["lang"], (0, 0))[0] for t in self.text_items], dtype=np.int64)
+        hi = np.array([ranges.get(t["lang"], (0, 0))[1] for t in self.text_items], dtype=np.int64)
+        clip_rows = np.array([t["clip_row"] for t in self.text_items], dtype=np.int64)
+        clip_ids = [a["id"] for a in self.audio_items]
+        bad = (rows < lo) | (rows >= hi) | (clip_rows < 0) | (clip_rows >= len(clip_ids))
+        if not bad.any():
+            bad = np.array([clip_ids[c] != t["clip_id"] for c, t in zip(clip_rows, self.text_items, strict=True)], bool)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise BundleError(f"{path}:{row + 1}: outside its language range or clip_row/clip_id mismatch")
+
+    def close(self) -> None:
+        """Release sessions and indices; call only when no request uses the bundle any more."""
+        self._audio_encoder = self._text_encoder = None
+        self._audio_index = self._text_index = None
+
+    def _need(self, part: Any) -> Any:
+        if part is None:
+            raise BundleError(f"bundle {self.bundle_id} is closed")
+        return part
+
+    # ------------------------------------------------------------------ encoders
+
+    def encode_text(self, texts: Sequence[str]) -> np.ndarray:
+        """(n, d) float32 L2-normalized caption/query embeddings."""
+        if isinstance(texts, str):
+            raise TypeError("encode_text() takes a sequence of strings")
+        return encode_texts(self._need(self._text_encoder), self.tokenizer, texts, embed_dim=self.embed_dim)
+
+    def encode_audio(self, waveforms: Sequence[np.ndarray]) -> np.ndarray:
+        """(n, d) clip embeddings of mono float32 waveforms at ``sample_rate`` (chunk-and-average)."""
+        return encode_waveforms(
+            self._need(self._audio_encoder), waveforms, clip_samples=self.clip_samples, embed_dim=self.embed_dim
+        )
+
+    # ------------------------------------------------------------------ search
+
+    def search_audio(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k clips: (scores (n, k), rows (n, k) into ``audio_items``; -1 / -inf past the end)."""
+        return self._need(self._audio_index).search(queries, k)
+
+    def search_text(
+        self, queries: np.ndarray, k: int, *, languages: Collection[str] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k captions (rows into ``text_items``), only in ``languages`` when given (empty = all)."""
+        index = self._need(self._text_index)
+        if not languages or set(languages) >= set(self.languages):
+            return index.search(queries, k)
+        unknown = sorted(set(languages) - set(self.languages))
+        if unknown:
+            raise ValueError(f"unknown language(s) {unknown}; bundle languages: {self.languages}")
+        selectors = [self._language_selectors[lang] for lang in sorted(languages)]
+        combined: faiss.IDSelector = selectors[0]
+        keep_alive = [combined]
+        for other in selectors[1:]:
+            combined = faiss.IDSelectorOr(combined, other)
+            keep_alive.append(combined)
+        result = index.search(queries, k, combined)
+        del keep_alive
+        return result
+
+    # ------------------------------------------------------------------ held-out set, warm-up
+
+    def eval_set(self) -> EvalSet:
+        """The held-out set (read from disk on each call); waveforms are ready for ``encode_audio``."""
+        return read_eval_set(self.path / fmt.EVAL_DIR)
+
+    def warmup(self) -> None:
+        """Run each encoder and index once (first-call allocations happen before traffic)."""
+        text = self.encode_text([f"{lang} warm-up" for lang in self.languages])
+        audio = self.encode_audio([np.zeros(self.clip_samples, np.float32)])
+        self.search_audio(text[:1], 1)
+        self.search_text(audio, 1, languages=self.languages[:1])
+        self.search_text(audio, 1)
+
+
+def _load_tokenizer(path: Path) -> TextTokenizer:
+    try:
+        return TextTokenizer.from_file(path)
+    except TonearmError as err:
+        raise BundleError(str(err)) from None

@@ -1,0 +1,196 @@
+"""FAISS index choice, building, recall check, filtered search, memory-mapped loading (small synthetic vectors)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import faiss
+import numpy as np
+import pytest
+
+from index.faiss_index import (
+    IndexConfigError,
+    ann_recall_at_k,
+    build_index,
+    choose_factory,
+    load_index,
+    parse_factory,
+    save_index,
+    search,
+)
+from tonearm.errors import BundleError
+
+
+def unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def clustered() -> np.ndarray:
+    """2000 unit vectors in 32 dims around 40 centres (an ANN-friendly, realistic layout)."""
+    rng = np.random.default_rng(0)
+    centres = rng.standard_normal((40, 32))
+    return unit(centres[rng.integers(0, 40, 2000)] + 0.3 * rng.standard_normal((2000, 32)))
+
+
+def brute_force(vectors: np.ndarray, queries: np.ndarray, k: int, rows: np.ndarray | None = None):
+    rows = np.arange(len(vectors)) if rows is None else rows
+    scores = queries @ vectors[rows].T
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(scores, order, axis=1), rows[order]
+
+
+@pytest.mark.parametrize("factory", ["Flat", "HNSW32,Flat", "IVF64,Flat", "IVF16,PQ8"])
+def test_parse_accepts_checked_forms(factory):
+    assert parse_factory(factory, 32).factory == factory
+
+
+@pytest.mark.parametrize(
+    "factory", ["HNSW32", "PCA16,Flat", "IVF64,SQ8", "LSH", "IVF64,PQ7", "IVF0,Flat", "Flat,IDMap", "OPQ8,IVF16,PQ8"]
+)
+def test_parse_rejects_unchecked_or_invalid_forms(factory):
+    with pytest.raises(IndexConfigError, match="factory"):
+        parse_factory(factory, 32)
+
+
+def test_choose_factory_by_size():
+    assert choose_factory(1_000, 256) == "Flat"
+    assert choose_factory(100_000, 256) == "Flat"
+    assert choose_factory(100_001, 256) == "HNSW32,Flat"
+    # 4 * sqrt(5e6) = 8944 -> nearest power of two 2^13; PQ64 = 4 dims per sub-quantizer.
+    assert choose_factory(5_000_000, 256) == "IVF8192,PQ64"
+    assert choose_factory(3_000_000, 30) == "IVF8192,PQ6"  # largest divisor of 30 that is <= 30 // 4 = 7
+
+
+def test_flat_is_exact(clustered):
+    built = build_index(clustered, "Flat")
+    queries = clustered[:50] + 0.01
+    scores, rows = search(built.index, queries, 10, params=built.search_params)
+    expected_scores, _ = brute_force(clustered, queries, 10)
+    np.testing.assert_allclose(scores, expected_scores, atol=1e-5)
+    assert built.ann_recall_at_10 == 1.0 and rows.dtype == np.int64
+
+
+@pytest.mark.parametrize(("factory", "param"), [("HNSW16,Flat", "efSearch"), ("IVF32,Flat", "nprobe"), ("IVF32,PQ8", "nprobe")])
+def test_ann_build_measures_recall_and_fixes_search_params(clustered, factory, param):
+    built = build_index(clustered, factory, queries=clustered[::7])
+    assert param in built.search_params
+    concrete = faiss.downcast_index(built.index)
+    fixed = concrete.hnsw.efSearch if param == "efSearch" else concrete.nprobe
+    assert fixed == built.search_params[param]
+    again = ann_recall_at_k(built.index, clustered, clustered[::7], k=10, params=built.search_params)
+    assert again == pytest.approx(built.ann_recall_at_10)
+    assert built.ann_recall_at_10 >= (0.5 if "PQ" in factory else 0.9)
+
+
+def test_ivf_needs_enough_training_vectors(clustered):
+    with pytest.raises(IndexConfigError, match="at least 4096"):
+        build_index(clustered, "IVF4096,Flat")
+
+
+def _id_mapped(vectors: np.ndarray, ids: np.ndarray) -> faiss.Index:
+    """A flat index whose internal order differs from the row ids (to change tie order)."""
+    index = faiss.IndexIDMap(faiss.IndexFlatIP(vectors.shape[1]))
+    index.add_with_ids(vectors[ids], ids)
+    return index
+
+
+def test_recall_is_tie_tolerant():
+    rng = np.random.default_rng(1)
+    vectors = unit(rng.standard_normal((60, 8)))
+    vectors[:20] = vectors[0]  # 20 identical best matches for the query below
+    query = vectors[:1].copy()
+    reversed_ids = np.arange(60)[::-1].copy()
+    index = _id_mapped(vectors, reversed_ids)
+    _, exact_rows = brute_force(vectors, query, 10)
+    _, ann_rows = index.search(query, 10)
+    assert set(exact_rows[0]) != set(ann_rows[0])  # a strict id comparison would score this below 1
+    assert ann_recall_at_k(index, vectors, query, k=10) == 1.0
+
+
+def test_recall_counts_wrong_neighbours():
+    rng = np.random.default_rng(2)
+    vectors = unit(rng.standard_normal((200, 16)))
+    scrambled = faiss.IndexIDMap(faiss.IndexFlatIP(16))
+    scrambled.add_with_ids(vectors, rng.permutation(200))  # returned ids point at the wrong vectors
+    assert ann_recall_at_k(scrambled, vectors, vectors[:50], k=10) < 0.3
+
+
+@pytest.mark.parametrize("factory", ["Flat", "HNSW32,Flat", "IVF16,Flat"])
+def test_filtered_search_matches_brute_force_over_the_range(clustered, factory):
+    built = build_index(clustered, factory)
+    params = dict(built.search_params)
+    if "nprobe" in params:  # exhaustive probing: the filtered result must be exact
+        params["nprobe"] = 16
+    queries = clustered[1500:1520]
+    selector = faiss.IDSelectorRange(500, 900)
+    scores, rows = search(built.index, queries, 5, params=params, selector=selector)
+    assert ((rows >= 500) & (rows < 900)).all()
+    expected_scores, _ = brute_force(clustered, queries, 5, rows=np.arange(500, 900))
+    np.testing.assert_allclose(scores, expected_scores, atol=1e-4)
+    concrete = faiss.downcast_index(built.index)
+    if "nprobe" in built.search_params:  # the per-call params did not touch the shared index
+        assert concrete.nprobe == built.search_params["nprobe"]
+
+
+def test_missing_hits_are_minus_one_with_minus_inf_scores():
+    vectors = unit(np.random.default_rng(3).standard_normal((5, 8)))
+    built = build_index(vectors, "Flat")
+    scores, rows = search(built.index, vectors[:2], 8, params={})
+    assert (rows[:, 5:] == -1).all() and np.isneginf(scores[:, 5:]).all()
+    assert (rows[:, :5] >= 0).all()
+    with pytest.raises(ValueError, match="k must be"):
+        search(built.index, vectors[:2], 0, params={})
+
+
+@pytest.mark.parametrize("factory", ["Flat", "HNSW16,Flat", "IVF16,Flat", "IVF16,PQ8"])
+def test_memory_mapped_load_gives_identical_results(clustered, factory, tmp_path):
+    built = build_index(clustered, factory)
+    path = tmp_path / "x.faiss"
+    save_index(built.index, path)
+    spec = parse_factory(factory, 32)
+    in_memory = load_index(path, spec=spec, search_params=built.search_params)
+    mapped = load_index(path, spec=spec, search_params=built.search_params, mmap_threshold_bytes=0)
+    queries = clustered[:30]
+    expected = search(built.index, queries, 10, params=built.search_params)
+    for loaded in (in_memory, mapped):
+        got = search(loaded, queries, 10, params=built.search_params)
+        np.testing.assert_array_equal(got[1], expected[1])
+        np.testing.assert_allclose(got[0], expected[0], atol=1e-6)
+
+
+def test_load_rejects_l2_indices_and_garbage(tmp_path):
+    index = faiss.IndexFlatL2(4)
+    index.add(np.eye(4, dtype=np.float32))
+    faiss.write_index(index, str(tmp_path / "l2.faiss"))
+    with pytest.raises(BundleError, match="inner product"):
+        load_index(tmp_path / "l2.faiss", spec=parse_factory("Flat", 4), search_params={})
+    (tmp_path / "bad.faiss").write_bytes(b"not an index at all")
+    with pytest.raises(BundleError, match="bad.faiss"):
+        load_index(tmp_path / "bad.faiss", spec=parse_factory("Flat", 4), search_params={})
+
+
+def test_concurrent_filtered_searches_agree_with_sequential(clustered):
+    built = build_index(clustered, "HNSW16,Flat")
+    ranges = [(0, 500), (500, 1000), (1000, 2000), None]
+    jobs = [(i, ranges[i % 4]) for i in range(40)]
+
+    def run(job):
+        i, bounds = job
+        selector = None if bounds is None else faiss.IDSelectorRange(*bounds)
+        return search(built.index, clustered[i * 10 : i * 10 + 10], 10, params=built.search_params, selector=selector)
+
+    sequential = [run(job) for job in jobs]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        concurrent = list(pool.map(run, jobs))
+    for (s_scores, s_rows), (c_scores, c_rows) in zip(sequential, concurrent, strict=True):
+        np.testing.assert_array_equal(s_rows, c_rows)
+        np.testing.assert_array_equal(s_scores, c_scores)
+
+
+def test_training_uses_a_sample_but_every_vector_is_added(clustered):
+    built = build_index(clustered, "IVF8,Flat", max_train_vectors=300)
+    assert built.index.ntotal == len(clustered)
+    params = {"nprobe": 8}  # all lists: exact despite the small training sample
+    scores, _ = search(built.index, clustered[:20], 10, params=params)
+    np.testing.assert_allclose(scores, brute_force(clustered, clustered[:20], 10)[0], atol=1e-5)

@@ -201,6 +201,7 @@ class Objective(nn.Module):
             raise ValueError("the batch yields no pair with at least two rows; increase the batch size")
         total_weight = sum(pair.weight for pair in pairs)
         out: dict[str, Tensor] = {}
+        logged_share: dict[str, float] = {}
         for pair in pairs:
             share = pair.weight / total_weight
             for term in self.terms:
@@ -208,7 +209,13 @@ class Objective(nn.Module):
                     continue
                 for key, value in term(pair).items():
                     out[key] = out.get(key, 0.0) + share * value
-        return out
+                    logged_share[key] = logged_share.get(key, 0.0) + share
+        # A loss keeps its share of the batch (a term that skips a pair kind contributes
+        # nothing there); a logged value is the mean over the pairs that produced it.
+        return {
+            key: value if key.endswith("_loss") else value / logged_share[key]
+            for key, value in out.items()
+        }
 
     def on_epoch_start(self, context: TrainingContext) -> None:
         for term in self.terms:

@@ -12,18 +12,29 @@ from pydantic import ValidationError
 
 from training.config import ConfigError, ObjectiveConfig
 from training.objectives.base import BuildEnv, Objective, PairTerm, Strategy
+from training.objectives.cacl import CoAnchor
 from training.objectives.infonce import InfoNCE
+from training.objectives.iot import IOT
+from training.objectives.kcl import OneToK
 from training.objectives.random_language import RandomLanguage
 from training.objectives.siglip import SigLIP
+from training.objectives.svr import SupportVectorRegularizer
+from training.objectives.uwd import UWD
 
 BASE_LOSSES: dict[str, type[PairTerm]] = {
     InfoNCE.name: InfoNCE,
     SigLIP.name: SigLIP,
+    IOT.name: IOT,
 }
 STRATEGIES: dict[str, type[Strategy]] = {
     RandomLanguage.name: RandomLanguage,
+    OneToK.name: OneToK,
+    CoAnchor.name: CoAnchor,
 }
-REGULARIZERS: dict[str, type[PairTerm]] = {}
+REGULARIZERS: dict[str, type[PairTerm]] = {
+    SupportVectorRegularizer.name: SupportVectorRegularizer,
+    UWD.name: UWD,
+}
 
 
 def _build(table: dict[str, type[Any]], section: str, spec: dict[str, Any], env: BuildEnv) -> Any:

@@ -1,0 +1,133 @@
+"""Log-domain Sinkhorn solvers (training/ot.py) against plain-domain references and POT."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import ot
+import pytest
+import torch
+
+from training.ot import pairwise_euclidean, sinkhorn_log, sinkhorn_log_plan, sinkhorn_unbalanced_log
+
+
+def _problem(seed: int, n: int, m: int, *, scale: float = 2.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    cost = rng.uniform(0, scale, size=(n, m))
+    a = rng.uniform(0.2, 1.0, size=n)
+    b = rng.uniform(0.2, 1.0, size=m)
+    return cost, a / a.sum(), b / b.sum()
+
+
+def _plain_scaling(cost, a, b, *, eps, exponent=1.0, reference=None, iters=5000):  # noqa: ANN001, ANN202
+    """Textbook Sinkhorn / Chizat scaling in the plain domain (float64)."""
+    kernel = np.exp(-cost / eps) * (np.outer(a, b) if reference is None else reference)
+    u, v = np.ones_like(a), np.ones_like(b)
+    for _ in range(iters):
+        u = (a / (kernel @ v)) ** exponent
+        v = (b / (kernel.T @ u)) ** exponent
+    return u[:, None] * kernel * v[None, :]
+
+
+def _kl(x: np.ndarray, y: np.ndarray) -> float:
+    return float(np.sum(x * np.log(x / y) - x + y))
+
+
+def _unbalanced_objective(plan, cost, a, b, *, eps, reg_m, reference) -> float:  # noqa: ANN001
+    return float(
+        (cost * plan).sum() + eps * _kl(plan, reference) + reg_m * _kl(plan.sum(1), a) + reg_m * _kl(plan.sum(0), b)
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_balanced_matches_plain_reference(seed: int) -> None:
+    cost, a, b = _problem(seed, 5, 7)
+    reference = _plain_scaling(cost, a, b, eps=0.3)
+    plan = sinkhorn_log(torch.from_numpy(cost), torch.from_numpy(a), torch.from_numpy(b), eps=0.3, iters=2000).numpy()
+    assert np.abs(plan.sum(1) - a).max() < 1e-5
+    assert np.abs(plan.sum(0) - b).max() < 1e-5
+    np.testing.assert_allclose(plan, reference, atol=1e-8)
+
+
+@pytest.mark.parametrize("reg_type", ["kl", "entropy"])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_unbalanced_objective_matches_plain_reference(seed: int, reg_type: str) -> None:
+    cost, a, b = _problem(seed, 6, 4)
+    eps, reg_m = 0.2, 0.5
+    ref_measure = np.outer(a, b) if reg_type == "kl" else np.ones_like(cost)
+    reference = _plain_scaling(cost, a, b, eps=eps, exponent=reg_m / (reg_m + eps), reference=ref_measure)
+    plan = sinkhorn_unbalanced_log(
+        torch.from_numpy(cost), torch.from_numpy(a), torch.from_numpy(b), eps=eps, reg_m=reg_m, iters=2000,
+        reg_type=reg_type,  # type: ignore[arg-type]
+    ).numpy()
+    kwargs = {"eps": eps, "reg_m": reg_m, "reference": ref_measure}
+    assert abs(_unbalanced_objective(plan, cost, a, b, **kwargs) - _unbalanced_objective(reference, cost, a, b, **kwargs)) < 1e-4
+    # The mass really is relaxed: it differs from the balanced total of 1.
+    assert abs(plan.sum() - 1.0) > 1e-3
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_balanced_matches_pot(seed: int) -> None:
+    cost, a, b = _problem(seed, 8, 6, scale=4.0)
+    expected = ot.sinkhorn(a, b, cost, 0.1, method="sinkhorn_log", numItermax=20_000, stopThr=1e-13)
+    plan = sinkhorn_log(torch.from_numpy(cost), torch.from_numpy(a), torch.from_numpy(b), eps=0.1, iters=2000)
+    np.testing.assert_allclose(plan.numpy(), expected, atol=1e-4)
+    uniform = ot.sinkhorn(np.full(8, 1 / 8), np.full(6, 1 / 6), cost, 0.1, method="sinkhorn_log", numItermax=20_000,
+                          stopThr=1e-13)
+    np.testing.assert_allclose(sinkhorn_log(torch.from_numpy(cost), eps=0.1, iters=2000).numpy(), uniform, atol=1e-4)
+
+
+@pytest.mark.parametrize("reg_type", ["kl", "entropy"])
+@pytest.mark.parametrize("seed", range(4))
+def test_unbalanced_matches_pot(seed: int, reg_type: str) -> None:
+    cost, a, b = _problem(seed, 7, 9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = ot.unbalanced.sinkhorn_unbalanced(
+            a, b, cost, 0.1, 0.3, method="sinkhorn", reg_type=reg_type, numItermax=20_000, stopThr=1e-13
+        )
+    plan = sinkhorn_unbalanced_log(
+        torch.from_numpy(cost), torch.from_numpy(a), torch.from_numpy(b), eps=0.1, reg_m=0.3, iters=2000,
+        reg_type=reg_type,  # type: ignore[arg-type]
+    )
+    np.testing.assert_allclose(plan.numpy(), expected, atol=1e-4)
+
+
+def test_small_eps_is_finite_in_float32() -> None:
+    gen = torch.Generator().manual_seed(0)
+    cost = (torch.rand(3, 32, 32, generator=gen) * 4).requires_grad_(True)
+    log_plan = sinkhorn_log_plan(cost, eps=0.01, iters=200)
+    plan = log_plan.exp()
+    assert torch.isfinite(log_plan).all() and torch.isfinite(plan).all()
+    assert (plan.sum(-2) - 1 / 32).abs().max() < 1e-5  # columns exact after the last update
+    log_plan.diagonal(dim1=-2, dim2=-1).sum().backward()
+    assert torch.isfinite(cost.grad).all()
+    relaxed = sinkhorn_unbalanced_log(cost.detach(), eps=0.01, reg_m=0.05, iters=200)
+    assert torch.isfinite(relaxed).all() and relaxed.sum() > 0
+
+
+def test_batched_equals_one_by_one() -> None:
+    gen = torch.Generator().manual_seed(1)
+    cost = torch.rand(4, 5, 6, generator=gen, dtype=torch.float64)
+    a = torch.softmax(torch.randn(4, 5, generator=gen, dtype=torch.float64), -1)
+    b = torch.softmax(torch.randn(4, 6, generator=gen, dtype=torch.float64), -1)
+    batched = sinkhorn_log(cost, a, b, eps=0.2, iters=300)
+    relaxed = sinkhorn_unbalanced_log(cost, a, b, eps=0.2, reg_m=1.0, iters=300)
+    for i in range(4):
+        torch.testing.assert_close(batched[i], sinkhorn_log(cost[i], a[i], b[i], eps=0.2, iters=300))
+        torch.testing.assert_close(relaxed[i], sinkhorn_unbalanced_log(cost[i], a[i], b[i], eps=0.2, reg_m=1.0, iters=300))
+
+
+def test_tolerance_stops_early_with_the_same_plan() -> None:
+    cost, a, b = _problem(4, 6, 6)
+    full = sinkhorn_log(torch.from_numpy(cost), eps=0.3, iters=3000)
+    early = sinkhorn_log(torch.from_numpy(cost), eps=0.3, iters=3000, tol=1e-10)
+    torch.testing.assert_close(early, full, atol=1e-9, rtol=0)
+
+
+def test_pairwise_euclidean() -> None:
+    x = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
+    y = torch.tensor([[0.0, 0.0], [0.0, 1.0], [3.0, 4.0]])
+    expected = torch.tensor([[0.0, 1.0, 5.0], [5.0, 18.0**0.5, 0.0]])
+    torch.testing.assert_close(pairwise_euclidean(x, y), expected, atol=1e-5, rtol=0)

@@ -1,0 +1,186 @@
+"""Frozen stage-1 teachers for correspondence distillation (SPEC §4.4).
+
+``build_teachers`` loads every checkpoint of ``objective.distill.teachers`` with
+:func:`training.checkpoint.load_checkpoint` (frozen, eval mode, each with its own
+tokenizer); ``Teachers.embed(train_batch)`` returns the teacher embeddings the loop puts
+into :class:`training.objectives.base.EmbeddingBatch` (``teacher_audio`` (M, B, d),
+``teacher_text`` (M, V, B, d)). Teachers of different embedding sizes are zero-padded to
+the largest one (dot products, hence similarities, are unchanged).
+
+Caching (``objective.distill.cache``):
+
+* text embeddings are cached per caption string whenever caching is not ``off`` — text
+  has no augmentation and teachers run in eval mode, so a caption always embeds the same;
+* audio embeddings are cached per training clip (``clip_index``) when ``cache: on``, or
+  with ``cache: auto`` when the training crop covers every whole clip: every training
+  clip lasts at most ``data.clip_seconds`` (read from the audio file headers), so the
+  random crop never cuts and each clip reaches the teacher as the same waveform every
+  epoch. Otherwise (longer clips are randomly cropped) audio is re-embedded every batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import soundfile as sf
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from training.config import ConfigError, DataConfig, FrontendConfig
+from training.objectives.distill import DistillConfig, parse_distill_config
+
+log = logging.getLogger(__name__)
+
+
+class _Batch(Protocol):
+    """The fields of ``training.data.dataset.TrainBatch`` the teachers read."""
+
+    waveform: Tensor
+    clip_index: Tensor
+    texts: list[list[str | None]]
+
+
+class _Record(Protocol):
+    audio: Any
+
+
+@dataclass
+class Teacher:
+    """One frozen checkpoint: its DualEncoder and its own tokenizer."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: Any
+    embed_dim: int
+
+
+@dataclass
+class Teachers:
+    """The M frozen teachers and their embedding caches."""
+
+    teachers: list[Teacher]
+    device: torch.device
+    cache_audio: bool
+    cache_text: bool
+    _audio: dict[int, Tensor] = field(default_factory=dict, repr=False)
+    _text: dict[str, Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_teachers(self) -> int:
+        return len(self.teachers)
+
+    @property
+    def embed_dim(self) -> int:
+        return max(t.embed_dim for t in self.teachers)
+
+    def _pad(self, emb: Tensor) -> Tensor:
+        return F.pad(emb, (0, self.embed_dim - emb.shape[-1]))
+
+    def _encode_audio(self, waveform: Tensor) -> Tensor:
+        """(M, n, d) teacher embeddings of `waveform` (n, T)."""
+        return torch.stack([self._pad(t.model.encode_audio(waveform)) for t in self.teachers])
+
+    def _encode_texts(self, texts: Sequence[str]) -> Tensor:
+        """(M, n, d) teacher embeddings of `texts`, each teacher with its own tokenizer."""
+        out = []
+        for teacher in self.teachers:
+            ids, mask = teacher.tokenizer.encode(list(texts))
+            ids_t = torch.as_tensor(np.asarray(ids), dtype=torch.long, device=self.device)
+            mask_t = torch.as_tensor(np.asarray(mask), dtype=torch.long, device=self.device)
+            out.append(self._pad(teacher.model.encode_text(ids_t, mask_t)))
+        return torch.stack(out)
+
+    def _audio_embeddings(self, waveform: Tensor, clip_index: Tensor) -> Tensor:
+        waveform = waveform.to(self.device)
+        if not self.cache_audio:
+            return self._encode_audio(waveform)
+        keys = [int(i) for i in clip_index.tolist()]
+        missing = [row for row, key in enumerate(keys) if key not in self._audio]
+        if missing:
+            fresh = self._encode_audio(waveform[missing])
+            for column, row in enumerate(missing):
+                self._audio[keys[row]] = fresh[:, column]
+        return torch.stack([self._audio[key] for key in keys], dim=1)
+
+    def _text_embeddings(self, texts: list[list[str | None]], batch_size: int) -> Tensor:
+        table = self._text if self.cache_text else {}
+        todo = sorted({t for view in texts for t in view if t is not None and t not in table})
+        if todo:
+            fresh = self._encode_texts(todo)
+            table.update({t: fresh[:, i] for i, t in enumerate(todo)})
+        zero = torch.zeros(self.num_teachers, self.embed_dim, device=self.device)
+        views = [torch.stack([table[t] if t is not None else zero for t in view], dim=1) for view in texts]
+        if not views:
+            return torch.zeros(self.num_teachers, 0, batch_size, self.embed_dim, device=self.device)
+        return torch.stack(views, dim=1)
+
+    @torch.no_grad()
+    def embed(self, batch: _Batch) -> tuple[Tensor, Tensor]:
+        """(teacher_audio (M, B, d), teacher_text (M, V, B, d)); missing texts embed as zeros."""
+        audio = self._audio_embeddings(batch.waveform, batch.clip_index)
+        text = self._text_embeddings(batch.texts, audio.shape[1])
+        return audio, text
+
+
+def crop_covers_clips(records: Sequence[_Record], *, clip_seconds: float) -> bool:
+    """True when every clip lasts at most ``clip_seconds`` (so a training crop is the whole clip)."""
+    for record in records:
+        try:
+            info = sf.info(str(record.audio))
+        except (RuntimeError, OSError) as err:  # unreadable header: decide safely (no cache)
+            log.warning("teacher cache: cannot read %s (%s); caching teacher audio off", record.audio, err)
+            return False
+        if info.frames > clip_seconds * info.samplerate:
+            return False
+    return True
+
+
+def _load_teacher(directory: Any, *, device: torch.device, frontend: FrontendConfig) -> Teacher:
+    from training.checkpoint import load_checkpoint
+
+    checkpoint = load_checkpoint(directory, device=str(device))
+    teacher_rate = checkpoint.config.frontend.sample_rate
+    if teacher_rate != frontend.sample_rate:
+        raise ConfigError(
+            f"objective.distill.teachers: {directory} was trained at {teacher_rate} Hz, "
+            f"the student at {frontend.sample_rate} Hz; teachers must share the student's sample rate"
+        )
+    model = checkpoint.model.to(device).eval()
+    model.requires_grad_(False)
+    return Teacher(name=str(directory), model=model, tokenizer=checkpoint.tokenizer, embed_dim=int(model.embed_dim))
+
+
+def build_teachers(
+    distill_cfg: Mapping[str, Any] | DistillConfig,
+    *,
+    device: torch.device | str,
+    train_records: Sequence[_Record],
+    tokenizer: Any,
+    frontend: FrontendConfig,
+    data: DataConfig,
+) -> Teachers:
+    """Load the frozen teachers of ``objective.distill`` and decide the caching rule (module doc).
+
+    ``tokenizer`` is the student's; it is not used for the teachers (each tokenizes with its
+    own, so a teacher with another vocabulary or text tower works).
+    """
+    del tokenizer  # each teacher tokenizes with its own tokenizer.json
+    config = distill_cfg if isinstance(distill_cfg, DistillConfig) else parse_distill_config(distill_cfg)
+    device = torch.device(device)
+    teachers = [_load_teacher(path, device=device, frontend=frontend) for path in config.teachers]
+    if config.cache == "auto":
+        cache_audio = crop_covers_clips(train_records, clip_seconds=data.clip_seconds)
+    else:
+        cache_audio = config.cache == "on"
+    log.info(
+        "distillation: %d teacher(s), audio embeddings %s, text embeddings %s",
+        len(teachers),
+        "cached per clip" if cache_audio else "recomputed every batch (random crops)",
+        "recomputed" if config.cache == "off" else "cached per caption",
+    )
+    return Teachers(teachers=teachers, device=device, cache_audio=cache_audio, cache_text=config.cache != "off")

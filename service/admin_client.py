@@ -1,0 +1,113 @@
+"""`tonearm bundle list|activate|rollback --url URL`: the admin routes from a terminal.
+
+The token is read from the environment variable named by ``--token-env``
+(default ``TONEARM_ADMIN_TOKEN``). ``activate`` prints the quality gate's
+verdict (numbers and reasons) whether the bundle was activated or rejected;
+the exit status is 0 when the service now serves the bundle, 1 when the gate
+rejected it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from tonearm.errors import TonearmError
+
+TIMEOUT = httpx.Timeout(10.0, read=600.0)  # activation loads, verifies, warms up and evaluates
+
+
+def _request(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    token = os.environ.get(args.token_env)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = args.url.rstrip("/") + path
+    try:
+        return httpx.request(method, url, json=body, headers=headers, timeout=TIMEOUT)
+    except httpx.HTTPError as err:
+        raise TonearmError(f"{url}: {err}") from None
+
+
+def _problem_message(response: httpx.Response, args: argparse.Namespace) -> str:
+    try:
+        problem = response.json()
+        detail = f"{problem.get('title')}: {problem.get('detail')}"
+    except ValueError:
+        detail = response.text[:300]
+    if response.status_code == 401 and not os.environ.get(args.token_env):
+        detail += f" (set {args.token_env} to the admin token)"
+    return f"{response.request.url} answered {response.status_code}: {detail}"
+
+
+def _verdict_table(verdict: dict[str, Any]) -> Table:
+    table = Table(title=f"quality gate vs {verdict.get('compared_to') or '-'} on {', '.join(verdict.get('languages') or []) or '-'}")
+    table.add_column("metric")
+    table.add_column("candidate", justify="right")
+    table.add_column("active", justify="right")
+    for key in sorted(set(verdict.get("candidate", {})) | set(verdict.get("active", {}))):
+        cand, act = verdict["candidate"].get(key), verdict["active"].get(key)
+        table.add_row(key, "-" if cand is None else f"{cand:.4f}", "-" if act is None else f"{act:.4f}")
+    return table
+
+
+def _print_verdict(console: Console, verdict: dict[str, Any] | None) -> None:
+    if not verdict:
+        return
+    console.print(_verdict_table(verdict))
+    if not verdict["passed"]:
+        status = "rejected"
+    elif verdict["forced"] and verdict["reasons"]:
+        status = "forced (activated despite the reasons below)"
+    else:
+        status = "passed"
+    console.print(f"gate: [bold]{status}[/bold]")
+    for reason in verdict.get("reasons", []):
+        console.print(f"  - {reason}")
+
+
+def cli_list(args: argparse.Namespace) -> int:
+    response = _request(args, "GET", "/v1/bundles")
+    if response.status_code != 200:
+        raise TonearmError(_problem_message(response, args))
+    body = response.json()
+    table = Table(title=f"bundles at {args.url}")
+    for column in ("bundle_id", "state", "created", "languages", "dim", "clips"):
+        table.add_column(column)
+    for b in body["bundles"]:
+        table.add_row(
+            b["bundle_id"], b["state"], b.get("created") or "-", ",".join(b.get("languages") or []),
+            str(b.get("embed_dim") or "-"), str(b.get("n_clips") or "-"),
+        )
+    Console().print(table)
+    return 0
+
+
+def cli_activate(args: argparse.Namespace) -> int:
+    console = Console()
+    response = _request(args, "POST", "/v1/bundles/activate", {"bundle_id": args.bundle_id, "force": bool(args.force)})
+    if response.status_code == 409 and response.json().get("verdict"):
+        _print_verdict(console, response.json()["verdict"])
+        console.print(f"[red]not activated[/red]: {response.json()['detail']}")
+        return 1
+    if response.status_code != 200:
+        raise TonearmError(_problem_message(response, args))
+    body = response.json()
+    _print_verdict(console, body.get("verdict"))
+    if body["changed"]:
+        console.print(f"active bundle: [bold]{body['bundle_id']}[/bold] (previous: {body['previous']})")
+    else:
+        console.print(f"{body['bundle_id']} was already active")
+    return 0
+
+
+def cli_rollback(args: argparse.Namespace) -> int:
+    response = _request(args, "POST", "/v1/bundles/rollback")
+    if response.status_code != 200:
+        raise TonearmError(_problem_message(response, args))
+    body = response.json()
+    Console().print(f"rolled back: active bundle [bold]{body['bundle_id']}[/bold] (previous: {body['previous']})")
+    return 0

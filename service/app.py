@@ -1,0 +1,202 @@
+"""The FastAPI application: ``create_app(settings)`` + a lifespan that loads the bundle.
+
+Nothing happens at import time. ``create_app`` wires settings, metrics, cache,
+bundle registry and routes; the lifespan connects Redis, starts loading the
+initial bundle in a background thread (``/healthz`` answers at once,
+``/readyz`` once the bundle is verified and warm), and starts the activation
+subscriber. Errors are RFC 9457 problem+json, mapped in :func:`install_error_handlers`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import tonearm
+from service.bundles import BUNDLE_ID_PATTERN, BundleRegistry, Opener
+from service.cache import LocalCache, QueryCache, RedisCache, RedisHealth, make_redis_client
+from service.deps import AppState, Pool
+from service.errors import PROBLEM_MEDIA_TYPE, ServiceError, problem_body, slug_for_status
+from service.metrics import LatencyMiddleware, ServiceMetrics
+from service.pubsub import ActivationBus
+from service.routes import bundles, diagnostics, health, search
+from service.settings import Settings
+from tonearm.errors import BundleError
+
+log = logging.getLogger(__name__)
+
+DESCRIPTION = """Multilingual audio–text retrieval over a versioned bundle (ONNX encoders + FAISS).
+
+* **search** — text → audio clips (any served language), audio upload → captions.
+* **diagnostics** — cross-language consistency of one query group; the bundle's held-out report.
+* **bundles** — admin (bearer token): list, activate with a quality gate, roll back.
+
+Every response names the `bundle_id` that answered. Errors are `application/problem+json`
+(RFC 9457) with a stable `type` (`urn:tonearm:problem:<slug>`).
+"""
+
+
+def bundles_dir_of(settings: Settings) -> Path | None:
+    """The bundles directory: the setting, else the parent of a ``bundle`` given as a path."""
+    if settings.bundles_dir is not None:
+        return settings.bundles_dir
+    if settings.bundle is not None and (Path(settings.bundle) / "manifest.json").is_file():
+        return Path(settings.bundle).resolve().parent
+    return None
+
+
+def resolve_bundle(spec: str, bundles_dir: Path | None) -> Path:
+    """A bundle directory from a path or an id inside ``bundles_dir``; BundleError otherwise."""
+    path = Path(spec).expanduser()
+    if (path / "manifest.json").is_file():
+        return path
+    if bundles_dir is not None and BUNDLE_ID_PATTERN.match(spec) and (bundles_dir / spec / "manifest.json").is_file():
+        return bundles_dir / spec
+    raise BundleError(f"bundle {spec!r} is neither a bundle directory nor a bundle id in {bundles_dir}")
+
+
+def _problem(status_slug: str, detail: str, request: Request, **extra: Any) -> JSONResponse:
+    body = problem_body(status_slug, detail, instance=request.url.path, **extra)
+    headers = {"WWW-Authenticate": "Bearer"} if status_slug == "unauthorized" else None
+    return JSONResponse(body, status_code=body["status"], media_type=PROBLEM_MEDIA_TYPE, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """The one place where errors become HTTP responses."""
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        return _problem(exc.slug, exc.detail, request, **exc.extra)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+            for e in exc.errors()
+        ]
+        summary = "; ".join(f"{'.'.join(e['loc'])}: {e['msg']}" for e in errors[:5])
+        return _problem("validation-error", summary or "invalid request", request, errors=errors)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        slug = slug_for_status(exc.status_code)
+        body = problem_body(slug, str(exc.detail), status=exc.status_code, instance=request.url.path)
+        return JSONResponse(body, status_code=exc.status_code, media_type=PROBLEM_MEDIA_TYPE, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return _problem("internal-error", "internal error; see the service log", request)
+
+
+def _build_cache(settings: Settings, metrics: ServiceMetrics) -> tuple[QueryCache, RedisHealth | None, Any]:
+    if settings.redis_url is None:
+        local = LocalCache(
+            max_entries=settings.cache_max_entries,
+            ttl_seconds=settings.cache_ttl_seconds,
+            metrics=metrics,
+            max_payload_bytes=settings.cache_max_payload_bytes,
+        )
+        return local, None, None
+    client = make_redis_client(settings.redis_url, socket_timeout=settings.redis_socket_timeout)
+    health = RedisHealth(metrics=metrics, backoff_max=settings.redis_backoff_max)
+    cache = RedisCache(
+        client, health=health, ttl_seconds=settings.cache_ttl_seconds, max_payload_bytes=settings.cache_max_payload_bytes
+    )
+    return cache, health, client
+
+
+def create_app(settings: Settings | None = None, *, opener: Opener | None = None) -> FastAPI:
+    """Build the app. ``opener`` replaces ``LoadedBundle.open`` (tests with a fake bundle)."""
+    settings = settings or Settings()
+    metrics = ServiceMetrics()
+    cache, health_, client = _build_cache(settings, metrics)
+    registry = BundleRegistry(
+        settings=settings, bundles_dir=bundles_dir_of(settings), cache=cache, metrics=metrics, opener=opener
+    )
+    state = AppState(settings=settings, metrics=metrics, cache=cache, registry=registry, pool=Pool(settings.search_threads))
+    if client is not None and health_ is not None:
+        state.bus = ActivationBus(
+            make_redis_client(settings.redis_url or "", socket_timeout=max(1.0, settings.redis_socket_timeout)),
+            channel=settings.pubsub_channel,
+            key_prefix=settings.key_prefix,
+            health=health_,
+            on_activation=registry.apply_remote,
+            backoff_max=settings.redis_backoff_max,
+        )
+        registry.publisher = state.bus.publish
+
+    app = FastAPI(
+        title="tonearm",
+        version=getattr(tonearm, "__version__", "0.1.0"),
+        description=DESCRIPTION,
+        lifespan=_lifespan,
+    )
+    app.state.tonearm = state
+    app.add_middleware(LatencyMiddleware, metrics=metrics)
+    install_error_handlers(app)
+    for module in (search, diagnostics, health):
+        app.include_router(module.router)
+    if settings.admin_on:
+        if settings.admin_token is None:
+            log.warning("admin routes are enabled WITHOUT a token (development only)")
+        app.include_router(bundles.router)
+    return app
+
+
+def _initial_bundle(state: AppState) -> Path | None:
+    """The bundle to serve first: the id other replicas recorded in Redis, else the setting."""
+    registry, settings = state.registry, state.settings
+    if state.bus is not None:
+        current = state.bus.current()
+        if current is not None:
+            try:
+                return registry.find(current)
+            except ServiceError:
+                log.warning("active bundle %s recorded in redis is not in %s", current, registry.bundles_dir)
+    if settings.bundle is None:
+        log.warning("no bundle configured (TONEARM_BUNDLE); not ready until one is activated")
+        return None
+    return resolve_bundle(settings.bundle, registry.bundles_dir)
+
+
+def _startup(state: AppState) -> None:
+    """Background thread: load the first bundle, then follow activations."""
+    try:
+        path = _initial_bundle(state)
+        if path is not None:
+            state.registry.start(path)
+    except (ServiceError, BundleError) as err:
+        log.error("initial bundle not loaded: %s", err)
+    finally:
+        state.started.set()
+    if state.bus is not None:
+        state.bus.start()
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    state: AppState = app.state.tonearm
+    loader = threading.Thread(target=_startup, args=(state,), name="tonearm-startup", daemon=True)
+    loader.start()
+    try:
+        yield
+    finally:
+        loader.join(timeout=60)
+        if state.bus is not None:
+            state.bus.stop()
+        state.registry.close()
+
+
+def app_from_env() -> FastAPI:
+    """uvicorn factory (``service.app:app_from_env``): settings from ``TONEARM_*`` variables."""
+    return create_app(Settings())

@@ -1,0 +1,362 @@
+"""Bundle registry: the active and previous bundle, activation with a quality gate, rollback.
+
+Swap protocol (SPEC §7):
+
+1. **load beside** — the candidate is opened while the active bundle keeps serving;
+2. **verify** — ``LoadedBundle.open(verify=True)`` checks every file's sha256 and the
+   manifest; here we also check the encoders' output width against ``embed_dim``;
+3. **warm up** — one text and one audio inference, so the first request is not slow;
+4. **gate** — :func:`service.gate.run_gate` (unless forced);
+5. **swap** — one reference assignment under a lock. A request *leases* the bundle
+   it started with (reference count), so in-flight requests finish on the old
+   one; a bundle pushed out of the (active, previous) pair is closed when its
+   last lease ends. The previous bundle stays loaded so rollback is instant.
+
+Activations are serialized; a second concurrent one gets ``activation-in-progress``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from index.bundle import read_manifest
+from service.cache import QueryCache
+from service.errors import ServiceError
+from service.gate import GateThresholds, GateVerdict, run_gate
+from service.limits import QUERY_MAX_CHARS
+from service.metrics import ServiceMetrics
+from service.searcher import BundleLike, Searcher
+from service.settings import Settings
+from tonearm.errors import BundleError
+
+log = logging.getLogger(__name__)
+
+BUNDLE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+Opener = Callable[[Path], BundleLike]
+Publisher = Callable[[str], None]
+
+
+@dataclass
+class _Entry:
+    """A loaded bundle with its searcher and lease count."""
+
+    bundle: Any
+    searcher: Searcher
+    refs: int = 0
+    retired: bool = False
+
+    @property
+    def bundle_id(self) -> str:
+        return self.bundle.bundle_id
+
+
+@dataclass(frozen=True)
+class BundleSummary:
+    bundle_id: str
+    path: str
+    state: str  # active | previous | available | invalid
+    created: str | None = None
+    languages: list[str] | None = None
+    embed_dim: int | None = None
+    n_clips: int | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ActivationResult:
+    bundle_id: str
+    previous_id: str | None
+    changed: bool
+    verdict: GateVerdict | None
+
+
+def default_opener(settings: Settings) -> Opener:
+    """``LoadedBundle.open`` with checksum verification and the configured ONNX threads."""
+
+    def open_bundle(path: Path) -> BundleLike:
+        from index.loader import LoadedBundle
+
+        return LoadedBundle.open(path, device="cpu", intra_op_threads=settings.onnx_threads, verify=True)
+
+    return open_bundle
+
+
+def thresholds_from(settings: Settings) -> GateThresholds:
+    return GateThresholds(
+        metric=settings.gate_metric,
+        max_recall_drop=settings.gate_max_recall_drop,
+        max_mrv_ratio=settings.gate_max_mrv_ratio,
+        mrv_slack=settings.gate_mrv_slack,
+    )
+
+
+class BundleRegistry:
+    """Owns every loaded bundle of the process; thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        bundles_dir: Path | None,
+        cache: QueryCache,
+        metrics: ServiceMetrics,
+        opener: Opener | None = None,
+    ) -> None:
+        self.settings = settings
+        self.bundles_dir = bundles_dir
+        self.cache = cache
+        self.metrics = metrics
+        self.opener = opener or default_opener(settings)
+        self.publisher: Publisher | None = None
+        self.ready = threading.Event()
+        self._active: _Entry | None = None
+        self._previous: _Entry | None = None
+        self._known_paths: dict[str, Path] = {}
+        self._ref_lock = threading.Lock()
+        self._activation_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def active_id(self) -> str | None:
+        entry = self._active
+        return entry.bundle_id if entry else None
+
+    @property
+    def previous_id(self) -> str | None:
+        entry = self._previous
+        return entry.bundle_id if entry else None
+
+    def acquire(self) -> _Entry:
+        """Lease the active bundle (``not-ready`` when none); pair with :meth:`release`."""
+        with self._ref_lock:
+            entry = self._active
+            if entry is None:
+                raise ServiceError("not-ready", "no bundle is loaded yet; retry shortly")
+            entry.refs += 1
+            return entry
+
+    def release(self, entry: _Entry) -> None:
+        with self._ref_lock:
+            entry.refs -= 1
+            close_now = entry.retired and entry.refs == 0
+        if close_now:
+            _close(entry)
+
+    # ------------------------------------------------------------------ discovery
+
+    def find(self, bundle_id: str) -> Path:
+        """Directory of ``bundle_id`` (``bundle-not-found`` otherwise; ids never escape the directory)."""
+        known = self._known_paths.get(bundle_id)
+        if known is not None:
+            return known
+        if not BUNDLE_ID_PATTERN.match(bundle_id) or self.bundles_dir is None:
+            raise ServiceError("bundle-not-found", f"no bundle {bundle_id!r} in {self.bundles_dir}")
+        path = self.bundles_dir / bundle_id
+        if not (path / "manifest.json").is_file():
+            raise ServiceError("bundle-not-found", f"no bundle {bundle_id!r} in {self.bundles_dir}")
+        return path
+
+    def list_bundles(self) -> list[BundleSummary]:
+        """Every bundle directory under ``bundles_dir`` plus the loaded ones, with their state."""
+        paths = dict(self._known_paths)
+        if self.bundles_dir is not None and self.bundles_dir.is_dir():
+            for child in sorted(self.bundles_dir.iterdir()):
+                if child.is_dir() and not child.name.startswith(".") and (child / "manifest.json").is_file():
+                    paths.setdefault(child.name, child)
+        return [self._summary(name, path) for name, path in sorted(paths.items())]
+
+    def _summary(self, name: str, path: Path) -> BundleSummary:
+        state = {self.active_id: "active", self.previous_id: "previous"}.get(name, "available")
+        try:
+            m = read_manifest(path)
+        except BundleError as err:
+            return BundleSummary(bundle_id=name, path=str(path), state="invalid", error=str(err))
+        return BundleSummary(
+            bundle_id=m.bundle_id,
+            path=str(path),
+            state=state,
+            created=m.created,
+            languages=list(m.languages),
+            embed_dim=m.embed_dim,
+            n_clips=m.audio_index.ntotal,
+        )
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, path: Path) -> _Entry:
+        """Open (verifying checksums), check dimensions and warm up; ``bundle-invalid`` on failure."""
+        try:
+            bundle = self.opener(Path(path))
+        except BundleError as err:
+            raise ServiceError("bundle-invalid", str(err)) from None
+        except Exception as err:  # a bundle that cannot load must never take the service down
+            log.exception("loading bundle %s failed", path)
+            raise ServiceError("bundle-invalid", f"{path}: cannot be loaded: {err}") from None
+        try:
+            _check_and_warm(bundle)
+        except Exception as err:
+            bundle.close()
+            raise ServiceError("bundle-invalid", f"{path}: failed its warm-up check: {err}") from None
+        self._known_paths[bundle.bundle_id] = Path(path)
+        searcher = Searcher(
+            bundle, cache=self.cache, key_prefix=self.settings.key_prefix,
+            max_query_chars=QUERY_MAX_CHARS,
+        )
+        return _Entry(bundle=bundle, searcher=searcher)
+
+    # ------------------------------------------------------------------ activation
+
+    def start(self, path: Path) -> None:
+        """Load and activate the first bundle without a gate (startup)."""
+        with self._activation_lock:
+            self._swap(self.load(path))
+        self.metrics.activations.labels(outcome="startup").inc()
+        log.info("serving bundle %s", self.active_id)
+
+    def activate(self, bundle_id: str, *, force: bool = False) -> ActivationResult:
+        """Admin activation: load beside, verify, warm up, gate, swap, publish to replicas."""
+        if not self._activation_lock.acquire(blocking=False):
+            raise ServiceError("activation-in-progress", "another activation is running; retry later")
+        try:
+            result = self._activate_locked(bundle_id, force=force)
+        finally:
+            self._activation_lock.release()
+        if result.changed:
+            self._publish(result.bundle_id)
+        return result
+
+    def _activate_locked(self, bundle_id: str, *, force: bool) -> ActivationResult:
+        active = self._active
+        if active is not None and active.bundle_id == bundle_id:
+            return ActivationResult(bundle_id, self.previous_id, changed=False, verdict=None)
+        previous = self._previous
+        reuse = previous is not None and previous.bundle_id == bundle_id
+        candidate = previous if reuse and previous is not None else self._load_counted(self.find(bundle_id), bundle_id)
+        try:
+            verdict = run_gate(
+                candidate.bundle, active.bundle if active else None, thresholds_from(self.settings), force=force
+            )
+        except Exception as err:
+            if not reuse:
+                _close(candidate)
+            self.metrics.activations.labels(outcome="invalid").inc()
+            raise ServiceError("bundle-invalid", f"quality gate could not evaluate {bundle_id}: {err}") from None
+        if not verdict.passed:
+            if not reuse:
+                _close(candidate)
+            self.metrics.activations.labels(outcome="rejected").inc()
+            raise ServiceError(
+                "quality-gate-rejected",
+                f"bundle {bundle_id} rejected: " + "; ".join(verdict.reasons),
+                verdict=verdict.as_dict(),
+            )
+        self._swap(candidate)
+        self.metrics.activations.labels(outcome="forced" if force else "activated").inc()
+        log.info("activated bundle %s (gate: %s)", bundle_id, "; ".join(verdict.reasons) or "passed")
+        return ActivationResult(bundle_id, self.previous_id, changed=True, verdict=verdict)
+
+    def _load_counted(self, path: Path, bundle_id: str) -> _Entry:
+        try:
+            return self.load_id(path, bundle_id)
+        except ServiceError:
+            self.metrics.activations.labels(outcome="invalid").inc()
+            raise
+
+    def load_id(self, path: Path, bundle_id: str) -> _Entry:
+        """:meth:`load`, refusing a directory whose manifest names another bundle id."""
+        entry = self.load(path)
+        if entry.bundle_id != bundle_id:
+            _close(entry)
+            raise ServiceError(
+                "bundle-invalid", f"{path}: manifest bundle_id {entry.bundle_id!r} does not match {bundle_id!r}"
+            )
+        return entry
+
+    def rollback(self) -> ActivationResult:
+        """Return to the previous bundle (already loaded: instant, no gate) and publish it."""
+        if not self._activation_lock.acquire(blocking=False):
+            raise ServiceError("activation-in-progress", "another activation is running; retry later")
+        try:
+            if self._previous is None:
+                raise ServiceError("no-previous-bundle", "nothing to roll back to: no previous bundle")
+            self._swap(self._previous)
+        finally:
+            self._activation_lock.release()
+        self.metrics.activations.labels(outcome="rollback").inc()
+        target = self.active_id
+        assert target is not None
+        self._publish(target)
+        log.info("rolled back to bundle %s", target)
+        return ActivationResult(target, self.previous_id, changed=True, verdict=None)
+
+    def apply_remote(self, bundle_id: str) -> None:
+        """Follow another replica's activation (its gate already ran): swap to ``bundle_id``."""
+        with self._activation_lock:
+            if self.active_id == bundle_id:
+                return
+            previous = self._previous
+            if previous is not None and previous.bundle_id == bundle_id:
+                self._swap(previous)
+            else:
+                self._swap(self.load_id(self.find(bundle_id), bundle_id))
+        self.metrics.activations.labels(outcome="remote").inc()
+        log.info("followed activation of bundle %s from another replica", bundle_id)
+
+    def _swap(self, new: _Entry) -> None:
+        """Make ``new`` active; the old active becomes previous; the bundle pushed out is retired."""
+        with self._ref_lock:
+            old_active, old_previous = self._active, self._previous
+            self._active = new
+            self._previous = old_active if old_active is not new else old_previous
+            pushed_out = old_previous if old_previous not in (new, self._previous) else None
+            close_now = False
+            if pushed_out is not None:
+                pushed_out.retired = True
+                close_now = pushed_out.refs == 0
+        if pushed_out is not None and close_now:
+            _close(pushed_out)
+        self.metrics.set_active_bundle(
+            bundle_id=new.bundle_id, embed_dim=int(new.bundle.embed_dim), languages=list(new.bundle.languages)
+        )
+        self.ready.set()
+
+    def _publish(self, bundle_id: str) -> None:
+        if self.publisher is not None:
+            self.publisher(bundle_id)
+
+    def close(self) -> None:
+        with self._ref_lock:
+            entries = [e for e in (self._active, self._previous) if e is not None]
+            self._active = self._previous = None
+        for entry in entries:
+            _close(entry)
+
+
+def _check_and_warm(bundle: Any) -> None:
+    """Encoders answer with ``embed_dim`` columns; run each once so the first request is warm."""
+    bundle.warmup()
+    text = np.asarray(bundle.encode_text(["warm up"]))
+    audio = np.asarray(bundle.encode_audio([np.zeros(bundle.sample_rate, dtype=np.float32)]))
+    for name, emb in (("text", text), ("audio", audio)):
+        if emb.shape != (1, bundle.embed_dim) or not np.isfinite(emb).all():
+            raise BundleError(f"{name} encoder returned shape {emb.shape}, expected (1, {bundle.embed_dim})")
+    scores, rows = bundle.search_audio(text, 1)
+    if len(bundle.audio_items) and rows.shape != (1, 1):
+        raise BundleError(f"audio index answered shape {rows.shape} for k=1")
+
+
+def _close(entry: _Entry) -> None:
+    try:
+        entry.bundle.close()
+    except Exception:  # closing must not break a swap
+        log.exception("closing bundle %s failed", entry.bundle_id)

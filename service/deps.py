@@ -1,0 +1,104 @@
+"""FastAPI dependencies as ``Annotated`` aliases: the state, a leased searcher, admin auth.
+
+All are ``async def``: FastAPI runs plain ``def`` dependencies in the thread pool, a
+thread hop per dependency per request for what is an attribute read here.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, TypeVar
+
+import anyio
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from service.bundles import BundleRegistry
+from service.cache import QueryCache
+from service.errors import ServiceError
+from service.metrics import ServiceMetrics
+from service.pubsub import ActivationBus
+from service.searcher import Searcher
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class Pool:
+    """The bounded thread pool where encoders and FAISS run (they release the GIL)."""
+
+    size: int
+    limiter: anyio.CapacityLimiter | None = None
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self.limiter is None:  # created lazily inside the event loop
+            self.limiter = anyio.CapacityLimiter(self.size)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    metrics: ServiceMetrics
+    cache: QueryCache
+    registry: BundleRegistry
+    pool: Pool
+    bus: ActivationBus | None = None
+    started: threading.Event = field(default_factory=threading.Event)
+    """Set when the startup thread finished (initial bundle loaded or given up)."""
+
+
+async def get_state(request: Request) -> AppState:
+    return request.app.state.tonearm
+
+
+StateDep = Annotated[AppState, Depends(get_state)]
+
+
+async def get_settings(state: StateDep) -> Settings:
+    return state.settings
+
+
+async def get_pool(state: StateDep) -> Pool:
+    return state.pool
+
+
+async def get_registry(state: StateDep) -> BundleRegistry:
+    return state.registry
+
+
+async def get_searcher(state: StateDep) -> AsyncIterator[Searcher]:
+    """Lease the active bundle for the whole request: a swap meanwhile does not affect it."""
+    entry = state.registry.acquire()
+    try:
+        yield entry.searcher
+    finally:
+        state.registry.release(entry)
+
+
+_bearer = HTTPBearer(auto_error=False, description="Admin token (TONEARM_ADMIN_TOKEN)")
+
+
+async def require_admin(
+    state: StateDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
+    """Bearer-token check of the admin routes (constant-time comparison)."""
+    token = state.settings.admin_token
+    if token is None:  # only possible in development (Settings refuses it otherwise)
+        return
+    given = credentials.credentials if credentials is not None else ""
+    if not hmac.compare_digest(given.encode(), token.get_secret_value().encode()):
+        raise ServiceError("unauthorized", "admin routes need 'Authorization: Bearer <TONEARM_ADMIN_TOKEN>'")
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+PoolDep = Annotated[Pool, Depends(get_pool)]
+RegistryDep = Annotated[BundleRegistry, Depends(get_registry)]
+SearcherDep = Annotated[Searcher, Depends(get_searcher)]
+AdminDep = Annotated[None, Depends(require_admin)]

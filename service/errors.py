@@ -1,0 +1,90 @@
+"""The closed set of domain errors and their RFC 9457 problem+json mapping.
+
+Every error the service returns on purpose is one of :data:`PROBLEMS`: a stable
+``type`` URN, an HTTP status and a title. Code raises :class:`ServiceError`
+with a problem slug and a detail message; the app turns it into
+``application/problem+json`` in one place (:func:`problem_response`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+TYPE_PREFIX = "urn:tonearm:problem:"
+
+
+@dataclass(frozen=True)
+class Problem:
+    status: int
+    title: str
+
+
+PROBLEMS: dict[str, Problem] = {
+    "validation-error": Problem(422, "Request does not match the schema"),
+    "invalid-query": Problem(422, "Query text is empty or too long"),
+    "unknown-language": Problem(422, "Language not supported by the active bundle"),
+    "unknown-target": Problem(422, "Target clip id not in the active bundle"),
+    "upload-too-large": Problem(413, "Upload exceeds the size limit"),
+    "bad-upload": Problem(400, "Malformed upload (multipart without one audio file part)"),
+    "unsupported-audio": Problem(415, "Upload is not a supported audio format"),
+    "audio-decode-failed": Problem(422, "Audio could not be decoded"),
+    "audio-limits": Problem(422, "Audio exceeds the duration, sample-rate or channel limits"),
+    "unauthorized": Problem(401, "Missing or wrong admin bearer token"),
+    "bundle-not-found": Problem(404, "No bundle with this id in the bundles directory"),
+    "bundle-invalid": Problem(422, "Bundle failed verification"),
+    "quality-gate-rejected": Problem(409, "Candidate bundle regresses past the quality gate"),
+    "no-previous-bundle": Problem(409, "There is no previous bundle to roll back to"),
+    "activation-in-progress": Problem(409, "Another activation is running"),
+    "not-ready": Problem(503, "No bundle is loaded yet"),
+    "not-found": Problem(404, "Not found"),
+    "method-not-allowed": Problem(405, "Method not allowed"),
+    "malformed-body": Problem(400, "Request body cannot be parsed"),
+    "http-error": Problem(400, "Bad request"),
+    "internal-error": Problem(500, "Internal error (a bug; the log has the traceback)"),
+}
+
+
+class ServiceError(Exception):
+    """A domain error: one of :data:`PROBLEMS`, a human-readable detail, optional extra members."""
+
+    def __init__(self, slug: str, detail: str, **extra: Any) -> None:
+        if slug not in PROBLEMS:
+            raise KeyError(f"unknown problem slug {slug!r}")
+        super().__init__(detail)
+        self.slug = slug
+        self.detail = detail
+        self.extra = extra
+
+    @property
+    def status(self) -> int:
+        return PROBLEMS[self.slug].status
+
+
+def problem_body(
+    slug: str, detail: str, *, status: int | None = None, instance: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    """The RFC 9457 JSON object for a problem (extension members merged in).
+
+    ``status`` overrides the table's status only for framework errors passed through
+    as ``http-error`` (e.g. a 400 raised by the multipart parser).
+    """
+    problem = PROBLEMS[slug]
+    body: dict[str, Any] = {
+        "type": TYPE_PREFIX + slug,
+        "title": problem.title,
+        "status": status or problem.status,
+        "detail": detail,
+    }
+    if instance is not None:
+        body["instance"] = instance
+    body.update(extra)
+    return body
+
+
+def slug_for_status(status: int) -> str:
+    """Slug for framework-raised HTTP errors (404 route, 405 method, …)."""
+    return {400: "malformed-body", 404: "not-found", 405: "method-not-allowed", 401: "unauthorized", 503: "not-ready"}.get(
+        status, "http-error"
+    )

@@ -1,0 +1,1 @@
+"""HTTP routes, one module per area; each module exposes ``router``."""

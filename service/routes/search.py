@@ -1,0 +1,173 @@
+"""Search routes: text→audio (single and batch) and audio→text (SPEC §7)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import asdict
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+
+from service.audio_input import AudioLimits, decode_upload
+from service.deps import Pool, PoolDep, SearcherDep, SettingsDep
+from service.errors import ServiceError
+from service.limits import CAPTIONS_MAX, K_MAX
+from service.schemas import (
+    AudioHitOut,
+    AudioSearchResponse,
+    CaptionHitOut,
+    TextBatchItem,
+    TextBatchRequest,
+    TextBatchResponse,
+    TextSearchRequest,
+    TextSearchResponse,
+    problem_responses,
+)
+from service.searcher import AudioHit, Searcher
+from service.settings import Settings
+
+router = APIRouter(prefix="/v1/search", tags=["search"])
+
+MULTIPART_OVERHEAD = 64 * 1024
+"""Bytes allowed beyond the upload limit for multipart boundaries, headers and small fields."""
+
+
+def _hits_out(hits: list[AudioHit]) -> list[AudioHitOut]:
+    return [AudioHitOut(id=h.id, score=h.score, uri=h.uri, captions=h.captions) for h in hits]
+
+
+async def _text_hits(
+    body: TextSearchRequest | TextBatchRequest, queries: list[str], searcher: Searcher, pool: Pool
+) -> list[list[AudioHit]]:
+    """Cache look-up on the event loop when the cache is in-process (no I/O); misses, and every
+    Redis-backed request, run in the thread pool."""
+    if searcher.cache.backend == "local":
+        lookup = searcher.lookup_text(queries, lang=body.lang, k=body.k)
+    else:
+        lookup = await pool.run(lambda: searcher.lookup_text(queries, lang=body.lang, k=body.k))
+    results = (
+        [r for r in lookup.results if r is not None] if lookup.complete else await pool.run(searcher.complete_text, lookup)
+    )
+    return searcher.hits_of(results, min_score=body.min_score, include_captions=body.include_captions)
+
+
+@router.post("/text", responses=problem_responses(400, 422, 503))
+async def search_text(body: TextSearchRequest, searcher: SearcherDep, pool: PoolDep) -> TextSearchResponse:
+    """Rank the bundle's clips for one text query in any served language."""
+    results = await _text_hits(body, [body.query], searcher, pool)
+    return TextSearchResponse(
+        bundle_id=searcher.bundle_id, query=body.query, lang=body.lang, hits=_hits_out(results[0])
+    )
+
+
+@router.post("/text:batch", responses=problem_responses(400, 422, 503))
+async def search_text_batch(body: TextBatchRequest, searcher: SearcherDep, pool: PoolDep) -> TextBatchResponse:
+    """Several text queries in one call; encoded as one batch (cached queries are skipped)."""
+    results = await _text_hits(body, body.queries, searcher, pool)
+    items = [TextBatchItem(query=q, hits=_hits_out(h)) for q, h in zip(body.queries, results, strict=True)]
+    return TextBatchResponse(bundle_id=searcher.bundle_id, lang=body.lang, results=items)
+
+
+async def _limited_stream(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
+    """The request body, failing with ``upload-too-large`` as soon as it exceeds ``limit``."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ServiceError("upload-too-large", f"Content-Length {declared} exceeds the limit of {limit} bytes")
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > limit:
+            raise ServiceError("upload-too-large", f"upload exceeds the limit of {limit} bytes")
+        yield chunk
+
+
+async def read_upload(request: Request, settings: Settings) -> bytes:
+    """Audio bytes from a raw body or from the single file part of a multipart form."""
+    limit = settings.max_upload_bytes
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith("multipart/form-data"):
+        return b"".join([chunk async for chunk in _limited_stream(request, limit)])
+    parser = MultiPartParser(
+        request.headers, _limited_stream(request, limit + MULTIPART_OVERHEAD), max_files=1, max_fields=8
+    )
+    try:
+        form = await parser.parse()
+    except MultiPartException as err:
+        raise ServiceError("bad-upload", f"malformed multipart body: {err}") from None
+    files = [value for _, value in form.multi_items() if isinstance(value, UploadFile)]
+    if len(files) != 1:
+        raise ServiceError("bad-upload", "multipart body must contain exactly one file part (e.g. 'file')")
+    try:
+        data = await files[0].read()
+    finally:
+        await form.close()
+    if len(data) > limit:
+        raise ServiceError("upload-too-large", f"file part exceeds the limit of {limit} bytes")
+    return data
+
+
+def _search_audio_bytes(
+    searcher: Searcher,
+    data: bytes,
+    settings: Settings,
+    *,
+    languages: list[str] | None,
+    k: int,
+    min_score: float | None,
+) -> AudioSearchResponse:
+    limits = AudioLimits(
+        max_seconds=settings.max_audio_seconds,
+        max_sample_rate=settings.max_sample_rate,
+        max_channels=settings.max_channels,
+    )
+    audio = decode_upload(data, sample_rate=searcher.bundle.sample_rate, limits=limits)
+    hits = searcher.search_audio(audio.waveform, languages=languages, k=k, min_score=min_score)
+    return AudioSearchResponse(
+        bundle_id=searcher.bundle_id,
+        duration_seconds=audio.duration_seconds,
+        format=audio.format,
+        hits=[CaptionHitOut(**asdict(h)) for h in hits],
+    )
+
+
+AUDIO_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "The audio itself (raw body) or a multipart form with one file part. "
+        "The format is recognised from the content: WAV, FLAC, OGG or MP3.",
+        "content": {
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"file": {"type": "string", "format": "binary"}},
+                    "required": ["file"],
+                }
+            },
+        },
+    }
+}
+
+
+@router.post("/audio", openapi_extra=AUDIO_BODY, responses=problem_responses(400, 413, 415, 422, 503))
+async def search_audio(
+    request: Request,
+    searcher: SearcherDep,
+    pool: PoolDep,
+    settings: SettingsDep,
+    k: Annotated[int, Query(ge=1, le=K_MAX, description="Number of caption hits.")] = 10,
+    lang: Annotated[
+        list[str] | None,
+        Query(max_length=CAPTIONS_MAX, description="Only captions in these languages (repeat the parameter)."),
+    ] = None,
+    min_score: Annotated[float | None, Query(ge=-1.0, le=1.0)] = None,
+) -> AudioSearchResponse:
+    """Rank the bundle's captions for an uploaded clip, optionally only some languages."""
+    for code in lang or ():
+        searcher.check_language(code)
+    data = await read_upload(request, settings)
+    return await pool.run(
+        lambda: _search_audio_bytes(searcher, data, settings, languages=lang, k=k, min_score=min_score)
+    )

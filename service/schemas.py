@@ -1,0 +1,204 @@
+"""Request and response bodies of the /v1 API (SPEC §7); limits and examples live here."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.limits import BATCH_MAX, CAPTIONS_MAX, K_MAX, QUERY_MAX_CHARS
+
+LANG_FIELD = Field(
+    None,
+    min_length=1,
+    max_length=16,
+    description="ISO 639-3 code of the query language (e.g. `fra`); must be one the bundle serves.",
+    examples=["fra"],
+)
+K_FIELD = Field(10, ge=1, le=K_MAX, description=f"Number of hits, 1–{K_MAX}.", examples=[10])
+MIN_SCORE_FIELD = Field(
+    None, ge=-1.0, le=1.0, description="Drop hits whose cosine score is below this.", examples=[0.2]
+)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextSearchRequest(_Request):
+    """One text query → ranked audio clips."""
+
+    query: str = Field(
+        min_length=1,
+        max_length=QUERY_MAX_CHARS,
+        description=f"Free text in any served language, 1–{QUERY_MAX_CHARS} characters after trimming.",
+        examples=["un chien aboie puis une sirène passe"],
+    )
+    lang: str | None = LANG_FIELD
+    k: int = K_FIELD
+    min_score: float | None = MIN_SCORE_FIELD
+    include_captions: bool = Field(False, description="Attach each clip's captions to its hit.")
+
+
+class TextBatchRequest(_Request):
+    """Several text queries in one call (same `lang`, `k`, `min_score` for all)."""
+
+    queries: list[str] = Field(
+        min_length=1,
+        max_length=BATCH_MAX,
+        description=f"1–{BATCH_MAX} queries, each 1–{QUERY_MAX_CHARS} characters.",
+        examples=[["a dog barks", "犬が吠えてからサイレンが鳴る"]],
+    )
+    lang: str | None = LANG_FIELD
+    k: int = K_FIELD
+    min_score: float | None = MIN_SCORE_FIELD
+    include_captions: bool = False
+
+
+class AudioHitOut(BaseModel):
+    id: str = Field(description="Clip id from the indexed manifest.", examples=["synth-000123"])
+    score: float = Field(description="Cosine similarity of query and clip.", examples=[0.61])
+    uri: str | None = Field(None, description="Clip location recorded at export, when known.")
+    captions: dict[str, list[str]] | None = Field(None, description="Captions per language (on request).")
+
+
+class TextSearchResponse(BaseModel):
+    bundle_id: str = Field(description="Bundle that answered.", examples=["demo-small-0"])
+    query: str
+    lang: str | None = None
+    hits: list[AudioHitOut]
+
+
+class TextBatchItem(BaseModel):
+    query: str
+    hits: list[AudioHitOut]
+
+
+class TextBatchResponse(BaseModel):
+    bundle_id: str
+    lang: str | None = None
+    results: list[TextBatchItem]
+
+
+class CaptionHitOut(BaseModel):
+    clip_id: str = Field(examples=["synth-000123"])
+    lang: str = Field(examples=["jpn"])
+    text: str = Field(examples=["犬が二回吠える"])
+    score: float = Field(examples=[0.48])
+    uri: str | None = None
+
+
+class AudioSearchResponse(BaseModel):
+    bundle_id: str
+    duration_seconds: float = Field(description="Decoded duration of the upload.")
+    format: str = Field(description="Container detected from the file's magic bytes.", examples=["wav"])
+    hits: list[CaptionHitOut]
+
+
+class ConsistencyRequest(_Request):
+    """A query group: one caption and its translations, optionally with the clip it describes."""
+
+    captions: dict[str, str] = Field(
+        min_length=1,
+        max_length=CAPTIONS_MAX,
+        description="Language code → caption text (translations of each other).",
+        examples=[{"eng": "a dog barks twice", "fra": "un chien aboie deux fois", "jpn": "犬が二回吠える"}],
+    )
+    target_id: str | None = Field(
+        None, min_length=1, max_length=256, description="Clip id whose rank is reported per language."
+    )
+    k: int = K_FIELD
+
+
+class LanguageDiagnosisOut(BaseModel):
+    hits: list[AudioHitOut]
+    target_rank: int | None = Field(None, description="1-based rank of the target (pessimistic ties).")
+
+
+class ConsistencyResponse(BaseModel):
+    bundle_id: str
+    target_id: str | None
+    languages: dict[str, LanguageDiagnosisOut]
+    mrv: float | None = Field(None, description="Variance of the target's rank across languages (ATRI Eq. 16).")
+    mean_rank_std: float | None = None
+    gap: dict[str, float] = Field(description="‖eng − lang‖ of the query embeddings (needs `eng`).")
+    dis: dict[str, float] = Field(description="Same as gap for one query group (ATRI Eq. 15).")
+
+
+class LanguageMetrics(BaseModel):
+    t2a: dict[str, float] = Field(description="R@1, R@5, R@10, mAP@10 text→audio.")
+    a2t: dict[str, float] = Field(description="R@1, R@5, R@10, mAP@10 audio→text.")
+
+
+class HeldoutReportResponse(BaseModel):
+    bundle_id: str
+    source: Literal["manifest", "computed"]
+    convention: str
+    per_language: dict[str, LanguageMetrics]
+    mrv_t2a: float | None = None
+    mrv_a2t: float | None = None
+    report: dict[str, float] = Field(description="Every key of index.metrics.retrieval_report.")
+
+
+class BundleOut(BaseModel):
+    bundle_id: str
+    path: str
+    state: Literal["active", "previous", "available", "invalid"]
+    created: str | None = None
+    languages: list[str] | None = None
+    embed_dim: int | None = None
+    n_clips: int | None = None
+    error: str | None = None
+
+
+class BundleListResponse(BaseModel):
+    active: str | None
+    previous: str | None
+    bundles: list[BundleOut]
+
+
+class ActivateRequest(_Request):
+    bundle_id: str = Field(min_length=1, max_length=200, examples=["demo-small-1"])
+    force: bool = Field(False, description="Activate even if the quality gate rejects (the verdict is still reported).")
+
+
+class GateVerdictOut(BaseModel):
+    passed: bool
+    forced: bool
+    reasons: list[str]
+    languages: list[str]
+    candidate: dict[str, float]
+    active: dict[str, float]
+    compared_to: str | None
+
+
+class ActivationResponse(BaseModel):
+    bundle_id: str = Field(description="Bundle now active.")
+    previous: str | None
+    changed: bool
+    verdict: GateVerdictOut | None = None
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "ready"]
+    bundle_id: str | None = None
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details (media type application/problem+json)."""
+
+    type: str = Field(examples=["urn:tonearm:problem:unknown-language"])
+    title: str
+    status: int
+    detail: str
+    instance: str | None = None
+    model_config = ConfigDict(extra="allow")
+
+
+def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries documenting application/problem+json errors."""
+    schema = Problem.model_json_schema()
+    return {
+        s: {"description": "Problem details (RFC 9457)", "content": {"application/problem+json": {"schema": schema}}}
+        for s in statuses
+    }

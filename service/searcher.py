@@ -1,0 +1,365 @@
+"""Search over one loaded bundle: text→audio, audio→text, consistency diagnostics.
+
+No FastAPI here: a :class:`Searcher` takes plain Python values, returns plain
+dataclasses and raises :class:`service.errors.ServiceError` for bad input, so it
+is unit-testable alone. One instance per loaded bundle, shared by all requests;
+it never mutates the bundle's index state.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from index.languages import ENGLISH
+from index.metrics import dis, gap, mean_rank_std, mean_rank_variance, t2a_ranks_from_embeddings
+from index.report import METRIC_CONVENTION
+from service.cache import (
+    QueryCache,
+    cache_key,
+    decode_hits,
+    decode_vector,
+    encode_hits,
+    encode_vector,
+    normalize_query,
+)
+from service.errors import ServiceError
+from service.gate import eval_data, evaluate
+
+
+class BundleLike(Protocol):
+    """The part of :class:`index.loader.LoadedBundle` the service uses."""
+
+    path: Path
+    bundle_id: str
+    languages: list[str]
+    embed_dim: int
+    sample_rate: int
+    audio_items: list[dict[str, Any]]
+    text_items: list[dict[str, Any]]
+
+    def encode_text(self, texts: Sequence[str]) -> np.ndarray: ...
+
+    def encode_audio(self, waveforms: Sequence[np.ndarray]) -> np.ndarray: ...
+
+    def search_audio(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def search_text(
+        self, queries: np.ndarray, k: int, *, languages: Collection[str] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def warmup(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class TextLookup:
+    """Normalized queries and what the cache already knew (None = miss)."""
+
+    texts: list[str]
+    k: int
+    results: list[tuple[np.ndarray, np.ndarray] | None]
+
+    @property
+    def complete(self) -> bool:
+        return all(r is not None for r in self.results)
+
+
+@dataclass(frozen=True)
+class AudioHit:
+    id: str
+    score: float
+    uri: str | None = None
+    captions: dict[str, list[str]] | None = None
+
+
+@dataclass(frozen=True)
+class CaptionHit:
+    clip_id: str
+    lang: str
+    text: str
+    score: float
+    uri: str | None = None
+
+
+@dataclass(frozen=True)
+class LanguageDiagnosis:
+    hits: list[AudioHit]
+    target_rank: int | None
+
+
+@dataclass(frozen=True)
+class HeldoutReport:
+    report: dict[str, float]
+    convention: str
+    source: str  # "manifest" (computed at export) or "computed" (at first request)
+
+
+@dataclass(frozen=True)
+class ConsistencyDiagnosis:
+    target_id: str | None
+    per_language: dict[str, LanguageDiagnosis]
+    mrv: float | None
+    mean_rank_std: float | None
+    gap: dict[str, float] = field(default_factory=dict)
+    dis: dict[str, float] = field(default_factory=dict)
+
+
+class Searcher:
+    """Query-time operations over one bundle, with a query cache keyed by the bundle id."""
+
+    def __init__(self, bundle: BundleLike, *, cache: QueryCache, key_prefix: str, max_query_chars: int):
+        self.bundle = bundle
+        self.cache = cache
+        self.key_prefix = key_prefix
+        self.max_query_chars = max_query_chars
+        self.clip_rows = {str(item["id"]): row for row, item in enumerate(bundle.audio_items)}
+        self._gallery: np.ndarray | None = None  # loaded on first diagnosis
+        self._gallery_lock = threading.Lock()
+        self._heldout: HeldoutReport | None = None
+
+    @property
+    def bundle_id(self) -> str:
+        return self.bundle.bundle_id
+
+    @property
+    def languages(self) -> list[str]:
+        return list(self.bundle.languages)
+
+    # ------------------------------------------------------------------ validation
+
+    def check_language(self, lang: str | None) -> None:
+        """Raise ``unknown-language`` (listing the supported codes) unless ``lang`` is served."""
+        if lang is not None and lang not in self.bundle.languages:
+            raise ServiceError(
+                "unknown-language",
+                f"language {lang!r} is not supported by bundle {self.bundle_id}; "
+                f"supported: {', '.join(self.bundle.languages)}",
+                supported=self.languages,
+            )
+
+    def normalized(self, query: str) -> str:
+        """Normalized query text, or ``invalid-query`` when empty or longer than the limit."""
+        text = normalize_query(query)
+        if not text:
+            raise ServiceError("invalid-query", "query is empty (only whitespace)")
+        if len(text) > self.max_query_chars:
+            raise ServiceError(
+                "invalid-query", f"query has {len(text)} characters; the limit is {self.max_query_chars}"
+            )
+        return text
+
+    # ------------------------------------------------------------------ text embeddings
+
+    def _key(self, kind: str, text: str) -> str:
+        return cache_key(prefix=self.key_prefix, bundle_id=self.bundle_id, kind=kind, text=text)
+
+    def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
+        """(n, d) embeddings of already-normalized texts; cached ones are not re-encoded."""
+        out = np.empty((len(texts), self.bundle.embed_dim), dtype=np.float32)
+        missing: list[int] = []
+        for i, text in enumerate(texts):
+            raw = self.cache.get(self._key("temb", text), kind="embedding")
+            vector = decode_vector(raw, self.bundle.embed_dim) if raw is not None else None
+            if vector is None:
+                missing.append(i)
+            else:
+                out[i] = vector
+        if missing:
+            encoded = np.asarray(self.bundle.encode_text([texts[i] for i in missing]), dtype=np.float32)
+            for i, vector in zip(missing, encoded, strict=True):
+                out[i] = vector
+                self.cache.set(self._key("temb", texts[i]), encode_vector(vector))
+        return out
+
+    # ------------------------------------------------------------------ text → audio
+
+    def search_text(
+        self,
+        queries: Sequence[str],
+        *,
+        lang: str | None = None,
+        k: int,
+        min_score: float | None = None,
+        include_captions: bool = False,
+    ) -> list[list[AudioHit]]:
+        """Top-``k`` clips for each query; results are cached per (bundle, query, k)."""
+        lookup = self.lookup_text(queries, lang=lang, k=k)
+        return self.hits_of(self.complete_text(lookup), min_score=min_score, include_captions=include_captions)
+
+    def lookup_text(self, queries: Sequence[str], *, lang: str | None, k: int) -> TextLookup:
+        """Validate and normalize the queries and look their results up in the cache.
+
+        Cheap and non-blocking with the in-process cache, so the app runs it on the event
+        loop and sends only misses to the thread pool (:meth:`complete_text`)."""
+        self.check_language(lang)
+        texts = [self.normalized(q) for q in queries]
+        results: list[tuple[np.ndarray, np.ndarray] | None] = []
+        for text in texts:
+            raw = self.cache.get(self._key(f"t2a-k{k}", text), kind="results")
+            results.append(decode_hits(raw) if raw is not None else None)
+        return TextLookup(texts=texts, k=k, results=results)
+
+    def complete_text(self, lookup: TextLookup) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Encode and search the queries the cache did not answer (blocking: encoder + FAISS)."""
+        results = list(lookup.results)
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            embeddings = self.embed_texts([lookup.texts[i] for i in missing])
+            scores, rows = self.bundle.search_audio(embeddings, lookup.k)
+            for j, i in enumerate(missing):
+                results[i] = (scores[j], rows[j])
+                self.cache.set(self._key(f"t2a-k{lookup.k}", lookup.texts[i]), encode_hits(scores[j], rows[j]))
+        return [r for r in results if r is not None]
+
+    def hits_of(
+        self, results: list[tuple[np.ndarray, np.ndarray]], *, min_score: float | None, include_captions: bool
+    ) -> list[list[AudioHit]]:
+        return [self._audio_hits(s, r, min_score=min_score, include_captions=include_captions) for s, r in results]
+
+    def _audio_hits(
+        self, scores: np.ndarray, rows: np.ndarray, *, min_score: float | None, include_captions: bool
+    ) -> list[AudioHit]:
+        hits = []
+        for score, row in zip(scores.tolist(), rows.tolist(), strict=True):
+            if row < 0 or (min_score is not None and score < min_score):
+                continue
+            item = self.bundle.audio_items[row]
+            hits.append(
+                AudioHit(
+                    id=str(item["id"]),
+                    score=float(score),
+                    uri=item.get("uri"),
+                    captions=item.get("captions") if include_captions else None,
+                )
+            )
+        return hits
+
+    # ------------------------------------------------------------------ audio → text
+
+    def search_audio(
+        self,
+        waveform: np.ndarray,
+        *,
+        languages: Collection[str] | None = None,
+        k: int,
+        min_score: float | None = None,
+    ) -> list[CaptionHit]:
+        """Top-``k`` captions for one decoded waveform (at the bundle's rate), optionally by language."""
+        for lang in languages or ():
+            self.check_language(lang)
+        embedding = np.asarray(self.bundle.encode_audio([waveform]), dtype=np.float32)
+        scores, rows = self.bundle.search_text(embedding, k, languages=list(languages) if languages else None)
+        hits = []
+        for score, row in zip(scores[0].tolist(), rows[0].tolist(), strict=True):
+            if row < 0 or (min_score is not None and score < min_score):
+                continue
+            item = self.bundle.text_items[row]
+            clip = self.bundle.audio_items[int(item["clip_row"])]
+            hits.append(
+                CaptionHit(
+                    clip_id=str(item["clip_id"]),
+                    lang=str(item["lang"]),
+                    text=str(item["text"]),
+                    score=float(score),
+                    uri=clip.get("uri"),
+                )
+            )
+        return hits
+
+    # ------------------------------------------------------------------ diagnostics
+
+    def gallery(self) -> np.ndarray | None:
+        """(N, d) clip embeddings when the bundle exposes them (``audio_embeddings()``), else None."""
+        with self._gallery_lock:
+            if self._gallery is None:
+                self._gallery = clip_embeddings(self.bundle)
+            return self._gallery
+
+    def consistency(
+        self, captions: Mapping[str, str], *, target_id: str | None = None, k: int = 10
+    ) -> ConsistencyDiagnosis:
+        """Per-language hits and target ranks of one query group (a caption and its translations)."""
+        for lang in captions:
+            self.check_language(lang)
+        if target_id is not None and target_id not in self.clip_rows:
+            raise ServiceError("unknown-target", f"clip {target_id!r} is not in bundle {self.bundle_id}")
+        langs = list(captions)
+        texts = [self.normalized(captions[lang]) for lang in langs]
+        embeddings = self.embed_texts(texts)
+        scores, rows = self.bundle.search_audio(embeddings, k)
+        ranks = self._target_ranks(embeddings, target_id)
+        per_language = {
+            lang: LanguageDiagnosis(
+                hits=self._audio_hits(scores[i], rows[i], min_score=None, include_captions=False),
+                target_rank=int(ranks[i]) if ranks is not None else None,
+            )
+            for i, lang in enumerate(langs)
+        }
+        table = ranks[None, :].astype(np.float64) if ranks is not None and len(langs) >= 2 else None
+        gaps, diss = _gap_dis(dict(zip(langs, embeddings, strict=True)))
+        return ConsistencyDiagnosis(
+            target_id=target_id,
+            per_language=per_language,
+            mrv=mean_rank_variance(table) if table is not None else None,
+            mean_rank_std=mean_rank_std(table) if table is not None else None,
+            gap=gaps,
+            dis=diss,
+        )
+
+    def heldout_report(self) -> HeldoutReport:
+        """The bundle's own held-out report: from its manifest, else computed once from its eval set."""
+        evaluation = getattr(getattr(self.bundle, "manifest", None), "evaluation", None)
+        if evaluation is not None and evaluation.report:
+            return HeldoutReport(dict(evaluation.report), str(evaluation.convention), "manifest")
+        with self._gallery_lock:
+            if self._heldout is None:
+                data = eval_data(self.bundle)
+                langs = [lang for lang in self.bundle.languages if np.any(data.lang == lang)]
+                report = evaluate(self.bundle, data, langs)
+                self._heldout = HeldoutReport(report, METRIC_CONVENTION, "computed")
+            return self._heldout
+
+    def _target_ranks(self, embeddings: np.ndarray, target_id: str | None) -> np.ndarray | None:
+        """1-based rank of the target among all clips, pessimistic ties (as :mod:`index.metrics`).
+
+        Exact from the clip embeddings when available; otherwise from a search over every
+        clip (exact for the Flat indices of collections up to 100 k clips)."""
+        if target_id is None:
+            return None
+        row = self.clip_rows[target_id]
+        gallery = self.gallery()
+        if gallery is not None:
+            clips = np.full(embeddings.shape[0], row, dtype=np.int64)
+            return t2a_ranks_from_embeddings(embeddings, gallery, clips)
+        scores, rows = self.bundle.search_audio(embeddings, len(self.bundle.audio_items))
+        ranks = np.empty(embeddings.shape[0], dtype=np.int64)
+        for i in range(embeddings.shape[0]):
+            found = np.flatnonzero(rows[i] == row)
+            target = scores[i, found[0]] if found.size else -np.inf
+            ranks[i] = int(np.count_nonzero(scores[i][rows[i] >= 0] >= target))
+        return ranks
+
+
+def _gap_dis(by_lang: dict[str, np.ndarray]) -> tuple[dict[str, float], dict[str, float]]:
+    """Gap/Dis (ATRI Eq. 14–15) of each non-English query embedding against the English one."""
+    if ENGLISH not in by_lang:
+        return {}, {}
+    eng = by_lang[ENGLISH][None, :]
+    others = {lang: v[None, :] for lang, v in by_lang.items() if lang != ENGLISH}
+    return (
+        {lang: gap(eng, v) for lang, v in others.items()},
+        {lang: dis(eng, v) for lang, v in others.items()},
+    )
+
+
+def clip_embeddings(bundle: BundleLike) -> np.ndarray | None:
+    """All clip vectors (row order = ``audio_items``) if the bundle offers ``audio_embeddings()``."""
+    getter = getattr(bundle, "audio_embeddings", None)
+    return np.asarray(getter(), dtype=np.float32) if callable(getter) else None

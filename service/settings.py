@@ -1,0 +1,113 @@
+"""Service settings (pydantic-settings, environment prefix ``TONEARM_``).
+
+Built once inside :func:`service.app.create_app` — never at import time — and
+validated there: unsafe combinations (admin routes enabled without a token
+outside development, several workers without Redis) are refused with a
+message naming the variable to set.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tonearm.errors import TonearmError
+
+
+class SettingsError(TonearmError):
+    """Settings that would start an unsafe or non-working service."""
+
+
+def default_home() -> Path:
+    """``$TONEARM_HOME`` default: the per-user cache directory."""
+    return Path.home() / ".cache" / "tonearm"
+
+
+class Settings(BaseSettings):
+    """Every knob of the service; each field is ``TONEARM_<NAME>`` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="TONEARM_", extra="ignore", frozen=True)
+
+    environment: Literal["development", "production"] = "production"
+    """`development` allows admin routes without a token (with a warning)."""
+    home: Path = Field(default_factory=default_home)
+    """Cache directory of the embedded demo bundle (`tonearm serve` with nothing configured)."""
+
+    # --- bundles ---
+    bundles_dir: Path | None = None
+    """Directory holding bundle directories; activation is by bundle id among them."""
+    bundle: str | None = None
+    """Bundle served at start: a bundle id inside `bundles_dir` or a bundle directory path."""
+    onnx_threads: int = Field(default=1, ge=1, le=64)
+    """onnxruntime intra-op threads per session; parallelism comes from the request thread pool."""
+    search_threads: int = Field(default=4, ge=1, le=256)
+    """Threads that run encoders and FAISS searches (they release the GIL)."""
+
+    # --- server ---
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    workers: int = Field(default=1, ge=1, le=64)
+    """uvicorn worker processes; >1 needs Redis (each worker is a replica)."""
+    access_log: bool = False
+    """uvicorn's per-request access log (off: it costs throughput; /metrics has the counts)."""
+
+    # --- admin ---
+    admin_token: SecretStr | None = None
+    """Bearer token of the /v1/bundles routes (mount it from a secret)."""
+    admin_enabled: bool | None = None
+    """Admin routes on/off; default: on when `admin_token` is set."""
+
+    # --- redis / cache ---
+    redis_url: str | None = None
+    """e.g. redis://redis:6379/0; unset → in-process cache and a single replica."""
+    redis_socket_timeout: float = Field(default=0.1, gt=0, le=10)
+    """Connect/read timeout (s): a dead Redis must not add latency."""
+    redis_backoff_max: float = Field(default=10.0, gt=0)
+    """Longest pause (s) between reconnection attempts after Redis failures."""
+    key_prefix: str = Field(default="tonearm", min_length=1, max_length=64)
+    pubsub_channel: str = "tonearm:activations"
+    cache_ttl_seconds: int = Field(default=3600, ge=1)
+    cache_max_entries: int = Field(default=20_000, ge=0)
+    """In-process cache size bound (entries); Redis keys are bounded by TTL instead."""
+    cache_max_payload_bytes: int = Field(default=16_384, ge=256)
+    """Larger values are not cached."""
+
+    # --- request limits (query length, k and batch size are API constants: service/limits.py) ---
+    max_upload_bytes: int = Field(default=10 * 1024 * 1024, ge=1024)
+    max_audio_seconds: float = Field(default=60.0, gt=0)
+    max_sample_rate: int = Field(default=192_000, ge=8000)
+    max_channels: int = Field(default=8, ge=1)
+
+    # --- quality gate ---
+    gate_metric: str = "t2a_R@10_mean"
+    """Recall metric compared by the gate (a key of index.metrics.retrieval_report)."""
+    gate_max_recall_drop: float = Field(default=0.02, ge=0, le=1)
+    """Reject when candidate recall < active recall − this (absolute)."""
+    gate_max_mrv_ratio: float = Field(default=1.10, ge=1)
+    gate_mrv_slack: float = Field(default=1.0, ge=0)
+    """Reject when candidate MRV > active MRV × ratio + slack (rank², slack absorbs tiny-set noise)."""
+
+    @model_validator(mode="after")
+    def _check_safety(self) -> Settings:
+        if self.admin_on and self.admin_token is None and self.environment != "development":
+            raise SettingsError(
+                "admin routes are enabled but no token is set: set TONEARM_ADMIN_TOKEN "
+                "(from a secret), or TONEARM_ADMIN_ENABLED=false, or TONEARM_ENVIRONMENT=development"
+            )
+        if self.admin_token is not None and len(self.admin_token.get_secret_value()) < 16:
+            if self.environment != "development":
+                raise SettingsError("TONEARM_ADMIN_TOKEN is shorter than 16 characters")
+        if self.workers > 1 and self.redis_url is None:
+            raise SettingsError(
+                "TONEARM_WORKERS > 1 needs TONEARM_REDIS_URL: each worker is a replica "
+                "that learns activations over Redis pub/sub"
+            )
+        return self
+
+    @property
+    def admin_on(self) -> bool:
+        """Whether the /v1/bundles routes are served."""
+        return self.admin_token is not None if self.admin_enabled is None else self.admin_enabled

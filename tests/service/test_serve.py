@@ -1,0 +1,86 @@
+"""`tonearm serve` as a real process, and the demo-bundle cache and lock."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import ROOT
+from tests.service.conftest import free_port, wait_until
+from tonearm import demo
+
+
+def test_serve_subprocess_answers_with_the_given_bundle(real_bundles, tmp_path):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TONEARM_HOME": str(tmp_path / "home")}
+    env.pop("TONEARM_BUNDLE", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tonearm.cli", "serve", "--bundle", str(real_bundles.a), "--port", str(port)],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
+        try:
+            return httpx.get(url + "/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(ready, timeout=120, interval=0.2, what="tonearm serve to be ready")
+        r = httpx.post(url + "/v1/search/text", json={"query": "un chien aboie", "k": 3}, timeout=30)
+        assert r.status_code == 200 and r.json()["bundle_id"] == real_bundles.id("a")
+        assert httpx.get(url + "/v1/bundles", timeout=5).status_code == 404  # no token → admin off
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_serve_rejects_a_directory_that_is_not_a_bundle(tmp_path):
+    from tonearm.cli import main
+
+    assert main(["serve", "--bundle", str(tmp_path)]) == 2
+
+
+def _fake_build(calls: list, delay: float):
+    def build(root: Path) -> Path:
+        calls.append(root)
+        time.sleep(delay)  # long enough for the second caller to hit the lock
+        bundle = root / "bundles" / f"demo-{len(calls)}"
+        bundle.mkdir(parents=True)
+        (bundle / "manifest.json").write_text("{}")
+        return bundle
+
+    return build
+
+
+def test_demo_bundle_is_built_once_and_cached(tmp_path, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(demo, "_build", _fake_build(calls, 0.3))
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(demo.ensure_demo_bundle(tmp_path))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert results[0] == results[1] == (tmp_path / "demo" / "bundles" / "demo-1").resolve()
+    assert demo.ensure_demo_bundle(tmp_path) == results[0] and len(calls) == 1
+    assert demo.cached_demo_bundle(tmp_path) == results[0]
+
+
+def test_demo_rebuilds_when_the_cached_bundle_vanished(tmp_path, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(demo, "_build", _fake_build(calls, 0.0))
+    first = demo.ensure_demo_bundle(tmp_path)
+    (first / "manifest.json").unlink()
+    assert demo.cached_demo_bundle(tmp_path) is None
+    second = demo.ensure_demo_bundle(tmp_path)
+    assert second.name == "demo-2" and len(calls) == 2

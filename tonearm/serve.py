@@ -1,0 +1,66 @@
+"""`tonearm serve`: resolve the bundle (flag, settings, else the embedded demo) and run uvicorn.
+
+Settings come from ``TONEARM_*`` environment variables; the command-line flags
+override them and are handed to uvicorn's worker processes through the same
+variables, so one code path (:func:`service.app.app_from_env`) builds the app
+with one or several workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from tonearm.errors import TonearmError
+
+log = logging.getLogger(__name__)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, str]:
+    values = {"host": args.host, "port": args.port, "workers": args.workers}
+    env = {f"TONEARM_{k.upper()}": str(v) for k, v in values.items() if v is not None}
+    if args.bundle:
+        bundle = Path(args.bundle).expanduser().resolve()
+        if not (bundle / "manifest.json").is_file():
+            raise TonearmError(f"{bundle}: not a bundle directory (no manifest.json)")
+        env["TONEARM_BUNDLE"] = str(bundle)
+    return env
+
+
+def _settings():
+    from service.settings import Settings, SettingsError
+
+    try:
+        return Settings()
+    except ValidationError as err:
+        problems = "; ".join(f"TONEARM_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in err.errors())
+        raise SettingsError(f"invalid service settings: {problems}") from None
+
+
+def cli_serve(args: argparse.Namespace) -> int:
+    """Run the service until interrupted."""
+    import uvicorn
+
+    os.environ.update(_overrides(args))
+    settings = _settings()
+    if settings.bundle is None:
+        from tonearm.demo import ensure_demo_bundle
+
+        log.info("no bundle configured (--bundle / TONEARM_BUNDLE): using the embedded demo bundle")
+        os.environ["TONEARM_BUNDLE"] = str(ensure_demo_bundle(settings.home))
+        settings = _settings()
+    log.info("serving %s on http://%s:%d (%d worker(s))", settings.bundle, settings.host, settings.port, settings.workers)
+    uvicorn.run(
+        "service.app:app_from_env",
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        workers=settings.workers,
+        log_level="info",
+        access_log=settings.access_log,
+    )
+    return 0

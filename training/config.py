@@ -14,8 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tonearm.errors import TonearmError
 from index.languages import DEFAULT_LANGUAGES, validate_language_codes
+from tonearm.errors import TonearmError
 
 
 class ConfigError(TonearmError, ValueError):

@@ -112,3 +112,16 @@ def test_events_follow_the_layout_and_attributes_change_the_signal() -> None:
     assert np.argmax(spectrum) * 16000 / second.size < 300  # drum hits at ~100 Hz later
     quiet = clip(("loudness", "quiet"))
     assert np.sqrt(np.mean(quiet[:14000] ** 2)) < 0.5 * np.sqrt(np.mean(first**2))
+
+
+def test_relative_output_dir_gives_loadable_manifest(tmp_path, monkeypatch):
+    """`tonearm synth --out corpus` from another directory: audio paths resolve from the manifest."""
+    from training.data.manifest import load_manifest
+    from training.data.synth import generate_corpus
+
+    monkeypatch.chdir(tmp_path)
+    manifest = generate_corpus(size="tiny", seed=3, out_dir=Path("corpus"), progress=False)
+    records = load_manifest(tmp_path / manifest, languages=["eng", "fra", "deu", "spa", "nld", "cat", "jpn", "zho"])
+    assert records and all(record.audio.is_file() for record in records)
+    first_line = (tmp_path / "corpus" / "manifest.jsonl").read_text(encoding="utf-8").splitlines()[0]
+    assert '"audio": "audio/' in first_line

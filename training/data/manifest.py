@@ -181,9 +181,12 @@ def load_manifest(
 
 
 def record_to_json(record: ClipRecord, *, base: Path) -> dict[str, Any]:
-    """The JSON object of one line, with ``audio`` relative to ``base`` (POSIX separators)."""
-    audio = Path(record.audio)
-    relative = Path(os.path.relpath(audio.resolve(), base.resolve())) if audio.is_absolute() else audio
+    """The JSON object of one line, with ``audio`` relative to ``base`` (POSIX separators).
+
+    A relative ``record.audio`` means relative to the working directory, like any path a
+    user passes; it is rewritten relative to the manifest so the manifest can move.
+    """
+    relative = Path(os.path.relpath(Path(record.audio).resolve(), base.resolve()))
     return {
         "id": record.id,
         "audio": relative.as_posix(),

@@ -293,6 +293,21 @@ class LoadedBundle:
         """Top-k clips: (scores (n, k), rows (n, k) into ``audio_items``; -1 / -inf past the end)."""
         return self._need(self._audio_index).search(queries, k)
 
+    def audio_embeddings(self) -> np.ndarray:
+        """All clip vectors (N, d), row order = ``audio_items``, read back from the audio index.
+
+        Exact for ``Flat`` and ``HNSW,Flat``; PQ indices give their compressed approximation.
+        The service's consistency diagnostics rank a target against all of these.
+        """
+        index = self._need(self._audio_index).index
+        ivf = faiss.try_extract_index_ivf(index)
+        if ivf is not None and not ivf.direct_map.type:
+            # Reading vectors back from IVF lists needs a direct map; build it once on a
+            # copy so the serving index stays untouched.
+            index = faiss.clone_index(index)
+            faiss.extract_index_ivf(index).make_direct_map()
+        return np.asarray(index.reconstruct_n(0, index.ntotal), dtype=np.float32)
+
     def search_text(
         self, queries: np.ndarray, k: int, *, languages: Collection[str] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:

@@ -167,3 +167,27 @@ def test_inconsistent_ids_are_refused_even_with_valid_checksums(tiny_bundle, tmp
         path = fmt.publish(staging, manifest.model_copy(update={"bundle_id": "bad-ids"}))
     with pytest.raises(BundleError, match=r"text_ids.jsonl:5:"):
         LoadedBundle.open(path)
+
+
+def test_audio_embeddings_are_the_indexed_clip_vectors(bundle):
+    vectors = bundle.audio_embeddings()
+    assert vectors.shape == (len(bundle.audio_items), bundle.embed_dim)
+    held_out = bundle.eval_set()
+    rows = {item["id"]: i for i, item in enumerate(bundle.audio_items)}
+    encoded = bundle.encode_audio(held_out.waveforms[:3])
+    stored = vectors[[rows[c] for c in held_out.clip_ids[:3]]]
+    np.testing.assert_allclose(stored, encoded, atol=1e-4)
+
+
+def test_audio_embeddings_read_back_from_an_ivf_index_without_touching_it():
+    from index.faiss_index import build_index
+    from index.loader import _Index
+
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((400, 16)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    index = build_index(vectors, "IVF4,Flat").index
+    holder = LoadedBundle.__new__(LoadedBundle)
+    holder._audio_index = _Index(index=index, params={"nprobe": 2})
+    np.testing.assert_allclose(holder.audio_embeddings(), vectors, atol=1e-6)
+    assert not faiss.extract_index_ivf(index).direct_map.type  # serving index unchanged

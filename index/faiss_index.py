@@ -33,8 +33,9 @@ _faiss: Any = faiss  # the SWIG stubs miss SearchParameters kwargs and several i
 
 Kind = Literal["flat", "hnsw", "ivf_flat", "ivf_pq"]
 
-EXACT_MAX = 100_000
-"""Collections up to this size get an exact ``Flat`` index."""
+EXACT_MAX = 250_000
+"""Collections up to this size get an exact ``Flat`` index: ~10 ms a query on one core at
+d=256, while HNSW builds at under a thousand vectors/s here (docs/BENCHMARKS.md)."""
 HNSW_MAX = 2_000_000
 """Collections up to this size get ``HNSW32,Flat``; larger ones ``IVF{k},PQ{m}``."""
 DEFAULT_MMAP_THRESHOLD = 256 << 20

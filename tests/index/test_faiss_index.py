@@ -55,8 +55,8 @@ def test_parse_rejects_unchecked_or_invalid_forms(factory):
 
 def test_choose_factory_by_size():
     assert choose_factory(1_000, 256) == "Flat"
-    assert choose_factory(100_000, 256) == "Flat"
-    assert choose_factory(100_001, 256) == "HNSW32,Flat"
+    assert choose_factory(250_000, 256) == "Flat"
+    assert choose_factory(250_001, 256) == "HNSW32,Flat"
     # 4 * sqrt(5e6) = 8944 -> nearest power of two 2^13; PQ64 = 4 dims per sub-quantizer.
     assert choose_factory(5_000_000, 256) == "IVF8192,PQ64"
     assert choose_factory(3_000_000, 30) == "IVF8192,PQ6"  # largest divisor of 30 that is <= 30 // 4 = 7

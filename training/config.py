@@ -172,18 +172,52 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+EXTENDS_KEY = "extends"
+"""A preset may start from another file: ``extends: ../default.yaml`` (relative to the preset)."""
+REPLACED_WHOLE = frozenset({"objective"})
+"""Sections a preset replaces instead of merging: an objective is one composition, and a
+SigLIP base must not inherit InfoNCE's ``tau``."""
+
+
+def _merge(parent: dict[str, Any], child: dict[str, Any], *, top: bool) -> dict[str, Any]:
+    merged = dict(parent)
+    for key, value in child.items():
+        inherited = merged.get(key)
+        if isinstance(value, dict) and isinstance(inherited, dict) and not (top and key in REPLACED_WHOLE):
+            merged[key] = _merge(inherited, value, top=False)
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_config_tree(path: Path, *, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The YAML mapping of a preset with its ``extends`` chain resolved (child wins)."""
+    path = path.resolve()
+    if path in _seen:
+        chain = " -> ".join(str(p) for p in (*_seen, path))
+        raise ConfigError(f"config files extend each other in a cycle: {chain}")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
+    tree = dict(loaded or {})
+    parent_name = tree.pop(EXTENDS_KEY, None)
+    if parent_name is None:
+        return tree
+    parent = read_config_tree(path.parent / str(parent_name), _seen=(*_seen, path))
+    return _merge(parent, tree, top=True)
+
+
 def load_train_config(path: Path | str | None, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML preset (or start from defaults when `path` is None) and apply overrides."""
     tree: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
-        tree = loaded or {}
+        tree = read_config_tree(Path(path))
         source = str(path)
     apply_overrides(tree, overrides or [])
     try:

@@ -1,0 +1,44 @@
+"""Config loading: presets, `extends`, dotted overrides, unknown keys."""
+
+from __future__ import annotations
+
+import pytest
+
+from training.config import ConfigError, load_train_config
+
+
+def test_extends_merges_sections_but_replaces_the_objective(tmp_path):
+    (tmp_path / "parent.yaml").write_text(
+        "optim: {epochs: 7, lr: 0.002}\n"
+        "objective:\n  base: {name: infonce, tau: 0.05}\n  strategy: {name: random}\n"
+    )
+    (tmp_path / "child.yaml").write_text(
+        "extends: parent.yaml\noptim: {epochs: 3}\nobjective:\n  base: {name: siglip}\n"
+    )
+    config = load_train_config(tmp_path / "child.yaml", ["optim.batch_size=16"])
+    assert (config.optim.epochs, config.optim.lr, config.optim.batch_size) == (3, 0.002, 16)
+    assert config.objective.base == {"name": "siglip"}  # no inherited tau
+    assert config.objective.strategy == {"name": "random"}  # the default, not the parent's copy
+
+
+def test_extends_cycle_and_missing_parent_are_clear_errors(tmp_path):
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_train_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("extends: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match="nowhere.yaml"):
+        load_train_config(tmp_path / "c.yaml")
+
+
+def test_unknown_key_is_named(tmp_path):
+    (tmp_path / "x.yaml").write_text("optim: {epoch: 3}\n")
+    with pytest.raises(ConfigError, match="unknown key 'optim.epoch'"):
+        load_train_config(tmp_path / "x.yaml")
+    with pytest.raises(ConfigError, match="unknown key 'model.audio.width'"):
+        load_train_config(None, ["model.audio.width=3"])
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="key.path=value"):
+        load_train_config(None, ["optim.lr"])

@@ -1,0 +1,705 @@
+"""`tonearm train CONFIG [key=value ...]`: the training loop.
+
+Reads top to bottom as setup → build → loop → teardown (nanoGPT style, no
+callbacks): :func:`train` sets up the process, :func:`build_run` builds data,
+tokenizer, model, objective and optimizer, :func:`run_epochs` is the loop, and the
+helpers below it each do one thing (a step, an epoch's end, validation, saving).
+
+Outputs in ``out_dir``: ``best/`` and ``last/`` checkpoints (``last`` also holds the
+optimizer, scaler, objective, RNG and loop state for ``resume: true``),
+``metrics.jsonl`` (step / epoch / eval records) and ``curves.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from tonearm.errors import DataError
+from training.config import ConfigError, TrainConfig, load_train_config
+from training.context import LoopContext
+from training.evaluate import (
+    EvalSet,
+    clip_samples,
+    evaluate_prepared,
+    prepare_eval_set,
+    report_keys,
+)
+from training.objectives import EmbeddingBatch, Objective, build_objective, total_loss
+from training.objectives.base import BuildEnv
+from training.runtime import (
+    Runtime,
+    autocast,
+    barrier,
+    capture_rng_state,
+    flatten_optimizer_state,
+    load_trainer_state,
+    make_grad_scaler,
+    restore_rng_state,
+    save_trainer_state,
+    seed_everything,
+    setup_runtime,
+    teardown_runtime,
+    unflatten_optimizer_state,
+)
+from training.schedule import Schedule
+
+log = logging.getLogger(__name__)
+
+LOG_EVERY_STEPS = 10
+"""Per-step loss terms go to metrics.jsonl every this many steps (and at step 1)."""
+TRAIN_SPLIT = "train"
+LOWER_IS_BETTER = ("mrv_", "mean_rank_std_", "gap_", "dis_")
+
+
+@dataclass
+class LoopState:
+    """Where the loop is; saved in ``last/trainer_state.json`` for an exact resume."""
+
+    epoch: int = 0
+    """Epochs completed."""
+    step: int = 0
+    """Optimizer steps completed."""
+    batch_in_epoch: int = 0
+    best_value: float | None = None
+    best_step: int | None = None
+    epoch_loss_sum: float = 0.0
+    epoch_loss_count: int = 0
+
+
+@dataclass
+class Run:
+    """Everything :func:`build_run` builds; the loop only reads these (and updates `state`)."""
+
+    cfg: TrainConfig
+    runtime: Runtime
+    model: nn.Module
+    objective: Objective
+    step_module: nn.Module
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    schedule: Schedule
+    loader: DataLoader
+    batches: EpochBatches
+    context: LoopContext
+    val_set: EvalSet | None
+    teachers: Any | None
+    metrics: MetricsLog
+    steps_per_epoch: int
+    total_steps: int
+    has_validation: bool
+    state: LoopState = field(default_factory=LoopState)
+
+
+# --- setup / teardown ------------------------------------------------------------------------
+
+
+def cli_train(args: argparse.Namespace) -> int:
+    """Entry point of `tonearm train`."""
+    cfg = load_train_config(args.config, list(args.overrides or []))
+    train(cfg)
+    return 0
+
+
+def train(cfg: TrainConfig, *, interrupt_after_steps: int | None = None) -> Path:
+    """Train per `cfg`; returns `cfg.out_dir`.
+
+    `interrupt_after_steps` stops after that many optimizer steps (counted from the
+    start of the run, not of this process) and saves `last/` as an interruption
+    would — for time-boxed jobs and the resume test.
+    """
+    runtime = setup_runtime(device=cfg.device, amp=cfg.optim.amp, threads=cfg.threads)
+    try:
+        seed_everything(cfg.seed + runtime.rank)
+        run = build_run(cfg, runtime)
+        run_epochs(run, interrupt_after_steps=interrupt_after_steps)
+    finally:
+        teardown_runtime(runtime)
+    return cfg.out_dir
+
+
+# --- build ------------------------------------------------------------------------------------
+
+
+def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
+    """Data, tokenizer, model, objective, optimizer, loader; restores `last/` when resuming."""
+    from training.data.dataset import TrainClipDataset, TrainCollate
+
+    train_records, val_records = load_training_data(cfg)
+    resume_dir = cfg.out_dir / "last" if cfg.resume and (cfg.out_dir / "last").is_dir() else None
+    cfg, model, tokenizer = build_model(cfg, train_records, runtime, resume_dir=resume_dir)
+    model.to(runtime.device).train()  # checkpoints load in eval mode
+    env = BuildEnv(languages=tuple(cfg.data.languages), embed_dim=model.embed_dim)
+    objective = build_objective(cfg.objective, env).to(runtime.device)
+    step_module = wrap_for_training(TrainStep(model, objective), runtime)
+    dataset = TrainClipDataset(
+        train_records,
+        sample_rate=cfg.frontend.sample_rate,
+        clip_samples=clip_samples(cfg.data, cfg.frontend),
+        seed=cfg.seed,
+    )
+    sampler = DistributedSampler(
+        dataset, num_replicas=runtime.world_size, rank=runtime.rank, shuffle=True, seed=cfg.seed
+    )
+    batches = EpochBatches(sampler, cfg.optim.batch_size)
+    loader = DataLoader(
+        dataset,
+        batch_sampler=batches,
+        collate_fn=TrainCollate(objective.strategy, tokenizer, seed=cfg.seed),
+        num_workers=cfg.data.num_workers,
+        generator=torch.Generator().manual_seed(cfg.seed),
+        pin_memory=runtime.device.type == "cuda",
+    )
+    steps_per_epoch = len(batches)
+    total_steps = min(cfg.optim.max_steps or math.inf, cfg.optim.epochs * steps_per_epoch)
+    run = Run(
+        cfg=cfg,
+        runtime=runtime,
+        model=model,
+        objective=objective,
+        step_module=step_module,
+        tokenizer=tokenizer,
+        optimizer=build_optimizer(step_module, cfg),
+        scaler=make_grad_scaler(runtime),
+        schedule=build_schedule(cfg, steps_per_epoch=steps_per_epoch, total_steps=int(total_steps)),
+        loader=loader,
+        batches=batches,
+        context=LoopContext(
+            model=model,
+            tokenizer=tokenizer,
+            train_records=train_records,
+            data_cfg=cfg.data,
+            frontend_cfg=cfg.frontend,
+            batch_size=cfg.eval.batch_size,
+            device=runtime.device,
+        ),
+        val_set=prepare_eval_set(val_records, data_cfg=cfg.data, frontend_cfg=cfg.frontend)
+        if val_records and runtime.is_main
+        else None,
+        teachers=build_distillation_teachers(cfg, runtime, train_records, tokenizer),
+        metrics=MetricsLog(cfg.out_dir / "metrics.jsonl", enabled=runtime.is_main),
+        steps_per_epoch=steps_per_epoch,
+        total_steps=int(total_steps),
+        has_validation=bool(val_records),
+    )
+    if resume_dir is not None:
+        restore_trainer_state(run, resume_dir)
+    else:
+        run.metrics.truncate_after(0)
+    if runtime.is_main:
+        (cfg.out_dir / "config.json").write_text(
+            cfg.model_dump_json(indent=2) + "\n", encoding="utf-8"
+        )
+    log.info(
+        "training on %d clips (%d val), %d steps/epoch, %d steps, %s, world size %d",
+        len(train_records),
+        len(val_records),
+        steps_per_epoch,
+        run.total_steps,
+        runtime.device,
+        runtime.world_size,
+    )
+    return run
+
+
+def load_training_data(cfg: TrainConfig) -> tuple[list[Any], list[Any]]:
+    """(train records, validation records), with clear errors for unusable manifests."""
+    from training.data.manifest import load_manifest
+
+    manifest = cfg.data.manifest
+    if manifest is None:
+        raise ConfigError("data.manifest is not set (e.g. data.manifest=data/small/manifest.jsonl)")
+    if not manifest.is_file():
+        raise DataError(f"manifest not found: {manifest} (data.manifest)")
+    records = load_manifest(
+        manifest, languages=cfg.data.languages, skip_missing_audio=cfg.data.skip_missing_audio
+    )
+    train = [r for r in records if r.split == TRAIN_SPLIT][: cfg.data.max_clips]
+    val = [r for r in records if r.split == cfg.eval.split][: cfg.data.max_clips]
+    if len(train) < 2:
+        raise DataError(
+            f"{manifest}: {len(train)} clip(s) in split {TRAIN_SPLIT!r}; training needs at least 2"
+        )
+    for split, records_of_split in ((TRAIN_SPLIT, train), (cfg.eval.split, val)):
+        languages = cfg.data.languages
+        missing = [
+            lang for lang in languages if not any(r.captions.get(lang) for r in records_of_split)
+        ]
+        if records_of_split and missing:
+            raise DataError(
+                f"{manifest}: no {split!r} captions in {missing} although data.languages lists "
+                f"them; set data.languages to the manifest's languages"
+            )
+    if cfg.eval.select_metric not in report_keys(cfg.data.languages):
+        raise ConfigError(
+            f"eval.select_metric {cfg.eval.select_metric!r} is not a report key; "
+            f"e.g. t2a_R@10_mean, a2t_mAP@10_mean, mrv_t2a, t2a_R@1_{cfg.data.languages[0]}"
+        )
+    if not val:
+        log.warning(
+            "%s has no %r split: no validation; best/ will be the last weights",
+            manifest,
+            cfg.eval.split,
+        )
+    return train, val
+
+
+def build_model(
+    cfg: TrainConfig, records: list[Any], runtime: Runtime, *, resume_dir: Path | None
+) -> tuple[TrainConfig, nn.Module, Any]:
+    """(config, model, tokenizer): from `last/` when resuming, from `model.init_checkpoint`, or new.
+
+    A model initialised from a checkpoint keeps that checkpoint's architecture and
+    frontend, so the run's config is updated to describe the weights it saves.
+    """
+    from training.checkpoint import load_checkpoint
+    from training.models.dual_encoder import build_dual_encoder
+
+    source = resume_dir or cfg.model.init_checkpoint
+    if source is not None:
+        checkpoint = load_checkpoint(source)
+        model_cfg = checkpoint.config.model.model_copy(
+            update={"init_checkpoint": cfg.model.init_checkpoint}
+        )
+        if model_cfg != cfg.model or checkpoint.config.frontend != cfg.frontend:
+            log.info("model and frontend settings taken from %s", source)
+        cfg = cfg.model_copy(update={"model": model_cfg, "frontend": checkpoint.config.frontend})
+        return cfg, checkpoint.model, checkpoint.tokenizer
+    texts = [
+        text for r in records for lang in cfg.data.languages for text in r.captions.get(lang, [])
+    ]
+    tokenizer = build_tokenizer_once(cfg, texts, runtime)
+    model = build_dual_encoder(cfg.model, cfg.frontend, vocab_size=tokenizer.vocab_size)
+    return cfg, model, tokenizer
+
+
+def build_tokenizer_once(cfg: TrainConfig, texts: list[str], runtime: Runtime) -> Any:
+    """Rank 0 trains the tokenizer and the other ranks load its file, so every rank has the same vocabulary."""
+    from index.tokenizer import TextTokenizer
+    from training.models.tokenizer import build_tokenizer
+
+    if not runtime.distributed:
+        return build_tokenizer(cfg.model, texts)
+    path = cfg.out_dir / "tokenizer.json"
+    if runtime.is_main:
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        build_tokenizer(cfg.model, texts).save(path)
+    barrier(runtime)
+    return TextTokenizer.from_file(path)
+
+
+class TrainStep(nn.Module):
+    """Model + objective as one module: one forward from a batch to loss terms.
+
+    One module so that DDP synchronises every gradient, the objective's learnable
+    parameters (τ, SigLIP t/b, SVR radius...) included.
+    """
+
+    def __init__(self, model: nn.Module, objective: Objective) -> None:
+        super().__init__()
+        self.model = model
+        self.objective = objective
+
+    def forward(
+        self,
+        waveform: Tensor,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        text_mask: Tensor,
+        clip_index: Tensor,
+        teacher_audio: Tensor | None = None,
+        teacher_text: Tensor | None = None,
+    ) -> dict[str, Tensor]:
+        batch = EmbeddingBatch(
+            audio=self.model.encode_audio(waveform),
+            text=self._embed_views(input_ids, attention_mask, text_mask),
+            text_mask=text_mask,
+            clip_index=clip_index,
+            teacher_audio=teacher_audio,
+            teacher_text=teacher_text,
+        )
+        return self.objective(batch)
+
+    def _embed_views(self, input_ids: Tensor, attention_mask: Tensor, text_mask: Tensor) -> Tensor:
+        """(V, B, d) text embeddings; missing views (text_mask False) stay zero and are never encoded."""
+        views, batch, length = input_ids.shape
+        rows = text_mask.reshape(-1).nonzero().squeeze(1)
+        emb = self.model.encode_text(
+            input_ids.reshape(-1, length)[rows], attention_mask.reshape(-1, length)[rows]
+        )
+        full = emb.new_zeros(views * batch, emb.shape[-1]).index_copy(0, rows, emb)
+        return full.reshape(views, batch, -1)
+
+
+def wrap_for_training(module: nn.Module, runtime: Runtime) -> nn.Module:
+    """DDP when launched with several processes; the module itself otherwise."""
+    if not runtime.distributed:
+        return module
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=True)
+
+
+def build_optimizer(module: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases, norms and scalars such as temperatures (ndim < 2)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas)
+
+
+def build_schedule(cfg: TrainConfig, *, steps_per_epoch: int, total_steps: int) -> Schedule:
+    return Schedule(
+        base_lr=cfg.optim.lr,
+        total_steps=total_steps,
+        warmup_steps=cfg.optim.warmup_steps,
+        kind=cfg.optim.schedule,
+        step_size=cfg.optim.step_size_epochs * steps_per_epoch,
+        gamma=cfg.optim.step_gamma,
+    )
+
+
+def build_distillation_teachers(
+    cfg: TrainConfig, runtime: Runtime, records: list[Any], tokenizer: Any
+) -> Any | None:
+    """Frozen teachers for `objective.distill` (SPEC §4.4), built once; None otherwise."""
+    if cfg.objective.distill is None:
+        return None
+    from training.teachers import build_teachers
+
+    return build_teachers(
+        cfg.objective.distill,
+        device=runtime.device,
+        train_records=records,
+        tokenizer=tokenizer,
+        frontend=cfg.frontend,
+        data=cfg.data,
+    )
+
+
+# --- loop -------------------------------------------------------------------------------------
+
+
+def run_epochs(run: Run, *, interrupt_after_steps: int | None = None) -> None:
+    """The training loop."""
+    from tqdm import tqdm
+
+    cfg, state = run.cfg, run.state
+    for epoch in range(state.epoch, cfg.optim.epochs):
+        if state.step >= run.total_steps:
+            break
+        begin_epoch(run, epoch)
+        started = time.monotonic()
+        bar = tqdm(
+            total=run.steps_per_epoch,
+            initial=state.batch_in_epoch,
+            desc=f"epoch {epoch + 1}/{cfg.optim.epochs}",
+            disable=not run.runtime.is_main,
+            leave=False,
+            dynamic_ncols=True,
+        )
+        try:
+            for batch in run.loader:
+                values = train_step(run, batch)
+                record_step(run, epoch, values)
+                bar.update()
+                bar.set_postfix(loss=f"{values['loss']:.3f}", lr=f"{values['lr']:.2e}")
+                if state.step >= run.total_steps or state.step == interrupt_after_steps:
+                    break
+        except KeyboardInterrupt:
+            save_last(run)
+            raise
+        finally:
+            bar.close()
+        if state.step == interrupt_after_steps and state.step < run.total_steps:
+            save_last(run)
+            return
+        end_epoch(run, epoch, seconds=time.monotonic() - started)
+    finish(run)
+
+
+def begin_epoch(run: Run, epoch: int) -> None:
+    """Seed this epoch's shuffling, cropping and caption sampling; call the objective's hook."""
+    run.batches.set_epoch(epoch, skip=run.state.batch_in_epoch)
+    run.loader.dataset.set_epoch(epoch)
+    run.loader.collate_fn.set_epoch(epoch)
+    run.context.epoch, run.context.step = epoch, run.state.step
+    run.objective.on_epoch_start(run.context)
+
+
+def train_step(run: Run, batch: Any) -> dict[str, float]:
+    """One optimizer step; returns the learning rate, loss, gradient norm and every term."""
+    cfg, runtime, state = run.cfg, run.runtime, run.state
+    lr = run.schedule(state.step)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.context.step = state.step
+    run.objective.on_step_start(run.context)
+    inputs = batch_inputs(run, batch)
+    with autocast(runtime):
+        terms = run.step_module(**inputs)
+        loss = total_loss(terms)
+    if not torch.isfinite(loss):
+        raise FloatingPointError(
+            f"loss is {loss.item()} at step {state.step}; lower optim.lr or enable grad_clip"
+        )
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scaler.scale(loss).backward()
+    run.scaler.unscale_(run.optimizer)
+    params = [p for group in run.optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or math.inf)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    state.step += 1
+    state.batch_in_epoch += 1
+    logged = {k: float(v.detach()) if isinstance(v, Tensor) else float(v) for k, v in terms.items()}
+    return {"lr": lr, "loss": float(loss.detach()), "grad_norm": float(grad_norm), **logged}
+
+
+def batch_inputs(run: Run, batch: Any) -> dict[str, Tensor | None]:
+    """Device tensors for :class:`TrainStep`, with teacher embeddings when distilling."""
+    device = run.runtime.device
+    inputs: dict[str, Tensor | None] = {
+        name: torch.as_tensor(getattr(batch, name)).to(device, non_blocking=True)
+        for name in ("waveform", "input_ids", "attention_mask", "text_mask", "clip_index")
+    }
+    if run.teachers is not None:
+        teacher_audio, teacher_text = run.teachers.embed(batch)
+        inputs["teacher_audio"], inputs["teacher_text"] = (
+            teacher_audio.to(device),
+            teacher_text.to(device),
+        )
+    return inputs
+
+
+def record_step(run: Run, epoch: int, values: dict[str, float]) -> None:
+    state = run.state
+    state.epoch_loss_sum += values["loss"]
+    state.epoch_loss_count += 1
+    if state.step == 1 or state.step % LOG_EVERY_STEPS == 0:
+        run.metrics.write({"kind": "step", "epoch": epoch + 1, "step": state.step, **values})
+
+
+def end_epoch(run: Run, epoch: int, *, seconds: float) -> None:
+    """Log the epoch, validate when due, save `best/` and `last/`, redraw the curves."""
+    cfg, state = run.cfg, run.state
+    summary = {k: float(v) for k, v in run.objective.epoch_summary().items()}
+    mean_loss = state.epoch_loss_sum / max(1, state.epoch_loss_count)
+    run.metrics.write(
+        {
+            "kind": "epoch",
+            "epoch": epoch + 1,
+            "step": state.step,
+            "loss": mean_loss,
+            "seconds": seconds,
+            **summary,
+        }
+    )
+    state.epoch, state.batch_in_epoch = epoch + 1, 0
+    state.epoch_loss_sum, state.epoch_loss_count = 0.0, 0
+    is_last = state.epoch == cfg.optim.epochs or state.step >= run.total_steps
+    report = validate(run) if (state.epoch % cfg.eval.every_epochs == 0 or is_last) else None
+    if report is not None and improves(run, report):
+        save_checkpoint_dir(run, "best", report)
+    save_last(run, report)
+    log.info(
+        "epoch %d: loss %.4f (%.0f s)%s",
+        state.epoch,
+        mean_loss,
+        seconds,
+        f", {cfg.eval.select_metric} {report[cfg.eval.select_metric]:.4f}" if report else "",
+    )
+    if run.runtime.is_main:
+        run.metrics.plot(cfg.out_dir / "curves.png")
+
+
+def validate(run: Run) -> dict[str, float] | None:
+    """SPEC §5 report on the validation split (rank 0; other ranks wait)."""
+    report = None
+    if run.val_set is not None:
+        report = evaluate_prepared(
+            run.model,
+            run.tokenizer,
+            run.val_set,
+            batch_size=run.cfg.eval.batch_size,
+            device=run.runtime.device,
+        )
+        if run.cfg.eval.select_metric not in report:
+            raise ConfigError(
+                f"eval.select_metric {run.cfg.eval.select_metric!r} is not a report key; "
+                f"e.g. {', '.join(sorted(report)[:6])}"
+            )
+        run.metrics.write(
+            {"kind": "eval", "epoch": run.state.epoch, "step": run.state.step, **report}
+        )
+    barrier(run.runtime)
+    return report
+
+
+def improves(run: Run, report: dict[str, float]) -> bool:
+    """Update the best value when `report` beats it on `eval.select_metric`."""
+    name, state = run.cfg.eval.select_metric, run.state
+    value = report[name]
+    lower = name.startswith(LOWER_IS_BETTER)
+    better = state.best_value is None or (
+        value < state.best_value if lower else value > state.best_value
+    )
+    if better and math.isfinite(value):
+        state.best_value, state.best_step = value, state.step
+        return True
+    return False
+
+
+def finish(run: Run) -> None:
+    """Without validation data the final weights are also `best/`."""
+    if not run.has_validation and run.state.best_step is None:
+        run.state.best_step = run.state.step
+        save_checkpoint_dir(run, "best", None)
+        save_last(run)
+    log.info("done: %d steps; checkpoints in %s", run.state.step, run.cfg.out_dir)
+
+
+# --- checkpoints --------------------------------------------------------------------------
+
+
+def save_checkpoint_dir(run: Run, name: str, report: dict[str, float] | None) -> Path:
+    """Write `out_dir/NAME` with the model, config and tokenizer (rank 0 only)."""
+    from training.checkpoint import save_checkpoint
+
+    directory = run.cfg.out_dir / name
+    if run.runtime.is_main:
+        state = {
+            "epoch": run.state.epoch,
+            "step": run.state.step,
+            "select_metric": run.cfg.eval.select_metric,
+            "metrics": report,
+        }
+        save_checkpoint(
+            directory, model=run.model, config=run.cfg, tokenizer=run.tokenizer, state=state
+        )
+    return directory
+
+
+def save_last(run: Run, report: dict[str, float] | None = None) -> None:
+    """`last/` plus the optimizer, scaler, objective, RNG and loop state for an exact resume."""
+    directory = save_checkpoint_dir(run, "last", report)
+    if run.runtime.is_main:
+        optim_tensors, optim_meta = flatten_optimizer_state(run.optimizer.state_dict())
+        rng_tensors, rng_meta = capture_rng_state()
+        objective_tensors = {
+            f"objective.{k}": v.detach().cpu() for k, v in run.objective.state_dict().items()
+        }
+        meta = {
+            "loop": asdict(run.state),
+            "optimizer": optim_meta,
+            "rng": rng_meta,
+            "scaler": run.scaler.state_dict(),
+            "world_size": run.runtime.world_size,
+        }
+        save_trainer_state(
+            directory, tensors={**optim_tensors, **rng_tensors, **objective_tensors}, meta=meta
+        )
+    barrier(run.runtime)
+
+
+def restore_trainer_state(run: Run, directory: Path) -> None:
+    """Inverse of :func:`save_last` (the model weights were already loaded by :func:`build_model`)."""
+    tensors, meta = load_trainer_state(directory)
+    run.optimizer.load_state_dict(unflatten_optimizer_state(tensors, meta["optimizer"]))
+    prefix = "objective."
+    run.objective.load_state_dict(
+        {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+    )
+    if meta["scaler"]:
+        run.scaler.load_state_dict(meta["scaler"])
+    run.state = LoopState(**meta["loop"])
+    restore_rng_state(tensors, meta["rng"])
+    run.metrics.truncate_after(run.state.step)
+    log.info("resumed from %s at epoch %d, step %d", directory, run.state.epoch, run.state.step)
+
+
+# --- batching and metrics files -----------------------------------------------------------
+
+
+class EpochBatches(Sampler[list[int]]):
+    """Batches of this rank's share of a shuffled epoch (DistributedSampler order).
+
+    A trailing batch of one clip is dropped (no negatives); ``skip`` batches at the
+    start of an epoch are not produced when resuming mid-epoch.
+    """
+
+    def __init__(self, sampler: DistributedSampler, batch_size: int) -> None:
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
+        self.sampler.set_epoch(epoch)
+        self.skip = skip
+
+    def _all(self) -> list[list[int]]:
+        indices = list(self.sampler)
+        batches = [
+            indices[i : i + self.batch_size] for i in range(0, len(indices), self.batch_size)
+        ]
+        return batches[:-1] if batches and len(batches[-1]) < 2 else batches
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        yield from self._all()[self.skip :]
+
+    def __len__(self) -> int:
+        full, rest = divmod(len(self.sampler), self.batch_size)
+        return full + (1 if rest >= 2 else 0)
+
+
+class MetricsLog:
+    """Append-only ``metrics.jsonl`` (one JSON object per line) written by rank 0."""
+
+    def __init__(self, path: Path, *, enabled: bool) -> None:
+        self.path = path
+        self.enabled = enabled
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            clean = {
+                k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                for k, v in record.items()
+            }
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(clean) + "\n")
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        return [
+            json.loads(line)
+            for line in self.path.read_text(encoding="utf-8").splitlines()
+            if line.strip()
+        ]
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records of steps after `step` (a resumed run redoes them); `0` starts afresh."""
+        if self.enabled:
+            kept = [r for r in self.records() if r.get("step", 0) <= step] if step else []
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+
+    def plot(self, path: Path) -> None:
+        from training.plots import plot_training_curves
+
+        plot_training_curves(self.records(), path)

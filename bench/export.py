@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,8 @@ from index.faiss_index import build_index  # noqa: E402
 from index.onnx_export import export_audio_encoder, export_text_encoder  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 from training.models.dual_encoder import build_dual_encoder  # noqa: E402
+
+from benchlib import cpu_model, write_section  # noqa: E402
 
 START, END = "<!-- bench/export.py -->", "<!-- /bench/export.py -->"
 FACTORIES = ("Flat", "HNSW32,Flat", "IVF256,Flat", "IVF256,PQ32")
@@ -121,14 +122,6 @@ def index_rows(n: int, dim: int, seed: int, max_train: int) -> list[dict]:
     return rows
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def markdown(
@@ -171,15 +164,6 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
-def write_section(section: str, path: Path) -> None:
-    """Replace this benchmark's section of docs/BENCHMARKS.md (or append it)."""
-    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text, encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                        max_train=args.max_train)
     print(section)
     if not args.no_write:
-        write_section(section, ROOT / "docs" / "BENCHMARKS.md")
+        write_section(section, start=START, end=END)
     return 0
 
 

@@ -50,6 +50,8 @@ from training.models.dual_encoder import DualEncoder, build_dual_encoder  # noqa
 from training.objectives.base import BuildEnv, EmbeddingBatch, Objective, total_loss  # noqa: E402
 from training.objectives.registry import build_objective  # noqa: E402
 
+from benchlib import cpu_model, write_section  # noqa: E402
+
 START = "<!-- bench:objective_overhead:start -->"
 END = "<!-- bench:objective_overhead:end -->"
 MAX_VIEWS = 8
@@ -281,25 +283,8 @@ def markdown(rows: list[dict[str, Any]], extras: list[tuple[str, float]], *, com
     return "\n".join(lines) + "\n"
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
-def write_section(section: str, path: Path) -> None:
-    """Replace this benchmark's section of docs/BENCHMARKS.md (or append it)."""
-    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text, encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     section = markdown(rows, extras, command=command.strip(), setup=setup)
     print(section)
     if not args.no_write:
-        write_section(section, ROOT / "docs" / "BENCHMARKS.md")
+        write_section(section, start=START, end=END)
     return 0
 
 

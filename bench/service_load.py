@@ -41,6 +41,8 @@ import httpx
 import numpy as np
 import soundfile as sf
 
+from benchlib import cpu_model, write_section
+
 ROOT = Path(__file__).resolve().parents[1]
 START = "<!-- bench:service_load:start -->"
 END = "<!-- bench:service_load:end -->"
@@ -256,14 +258,6 @@ async def measure(url: str, *, target: str, kind: str, clients: int, seconds: fl
 # ----------------------------------------------------------------------------- report
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def table(rows: list[dict]) -> str:
@@ -291,15 +285,6 @@ def section(rows: list[dict], *, command: str, notes: str) -> str:
     )
 
 
-def write_section(text: str, path: Path) -> None:
-    current = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
-    if START in current and END in current:
-        before, rest = current.split(START, 1)
-        after = rest.split(END, 1)[1].lstrip("\n")
-        current = before + text + ("\n" + after if after else "")
-    else:
-        current = current.rstrip("\n") + "\n\n" + text
-    path.write_text(current, encoding="utf-8")
 
 
 def main() -> int:
@@ -346,7 +331,7 @@ def main() -> int:
     )
     if not args.no_write:
         command = "OMP_NUM_THREADS=1 python bench/service_load.py " + " ".join(sys.argv[1:])
-        write_section(section(rows, command=command.strip(), notes=notes), ROOT / "docs" / "BENCHMARKS.md")
+        write_section(section(rows, command=command.strip(), notes=notes), start=START, end=END)
     return 0
 
 

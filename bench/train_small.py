@@ -12,12 +12,13 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchlib import cpu_model, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 START = "<!-- bench:train_small:start -->"
@@ -36,14 +37,6 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def summarize(
@@ -84,15 +77,6 @@ def markdown(row: dict[str, float], *, command: str, synth_note: str, load: floa
     )
 
 
-def update_section(path: Path, section: str) -> None:
-    text = path.read_text(encoding="utf-8") if path.is_file() else "# Benchmarks\n\n"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        tail = rest.split(END, 1)[1].lstrip("\n")
-        text = head + section + ("\n" + tail if tail else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text, encoding="utf-8")
 
 
 def main() -> int:
@@ -132,8 +116,8 @@ def main() -> int:
     for key, value in row.items():
         print(f"{key:<14}{value:>10.4f}")
     command = f"OMP_NUM_THREADS=2 python bench/train_small.py --config {args.config}"
-    update_section(
-        ROOT / args.docs, markdown(row, command=command, synth_note=synth_note, load=load)
+    write_section(
+        markdown(row, command=command, synth_note=synth_note, load=load), ROOT / args.docs, start=START, end=END
     )
     print(f"updated {args.docs}")
     return 0

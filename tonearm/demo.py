@@ -77,7 +77,6 @@ def ensure_demo_bundle(home: Path) -> Path:
 def _build(root: Path) -> Path:
     try:
         from index.export import export_bundle
-
         from training.config import load_train_config
         from training.data.synth import generate_corpus
         from training.loop import train

@@ -261,7 +261,8 @@ def verify_files(root: Path) -> BundleManifest:
 # ----------------------------------------------------------------------------- atomic publish
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's or directory's contents to disk (a rename is durable once its directory is)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -274,9 +275,9 @@ def _seal(staging: Path) -> None:
     for dirpath, _dirnames, filenames in os.walk(staging, topdown=False):
         for name in filenames:
             file_path = Path(dirpath) / name
-            _fsync_path(file_path)
+            fsync_path(file_path)
             file_path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
-        _fsync_path(Path(dirpath))
+        fsync_path(Path(dirpath))
 
 
 @contextmanager
@@ -308,7 +309,7 @@ def publish(staging: Path, manifest: BundleManifest) -> Path:
     if final.exists():
         raise BundleError(f"{final}: already exists; bundles are never overwritten")
     os.rename(staging, final)
-    _fsync_path(final.parent)
+    fsync_path(final.parent)
     log.info("published bundle %s", final)
     return final
 

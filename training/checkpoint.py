@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from index.bundle import fsync_path
 from index.tokenizer import TextTokenizer
 from tonearm.errors import TonearmError
 from training.config import TrainConfig
@@ -59,13 +60,6 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def _state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Contiguous CPU copies of the state dict (safetensors refuses shared/strided storage)."""
@@ -79,7 +73,7 @@ def _replace_dir(tmp: Path, target: Path) -> None:
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         os.replace(target, old)
     os.replace(tmp, target)
-    _fsync_dir(target.parent)
+    fsync_path(target.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

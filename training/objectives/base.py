@@ -18,6 +18,7 @@ subclass + one line in :mod:`training.objectives.registry`.
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,15 +106,16 @@ class TrainingContext(Protocol):
         ...
 
 
-class PairTerm(nn.Module):
+class PairTerm(nn.Module, ABC):
     """A loss term on an :class:`AlignedPair` (base loss or regularizer)."""
 
     name: ClassVar[str]
     Config: ClassVar[type[TermConfig]] = TermConfig
     kinds: ClassVar[frozenset[str]] = frozenset({"audio-text", "text-text"})
 
-    def forward(self, pair: AlignedPair) -> dict[str, Tensor]:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abstractmethod
+    def forward(self, pair: AlignedPair) -> dict[str, Tensor]:
+        """Named terms of this pair; keys ending in ``_loss`` are summed by the loop."""
 
     # Hooks for stateful terms; no-ops by default.
     def on_epoch_start(self, context: TrainingContext) -> None:
@@ -127,7 +129,7 @@ class PairTerm(nn.Module):
         return {}
 
 
-class Strategy:
+class Strategy(ABC):
     """Multilingual batching: which captions a clip contributes, and how they pair up."""
 
     name: ClassVar[str]
@@ -138,15 +140,17 @@ class Strategy:
         self.languages = env.languages
 
     @property
-    def num_views(self) -> int:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abstractmethod
+    def num_views(self) -> int:
+        """How many text views each clip contributes to a batch."""
 
+    @abstractmethod
     def views(self, captions: Mapping[str, Sequence[str]], rng: random.Random) -> list[str | None]:
         """The ``num_views`` caption texts of one clip for this epoch (None = missing)."""
-        raise NotImplementedError  # pragma: no cover - interface
 
-    def pairs(self, batch: EmbeddingBatch) -> list[AlignedPair]:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abstractmethod
+    def pairs(self, batch: EmbeddingBatch) -> list[AlignedPair]:
+        """The weighted row-aligned pairs this batch is scored on (empty rows removed)."""
 
 
 def select_rows(

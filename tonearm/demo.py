@@ -74,7 +74,8 @@ def ensure_demo_bundle(home: Path) -> Path:
         return bundle
 
 
-def _build(root: Path) -> Path:
+def _build(root: Path, *, size: str = "small", config: Path = DEMO_CONFIG) -> Path:
+    """synth → train → export into ``root``; ``size``/``config`` let tests run the same path on ``tiny``."""
     try:
         from index.export import export_bundle
         from training.config import load_train_config
@@ -85,20 +86,20 @@ def _build(root: Path) -> Path:
             f"building the demo bundle needs {err.name!r}: pip install 'tonearm[train]', "
             "or pass --bundle DIR / set TONEARM_BUNDLE"
         ) from err
-    if not DEMO_CONFIG.is_file():
-        raise TonearmError(f"{DEMO_CONFIG}: demo training config missing; pass --bundle DIR instead")
+    if not config.is_file():
+        raise TonearmError(f"{config}: demo training config missing; pass --bundle DIR instead")
 
     corpus_dir, run_dir, bundles_dir = root / "corpus", root / "run", root / "bundles"
     manifest = corpus_dir / "manifest.jsonl"
     if not manifest.is_file():
-        log.info("demo bundle [1/3]: generating the synthetic corpus (small, seed 0) in %s", corpus_dir)
+        log.info("demo bundle [1/3]: generating the synthetic corpus (%s, seed 0) in %s", size, corpus_dir)
         shutil.rmtree(corpus_dir, ignore_errors=True)
-        manifest = generate_corpus(size="small", seed=0, out_dir=corpus_dir)
+        manifest = generate_corpus(size=size, seed=0, out_dir=corpus_dir)
     checkpoint = run_dir / "best"
     if not (checkpoint / "model.safetensors").is_file():
-        log.info("demo bundle [2/3]: training %s (a few minutes on two cores)", DEMO_CONFIG.name)
+        log.info("demo bundle [2/3]: training %s (a few minutes on two cores)", config.name)
         shutil.rmtree(run_dir, ignore_errors=True)
-        cfg = load_train_config(DEMO_CONFIG, [f"data.manifest={manifest}", f"out_dir={run_dir}"])
+        cfg = load_train_config(config, [f"data.manifest={manifest}", f"out_dir={run_dir}"])
         checkpoint = train(cfg) / "best"
     log.info("demo bundle [3/3]: exporting ONNX encoders and FAISS indices to %s", bundles_dir)
     if bundles_dir.exists():

@@ -84,3 +84,14 @@ def test_demo_rebuilds_when_the_cached_bundle_vanished(tmp_path, monkeypatch):
     assert demo.cached_demo_bundle(tmp_path) is None
     second = demo.ensure_demo_bundle(tmp_path)
     assert second.name == "demo-2" and len(calls) == 2
+
+
+def test_real_demo_build_on_the_tiny_corpus_gives_a_servable_bundle(tmp_path):
+    """The same synth → train → export path `tonearm serve` runs, with the tiny corpus and config."""
+    from index.loader import LoadedBundle
+
+    bundle_dir = demo._build(tmp_path / "demo", size="tiny", config=ROOT / "configs" / "tiny.yaml")
+    bundle = LoadedBundle.open(bundle_dir)  # verifies checksums, dimensions, ONNX interfaces
+    assert bundle.manifest.audio_index.ntotal == len(bundle.audio_items) > 0
+    scores, rows = bundle.search_audio(bundle.encode_text(["un chien aboie"]), 3)
+    assert (rows >= 0).all() and scores[0, 0] >= scores[0, 2]

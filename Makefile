@@ -11,6 +11,7 @@ test:
 	@scripts/install.sh train,service,dev
 	@scripts/ensure-redis.sh
 	.venv/bin/ruff check .
+	.venv/bin/mypy
 	.venv/bin/python -m pytest -q
 
 lint:

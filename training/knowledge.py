@@ -49,6 +49,10 @@ def _as_faiss(x: Tensor) -> np.ndarray:
     return np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy())
 
 
+SEARCH_BLOCK_ROWS = 262_144
+"""Keys scored per block in :meth:`KBSide.search` (64 queries × this many floats ≈ 64 MiB)."""
+
+
 @dataclass
 class KBSide:
     """One searchable side: keys (N, d) in a FAISS inner-product index, their partners and clip ids (N,).
@@ -97,6 +101,27 @@ class KBSide:
         """Partner of every entry (N, d) (materialised; for inspection)."""
         return self.partner_table[self.partner_row]
 
+    def _top_rows(self, queries: Tensor, fetch: int) -> Tensor:
+        """Exact top-``fetch`` rows by inner product over the Flat index's own vectors.
+
+        The same exact search as ``IndexFlatIP.search``, done as a blocked matmul + top-k
+        in torch: 2.4× faster at a training batch against ~100k keys on this CPU (FAISS's
+        per-query heaps dominate there; docs/objectives.md). Blocks bound the score memory.
+        """
+        queries = queries.detach().to(self.keys.device, self.keys.dtype)
+        best_scores: Tensor | None = None
+        best_rows: Tensor | None = None
+        for start in range(0, len(self), SEARCH_BLOCK_ROWS):
+            block = self.keys[start : start + SEARCH_BLOCK_ROWS]
+            scores, rows = (queries @ block.t()).topk(min(fetch, block.shape[0]), dim=1)
+            rows = rows + start
+            if best_scores is not None and best_rows is not None:
+                scores, order = torch.cat([best_scores, scores], 1).topk(fetch, dim=1)
+                rows = torch.gather(torch.cat([best_rows, rows], 1), 1, order)
+            best_scores, best_rows = scores, rows
+        assert best_rows is not None
+        return best_rows
+
     def search(self, queries: Tensor, k: int, *, exclude_clip: Tensor | None = None) -> Tensor:
         """Row indices (B, k) of the top-k keys by inner product, best first.
 
@@ -107,8 +132,7 @@ class KBSide:
         fetch = min(len(self), k + extra)
         if k > len(self) - extra:
             raise ValueError(f"cannot return {k} neighbours from {len(self)} entries with up to {extra} excluded")
-        _, found = self.index.search(_as_faiss(queries), fetch)
-        rows = torch.from_numpy(found).to(self.keys.device)
+        rows = self._top_rows(queries, fetch)
         if exclude_clip is None:
             return rows[:, :k]
         own = self.clip[rows] == exclude_clip.to(rows.device).long().unsqueeze(1)

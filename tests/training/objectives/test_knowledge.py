@@ -102,3 +102,16 @@ def test_group_identical_rows() -> None:
     audio = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
     ids = group_identical_rows(audio, offset=3)
     assert ids[0] == ids[2] != ids[1] and (ids <= -4).all()
+
+
+def test_blocked_search_matches_the_faiss_flat_index(monkeypatch):
+    """Parity of the optimised path: torch top-k over blocks == IndexFlatIP.search."""
+    import training.knowledge as knowledge
+
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.nn.functional.normalize(torch.randn(1000, 16, generator=generator), dim=1)
+    queries = torch.nn.functional.normalize(torch.randn(7, 16, generator=generator), dim=1)
+    side = knowledge.KBSide.create(keys, keys, torch.arange(1000))
+    _, expected = side.index.search(queries.numpy(), 12)
+    monkeypatch.setattr(knowledge, "SEARCH_BLOCK_ROWS", 96)  # many blocks, merged top-k
+    assert torch.equal(side.search(queries, 12), torch.from_numpy(expected))

@@ -1,4 +1,6 @@
-"""`tonearm` command line: one subcommand per flow of SPEC §1.
+"""tonearm: multilingual audio–text retrieval — corpus, training, evaluation, bundles, search.
+
+One subcommand per flow of SPEC §1.
 
 Handlers are imported lazily so that a service-only install (no torch) can run
 `serve` and `bundle ...` while `train` tells the user which extra is missing.

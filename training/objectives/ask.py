@@ -94,6 +94,12 @@ class ASKConfig(TermConfig):
     """``adaptive`` = Eq. 11 weights; ``uniform`` = w_j = 1/K (ablation); ``off`` = no modulation."""
     lambda_fine: float = Field(0.2, ge=0)
     lambda_coarse: float = Field(0.3, ge=0)
+    potential_gradient: bool = False
+    """Back-propagate through the potentials F = −log Ψ (Eq. 16–17 read literally, as the
+    paper's Appendix B does). Off by default: with the gradient, ``(1 + λF)·L`` has a collapsed
+    optimum — all embeddings equal gives Ψ → e, F → −1 and a loss of ½·log B — that a model
+    trained from scratch falls into (seen on the small corpus: chance-level recall). Detached,
+    F is the per-batch reliability weight the paper describes it as."""
     beta: float = Field(0.2, ge=0, le=1)
     ot_eps: float = Field(0.05, gt=0)
     ot_iters: int = Field(50, ge=1)
@@ -209,6 +215,8 @@ class ASK(PairTerm):
             diag.append(plan.diagonal().mean())
             if cfg.reliability != "off":
                 f_t2a, f_a2t = self._reliability_terms(pair.left, pair.right, hood)
+                if not cfg.potential_gradient:
+                    f_t2a, f_a2t = f_t2a.detach(), f_a2t.detach()
                 mod_t2a = mod_t2a + lam * f_t2a
                 mod_a2t = mod_a2t + lam * f_a2t
                 out[f"ask_f_{name}"] = (0.5 * (f_t2a + f_a2t)).detach()

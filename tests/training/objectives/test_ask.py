@@ -298,3 +298,27 @@ def test_ask_trains_end_to_end(tiny_corpus: Path, tmp_path: Path) -> None:
     epochs = [r for r in records if r["kind"] == "epoch"]
     assert [r["ask_kb_builds"] for r in epochs] == [1.0, 2.0]
     assert "ask_rdm" not in epochs[0] and epochs[1]["ask_rdm"] >= 0
+
+
+def _spread_after_training(potential_gradient: bool) -> float:
+    """Mean off-diagonal cosine of the batch's audio embeddings after Adam steps on them."""
+    ctx = FakeContext()
+    term = _ask(potential_gradient=potential_gradient, lambda_fine=1.0, lambda_coarse=1.0)
+    term.on_epoch_start(ctx)
+    u0, v0, clip = _batch_from(ctx, torch.arange(0, 24, 2))
+    u, v = u0.clone().requires_grad_(True), v0.clone().requires_grad_(True)
+    optimizer = torch.optim.Adam([u, v], lr=0.05)
+    for _ in range(60):
+        optimizer.zero_grad()
+        term(_pair(F.normalize(u, dim=-1), F.normalize(v, dim=-1), clip))["ask_loss"].backward()
+        optimizer.step()
+    un = F.normalize(u.detach(), dim=-1)
+    cosine = un @ un.t()
+    return float((cosine.sum() - cosine.diagonal().sum()) / (cosine.numel() - len(cosine)))
+
+
+def test_detached_potentials_do_not_reward_collapse() -> None:
+    """With gradients through F = −log Ψ the embeddings are pulled together (the collapsed
+    optimum); the default treats F as a reliability weight and keeps them apart."""
+    collapsing, default = _spread_after_training(True), _spread_after_training(False)
+    assert collapsing > default + 0.1, (collapsing, default)

@@ -107,7 +107,8 @@ def markdown(rows: list[dict], *, command: str) -> str:
         f"1-min load average at the end {os.getloadavg()[0]:.1f}",
         "- test split (300 clips, 8 languages × 5 captions); R@k and mAP@10 in %, means over the 8 "
         "languages (text→audio chance R@10 = 3.3%); MRV = text→audio mean rank variance (lower is "
-        "more consistent); training minutes are wall time including validation and KB rebuilds",
+        "more consistent); training minutes are wall time including validation and KB rebuilds, "
+        "and contention from other jobs on a shared machine (ASK and distillation ran beside others)",
         "",
         "| objective | preset | train min | t2a R@1 | t2a R@10 | t2a mAP@10 | a2t R@1 | a2t R@10 | MRV t2a |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",

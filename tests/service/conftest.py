@@ -82,26 +82,25 @@ def _redis_binary() -> str:
     return binary
 
 
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    """A private redis-server per test (for stop/restart tests)."""
+def _private_redis() -> Iterator[RedisServer]:
     server = RedisServer(_redis_binary(), free_port())
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A private redis-server per test (for stop/restart tests)."""
+    yield from _private_redis()
 
 
 @pytest.fixture(scope="session")
 def shared_redis() -> Iterator[RedisServer]:
     """One private redis-server for the session (tests isolate themselves by key prefix)."""
-    server = RedisServer(_redis_binary(), free_port())
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _private_redis()
 
 
 @pytest.fixture

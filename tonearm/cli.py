@@ -79,7 +79,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="bundles directory; the bundle is written inside it")
     p.add_argument("--index", help="FAISS factory string (default: chosen by collection size)")
     p.add_argument("--quantize-text", action="store_true", help="dynamic int8 text encoder")
-    p.set_defaults(handler=_lazy("index.export:cli_export", "train"))
+    p.set_defaults(handler=_lazy("training.export:cli_export", "train"))
 
 
 def _add_bundle(sub: argparse._SubParsersAction) -> None:

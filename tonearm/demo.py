@@ -77,9 +77,9 @@ def ensure_demo_bundle(home: Path) -> Path:
 def _build(root: Path, *, size: str = "small", config: Path = DEMO_CONFIG) -> Path:
     """synth → train → export into ``root``; ``size``/``config`` let tests run the same path on ``tiny``."""
     try:
-        from index.export import export_bundle
         from training.config import load_train_config
         from training.data.synth import generate_corpus
+        from training.export import export_bundle
         from training.loop import train
     except ModuleNotFoundError as err:
         raise TonearmError(

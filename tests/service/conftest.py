@@ -20,7 +20,6 @@ import redis
 
 from service.app import create_app
 from service.settings import Settings
-from tests.index.conftest import tiny_bundle  # noqa: F401  (session fixture reused here)
 from tests.service.fakes import KeywordBundle
 
 IN_CI = os.environ.get("CI", "").lower() == "true"

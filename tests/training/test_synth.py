@@ -125,3 +125,15 @@ def test_relative_output_dir_gives_loadable_manifest(tmp_path, monkeypatch):
     assert records and all(record.audio.is_file() for record in records)
     first_line = (tmp_path / "corpus" / "manifest.jsonl").read_text(encoding="utf-8").splitlines()[0]
     assert '"audio": "audio/' in first_line
+
+
+def test_lexicon_tables_cover_every_class_and_language() -> None:
+    """A language or class missing from one table of synth_lexicon would fail mid-corpus."""
+    from training.data.synth_lexicon import BACKGROUND, COUNTS, LEXICON, MODIFIERS, TEMPLATES
+
+    assert set(LEXICON) == set(CLASSES)
+    for label, by_language in LEXICON.items():
+        assert set(by_language) == set(DEFAULT_LANGUAGES), label
+        assert all(by_language.values()), label
+    for table in (MODIFIERS, TEMPLATES, COUNTS, BACKGROUND):
+        assert set(table) == set(DEFAULT_LANGUAGES)

@@ -16,7 +16,13 @@ import torch
 from index.audio import decode_audio
 from index.bundle import read_manifest, verify_bundle
 from index.evalset import MAX_EVAL_CLIPS
-from index.export import (
+from index.faiss_index import IndexConfigError
+from index.loader import OnnxEncoder
+from tonearm.cli import main
+from tonearm.errors import BundleError, TonearmError
+from training.checkpoint import load_checkpoint
+from training.data.manifest import ClipRecord, load_manifest
+from training.export import (
     canonical_hash,
     catalogue_texts,
     check_text_parity,
@@ -25,13 +31,7 @@ from index.export import (
     make_bundle_id,
     run_name,
 )
-from index.faiss_index import IndexConfigError
-from index.loader import OnnxEncoder
-from index.onnx_export import ExportError
-from tonearm.cli import main
-from tonearm.errors import BundleError, TonearmError
-from training.checkpoint import load_checkpoint
-from training.data.manifest import ClipRecord, load_manifest
+from training.onnx_export import ExportError
 
 LANGS = ["eng", "fra", "deu", "spa", "nld", "cat", "jpn", "zho"]
 
@@ -156,7 +156,7 @@ def test_parity_check_catches_a_different_model(tiny_bundle, tiny_checkpoint):
                                embed_dim=32, providers=["CPUExecutionProvider"], threads=1)
     worst = check_text_parity(other.model, other.tokenizer, encoder, ["a dog barks", "il pleut", "風が吹く"])
     assert worst < 0.999
-    from index.export import _require
+    from training.export import _require
 
     with pytest.raises(ExportError, match="min cosine"):
         _require(worst, "text encoder")

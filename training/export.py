@@ -2,7 +2,7 @@
 
 Steps (SPEC §6), all inside a staging directory published atomically at the end:
 
-1. export both towers to ONNX (``index.onnx_export``) and check them against
+1. export both towers to ONNX (``training.onnx_export``) and check them against
    PyTorch, cosine >= 0.999 per item: captions of every language (shortest,
    longest, and one truncated at ``max_length``) and audio shorter than, equal
    to and longer than the clip length; the export fails otherwise;
@@ -14,8 +14,8 @@ Steps (SPEC §6), all inside a staging directory published atomically at the end
    :data:`index.evalset.MAX_EVAL_CLIPS` clips) and its SPEC §5 report;
 5. write ``manifest.json`` with checksums; fsync; rename into ``out_dir``.
 
-This module and ``index/onnx_export.py`` are the only parts of ``index`` that
-import torch.
+It lives in ``training`` because it needs torch and the checkpoint; what it
+writes is read back by the torch-free ``index`` package.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from index.loader import (
     encode_texts,
     encode_waveforms,
 )
-from index.onnx_export import MIN_COSINE, ExportError, export_audio_encoder, export_text_encoder
 from index.report import METRIC_CONVENTION
 from index.tokenizer import TextTokenizer
 from tonearm.errors import BundleError
@@ -57,6 +56,7 @@ from training.checkpoint import Checkpoint, load_checkpoint
 from training.config import TrainConfig
 from training.data.dataset import eval_captions
 from training.data.manifest import ClipRecord, load_manifest
+from training.onnx_export import MIN_COSINE, ExportError, export_audio_encoder, export_text_encoder
 
 log = logging.getLogger(__name__)
 

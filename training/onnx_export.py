@@ -11,8 +11,7 @@ Uses the TorchScript-based exporter (``dynamo=False``): it handles the dynamic
 axes of these models reliably and quickly. Every export is checked with
 ``onnx.checker`` and by running onnxruntime against the module on a probe
 batch (cosine ≥ :data:`MIN_COSINE` per item) — a failed check raises
-:class:`ExportError`. This module (with ``index/export.py``) is the only part of
-``index`` that imports torch.
+:class:`ExportError`.
 """
 
 from __future__ import annotations

@@ -11,13 +11,18 @@ import pytest
 import torch
 from torch import nn
 
-from index.onnx_export import ExportError, export_audio_encoder, export_text_encoder, onnx_session
 from index.tokenizer import TextTokenizer
 from tests.index.test_tokenizer import ALL_CAPTIONS, CAPTIONS, corpus
 from training.config import FrontendConfig, ModelConfig
 from training.models.dual_encoder import DualEncoder, build_dual_encoder
 from training.models.frontend import LogMelFrontend
 from training.models.tokenizer import train_bpe_tokenizer
+from training.onnx_export import (
+    ExportError,
+    export_audio_encoder,
+    export_text_encoder,
+    onnx_session,
+)
 
 SR = 16000
 

@@ -60,7 +60,15 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a dual encoder from a YAML config")
     p.add_argument("config", nargs="?", help="YAML preset (configs/*.yaml); defaults when omitted")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-3 data.manifest=x.jsonl")
-    p.set_defaults(handler=_lazy("training.loop:cli_train", "train"))
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train with N processes on this node via torchrun (gloo on CPU, NCCL on GPUs; "
+        "docs/training.md, Distributed)",
+    )
+    p.set_defaults(handler=_lazy("training.launch:cli_train", "train"))
 
 
 def _add_evaluate(sub: argparse._SubParsersAction) -> None:

@@ -100,6 +100,8 @@ class OptimConfig(_Strict):
     grad_clip: float | None = Field(1.0, gt=0)
     amp: bool = True
     """Mixed precision; only takes effect on CUDA."""
+    amp_dtype: Literal["auto", "bf16", "fp16"] = "auto"
+    """``auto`` = bf16 where the GPU supports it, else fp16 (fp16 always runs with a grad scaler)."""
 
 
 class ObjectiveConfig(_Strict):
@@ -124,6 +126,16 @@ class EvalConfig(_Strict):
     """Metric (key of the evaluation report) that decides the `best` checkpoint."""
 
 
+class DistributedConfig(_Strict):
+    """Multi-process training under torchrun (docs/training.md, "Distributed")."""
+
+    loss: Literal["global", "local"] = "global"
+    """``global``: every rank scores the whole gathered batch (all objectives);
+    ``local``: each rank scores its own rows against it (InfoNCE/SigLIP bases only)."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Rendezvous and collective timeout; a stale rendezvous fails after this long."""
+
+
 class TrainConfig(_Strict):
     seed: int = 0
     out_dir: Path = Path("runs/default")
@@ -137,6 +149,7 @@ class TrainConfig(_Strict):
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
 
 def _parse_scalar(text: str) -> Any:

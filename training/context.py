@@ -4,6 +4,10 @@ Objectives with state across steps (ASK's knowledge bases, drift estimates) ask 
 loop for embeddings of the training set or of other manifests with the *current*
 encoders. Embedding uses the evaluation crop, no gradients, and the model in eval
 mode (restored to train mode afterwards), exactly as validation does.
+
+Under torchrun each rank embeds a contiguous shard of the records and the shards are
+gathered in order, so every rank gets the same rows as one process would, for 1/N of
+the encoding work.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from torch import Tensor
 
 from index.tokenizer import TextTokenizer
+from training import distributed
 from training.config import DataConfig, FrontendConfig
 from training.data.dataset import eval_captions
 from training.data.manifest import ClipRecord
@@ -52,8 +57,7 @@ class LoopContext:
 
     def embed_training_pairs(self) -> tuple[Tensor, Tensor, Tensor]:
         """(audio (N, d), text (N, d), clip_index (N,)): one row per (clip, caption) of the training set."""
-        audio, text, clip = self._embed_pairs(self._records)
-        return audio, text, clip
+        return self._embed_pairs_sharded(self._records)
 
     def embed_manifest_pairs(self, manifest: Path) -> tuple[Tensor, Tensor]:
         """(audio (N, d), text (N, d)) for every (clip, caption) pair of `manifest` (all splits)."""
@@ -64,7 +68,7 @@ class LoopContext:
             languages=self._data_cfg.languages,
             skip_missing_audio=self._data_cfg.skip_missing_audio,
         )
-        audio, text, _ = self._embed_pairs(records)
+        audio, text, _ = self._embed_pairs_sharded(records)
         return audio, text
 
     def embed_clips(self, clip_index: Tensor) -> Tensor:
@@ -76,6 +80,18 @@ class LoopContext:
         chunks = load_clip_chunks(records, data_cfg=self._data_cfg, frontend_cfg=self._frontend_cfg)
         emb = embed_chunks(self._model, chunks, batch_size=self._batch_size, device=self.device)
         return emb.to(self.device)
+
+    def _embed_pairs_sharded(self, records: Sequence[ClipRecord]) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`_embed_pairs` of all `records`, each rank encoding its shard (module doc)."""
+        if distributed.world_size() == 1 or len(records) < distributed.world_size():
+            return self._embed_pairs(records)
+        shard = distributed.shard_range(len(records))
+        audio, text, clip = self._embed_pairs(records[shard.start : shard.stop])
+        return (
+            distributed.all_gather_rows(audio),
+            distributed.all_gather_rows(text),
+            distributed.all_gather_rows(clip + shard.start),
+        )
 
     def _embed_pairs(self, records: Sequence[ClipRecord]) -> tuple[Tensor, Tensor, Tensor]:
         captions = eval_captions(records, tuple(self._data_cfg.languages))

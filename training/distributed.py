@@ -1,14 +1,49 @@
-"""Every collective of the project lives here; objectives never import torch.distributed.
+"""Every collective of the project lives here; objectives and the loop never import torch.distributed.
 
-When the process group is not initialised each function is the identity, so the
-same objective code runs on one CPU process and on many GPUs.
+When no process group is initialised each function is the identity (or a plain local
+computation), so the same code trains on one CPU process and on many GPUs.
+
+How a global batch is formed (docs/training.md, "Distributed"): each rank embeds its own
+shard of the batch; :func:`gather_embedding_batch` concatenates every rank's embeddings
+(rank order) so that the objective sees the global batch. Two gradient conventions:
+
+* ``global`` (default, every objective): every rank computes the loss of the whole global
+  batch, identical on all ranks. The gather keeps only the local slice's gradient (the
+  other ranks' slices are constants here: open_clip's ``gather_with_grad=False``) and
+  multiplies it by the world size, so that DDP's *mean* of the parameter gradients equals
+  the gradient of the 1-process loss on the concatenated batch. Logits are B_global².
+* ``local`` (InfoNCE and SigLIP bases only): each rank scores only its own rows against the
+  global batch (B_local × B_global logits, open_clip's ``local_loss=True``). A rank's loss
+  then depends on other ranks' embeddings, so the gather sends gradients back
+  (backward = all-reduce of the gathered gradient, then this rank's slice:
+  ``gather_with_grad=True``); losses are scaled so that their mean over ranks is the
+  1-process loss. Objectives whose loss couples all rows (Sinkhorn plans, column
+  statistics) cannot be split by rows and refuse this mode (:func:`check_local_loss`).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, Literal, TypeVar
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from tonearm.errors import DataError, TonearmError
+from training.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+LossMode = Literal["global", "local"]
+T = TypeVar("T")
+
+
+# --- process group ------------------------------------------------------------------------
 
 
 def is_distributed() -> bool:
@@ -27,18 +62,126 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
-def all_gather_with_grad(tensor: Tensor) -> Tensor:
-    """Concatenate `tensor` from every rank along dim 0, keeping this rank's gradient path.
+def launched_world_size() -> int:
+    """``WORLD_SIZE`` set by torchrun (1 when launched as a plain process)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
-    Other ranks' slices are constants here; each rank back-propagates through its own
-    slice (the open_clip ``gather_with_grad=False`` + local-loss convention).
+
+def backend_for(device: torch.device) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(device: torch.device, *, timeout_s: float) -> int:
+    """Join the torchrun process group (env:// rendezvous); returns this process's rank.
+
+    A rendezvous that does not complete within ``timeout_s`` (a peer never started, a
+    previous run still holds ``MASTER_PORT``, nodes disagree on ``--nnodes``) fails with
+    one clear line instead of hanging.
+    """
+    if is_distributed():
+        return dist.get_rank()
+    address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    rank_env, size = os.environ.get("RANK", "?"), launched_world_size()
+    try:
+        dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError, OSError) as err:  # DistStoreError/DistNetworkError are RuntimeErrors
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TonearmError(
+            f"distributed rendezvous at {address} failed for rank {rank_env} of {size} within "
+            f"{timeout_s:.0f} s (distributed.timeout_s): {first_line} — a stale run may hold the port "
+            "or a peer did not start; check that no old tonearm/torchrun processes remain, that every "
+            "node runs the same command with the same --nnodes/--rdzv-id, or use another port"
+        ) from err
+    return dist.get_rank()
+
+
+def destroy_process_group() -> None:
+    if is_distributed():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+# --- gathers with gradients ----------------------------------------------------------------
+
+
+def _gather_detached(tensor: Tensor) -> list[Tensor]:
+    parts = [torch.empty_like(tensor) for _ in range(world_size())]
+    dist.all_gather(parts, tensor.detach().contiguous())
+    return parts
+
+
+class _GatherKeepLocal(torch.autograd.Function):
+    """Forward: concatenation over ranks. Backward: this rank's slice × world size (see module doc)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.rows = tensor.shape[0]
+        return torch.cat(_gather_detached(tensor), dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        start = rank() * ctx.rows
+        return grad[start : start + ctx.rows] * world_size()
+
+
+class _GatherFullGrad(_GatherKeepLocal):
+    """Forward: concatenation over ranks. Backward: the sum over ranks of the gradient of this rank's slice."""
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        start = rank() * ctx.rows
+        return grad[start : start + ctx.rows]
+
+
+def all_gather_with_grad(tensor: Tensor, *, mode: LossMode = "global", dim: int = 0) -> Tensor:
+    """Concatenate `tensor` from every rank along `dim` (equal shapes on every rank), differentiably."""
+    if not is_distributed():
+        return tensor
+    moved = tensor.movedim(dim, 0)
+    function = _GatherKeepLocal if mode == "global" else _GatherFullGrad
+    return function.apply(moved).movedim(0, dim)
+
+
+def all_gather_no_grad(tensor: Tensor, *, dim: int = 0) -> Tensor:
+    """Concatenate `tensor` (equal shapes) from every rank along `dim`, without gradient."""
+    if not is_distributed():
+        return tensor
+    moved = tensor.detach().movedim(dim, 0)
+    if moved.dtype == torch.bool:  # gloo has no bool all_gather
+        return torch.cat(_gather_detached(moved.to(torch.uint8)), 0).bool().movedim(0, dim)
+    return torch.cat(_gather_detached(moved), 0).movedim(0, dim)
+
+
+def all_gather_rows(tensor: Tensor) -> Tensor:
+    """Concatenate tensors of *different* lengths along dim 0 in rank order (no gradient).
+
+    Used for shards of the training set (ASK knowledge bases, teacher caches): rank r's
+    rows follow rank r−1's, so contiguous shards (:func:`shard_range`) come back in order.
     """
     if not is_distributed():
         return tensor
-    gathered = [torch.zeros_like(tensor) for _ in range(world_size())]
-    dist.all_gather(gathered, tensor.detach().contiguous())
-    gathered[rank()] = tensor
-    return torch.cat(gathered, dim=0)
+    local = tensor.detach().contiguous()
+    sizes = all_gather_no_grad(torch.tensor([local.shape[0]], device=local.device)).tolist()
+    longest = max(sizes)
+    padded = local.new_zeros((longest, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    parts = _gather_detached(padded)
+    return torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)], dim=0)
+
+
+def shard_range(count: int) -> range:
+    """This rank's contiguous share of ``range(count)`` (sizes differ by at most one)."""
+    size, rank_ = world_size(), rank()
+    start = count * rank_ // size
+    return range(start, count * (rank_ + 1) // size)
 
 
 def all_reduce_mean(tensor: Tensor) -> Tensor:
@@ -48,3 +191,120 @@ def all_reduce_mean(tensor: Tensor) -> Tensor:
     reduced = tensor.detach().clone()
     dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
     return reduced / world_size()
+
+
+def gather_objects(obj: T) -> list[T]:
+    """Every rank's `obj` (picklable), in rank order; ``[obj]`` on one process."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_ranks_agree(value: float) -> bool:
+    """True when every rank passes the same `value` (a cheap consistency check)."""
+    if not is_distributed():
+        return True
+    values = gather_objects(value)
+    return all(v == values[0] for v in values)
+
+
+# --- the embedding batch -----------------------------------------------------------------
+
+
+def gather_embedding_batch(batch: Any, *, mode: LossMode = "global") -> Any:
+    """The global :class:`~training.objectives.base.EmbeddingBatch` from every rank's shard.
+
+    Embeddings are gathered with gradient (per `mode`), masks, clip indices and teacher
+    embeddings without. In ``local`` mode ``batch.local_rows`` marks this rank's rows.
+    """
+    if not is_distributed():
+        return batch
+    local_rows = None
+    if mode == "local":
+        rows = batch.audio.shape[0]
+        local_rows = torch.zeros(rows * world_size(), dtype=torch.bool, device=batch.audio.device)
+        local_rows[rank() * rows : (rank() + 1) * rows] = True
+    return replace(
+        batch,
+        audio=all_gather_with_grad(batch.audio, mode=mode),
+        text=all_gather_with_grad(batch.text, mode=mode, dim=1),
+        text_mask=all_gather_no_grad(batch.text_mask, dim=1),
+        clip_index=all_gather_no_grad(batch.clip_index),
+        teacher_audio=None if batch.teacher_audio is None else all_gather_no_grad(batch.teacher_audio, dim=1),
+        teacher_text=None if batch.teacher_text is None else all_gather_no_grad(batch.teacher_text, dim=2),
+        local_rows=local_rows,
+        replicas=world_size() if mode == "local" else 1,
+    )
+
+
+def check_local_loss(terms: Sequence[Any]) -> None:
+    """Raise when `distributed.loss: local` is asked of an objective whose loss couples all rows."""
+    refusing = [type(term).__name__ for term in terms if not getattr(term, "supports_local_loss", False)]
+    if refusing:
+        raise ConfigError(
+            f"distributed.loss=local: {', '.join(refusing)} needs the whole global batch on every rank "
+            "(its loss couples all rows); use distributed.loss=global (docs/training.md, Distributed)"
+        )
+
+
+def average_scalars(values: dict[str, float]) -> dict[str, float]:
+    """Each logged number averaged over ranks (one all-reduce); unchanged on one process.
+
+    In local-loss mode each rank's loss covers its own rows; the mean is the global loss.
+    """
+    if not is_distributed() or not values:
+        return values
+    keys = sorted(values)
+    packed = all_reduce_mean(torch.tensor([values[k] for k in keys], dtype=torch.float64))
+    return dict(zip(keys, packed.tolist(), strict=True))
+
+
+def loss_mode_for(choice: LossMode, objective: Any, processes: int) -> LossMode:
+    """The gather convention of this run; ``local`` is checked against the objective's terms."""
+    if choice == "local" and processes > 1:
+        check_local_loss(objective.terms)
+    return choice
+
+
+def check_clips_per_rank(clips: int, processes: int) -> None:
+    """Every rank needs at least two clips (one batch with a negative) after the even split."""
+    if clips // processes < 2:
+        raise DataError(
+            f"data: {clips} training clips cannot feed {processes} processes (--nproc-per-node × "
+            f"nodes = WORLD_SIZE): each rank needs at least 2 clips; use at most {max(1, clips // 2)} "
+            "processes or more data"
+        )
+
+
+# --- per-rank random state (exact resume) ---------------------------------------------------
+
+_RANK_PREFIX = "rank{}/"
+
+
+def rank_rng_states(
+    local: tuple[dict[str, Tensor], dict[str, Any]],
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Every rank's RNG state in one (tensors, scalars) pair, for rank 0 to save.
+
+    Rank 0's entries keep their plain names (a 1-process checkpoint looks as before);
+    rank r's tensors are prefixed ``rank{r}/`` and its scalars sit under ``ranks[r]``.
+    """
+    states = gather_objects(local)
+    tensors, scalars = dict(states[0][0]), dict(states[0][1])
+    for index, (rank_tensors, rank_scalars) in enumerate(states[1:], start=1):
+        tensors.update({_RANK_PREFIX.format(index) + k: v for k, v in rank_tensors.items()})
+        scalars.setdefault("ranks", {})[str(index)] = rank_scalars
+    return tensors, scalars
+
+
+def own_rng_state(
+    tensors: dict[str, Tensor], scalars: dict[str, Any]
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """This rank's part of what :func:`rank_rng_states` saved."""
+    if rank() == 0:
+        return tensors, scalars
+    prefix = _RANK_PREFIX.format(rank())
+    own = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+    return own, scalars["ranks"][str(rank())]

@@ -172,11 +172,12 @@ class KnowledgeBase:
         """Neighbours of audio u (B, d) on the audio side and of text v (B, d) on the text side."""
         rows_a = self.audio.search(u, k, exclude_clip=exclude_clip)
         rows_t = self.text.search(v, k, exclude_clip=exclude_clip)
+        # The KB is float32 (FAISS); neighbours come back in the queries' dtype (float64 tests, AMP).
         return Neighbours(
-            audio=self.audio.keys[rows_a],
-            audio_partner=self.audio.partners_of(rows_a),
-            text=self.text.keys[rows_t],
-            text_partner=self.text.partners_of(rows_t),
+            audio=self.audio.keys[rows_a].to(u.dtype),
+            audio_partner=self.audio.partners_of(rows_a).to(v.dtype),
+            text=self.text.keys[rows_t].to(v.dtype),
+            text_partner=self.text.partners_of(rows_t).to(u.dtype),
         )
 
 

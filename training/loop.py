@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from tonearm.errors import DataError
+from training import distributed
 from training.config import ConfigError, TrainConfig, load_train_config
 from training.context import LoopContext
 from training.evaluate import (
@@ -119,7 +120,13 @@ def train(cfg: TrainConfig, *, interrupt_after_steps: int | None = None) -> Path
     start of the run, not of this process) and saves `last/` as an interruption
     would — for time-boxed jobs and the resume test.
     """
-    runtime = setup_runtime(device=cfg.device, amp=cfg.optim.amp, threads=cfg.threads)
+    runtime = setup_runtime(
+        device=cfg.device,
+        amp=cfg.optim.amp,
+        amp_dtype=cfg.optim.amp_dtype,
+        threads=cfg.threads,
+        timeout_s=cfg.distributed.timeout_s,
+    )
     try:
         seed_everything(cfg.seed + runtime.rank)
         run = build_run(cfg, runtime)
@@ -142,15 +149,24 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
     model.to(runtime.device).train()  # checkpoints load in eval mode
     env = BuildEnv(languages=tuple(cfg.data.languages), embed_dim=model.embed_dim)
     objective = build_objective(cfg.objective, env).to(runtime.device)
-    step_module = wrap_for_training(TrainStep(model, objective), runtime)
+    loss_mode = distributed.loss_mode_for(cfg.distributed.loss, objective, runtime.world_size)
+    step_module = wrap_for_training(TrainStep(model, objective, loss_mode=loss_mode), runtime)
     dataset = TrainClipDataset(
         train_records,
         sample_rate=cfg.frontend.sample_rate,
         clip_samples=clip_samples(cfg.data, cfg.frontend),
         seed=cfg.seed,
     )
+    distributed.check_clips_per_rank(len(dataset), runtime.world_size)
+    # drop_last: the epoch's tail (< world size clips) is skipped so every rank gets the same
+    # number of batches and no clip appears twice in one global batch (docs/training.md).
     sampler = DistributedSampler(
-        dataset, num_replicas=runtime.world_size, rank=runtime.rank, shuffle=True, seed=cfg.seed
+        dataset,
+        num_replicas=runtime.world_size,
+        rank=runtime.rank,
+        shuffle=True,
+        seed=cfg.seed,
+        drop_last=True,
     )
     batches = EpochBatches(sampler, cfg.optim.batch_size)
     loader = DataLoader(
@@ -306,10 +322,13 @@ class TrainStep(nn.Module):
     parameters (τ, SigLIP t/b, SVR radius...) included.
     """
 
-    def __init__(self, model: nn.Module, objective: Objective) -> None:
+    def __init__(
+        self, model: nn.Module, objective: Objective, *, loss_mode: distributed.LossMode = "global"
+    ) -> None:
         super().__init__()
         self.model = model
         self.objective = objective
+        self.loss_mode = loss_mode
 
     def forward(
         self,
@@ -329,7 +348,8 @@ class TrainStep(nn.Module):
             teacher_audio=teacher_audio,
             teacher_text=teacher_text,
         )
-        return self.objective(batch)
+        # Under torchrun the objective sees the global batch (identity on one process).
+        return self.objective(distributed.gather_embedding_batch(batch, mode=self.loss_mode))
 
     def _embed_views(self, input_ids: Tensor, attention_mask: Tensor, text_mask: Tensor) -> Tensor:
         """(V, B, d) text embeddings; missing views (text_mask False) stay zero and are never encoded."""
@@ -349,6 +369,8 @@ def wrap_for_training(module: nn.Module, runtime: Runtime) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+    if runtime.device.type == "cuda":  # batch statistics over the global batch (NCCL only)
+        module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
     return DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=True)
 
 
@@ -467,7 +489,8 @@ def train_step(run: Run, batch: Any) -> dict[str, float]:
     state.step += 1
     state.batch_in_epoch += 1
     logged = {k: float(v.detach()) if isinstance(v, Tensor) else float(v) for k, v in terms.items()}
-    return {"lr": lr, "loss": float(loss.detach()), "grad_norm": float(grad_norm), **logged}
+    logged = distributed.average_scalars({"loss": float(loss.detach()), **logged})
+    return {"lr": lr, "grad_norm": float(grad_norm), **logged}
 
 
 def batch_inputs(run: Run, batch: Any) -> dict[str, Tensor | None]:
@@ -597,9 +620,9 @@ def save_checkpoint_dir(run: Run, name: str, report: dict[str, float] | None) ->
 def save_last(run: Run, report: dict[str, float] | None = None) -> None:
     """`last/` plus the optimizer, scaler, objective, RNG and loop state for an exact resume."""
     directory = save_checkpoint_dir(run, "last", report)
+    rng_tensors, rng_meta = distributed.rank_rng_states(capture_rng_state())
     if run.runtime.is_main:
         optim_tensors, optim_meta = flatten_optimizer_state(run.optimizer.state_dict())
-        rng_tensors, rng_meta = capture_rng_state()
         objective_tensors = {
             f"objective.{k}": v.detach().cpu() for k, v in run.objective.state_dict().items()
         }
@@ -627,7 +650,14 @@ def restore_trainer_state(run: Run, directory: Path) -> None:
     if meta["scaler"]:
         run.scaler.load_state_dict(meta["scaler"])
     run.state = LoopState(**meta["loop"])
-    restore_rng_state(tensors, meta["rng"])
+    saved_world = int(meta.get("world_size", 1))
+    if saved_world != run.runtime.world_size:
+        raise ConfigError(
+            f"resume: {directory} was written by {saved_world} process(es), this run has "
+            f"{run.runtime.world_size}; an exact resume needs the same --nproc-per-node × nodes "
+            "(or start a new run with model.init_checkpoint to reuse the weights)"
+        )
+    restore_rng_state(*distributed.own_rng_state(tensors, meta["rng"]))
     run.metrics.truncate_after(run.state.step)
     log.info("resumed from %s at epoch %d, step %d", directory, run.state.epoch, run.state.step)
 

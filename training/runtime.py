@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from tonearm.errors import TonearmError
+from training import distributed
 from training.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -55,14 +55,23 @@ def resolve_device(name: Literal["auto", "cpu", "cuda"], *, local_rank: int = 0)
         raise ConfigError(
             "device: 'cuda' requested but no CUDA device is available (use device=cpu or auto)"
         )
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"device: process LOCAL_RANK={local_rank} needs GPU {local_rank} but this node has "
+            f"{torch.cuda.device_count()}; use --nproc-per-node {torch.cuda.device_count()} or fewer"
+        )
     return torch.device("cuda", local_rank)
 
 
-def amp_dtype_for(device: torch.device, *, enabled: bool) -> torch.dtype | None:
-    """AMP only on CUDA: bf16 where supported, else fp16 (which needs a GradScaler)."""
+def amp_dtype_for(
+    device: torch.device, *, enabled: bool, choice: Literal["auto", "bf16", "fp16"] = "auto"
+) -> torch.dtype | None:
+    """AMP only on CUDA: bf16 (``auto`` where supported) or fp16 (which needs a GradScaler)."""
     if not enabled or device.type != "cuda":
         return None
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if choice == "fp16" or (choice == "auto" and not torch.cuda.is_bf16_supported()):
+        return torch.float16
+    return torch.bfloat16
 
 
 def autocast(runtime: Runtime) -> contextlib.AbstractContextManager[Any]:
@@ -91,23 +100,26 @@ def seed_everything(seed: int) -> None:
 
 
 def setup_runtime(
-    *, device: Literal["auto", "cpu", "cuda"], amp: bool, threads: int | None
+    *,
+    device: Literal["auto", "cpu", "cuda"],
+    amp: bool,
+    threads: int | None,
+    amp_dtype: Literal["auto", "bf16", "fp16"] = "auto",
+    timeout_s: float = 600.0,
 ) -> Runtime:
     """Initialise the process group when launched by torchrun (``WORLD_SIZE > 1``).
 
-    NCCL on CUDA, gloo on CPU; each rank uses GPU ``LOCAL_RANK``.
+    NCCL on CUDA, gloo on CPU (training.distributed); each rank uses GPU ``LOCAL_RANK``.
     """
     set_threads(threads)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = distributed.launched_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     resolved = resolve_device(device, local_rank=local_rank)
     rank = 0
     if world_size > 1:
         if resolved.type == "cuda":
             torch.cuda.set_device(resolved)
-        if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if resolved.type == "cuda" else "gloo")
-        rank = dist.get_rank()
+        rank = distributed.init_process_group(resolved, timeout_s=timeout_s)
         log.info("distributed: rank %d of %d on %s", rank, world_size, resolved)
         if rank != 0:  # rank 0 logs for everyone; the others only warn
             logging.getLogger().setLevel(logging.WARNING)
@@ -116,19 +128,18 @@ def setup_runtime(
         rank=rank,
         world_size=world_size,
         local_rank=local_rank,
-        amp_dtype=amp_dtype_for(resolved, enabled=amp),
+        amp_dtype=amp_dtype_for(resolved, enabled=amp, choice=amp_dtype),
     )
 
 
 def teardown_runtime(runtime: Runtime) -> None:
-    if runtime.distributed and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if runtime.distributed:
+        distributed.destroy_process_group()
 
 
 def barrier(runtime: Runtime) -> None:
     if runtime.distributed:
-        dist.barrier()
+        distributed.barrier()
 
 
 # --- RNG state without pickle ------------------------------------------------------------

@@ -62,6 +62,10 @@ class EmbeddingBatch:
     clip_index: Tensor
     teacher_audio: Tensor | None = None
     teacher_text: Tensor | None = None
+    local_rows: Tensor | None = None
+    """(B,) bool: the rows this process scores in local-loss mode (None = every row)."""
+    replicas: int = 1
+    """Processes that share the rows in local-loss mode (1 otherwise); see :func:`row_mean`."""
 
     @property
     def batch_size(self) -> int:
@@ -84,6 +88,26 @@ class AlignedPair:
     name: str
     teacher_left: Tensor | None = None
     teacher_right: Tensor | None = None
+    local_rows: Tensor | None = None
+    """Row indices this process scores (local-loss mode, training.distributed); None = all."""
+    replicas: int = 1
+
+    def query_rows(self) -> Tensor:
+        """Indices of the rows whose loss this process computes."""
+        if self.local_rows is None:
+            return torch.arange(self.left.shape[0], device=self.left.device)
+        return self.local_rows
+
+
+def row_mean(row_losses: Tensor, pair: AlignedPair) -> Tensor:
+    """Mean over *all* rows of the pair of a per-row loss computed for ``pair.query_rows()``.
+
+    In local-loss mode this process holds only its rows: their sum × replicas / rows, whose
+    mean over the processes is the mean over every row (training.distributed).
+    """
+    if pair.local_rows is None:
+        return row_losses.mean()
+    return row_losses.sum() * pair.replicas / pair.left.shape[0]
 
 
 class TrainingContext(Protocol):
@@ -112,6 +136,8 @@ class PairTerm(nn.Module, ABC):
     name: ClassVar[str]
     Config: ClassVar[type[TermConfig]] = TermConfig
     kinds: ClassVar[frozenset[str]] = frozenset({"audio-text", "text-text"})
+    supports_local_loss: ClassVar[bool] = False
+    """True when the loss is a sum over rows that reads ``pair.query_rows()`` (local-loss mode)."""
 
     @abstractmethod
     def forward(self, pair: AlignedPair) -> dict[str, Tensor]:
@@ -173,6 +199,9 @@ def select_rows(
         left = batch.audio
     if int(mask.sum()) < 2:
         return None
+    local_rows = None
+    if batch.local_rows is not None:  # positions of this process's rows among the kept ones
+        local_rows = batch.local_rows[mask].nonzero().squeeze(1)
     teacher_right = batch.teacher_text[:, view] if batch.teacher_text is not None else None
     return AlignedPair(
         left=left[mask],
@@ -183,6 +212,8 @@ def select_rows(
         name=name,
         teacher_left=teacher_left[:, mask] if teacher_left is not None else None,
         teacher_right=teacher_right[:, mask] if teacher_right is not None else None,
+        local_rows=local_rows,
+        replicas=batch.replicas,
     )
 
 

@@ -19,19 +19,24 @@ KCL/CACL change the pairs, distillation replaces the one-hot targets).
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from training.objectives.base import AlignedPair, BuildEnv, PairTerm, TermConfig
+from training.objectives.base import AlignedPair, BuildEnv, PairTerm, TermConfig, row_mean
 from training.objectives.temperature import Temperature
 
 
-def symmetric_cross_entropy(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """(left→right, right→left) cross-entropies of a square logit matrix with diagonal targets."""
-    targets = torch.arange(logits.shape[0], device=logits.device)
-    return F.cross_entropy(logits, targets), F.cross_entropy(logits.t(), targets)
+def symmetric_cross_entropy(pair: AlignedPair, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """(left→right, right→left) mean cross-entropies of ``scale · left rightᵀ`` with diagonal targets.
+
+    Only the rows of ``pair.query_rows()`` are scored (all of them outside local-loss
+    mode, where the logits are the full B × B matrix and its transpose).
+    """
+    rows = pair.query_rows()
+    left_to_right = F.cross_entropy(scale * pair.left[rows] @ pair.right.t(), rows, reduction="none")
+    right_to_left = F.cross_entropy(scale * pair.right[rows] @ pair.left.t(), rows, reduction="none")
+    return row_mean(left_to_right, pair), row_mean(right_to_left, pair)
 
 
 class InfoNCEConfig(TermConfig):
@@ -42,14 +47,14 @@ class InfoNCEConfig(TermConfig):
 class InfoNCE(PairTerm):
     name = "infonce"
     Config = InfoNCEConfig
+    supports_local_loss = True
 
     def __init__(self, config: InfoNCEConfig, env: BuildEnv) -> None:
         super().__init__()
         self.temperature = Temperature(config.tau, learnable=config.learnable_tau)
 
     def forward(self, pair: AlignedPair) -> dict[str, Tensor]:
-        logits = self.temperature.scale() * pair.left @ pair.right.t()
-        left_to_right, right_to_left = symmetric_cross_entropy(logits)
+        left_to_right, right_to_left = symmetric_cross_entropy(pair, self.temperature.scale())
         return {
             "infonce_loss": 0.5 * (left_to_right + right_to_left),
             "tau": self.temperature.tau().detach(),

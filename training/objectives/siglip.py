@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from training.objectives.base import AlignedPair, BuildEnv, PairTerm, TermConfig
+from training.objectives.base import AlignedPair, BuildEnv, PairTerm, TermConfig, row_mean
 
 
 class SigLIPConfig(TermConfig):
@@ -36,6 +36,7 @@ class SigLIPConfig(TermConfig):
 class SigLIP(PairTerm):
     name = "siglip"
     Config = SigLIPConfig
+    supports_local_loss = True
 
     def __init__(self, config: SigLIPConfig, env: BuildEnv) -> None:
         super().__init__()
@@ -45,7 +46,9 @@ class SigLIP(PairTerm):
         self.bias = nn.Parameter(torch.tensor(config.init_bias), requires_grad=config.learnable)
 
     def forward(self, pair: AlignedPair) -> dict[str, Tensor]:
-        logits = self.log_scale.exp() * pair.left @ pair.right.t() + self.bias
-        signs = 2 * torch.eye(logits.shape[0], device=logits.device, dtype=logits.dtype) - 1
-        loss = -F.logsigmoid(signs * logits).sum() / logits.shape[0]
+        rows = pair.query_rows()  # every row, or this process's rows in local-loss mode
+        logits = self.log_scale.exp() * pair.left[rows] @ pair.right.t() + self.bias
+        signs = -torch.ones_like(logits)
+        signs[torch.arange(rows.numel(), device=rows.device), rows] = 1.0
+        loss = row_mean(-F.logsigmoid(signs * logits).sum(dim=1), pair)
         return {"siglip_loss": loss, "siglip_scale": self.log_scale.exp().detach()}

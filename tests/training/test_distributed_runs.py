@@ -1,0 +1,144 @@
+"""Training under torchrun on CPU (gloo): the launcher, rank-0 outputs, exact resume, clear failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, TINY_CONFIG
+from tonearm.cli import main
+from training.config import ConfigError, load_train_config
+from training.loop import train
+
+WORKER_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+# 12 clips over 2 processes, batches of 2 per process: 3 steps per epoch, 2 epochs.
+SMALL_RUN = ["optim.epochs=2", "optim.batch_size=2", "data.max_clips=12", "optim.warmup_steps=1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tonearm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tonearm", *args],
+        cwd=ROOT,
+        env=env or WORKER_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_tonearm_train_nproc_per_node_then_export_and_evaluate(tiny_corpus: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    done = tonearm(
+        "train", "--nproc-per-node", "2", str(TINY_CONFIG),
+        f"data.manifest={tiny_corpus}", f"out_dir={run}", "optim.epochs=1",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "world size 2" in done.stderr
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # Rank 0 alone writes: one record per logged step / epoch / evaluation, not one per rank.
+    kinds = [r["kind"] for r in records]
+    assert kinds.count("epoch") == 1 and kinds.count("eval") == 1, kinds
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps == sorted(set(steps))
+    # 32 clips / 2 processes / batches of 8 = 2 steps, each on a global batch of 16.
+    assert records[-1]["step"] == 2
+    saved = load_file(str(run / "last" / "trainer_state.safetensors"))
+    assert "rng.torch" in saved and "rank1/rng.torch" in saved
+    assert not torch.equal(saved["rng.torch"], saved["rank1/rng.torch"])  # seeds differ per rank
+
+    bundles = tmp_path / "bundles"
+    assert main(["export", str(run / "best"), "--data", str(tiny_corpus), "--out", str(bundles)]) == 0
+    assert len(list(bundles.glob("*/manifest.json"))) == 1
+    report = tmp_path / "report"
+    assert main(["evaluate", str(run / "best"), "--data", str(tiny_corpus), "--out", str(report)]) == 0
+    metrics = json.loads((report / "report.json").read_text())["metrics"]
+    assert 0.0 <= metrics["t2a_R@10_mean"] <= 1.0
+
+
+def _train_worker(rank: int, world: int, port: int, manifest: str, out_dir: str, stop: int | None, resume: bool) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    overrides = [f"data.manifest={manifest}", f"out_dir={out_dir}", "threads=1", *SMALL_RUN]
+    train(load_train_config(TINY_CONFIG, [*overrides, *(["resume=true"] if resume else [])]), interrupt_after_steps=stop)
+
+
+def _spawn_train(manifest: Path, out_dir: Path, *, stop: int | None = None, resume: bool = False) -> None:
+    mp.spawn(_train_worker, args=(2, free_port(), str(manifest), str(out_dir), stop, resume), nprocs=2, join=True)
+
+
+def test_resume_under_two_processes_matches_an_uninterrupted_run(tiny_corpus: Path, tmp_path: Path) -> None:
+    full, split = tmp_path / "full", tmp_path / "split"
+    _spawn_train(tiny_corpus, full)
+    _spawn_train(tiny_corpus, split, stop=4)  # mid-way through epoch 2
+    assert json.loads((split / "last" / "trainer_state.json").read_text())["loop"]["step"] == 4
+    _spawn_train(tiny_corpus, split, resume=True)
+
+    expected = load_file(str(full / "last" / "model.safetensors"))
+    resumed = load_file(str(split / "last" / "model.safetensors"))
+    for name, tensor in expected.items():
+        assert torch.equal(tensor, resumed[name]), name
+    full_state = load_file(str(full / "last" / "trainer_state.safetensors"))
+    split_state = load_file(str(split / "last" / "trainer_state.safetensors"))
+    for name, tensor in full_state.items():
+        if name.startswith(("optim.", "objective.", "rank1/")):
+            assert torch.equal(tensor, split_state[name]), name
+
+    # Resuming with another number of processes cannot be exact: refused, naming both counts.
+    cfg = load_train_config(
+        TINY_CONFIG, [f"data.manifest={tiny_corpus}", f"out_dir={split}", *SMALL_RUN, "resume=true"]
+    )
+    with pytest.raises(ConfigError, match="written by 2 process"):
+        train(cfg)
+
+
+def test_more_processes_than_clips_fails_clearly(tiny_corpus: Path, tmp_path: Path) -> None:
+    done = tonearm(
+        "train", "--nproc-per-node", "2", str(TINY_CONFIG),
+        f"data.manifest={tiny_corpus}", f"out_dir={tmp_path / 'run'}", "data.max_clips=3",
+    )
+    assert done.returncode != 0
+    assert "error: data: 3 training clips cannot feed 2 processes" in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA; the error is for machines without")
+def test_cuda_requested_without_cuda_fails_clearly(
+    tiny_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["train", str(TINY_CONFIG), f"data.manifest={tiny_corpus}", f"out_dir={tmp_path}", "device=cuda"])
+    assert code == 2
+    assert "device: 'cuda' requested but no CUDA device is available" in capsys.readouterr().err
+
+
+def test_stale_rendezvous_fails_clearly(tiny_corpus: Path, tmp_path: Path) -> None:
+    args = ("train", str(TINY_CONFIG), f"data.manifest={tiny_corpus}", f"out_dir={tmp_path}", "distributed.timeout_s=2")
+    rendezvous = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    # A worker whose rank-0 peer never comes up gives up after the timeout.
+    port = free_port()
+    done = tonearm(*args, env={**WORKER_ENV, **rendezvous, "RANK": "1", "LOCAL_RANK": "1", "MASTER_PORT": str(port)})
+    assert done.returncode == 2
+    assert f"error: distributed rendezvous at 127.0.0.1:{port} failed for rank 1 of 2" in done.stderr
+    # Rank 0 finds the port still held (a previous run that did not exit).
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = tonearm(*args, env={**WORKER_ENV, **rendezvous, "RANK": "0", "LOCAL_RANK": "0", "MASTER_PORT": str(port)})
+    assert done.returncode == 2
+    assert "address already in use" in done.stderr and "failed for rank 0 of 2" in done.stderr

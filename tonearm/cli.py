@@ -46,7 +46,20 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory (WAV files + manifest.jsonl)")
+    p.add_argument("--noise", type=_noise_fraction, default=0.0, metavar="P",
+                   help="replace a fraction P in [0, 1) of the training captions with other clips' "
+                        "(noisy correspondences; recorded in each clip's meta.noisy_captions)")
     p.set_defaults(handler=_lazy("training.data.synth:cli_synth", "train"))
+
+
+def _noise_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--noise must be a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"--noise must be in [0, 1), got {value}")
+    return value
 
 
 def _add_data(sub: argparse._SubParsersAction) -> None:

@@ -37,6 +37,7 @@ import soundfile as sf
 
 from index.languages import DEFAULT_LANGUAGES
 from training.data.manifest import ClipRecord, write_manifest
+from training.data.noise import NOISY_META_KEY, inject_caption_noise
 from training.data.synth_lexicon import (
     ADVERB_JOIN,
     ASIAN,
@@ -677,17 +678,20 @@ def _progress_bar(total: int, enabled: bool) -> Any:
 
 
 def generate_corpus(*, size: Size, seed: int, out_dir: Path, workers: int | None = None,
-                    progress: bool = True) -> Path:
+                    progress: bool = True, noise: float = 0.0) -> Path:
     """Write WAVs (16-bit PCM, 16 kHz) and ``manifest.jsonl`` under ``out_dir``; return the manifest path.
 
     ``workers=None`` renders in-process for small jobs and with up to two
     processes otherwise; the output is byte-identical either way. The manifest
     is written last (atomically), so its presence means the corpus is complete.
+    ``noise`` > 0 replaces that fraction of the training captions with other clips'
+    (:mod:`training.data.noise`); the audio is the same as without noise.
     """
     if size not in SIZES:
         raise ValueError(f"unknown corpus size {size!r}; use one of {', '.join(SIZES)}")
     out_dir = Path(out_dir)
     records, jobs = plan_corpus(size=size, seed=seed, out_dir=out_dir)
+    noisy = inject_caption_noise(records, noise, seed=seed)
     if workers is None:
         workers = 1 if len(jobs) < 200 else min(2, os.cpu_count() or 1)
     with _progress_bar(len(jobs), progress) as bar:
@@ -704,10 +708,12 @@ def generate_corpus(*, size: Size, seed: int, out_dir: Path, workers: int | None
     write_manifest(records, manifest)
     counts = ", ".join(f"{split} {quota}" for split, quota in SIZES[size].splits)
     log.info("wrote the %s synthetic corpus (seed %d; %s) to %s", size, seed, counts, manifest)
+    if noisy:
+        log.info("noise %.2f: %d training caption slots replaced (meta.%s)", noise, noisy, NOISY_META_KEY)
     return manifest
 
 
 def cli_synth(args: argparse.Namespace) -> int:
-    """``tonearm synth --size tiny|small --seed N --out DIR``."""
-    generate_corpus(size=args.size, seed=args.seed, out_dir=Path(args.out))
+    """``tonearm synth --size tiny|small --seed N --out DIR [--noise P]``."""
+    generate_corpus(size=args.size, seed=args.seed, out_dir=Path(args.out), noise=args.noise)
     return 0

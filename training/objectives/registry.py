@@ -17,14 +17,18 @@ from training.objectives.infonce import InfoNCE
 from training.objectives.iot import IOT
 from training.objectives.kcl import OneToK
 from training.objectives.random_language import RandomLanguage
+from training.objectives.reweight import SimpleReweight
 from training.objectives.siglip import SigLIP
 from training.objectives.svr import SupportVectorRegularizer
+from training.objectives.triplet import Triplet
 from training.objectives.uwd import UWD
 
 BASE_LOSSES: dict[str, type[PairTerm]] = {
     InfoNCE.name: InfoNCE,
     SigLIP.name: SigLIP,
     IOT.name: IOT,
+    SimpleReweight.name: SimpleReweight,
+    Triplet.name: Triplet,
 }
 STRATEGIES: dict[str, type[Strategy]] = {
     RandomLanguage.name: RandomLanguage,

@@ -12,7 +12,11 @@ audio and text column, the sum of their variances and the sum of their kurtoses
 ``r ← β r + (1 − β) r̂`` across steps (the batch statistic of each step averaged
 across ranks) and normalised ``r / Σ r``. The ``marginals`` switch selects the rows
 of the paper's Table 5: ``uniform``, ``corr`` (σ(corr)), ``emavar`` (σ(−var)),
-``kurt`` (σ(−kurt)), ``ram`` (all three). Within a step each pair uses
+``kurt`` (σ(−kurt)), ``ram`` (all three). Two more rows come from the paper's Table 8
+(Appendix I), where each side gets its *own* marginal straight from the batch (no
+sigmoid, no EMA): ``l2norm`` (``a_j ∝ ‖U[:, j]‖₂``, ``b_j ∝ ‖V[:, j]‖₂``: larger
+channels carry more mass) and ``variance`` (``a_j ∝ Var(U[:, j])``, ``b_j ∝ Var(V[:, j])``:
+channels that vary across the batch carry more mass). Within a step each pair uses
 ``β r_prev + (1 − β) r̂_batch`` (Eq. 13 on the local batch); the shared state is
 committed at the next ``on_step_start``.
 
@@ -21,15 +25,16 @@ Args:
     eps: entropic ε (default 0.03). reg_m: marginal relaxation τ/ρ (default 0.05).
     iters, tol: scaling iterations and early-stop tolerance.
     reg_type: reference of the entropic term (``kl`` = ``a bᵀ``, POT's default; ``entropy`` = ``1 1ᵀ``).
-    marginals: ``uniform | corr | emavar | kurt | ram`` (default ``ram``).
+    marginals: ``uniform | corr | emavar | kurt | ram | l2norm | variance`` (default ``ram``).
     ema: β of the reliability EMA (default 0.9).
 
 Shapes: pair.left (B, d) audio, pair.right (B, d) text → scalar ``uwd_loss``; logs
-``uwd_cost`` (unweighted ⟨C, P⟩), ``uwd_mass`` (Σ P) and ``ram_entropy`` (entropy of
-the marginal / log d; 1 = uniform).
+``uwd_cost`` (unweighted ⟨C, P⟩), ``uwd_mass`` (Σ P) and ``ram_entropy`` (entropy of the audio-side
+marginal / log d; 1 = uniform).
 
 References: DART Eq. 6–9 (feature cost, UWD), Eq. 10–13 and Appendix B Eq. 18–22
-(RAM, EMA β = 0.9), Eq. 14 (total, λ = 0.5), Table 5 (marginal variants), Table 6
+(RAM, EMA β = 0.9), Eq. 14 (total, λ = 0.5), Table 5 (marginal variants), Table 8
+(L2-norm and variance marginals), Table 6
 (ε = 0.03, τ = 0.05); SPEC §4.5.
 
 Relations: regularizer on audio–text pairs only (text–text pairs of CACL are
@@ -49,7 +54,9 @@ from training.distributed import all_reduce_mean
 from training.objectives.base import AlignedPair, BuildEnv, PairTerm, TermConfig, TrainingContext
 from training.ot import pairwise_euclidean, sinkhorn_unbalanced_log
 
-MarginalKind = Literal["uniform", "corr", "emavar", "kurt", "ram"]
+MarginalKind = Literal["uniform", "corr", "emavar", "kurt", "ram", "l2norm", "variance"]
+# Table 8's marginals: one per side, from the batch itself (no reliability score, no EMA).
+_SIDE_MARGINALS = frozenset({"l2norm", "variance"})
 _STATISTIC_SIGNS: dict[str, dict[str, float]] = {
     "corr": {"corr": 1.0},
     "emavar": {"var": -1.0},
@@ -77,6 +84,18 @@ def channel_statistics(u: Tensor, v: Tensor, *, eps: float = 1e-8) -> dict[str, 
     kurt_u = du.pow(4).mean(0) / (var_u.pow(2) + eps)
     kurt_v = dv.pow(4).mean(0) / (var_v.pow(2) + eps)
     return {"corr": corr, "var": var_u + var_v, "kurt": kurt_u + kurt_v}
+
+
+def side_marginals(u: Tensor, v: Tensor, marginals: MarginalKind, *, eps: float = 1e-12) -> tuple[Tensor, Tensor]:
+    """Table 8's per-side marginals ``(a, b)`` (each (d,), summing to 1) for ``l2norm`` or ``variance``."""
+    if marginals == "l2norm":
+        a, b = u.norm(dim=0), v.norm(dim=0)
+    elif marginals == "variance":
+        a, b = u.var(dim=0, unbiased=False), v.var(dim=0, unbiased=False)
+    else:
+        raise ValueError(f"{marginals!r} is not a per-side marginal; use one of {sorted(_SIDE_MARGINALS)}")
+    a, b = a + eps, b + eps  # a dead channel keeps a sliver of mass, so the KL terms stay finite
+    return a / a.sum(), b / b.sum()
 
 
 def batch_reliability(u: Tensor, v: Tensor, marginals: MarginalKind) -> Tensor:
@@ -142,6 +161,13 @@ class UWD(PairTerm):
         self.config = config
         self.reliability = ReliabilityEMA(env.embed_dim, beta=config.ema)
 
+    def marginals(self, u: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The channel marginals ``(a, b)`` of this batch: Table 8's per-side ones, else ``a = b``."""
+        if self.config.marginals in _SIDE_MARGINALS:
+            return side_marginals(u.detach().float(), v.detach().float(), self.config.marginals)
+        shared = self.marginal(u, v)
+        return shared, shared
+
     def marginal(self, u: Tensor, v: Tensor) -> Tensor:
         """The channel marginal ``a = b = r / Σ r`` (d,) for this batch (records r̂ for the EMA)."""
         r_hat = batch_reliability(u.detach().float(), v.detach().float(), self.config.marginals)
@@ -156,14 +182,14 @@ class UWD(PairTerm):
         cfg = self.config
         u, v = pair.left, pair.right
         cost = pairwise_euclidean(u.t(), v.t())
-        marginal = self.marginal(u, v)
+        source, target = self.marginals(u, v)
         with torch.no_grad():
             plan = sinkhorn_unbalanced_log(
-                cost.detach(), marginal, marginal, eps=cfg.eps, reg_m=cfg.reg_m, iters=cfg.iters, tol=cfg.tol,
+                cost.detach(), source.to(cost), target.to(cost), eps=cfg.eps, reg_m=cfg.reg_m, iters=cfg.iters, tol=cfg.tol,
                 reg_type=cfg.reg_type,
             )
         uwd = (cost * plan).sum()
-        entropy = -(marginal * marginal.clamp(min=1e-30).log()).sum() / math.log(marginal.numel())
+        entropy = -(source * source.clamp(min=1e-30).log()).sum() / math.log(source.numel())
         return {
             "uwd_loss": cfg.weight * uwd,
             "uwd_cost": uwd.detach(),
@@ -172,5 +198,5 @@ class UWD(PairTerm):
         }
 
     def on_step_start(self, context: TrainingContext) -> None:
-        if self.config.marginals != "uniform":
+        if self.config.marginals not in _SIDE_MARGINALS | {"uniform"}:
             self.reliability.commit()

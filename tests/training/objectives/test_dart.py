@@ -149,7 +149,7 @@ def test_uwd_is_skipped_for_text_text_pairs() -> None:
 
 # --- properties of the composed objective -----------------------------------------------------
 
-@pytest.mark.parametrize("marginals", ["uniform", "ram"])
+@pytest.mark.parametrize("marginals", ["uniform", "ram", "l2norm", "variance"])
 def test_dart_is_invariant_to_jointly_permuting_the_batch(marginals: str) -> None:
     objective = build_objective(_dart_config(marginals), ENV)
     u, v = _embeddings(6, batch=10)
@@ -191,7 +191,7 @@ def _batch(u: torch.Tensor, v: torch.Tensor) -> EmbeddingBatch:
 
 # --- shipped configs and end to end ----------------------------------------------------------
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "dart").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "dart").glob("dart_*.yaml")), ids=lambda p: p.stem)
 def test_shipped_dart_configs_build(path: Path) -> None:
     cfg = load_train_config(path)
     objective = build_objective(cfg.objective, BuildEnv(languages=tuple(cfg.data.languages), embed_dim=cfg.model.embed_dim))

@@ -41,6 +41,10 @@ OBJECTIVES: dict[str, dict] = {
     "siglip_cacl_bi_dynamic_svr": {
         "base": {"name": "siglip"}, "strategy": {"name": "cacl"}, "regularizers": [SVR_DYNAMIC],
     },
+    "infonce_simple_reweight": {"base": {"name": "infonce_reweight", "init_gamma": 2.0}},
+    "triplet_hardest": {"base": {"name": "triplet"}},
+    "triplet_sum": {"base": {"name": "triplet", "negatives": "sum"}},
+    "triplet_uwd": {"base": {"name": "triplet"}, "regularizers": [{"name": "uwd", "marginals": "variance"}]},
     "distill": {"distill": {"teachers": ["t1", "t2"]}},
     "distill_mix_cacl": {"strategy": {"name": "cacl"}, "distill": {"teachers": ["t1"], "mix_lambda": 0.5}},
 }
@@ -146,6 +150,8 @@ END_TO_END: dict[str, list[str]] = {
         "objective.base={name: siglip}", "objective.regularizers=[{name: svr, radius: dynamic}]",
     ],
     "kcl": ["objective.strategy={name: kcl}"],
+    "simple_reweight": ["objective.base={name: infonce_reweight}"],
+    "triplet_dart_l2norm": ["objective.base={name: triplet}", "objective.regularizers=[{name: uwd, marginals: l2norm}]"],
     "cacl_bi_dynamic_svr": [
         "objective.strategy={name: cacl}", "objective.regularizers=[{name: svr, radius: dynamic}]",
     ],
@@ -154,6 +160,8 @@ EXPECTED_TERMS = {
     "uni_static_svr": {"infonce_loss", "svr_loss"},
     "siglip_bi_dynamic_svr": {"siglip_loss", "svr_loss", "svr_cons_loss"},
     "kcl": {"infonce_loss"},
+    "simple_reweight": {"reweight_loss", "gamma"},
+    "triplet_dart_l2norm": {"triplet_loss", "uwd_loss"},
     "cacl_bi_dynamic_svr": {"infonce_loss", "svr_loss", "svr_cons_loss"},
 }
 

@@ -81,6 +81,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="train with N processes on this node via torchrun (gloo on CPU, NCCL on GPUs; "
         "docs/training.md, Distributed)",
     )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace a previous run in out_dir (else: resume=true or refused)"
+    )
+    p.add_argument(
+        "--drop-other-languages",
+        action="store_true",
+        help="drop captions in languages outside data.languages (same as data.drop_other_languages=true)",
+    )
     p.set_defaults(handler=_lazy("training.launch:cli_train", "train"))
 
 
@@ -145,7 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "train" and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]  # overrides after a flag: train CFG --overwrite a=1
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -8,6 +8,7 @@ every bundle manifest.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,6 +43,12 @@ class DataConfig(_Strict):
     manifest: Path | None = None
     """JSONL manifest (SPEC §2). Other formats are converted with `tonearm data convert`."""
     languages: list[str] = Field(default_factory=lambda: list(DEFAULT_LANGUAGES))
+    drop_other_languages: bool = False
+    """Drop captions in languages outside `languages` (counted and reported) instead of
+    refusing the manifest; clips left without captions are dropped too."""
+    val_fraction: float = Field(0.0, ge=0, lt=1)
+    """Carve this fraction of the `train` clips (seeded by `seed`) as the validation split
+    `eval.split`, for datasets that ship without one; 0 uses the manifest's own split."""
     clip_seconds: float = Field(5.0, gt=0)
     eval_crop: Literal["center", "chunk"] = "chunk"
     """Evaluation policy for clips longer than `clip_seconds`: center crop or chunk-and-average."""
@@ -85,6 +92,34 @@ class ModelConfig(_Strict):
     text: TextTowerConfig = Field(default_factory=TextTowerConfig)
 
 
+class TowerOptimConfig(_Strict):
+    """Fine-tuning controls of one tower (open_clip's lock/unlock and per-group learning rates).
+
+    The tower is the backbone (CNN, transformer, Hugging Face model); its projection
+    head and the objective's parameters always train at `optim.lr`.
+    """
+
+    lr_scale: float = Field(1.0, gt=0)
+    """The tower's learning rate is `optim.lr × lr_scale` (e.g. 0.1 for a pretrained tower)."""
+    weight_decay: float | None = Field(None, ge=0)
+    """The tower's weight decay (null: `optim.weight_decay`); never on norms, biases, scalars."""
+    freeze: bool = False
+    """Freeze the tower's weights (BatchNorm statistics included), except `unfrozen_layers`."""
+    unfrozen_layers: int = Field(0, ge=0)
+    """With `freeze`: the last N layers of the tower's layer stack (and what follows it,
+    e.g. a final norm) still train."""
+    unfreeze_after_epochs: int | None = Field(None, ge=1)
+    """With `freeze`: the whole tower trains from epoch E + 1 on."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (Hugging Face towers only): less memory, ~30 % more time."""
+
+    @model_validator(mode="after")
+    def _check_freeze(self) -> TowerOptimConfig:
+        if not self.freeze and (self.unfrozen_layers or self.unfreeze_after_epochs is not None):
+            raise ValueError("unfrozen_layers / unfreeze_after_epochs need freeze: true")
+        return self
+
+
 class OptimConfig(_Strict):
     epochs: int = Field(20, ge=1)
     max_steps: int | None = Field(None, ge=1)
@@ -102,6 +137,8 @@ class OptimConfig(_Strict):
     """Mixed precision; only takes effect on CUDA."""
     amp_dtype: Literal["auto", "bf16", "fp16"] = "auto"
     """``auto`` = bf16 where the GPU supports it, else fp16 (fp16 always runs with a grad scaler)."""
+    audio: TowerOptimConfig = Field(default_factory=TowerOptimConfig)
+    text: TowerOptimConfig = Field(default_factory=TowerOptimConfig)
 
 
 class ObjectiveConfig(_Strict):
@@ -143,6 +180,9 @@ class TrainConfig(_Strict):
     threads: int | None = Field(None, ge=1)
     resume: bool = False
     """Continue from `out_dir/last` when it exists."""
+    overwrite: bool = False
+    """Start afresh in an `out_dir` that holds a previous run's checkpoints (deleting them);
+    without it (or `resume`) such a run is refused."""
     frontend: FrontendConfig = Field(default_factory=FrontendConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -150,6 +190,12 @@ class TrainConfig(_Strict):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @model_validator(mode="after")
+    def _check_run_choice(self) -> TrainConfig:
+        if self.resume and self.overwrite:
+            raise ValueError("resume and overwrite exclude each other: continue the run or replace it")
+        return self
 
 
 def _parse_scalar(text: str) -> Any:
@@ -174,14 +220,58 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
+def config_keys(model: type[BaseModel] = TrainConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the config tree (sections and leaves), e.g. ``optim.lr``."""
+    keys = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        keys.append(dotted)
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            keys += config_keys(field.annotation, f"{dotted}.")
+    return keys
+
+
+def closest_key(dotted: str) -> str:
+    """`` (did you mean optim.lr?)`` for the known key closest to `dotted`, or ``""``."""
+    keys = config_keys()
+    section, _, leaf = dotted.rpartition(".")
+    initials = "".join(word[0] for word in leaf.split("_") if word)
+    if f"{section}.{initials}".lstrip(".") in keys and "_" in leaf:  # learning_rate → lr
+        return f" (did you mean {section + '.' if section else ''}{initials}?)"
+    matches = difflib.get_close_matches(dotted, keys, n=1, cutoff=0.6)
+    if not matches:  # a typo in the last part only: compare leaf names
+        leaves = {key.rsplit(".", 1)[-1]: key for key in keys}
+        matches = [leaves[m] for m in difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.75)]
+    return f" (did you mean {matches[0]}?)" if matches else ""
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """Every override names a key of the tree; else a one-line error naming it, with a suggestion.
+
+    Keys inside free-form sections (``objective.base.tau``) are checked by the objective.
+    """
+    for item in overrides:
+        dotted = item.split("=", 1)[0].strip()
+        model: type[BaseModel] = TrainConfig
+        for part in dotted.split("."):
+            field = model.model_fields.get(part)
+            if field is None:
+                raise ConfigError(f"override {item!r}: unknown key {dotted!r}{closest_key(dotted)}")
+            if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+                break  # a leaf or a free-form mapping
+            model = field.annotation
+
+
+def _format_validation_error(err: ValidationError, source: str, overrides: list[str]) -> str:
+    from_override = {item.split("=", 1)[0].strip(): item for item in overrides}
     lines = [f"invalid configuration ({source}):"]
     for problem in err.errors():
         where = ".".join(str(p) for p in problem["loc"]) or "<root>"
+        origin = f" (override {from_override[where]!r})" if where in from_override else ""
         if problem["type"] == "extra_forbidden":
-            lines.append(f"  - unknown key '{where}'")
+            lines.append(f"  - unknown key '{where}'{closest_key(where)}{origin}")
         else:
-            lines.append(f"  - {where}: {problem['msg']}")
+            lines.append(f"  - {where}: {problem['msg']}{origin}")
     return "\n".join(lines)
 
 
@@ -232,8 +322,10 @@ def load_train_config(path: Path | str | None, overrides: list[str] | None = Non
     if path is not None:
         tree = read_config_tree(Path(path))
         source = str(path)
-    apply_overrides(tree, overrides or [])
+    overrides = list(overrides or [])
+    apply_overrides(tree, overrides)
+    check_override_keys(overrides)
     try:
         return TrainConfig.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, source)) from None
+        raise ConfigError(_format_validation_error(err, source, overrides)) from None

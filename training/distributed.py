@@ -308,3 +308,12 @@ def own_rng_state(
     prefix = _RANK_PREFIX.format(rank())
     own = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
     return own, scalars["ranks"][str(rank())]
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on at least one (e.g. a stop request)."""
+    if not is_distributed():
+        return flag
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())

@@ -22,6 +22,8 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     worker = ["-m", "tonearm", *(["-v"] if getattr(args, "verbose", False) else []), "train"]
     worker += [args.config] if args.config else []
     worker += list(args.overrides or [])
+    worker += [flag for flag, on in (("--overwrite", getattr(args, "overwrite", False)),
+               ("--drop-other-languages", getattr(args, "drop_other_languages", False))) if on]
     return [
         sys.executable,
         "-m",

@@ -16,6 +16,8 @@ import argparse
 import json
 import logging
 import math
+import shlex
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from tonearm.errors import DataError
+from tonearm.errors import DataError, TonearmError
 from training import distributed
 from training.config import ConfigError, TrainConfig, load_train_config
 from training.context import LoopContext
@@ -36,6 +38,7 @@ from training.evaluate import (
     prepare_eval_set,
     report_keys,
 )
+from training.interrupt import StopRequest, TrainingInterrupted, ignore_ctrl_c
 from training.objectives import EmbeddingBatch, Objective, build_objective, total_loss
 from training.objectives.base import BuildEnv
 from training.runtime import (
@@ -106,19 +109,47 @@ class Run:
 # --- setup / teardown ------------------------------------------------------------------------
 
 
+RUN_FLAGS = ("resume=", "overwrite=")
+"""Overrides that choose between continuing and replacing a run; the hints set their own."""
+
+
 def cli_train(args: argparse.Namespace) -> int:
     """Entry point of `tonearm train`."""
-    cfg = load_train_config(args.config, list(args.overrides or []))
-    train(cfg)
+    overrides = list(args.overrides or [])
+    if getattr(args, "overwrite", False):
+        overrides.append("overwrite=true")
+    if getattr(args, "drop_other_languages", False):
+        overrides.append("data.drop_other_languages=true")
+    command = shlex.join(
+        ["tonearm", "train", *([args.config] if args.config else []),
+         *(o for o in overrides if not o.startswith(RUN_FLAGS))]
+    )
+    cfg = load_train_config(args.config, overrides)
+    try:
+        train(cfg, command=command)
+    except TrainingInterrupted as stop:
+        log.warning(
+            "interrupted at step %d (epoch %d, batch %d); %s saved. Resume with: %s resume=true",
+            stop.step, stop.epoch + 1, stop.batch_in_epoch, cfg.out_dir / "last", command,
+        )
+        return 130
     return 0
 
 
-def train(cfg: TrainConfig, *, interrupt_after_steps: int | None = None) -> Path:
+def train(
+    cfg: TrainConfig,
+    *,
+    interrupt_after_steps: int | None = None,
+    command: str = "tonearm train CONFIG [overrides]",
+) -> Path:
     """Train per `cfg`; returns `cfg.out_dir`.
 
     `interrupt_after_steps` stops after that many optimizer steps (counted from the
     start of the run, not of this process) and saves `last/` as an interruption
-    would — for time-boxed jobs and the resume test.
+    would — for time-boxed jobs and the resume test. Ctrl-C (SIGINT) or SIGTERM
+    stops at the next step boundary, saves `last/` and raises
+    :class:`TrainingInterrupted`. `command` is the command line quoted in the
+    messages that say how to resume or start afresh.
     """
     runtime = setup_runtime(
         device=cfg.device,
@@ -128,12 +159,46 @@ def train(cfg: TrainConfig, *, interrupt_after_steps: int | None = None) -> Path
         timeout_s=cfg.distributed.timeout_s,
     )
     try:
+        prepare_out_dir(cfg, runtime, command=command)
         seed_everything(cfg.seed + runtime.rank)
         run = build_run(cfg, runtime)
-        run_epochs(run, interrupt_after_steps=interrupt_after_steps)
+        with StopRequest() as stop:
+            run_epochs(run, interrupt_after_steps=interrupt_after_steps, stop=stop)
     finally:
         teardown_runtime(runtime)
     return cfg.out_dir
+
+
+class RunExistsError(TonearmError):
+    """`out_dir` holds a previous run and neither `resume` nor `overwrite` says what to do with it."""
+
+
+CHECKPOINT_DIRS = ("last", "best")
+
+
+def prepare_out_dir(cfg: TrainConfig, runtime: Runtime, *, command: str) -> None:
+    """Never replace a previous run silently: resume it, delete it (`overwrite`), or refuse."""
+    out = cfg.out_dir
+    previous = [out / name for name in CHECKPOINT_DIRS if (out / name).is_dir()]
+    if not previous or (cfg.resume and (out / "last").is_dir()):
+        return
+    if cfg.overwrite:
+        barrier(runtime)  # every rank has looked before rank 0 deletes
+        if runtime.is_main:
+            for directory in previous:
+                shutil.rmtree(directory)
+            log.warning("overwrite: deleted the previous run's %s", ", ".join(map(str, previous)))
+        barrier(runtime)
+        return
+    fresh = f"start afresh, deleting it: {command} --overwrite"
+    last_state = out / "last" / "state.json"
+    if not last_state.is_file():
+        raise RunExistsError(f"{out} already holds a training run's best/; {fresh} (or pick another out_dir)")
+    state = json.loads(last_state.read_text(encoding="utf-8"))
+    raise RunExistsError(
+        f"{out} already holds a training run (last/ at epoch {state.get('epoch')}, step "
+        f"{state.get('step')}); resume it: {command} resume=true; or {fresh}"
+    )
 
 
 # --- build ------------------------------------------------------------------------------------
@@ -174,6 +239,7 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
         batch_sampler=batches,
         collate_fn=TrainCollate(objective.strategy, tokenizer, seed=cfg.seed),
         num_workers=cfg.data.num_workers,
+        worker_init_fn=ignore_ctrl_c,
         generator=torch.Generator().manual_seed(cfg.seed),
         pin_memory=runtime.device.type == "cuda",
     )
@@ -416,11 +482,14 @@ def build_distillation_teachers(
 # --- loop -------------------------------------------------------------------------------------
 
 
-def run_epochs(run: Run, *, interrupt_after_steps: int | None = None) -> None:
+def run_epochs(
+    run: Run, *, interrupt_after_steps: int | None = None, stop: StopRequest | None = None
+) -> None:
     """The training loop."""
     from tqdm import tqdm
 
     cfg, state = run.cfg, run.state
+    stop = stop or StopRequest()
     for epoch in range(state.epoch, cfg.optim.epochs):
         if state.step >= run.total_steps:
             break
@@ -442,16 +511,30 @@ def run_epochs(run: Run, *, interrupt_after_steps: int | None = None) -> None:
                 bar.set_postfix(loss=f"{values['loss']:.3f}", lr=f"{values['lr']:.2e}")
                 if state.step >= run.total_steps or state.step == interrupt_after_steps:
                     break
-        except KeyboardInterrupt:
-            save_last(run)
-            raise
+                if stop_requested(run, stop):
+                    break
         finally:
             bar.close()
         if state.step == interrupt_after_steps and state.step < run.total_steps:
             save_last(run)
             return
+        if stop.requested and state.batch_in_epoch < run.steps_per_epoch and state.step < run.total_steps:
+            save_last(run)
+            raise TrainingInterrupted(
+                step=state.step, epoch=state.epoch, batch_in_epoch=state.batch_in_epoch
+            )
         end_epoch(run, epoch, seconds=time.monotonic() - started)
+        if stop_requested(run, stop) and state.step < run.total_steps:  # last/ was just saved
+            raise TrainingInterrupted(step=state.step, epoch=state.epoch, batch_in_epoch=0)
     finish(run)
+
+
+def stop_requested(run: Run, stop: StopRequest) -> bool:
+    """Whether to stop at this step boundary; all ranks agree, so none waits alone in a collective."""
+    if not run.runtime.distributed:
+        return stop.requested
+    stop.requested = distributed.any_rank(stop.requested, run.runtime.device)
+    return stop.requested
 
 
 def begin_epoch(run: Run, epoch: int) -> None:

@@ -42,3 +42,34 @@ def test_unknown_key_is_named(tmp_path):
 def test_bad_override_syntax():
     with pytest.raises(ConfigError, match="key.path=value"):
         load_train_config(None, ["optim.lr"])
+
+
+def test_override_typo_names_the_override_and_the_closest_key():
+    with pytest.raises(ConfigError, match=r"^override 'optim.lrr=1': unknown key 'optim.lrr' \(did you mean optim.lr\?\)$"):
+        load_train_config(None, ["optim.lrr=1"])
+    with pytest.raises(ConfigError, match=r"did you mean optim.lr\?"):
+        load_train_config(None, ["optim.learning_rate=1"])
+    with pytest.raises(ConfigError, match=r"did you mean optim.text.lr_scale\?"):
+        load_train_config(None, ["optim.text.lr_scal=0.1"])
+    with pytest.raises(ConfigError, match=r"did you mean optim.epochs\?"):
+        load_train_config(None, ["epochs=3"])
+    with pytest.raises(ConfigError, match=r"optim.lr: .*number.*\(override 'optim.lr=fast'\)"):
+        load_train_config(None, ["optim.lr=fast"])
+    # Free-form objective sections are the objective's to check.
+    assert load_train_config(None, ["objective.base.tau=0.1"]).objective.base["tau"] == 0.1
+
+
+def test_presets_do_not_pin_threads():
+    from pathlib import Path
+
+    presets = sorted(Path(__file__).resolve().parents[2].glob("configs/**/*.yaml"))
+    assert presets
+    for preset in presets:
+        assert load_train_config(preset).threads is None, preset
+
+
+def test_freeze_options_need_freeze_and_resume_excludes_overwrite():
+    with pytest.raises(ConfigError, match="need freeze: true"):
+        load_train_config(None, ["optim.text.unfrozen_layers=2"])
+    with pytest.raises(ConfigError, match="resume and overwrite exclude each other"):
+        load_train_config(None, ["resume=true", "overwrite=true"])

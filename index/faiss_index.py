@@ -141,6 +141,19 @@ def _as_matrix(vectors: np.ndarray, dim: int | None = None) -> np.ndarray:
     return matrix
 
 
+def faiss_gpu_count() -> int:
+    """GPUs FAISS can use here (0 with the CPU-only wheel, which lacks the GPU API)."""
+    get_num_gpus = getattr(faiss, "get_num_gpus", None)
+    return int(get_num_gpus()) if get_num_gpus is not None else 0
+
+
+def _train_on_gpus(index: faiss.Index) -> None:
+    """Run an IVF index's K-Means on the GPUs (faiss-gpu); the trained index stays a CPU index."""
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None and faiss_gpu_count() > 0:
+        ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatL2(ivf.d))
+
+
 def build_index(
     vectors: np.ndarray,
     factory: str | None = None,
@@ -171,6 +184,7 @@ def build_index(
         # their training costs minutes and changes no search result.
         concrete.do_polysemous_training = False
     if not index.is_trained:
+        _train_on_gpus(index)
         index.train(_sample_rows(matrix, max(max_train_vectors, spec.min_vectors), seed))
     index.add(matrix)
     params = default_search_params(spec)

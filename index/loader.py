@@ -55,6 +55,22 @@ def providers_for(device: Device) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+def check_providers(requested: Sequence[str]) -> list[str]:
+    """An explicit provider list (``TONEARM_ONNX_PROVIDERS``) checked against this onnxruntime.
+
+    ``CPUExecutionProvider`` is appended as the fallback for operators a GPU provider lacks.
+    """
+    available = ort.get_available_providers()
+    missing = [name for name in requested if name not in available]
+    if missing:
+        raise TonearmError(
+            f"ONNX Runtime providers {missing} are not available in this onnxruntime "
+            f"(available: {available}); install onnxruntime-gpu for CUDAExecutionProvider, "
+            "or set TONEARM_ONNX_PROVIDERS=CPUExecutionProvider"
+        )
+    return [*requested, *([] if "CPUExecutionProvider" in requested else ["CPUExecutionProvider"])]
+
+
 def l2_normalize(x: np.ndarray) -> np.ndarray:
     """Row-wise L2 normalization (zero rows stay zero)."""
     return (x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)).astype(np.float32)
@@ -195,6 +211,12 @@ class LoadedBundle:
         ranges = manifest.text_index.language_ranges or {}
         self._language_selectors = {lang: faiss.IDSelectorRange(lo, hi) for lang, (lo, hi) in ranges.items()}
 
+    @property
+    def onnx_providers(self) -> list[str]:
+        """The onnxruntime providers the encoders run on, best first (both encoders share them)."""
+        encoder = self._audio_encoder or self._text_encoder
+        return list(encoder.session.get_providers()) if encoder is not None else []
+
     # ------------------------------------------------------------------ open / close
 
     @classmethod
@@ -206,6 +228,7 @@ class LoadedBundle:
         intra_op_threads: int | None = None,
         verify: bool = True,
         mmap_threshold_bytes: int = DEFAULT_MMAP_THRESHOLD,
+        providers: Sequence[str] | None = None,
     ) -> LoadedBundle:
         """Load a bundle; ``verify`` checks every file's sha256 first (else only the manifest).
 
@@ -214,7 +237,7 @@ class LoadedBundle:
         """
         root = Path(path)
         manifest = verify_files(root) if verify else read_manifest(root)
-        providers = providers_for(device)
+        providers = check_providers(providers) if providers else providers_for(device)
         dim = manifest.embed_dim
         audio_index = _open_index(root, manifest.audio_index, embed_dim=dim, mmap_threshold_bytes=mmap_threshold_bytes)
         text_index = _open_index(root, manifest.text_index, embed_dim=dim, mmap_threshold_bytes=mmap_threshold_bytes)

@@ -80,12 +80,15 @@ class ActivationResult:
 
 
 def default_opener(settings: Settings) -> Opener:
-    """``LoadedBundle.open`` with checksum verification and the configured ONNX threads."""
+    """``LoadedBundle.open`` with checksum verification and the configured ONNX threads and providers."""
 
     def open_bundle(path: Path) -> BundleLike:
         from index.loader import LoadedBundle
 
-        return LoadedBundle.open(path, device="cpu", intra_op_threads=settings.onnx_threads, verify=True)
+        providers = [name.strip() for name in settings.onnx_providers.split(",") if name.strip()]
+        return LoadedBundle.open(
+            path, device="cpu", intra_op_threads=settings.onnx_threads, verify=True, providers=providers
+        )
 
     return open_bundle
 

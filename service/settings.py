@@ -43,6 +43,10 @@ class Settings(BaseSettings):
     """Bundle served at start: a bundle id inside `bundles_dir` or a bundle directory path."""
     onnx_threads: int = Field(default=1, ge=1, le=64)
     """onnxruntime intra-op threads per session; parallelism comes from the request thread pool."""
+    onnx_providers: str = "CPUExecutionProvider"
+    """Comma-separated onnxruntime execution providers, best first, e.g.
+    ``CUDAExecutionProvider,CPUExecutionProvider`` (needs onnxruntime-gpu; a provider this
+    onnxruntime lacks stops the bundle from loading, with the available ones named)."""
     search_threads: int = Field(default=4, ge=1, le=256)
     """Threads that run encoders and FAISS searches (they release the GIL)."""
 

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from index.faiss_index import faiss_gpu_count
+
 log = logging.getLogger(__name__)
 
 
@@ -215,7 +217,7 @@ def kmeans_labels(points: np.ndarray, n_clusters: int, *, seed: int, iters: int,
     """FAISS K-Means (L2, best of ``redo`` runs) on points (N, D) float32 → nearest-centroid label (N,) int64."""
     kmeans = faiss.Kmeans(
         points.shape[1], n_clusters, niter=iters, nredo=redo, seed=seed, verbose=False, max_points_per_centroid=256,
-        min_points_per_centroid=1,
+        min_points_per_centroid=1, gpu=faiss_gpu_count() > 0,  # faiss-gpu when importable
     )
     kmeans.train(points)
     _, labels = kmeans.index.search(points, 1)

@@ -106,6 +106,12 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint")
     p.add_argument("--data", required=True, help="JSONL manifest whose clips are indexed")
     p.add_argument("--out", required=True, help="bundles directory; the bundle is written inside it")
+    p.add_argument(
+        "--split",
+        action="append",
+        metavar="SPLIT",
+        help="index only the clips of this split (repeatable, e.g. --split test); default: every split",
+    )
     p.add_argument("--index", help="FAISS factory string (default: chosen by collection size)")
     p.add_argument("--quantize-text", action="store_true", help="dynamic int8 text encoder")
     p.set_defaults(handler=_lazy("training.export:cli_export", "train"))

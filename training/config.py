@@ -47,8 +47,10 @@ class DataConfig(_Strict):
     """Drop captions in languages outside `languages` (counted and reported) instead of
     refusing the manifest; clips left without captions are dropped too."""
     val_fraction: float = Field(0.0, ge=0, lt=1)
-    """Carve this fraction of the `train` clips (seeded by `seed`) as the validation split
+    """Carve this fraction of the `train` clips (chosen by `val_seed`) as the validation split
     `eval.split`, for datasets that ship without one; 0 uses the manifest's own split."""
+    val_seed: int = 0
+    """Seed of the `val_fraction` carve (apart from `seed`, so runs with other seeds share it)."""
     clip_seconds: float = Field(5.0, gt=0)
     eval_crop: Literal["center", "chunk"] = "chunk"
     """Evaluation policy for clips longer than `clip_seconds`: center crop or chunk-and-average."""

@@ -67,6 +67,7 @@ class LoopContext:
             Path(manifest),
             languages=self._data_cfg.languages,
             skip_missing_audio=self._data_cfg.skip_missing_audio,
+            drop_other_languages=self._data_cfg.drop_other_languages,
         )
         audio, text, _ = self._embed_pairs_sharded(records)
         return audio, text

@@ -179,16 +179,27 @@ def evaluate_model(
 # --- CLI ---------------------------------------------------------------------------------
 
 
-def load_split(manifest: Path, *, data_cfg: DataConfig, split: str) -> list[ClipRecord]:
-    """Records of one split, with clear errors for a missing file or an empty split."""
-    from training.data.manifest import load_manifest
+def load_split(
+    manifest: Path, *, data_cfg: DataConfig, split: str, eval_split: str = "val"
+) -> list[ClipRecord]:
+    """Records of one split, with clear errors for a missing file or an empty split.
 
+    With the run's ``data.val_fraction``, `eval_split` is the share carved from
+    ``train`` during training (and ``train`` the rest), as in the run.
+    """
+    from training.data.manifest import load_manifest
+    from training.data.splits import TRAIN_SPLIT, carves, select_split
+
+    carved = carves(split, data_cfg=data_cfg, eval_split=eval_split)
     records = load_manifest(
         manifest,
         languages=data_cfg.languages,
         skip_missing_audio=data_cfg.skip_missing_audio,
-        split=split,
+        split=TRAIN_SPLIT if carved else split,
+        drop_other_languages=data_cfg.drop_other_languages,
     )
+    if carved:
+        records = select_split(records, split, data_cfg=data_cfg, eval_split=eval_split)
     if not records:
         raise DataError(f"{manifest}: no clips in split {split!r}")
     return records[: data_cfg.max_clips] if data_cfg.max_clips else records
@@ -238,7 +249,7 @@ def cli_evaluate(args: argparse.Namespace) -> int:
     checkpoint_dir = Path(args.checkpoint)
     checkpoint = load_checkpoint(checkpoint_dir, device=str(device))
     cfg = checkpoint.config
-    records = load_split(Path(args.data), data_cfg=cfg.data, split=args.split)
+    records = load_split(Path(args.data), data_cfg=cfg.data, split=args.split, eval_split=cfg.eval.split)
     log.info("evaluating %s on %d %s clips", checkpoint_dir, len(records), args.split)
     report = evaluate_model(
         checkpoint.model,

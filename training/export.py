@@ -7,7 +7,8 @@ Steps (SPEC §6), all inside a staging directory published atomically at the end
    longest, and one truncated at ``max_length``) and audio shorter than, equal
    to and longer than the clip length; the export fails otherwise;
 2. optionally quantize the text encoder (dynamic int8);
-3. embed the catalogue — every clip of every split of the data manifest — with
+3. embed the catalogue — every clip of the data manifest, or of the splits
+   asked for (``tonearm export --split test``) — with
    the *ONNX* encoders (what the service will compute), build ``audio.faiss``
    and ``text.faiss`` (captions grouped by language) and measure ANN recall@10;
 4. store the held-out set (``test`` split, else ``val``; at most
@@ -334,10 +335,23 @@ def evaluate_staged(staging: Path, encoders: _Encoders, tokenizer: TextTokenizer
 def _load_inputs(checkpoint_dir: Path, manifest: Path) -> tuple[Checkpoint, list[ClipRecord]]:
     ckpt = load_checkpoint(checkpoint_dir, device="cpu")
     data = ckpt.config.data
-    records = load_manifest(manifest, languages=data.languages, skip_missing_audio=data.skip_missing_audio)
+    records = load_manifest(manifest, languages=data.languages, skip_missing_audio=data.skip_missing_audio,
+                            drop_other_languages=data.drop_other_languages)
     if not records:
         raise BundleError(f"{manifest}: no clips to index")
     return ckpt, records
+
+
+def catalogue_records(records: Sequence[ClipRecord], splits: Sequence[str] | None, manifest: Path) -> list[ClipRecord]:
+    """The clips to index: every clip, or those of `splits` (each must exist in the manifest)."""
+    if not splits:
+        return list(records)
+    present = sorted({r.split for r in records})
+    unknown = [split for split in splits if split not in present]
+    if unknown:
+        raise BundleError(f"{manifest}: no split {', '.join(map(repr, unknown))} to index "
+                          f"(--split; splits present: {', '.join(present)})")
+    return [r for r in records if r.split in splits]
 
 
 def export_bundle(
@@ -348,18 +362,22 @@ def export_bundle(
     index_factory: str | None = None,
     quantize_text: bool = False,
     progress: bool = True,
+    splits: Sequence[str] | None = None,
 ) -> Path:
-    """Export ``checkpoint_dir`` with the clips of ``manifest``; returns ``out_dir/<bundle_id>``."""
+    """Export ``checkpoint_dir`` with the clips of ``manifest`` (only those of ``splits`` when
+    given); returns ``out_dir/<bundle_id>``. The held-out set is chosen from every clip."""
     checkpoint_dir, manifest, out_dir = Path(checkpoint_dir), Path(manifest), Path(out_dir)
-    ckpt, records = _load_inputs(checkpoint_dir, manifest)
+    ckpt, all_records = _load_inputs(checkpoint_dir, manifest)
+    records = catalogue_records(all_records, splits, manifest)
     cfg = ckpt.config
     if index_factory is not None:
         parse_factory(index_factory, cfg.model.embed_dim)  # fail before the slow steps
-    split, held_out = held_out_records(records)
+    split, held_out = held_out_records(all_records)
     created = datetime.now(UTC).replace(microsecond=0)
     config_json = cfg.model_dump(mode="json")
     weights_sha = fmt.sha256_file(checkpoint_dir / "model.safetensors")
-    fingerprint = canonical_hash([weights_sha, config_json, str(manifest.resolve()), index_factory, quantize_text])
+    fingerprint = canonical_hash([weights_sha, config_json, str(manifest.resolve()), index_factory, quantize_text,
+                                  *([sorted(splits)] if splits else [])])
     bundle_id = make_bundle_id(run_name(checkpoint_dir), created=created, fingerprint=fingerprint)
     with fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
         sections = _build_contents(
@@ -439,14 +457,14 @@ def _build_contents(
 
 
 def cli_export(args: argparse.Namespace) -> int:
-    """`tonearm export CHECKPOINT --data MANIFEST --out BUNDLES_DIR [--index F] [--quantize-text]`."""
+    """`tonearm export CHECKPOINT --data MANIFEST --out BUNDLES_DIR [--split S ...] [--index F] [--quantize-text]`."""
     from rich.console import Console
 
     from index.report import format_report_rich
 
     path = export_bundle(
         args.checkpoint, manifest=args.data, out_dir=args.out, index_factory=args.index,
-        quantize_text=args.quantize_text, progress=True,
+        quantize_text=args.quantize_text, progress=True, splits=args.split,
     )
     manifest = fmt.read_manifest(path)
     console = Console()

@@ -31,6 +31,7 @@ from tonearm.errors import DataError, TonearmError
 from training import distributed
 from training.config import ConfigError, TrainConfig, load_train_config
 from training.context import LoopContext
+from training.data.splits import TRAIN_SPLIT
 from training.evaluate import (
     EvalSet,
     clip_samples,
@@ -62,7 +63,6 @@ log = logging.getLogger(__name__)
 
 LOG_EVERY_STEPS = 10
 """Per-step loss terms go to metrics.jsonl every this many steps (and at step 1)."""
-TRAIN_SPLIT = "train"
 LOWER_IS_BETTER = ("mrv_", "mean_rank_std_", "gap_", "dis_")
 
 
@@ -298,6 +298,7 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
 def load_training_data(cfg: TrainConfig) -> tuple[list[Any], list[Any]]:
     """(train records, validation records), with clear errors for unusable manifests."""
     from training.data.manifest import load_manifest
+    from training.data.splits import carves, select_split
 
     manifest = cfg.data.manifest
     if manifest is None:
@@ -305,10 +306,22 @@ def load_training_data(cfg: TrainConfig) -> tuple[list[Any], list[Any]]:
     if not manifest.is_file():
         raise DataError(f"manifest not found: {manifest} (data.manifest)")
     records = load_manifest(
-        manifest, languages=cfg.data.languages, skip_missing_audio=cfg.data.skip_missing_audio
+        manifest,
+        languages=cfg.data.languages,
+        skip_missing_audio=cfg.data.skip_missing_audio,
+        drop_other_languages=cfg.data.drop_other_languages,
     )
-    train = [r for r in records if r.split == TRAIN_SPLIT][: cfg.data.max_clips]
-    val = [r for r in records if r.split == cfg.eval.split][: cfg.data.max_clips]
+    data_cfg, eval_split = cfg.data, cfg.eval.split
+    train = select_split(records, TRAIN_SPLIT, data_cfg=data_cfg, eval_split=eval_split)
+    val = select_split(records, eval_split, data_cfg=data_cfg, eval_split=eval_split)
+    train, val = train[: data_cfg.max_clips], val[: data_cfg.max_clips]
+    if carves(eval_split, data_cfg=data_cfg, eval_split=eval_split):
+        own = sum(r.split == cfg.eval.split for r in records)
+        log.info(
+            "validation: %d clips carved from train (data.val_fraction=%g)%s",
+            len(val), cfg.data.val_fraction,
+            f"; the manifest's own {own} {cfg.eval.split!r} clips are not used" if own else "",
+        )
     if len(train) < 2:
         raise DataError(
             f"{manifest}: {len(train)} clip(s) in split {TRAIN_SPLIT!r}; training needs at least 2"

@@ -14,7 +14,8 @@ top-level key is also kept in :attr:`ClipRecord.meta`.
 Problems the user can fix raise :class:`tonearm.errors.DataError` naming the file
 and line: bad JSON, missing or mistyped fields, duplicate ids, captions in a
 language outside the configured set (an error rather than a silent drop, so a
-typo such as ``"fre"`` is not lost), and missing audio files (reported with the
+typo such as ``"fre"`` is not lost — unless ``drop_other_languages`` asks to drop
+them, counted and reported), and missing audio files (reported with the
 count and first examples; skipped with a warning only when asked to).
 """
 
@@ -67,7 +68,8 @@ def _parse_captions(value: Any, *, where: str, languages: Sequence[str] | None) 
         if languages is not None and lang not in languages:
             raise DataError(
                 f"{where}: captions in language {lang!r}, which is not among the configured "
-                f"languages ({', '.join(languages)}); add it to data.languages or remove it"
+                f"languages ({', '.join(languages)}); add it to data.languages, or drop such captions "
+                "with data.drop_other_languages=true (tonearm train --drop-other-languages)"
             )
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise DataError(f"{where}: captions[{lang!r}] must be a list of strings")
@@ -153,20 +155,49 @@ def drop_missing_audio(
     return [r for i, r in enumerate(records) if i not in dropped]
 
 
+def keep_languages(
+    rows: list[tuple[int, ClipRecord]], languages: Sequence[str], *, source: str
+) -> list[tuple[int, ClipRecord]]:
+    """Drop captions outside `languages` and the clips left without any; log what was dropped."""
+    dropped: dict[str, int] = {}
+    kept: list[tuple[int, ClipRecord]] = []
+    for number, record in rows:
+        for lang, texts in record.captions.items():
+            if lang not in languages:
+                dropped[lang] = dropped.get(lang, 0) + len(texts)
+        captions = {lang: texts for lang, texts in record.captions.items() if lang in languages}
+        if captions:
+            kept.append((number, ClipRecord(record.id, record.audio, captions, record.split, record.meta)))
+    if dropped:
+        per_language = ", ".join(f"{lang} {count}" for lang, count in sorted(dropped.items()))
+        log.info(
+            "%s: dropped %d captions in languages outside data.languages (%s); %d of %d clips kept",
+            source, sum(dropped.values()), per_language, len(kept), len(rows),
+        )
+    if not kept:
+        raise DataError(f"{source}: no captions in data.languages ({', '.join(languages)})")
+    return kept
+
+
 def load_manifest(
     path: Path,
     *,
     languages: Sequence[str],
     skip_missing_audio: bool = False,
     split: str | None = None,
+    drop_other_languages: bool = False,
 ) -> list[ClipRecord]:
     """Load and validate a JSONL manifest; optionally keep one split.
 
     The whole file is validated; only the selected split's audio files are
     checked for existence. Raises :class:`DataError` when the split is absent.
+    Captions in languages outside `languages` are an error, or dropped with
+    `drop_other_languages` (with the clips left without captions).
     """
     path = Path(path)
-    rows = read_manifest(path, languages=list(languages))
+    rows = read_manifest(path, languages=None if drop_other_languages else list(languages))
+    if drop_other_languages:
+        rows = keep_languages(rows, languages, source=str(path))
     if split is not None:
         present = sorted({r.split for _, r in rows})
         rows = [(n, r) for n, r in rows if r.split == split]

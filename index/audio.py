@@ -1,4 +1,4 @@
-"""Audio decoding and length fitting shared by training, export and the service (SPEC §2).
+"""Audio decoding and length fitting shared by training, export and the service (docs/corpus.md).
 
 numpy only (no torch): soundfile decodes WAV/FLAC/OGG/MP3 (whatever the bundled
 libsndfile supports), channels are averaged to mono and soxr resamples to the

@@ -1,4 +1,4 @@
-"""The bundle format (SPEC §6): manifest schema, checksums, atomic publication.
+"""The bundle format (docs/bundle.md): manifest schema, checksums, atomic publication.
 
 A bundle is a directory that is never modified once published. Its
 ``manifest.json`` describes everything the service needs and lists the sha256
@@ -122,7 +122,7 @@ class EvalSetInfo(_Frozen):
 
 
 class EvaluationInfo(_Frozen):
-    """SPEC §5 report on the held-out set, computed with the bundle's ONNX encoders."""
+    """The metrics report (docs/metrics.md) on the held-out set, computed with the bundle's ONNX encoders."""
 
     encoder: Literal["onnx"] = "onnx"
     report: dict[str, float]
@@ -134,7 +134,7 @@ class EvaluationInfo(_Frozen):
 
 
 class BundleManifest(_Frozen):
-    """Schema of ``manifest.json`` (SPEC §6)."""
+    """Schema of ``manifest.json`` (docs/bundle.md)."""
 
     format_version: Literal[1] = 1
     bundle_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

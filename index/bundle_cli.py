@@ -32,7 +32,7 @@ def cli_verify(args: argparse.Namespace) -> int:
 
 
 def cli_eval(args: argparse.Namespace) -> int:
-    """Recompute the SPEC §5 table from the bundle's ONNX encoders and print it."""
+    """Recompute the metrics table (docs/metrics.md) from the bundle's ONNX encoders and print it."""
     bundle = LoadedBundle.open(Path(args.dir), verify=True)
     try:
         report = evaluate_bundle(bundle)

@@ -1,4 +1,4 @@
-"""SPEC §5 metrics of a bundle from its ONNX encoders only (no torch).
+"""The metrics (docs/metrics.md) of a bundle from its ONNX encoders only (no torch).
 
 The held-out set stored in the bundle is embedded with the bundle's encoders
 (chunk-and-average audio, tokenizer + text encoder) and scored with

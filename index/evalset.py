@@ -1,4 +1,4 @@
-"""The held-out multilingual evaluation set stored in a bundle (``eval/``; SPEC §6).
+"""The held-out multilingual evaluation set stored in a bundle (``eval/``; docs/bundle.md).
 
 Files (no pickle; ``np.load(allow_pickle=False)``):
 
@@ -11,7 +11,7 @@ Files (no pickle; ``np.load(allow_pickle=False)``):
 * ``eval/clips.jsonl`` — one line per clip: ``{"id", "num_samples"}``;
 * ``eval/captions.jsonl`` — one line per caption query:
   ``{"text", "clip" (row in clips), "lang", "group"}``; captions of one
-  ``group`` are translations of each other (a query group for MRV, SPEC §5).
+  ``group`` are translations of each other (a query group for MRV, docs/metrics.md).
 
 The service's consistency diagnostics and quality gate, and `tonearm bundle
 eval`, read it through :func:`read_eval_set`.
@@ -66,7 +66,7 @@ class EvalSet:
 
 
 def prepare_waveform(wave: np.ndarray, *, clip_samples: int, policy: Literal["center", "chunk"]) -> np.ndarray:
-    """The waveform the bundle embeds for a clip under the evaluation policy (SPEC §2).
+    """The waveform the bundle embeds for a clip under the evaluation policy (docs/corpus.md).
 
     ``chunk``: the whole clip (``encode_audio`` chunks and averages it);
     ``center``: the center crop / zero-padded clip of ``clip_samples``.

@@ -1,4 +1,4 @@
-"""FAISS indices of a bundle (SPEC §6): the factory string is the index configuration.
+"""FAISS indices of a bundle (docs/bundle.md): the factory string is the index configuration.
 
 * :func:`choose_factory` picks by collection size: exact ``Flat`` for small
   collections, ``HNSW32,Flat`` for medium, ``IVF{k},PQ{m}`` for large.

@@ -1,4 +1,4 @@
-"""Open a bundle for serving: ONNX Runtime encoders + FAISS indices, no torch (SPEC §1, §6).
+"""Open a bundle for serving: ONNX Runtime encoders + FAISS indices, no torch (docs/ARCHITECTURE.md, docs/bundle.md).
 
 :class:`LoadedBundle` is immutable after :meth:`LoadedBundle.open`: encoders,
 indices, the fixed search parameters and the per-language selectors of the
@@ -132,7 +132,7 @@ def encode_texts(
 def encode_waveforms(
     encoder: OnnxEncoder, waveforms: Sequence[np.ndarray], *, clip_samples: int, embed_dim: int
 ) -> np.ndarray:
-    """(n, d) clip embeddings: L2-normalized mean over each clip's ``eval_chunks`` (SPEC §2)."""
+    """(n, d) clip embeddings: L2-normalized mean over each clip's ``eval_chunks`` (docs/corpus.md)."""
     chunks = [eval_chunks(np.asarray(w, dtype=np.float32), clip_samples) for w in waveforms]
     if not chunks:
         return np.zeros((0, embed_dim), np.float32)

@@ -1,4 +1,4 @@
-"""Retrieval and cross-language consistency metrics (SPEC §5), pure numpy.
+"""Retrieval and cross-language consistency metrics (docs/metrics.md), pure numpy.
 
 Scores are dot products of the embeddings as given (cosine for L2-normalized
 embeddings). Conventions, stated once (see also docs/metrics.md and
@@ -293,7 +293,7 @@ def _average_precision_at_10(sorted_ranks: np.ndarray) -> float:
 
 
 def map_at_10_a2t(ranks: Sequence[np.ndarray | Sequence[int]]) -> float:
-    """Mean over clip queries of AP@10 (the WavCaps / ML-CLAP convention, SPEC §5)."""
+    """Mean over clip queries of AP@10 (the WavCaps / ML-CLAP convention, docs/metrics.md)."""
     return float(np.mean([_average_precision_at_10(q) for q in _a2t_queries(ranks)]))
 
 
@@ -474,7 +474,7 @@ def retrieval_report(
     languages: Sequence[str],
     max_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
 ) -> dict[str, float]:
-    """Every SPEC §5 metric of one evaluation set as a flat dict of floats.
+    """Every metric (docs/metrics.md) of one evaluation set as a flat dict of floats.
 
     Keys: ``{t2a|a2t}_{R@1|R@5|R@10|mAP@10}_{lang|mean}`` (fractions in [0, 1]),
     ``mrv_t2a``, ``mrv_a2t``, ``mean_rank_std_t2a``, ``mean_rank_std_a2t``,

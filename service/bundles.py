@@ -1,6 +1,6 @@
 """Bundle registry: the active and previous bundle, activation with a quality gate, rollback.
 
-Swap protocol (SPEC §7):
+Swap protocol (docs/service.md):
 
 1. **load beside** — the candidate is opened while the active bundle keeps serving;
 2. **verify** — ``LoadedBundle.open(verify=True)`` checks every file's sha256 and the

@@ -1,6 +1,6 @@
 """Quality gate of an activation: candidate vs active bundle on the same held-out data.
 
-Fair comparison (SPEC §7 leaves it open; decided here): both bundles are
+Fair comparison (decided here): both bundles are
 evaluated on the **candidate's** held-out set — the set the new bundle ships —
 each with its own encoders, the gallery being the held-out clips only (not each
 bundle's full index, whose sizes may differ). Only languages both bundles
@@ -86,7 +86,7 @@ def eval_data(bundle: Any) -> EvalData:
 
 
 def evaluate(bundle: Any, data: EvalData, languages: Sequence[str]) -> dict[str, float]:
-    """SPEC §5 report of ``bundle``'s encoders on ``data`` restricted to ``languages``."""
+    """The metrics report (docs/metrics.md) of ``bundle``'s encoders on ``data`` restricted to ``languages``."""
     keep = np.isin(data.lang, list(languages))
     captions = [c for c, k in zip(data.captions, keep, strict=True) if k]
     audio = np.asarray(bundle.encode_audio(data.waveforms), dtype=np.float32)

@@ -1,4 +1,4 @@
-"""Request and response bodies of the /v1 API (SPEC §7); limits and examples live here."""
+"""Request and response bodies of the /v1 API (docs/service.md); limits and examples live here."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """tonearm: multilingual audio–text retrieval — corpus, training, evaluation, bundles, search.
 
-One subcommand per flow of SPEC §1.
+One subcommand per step of the pipeline (docs/ARCHITECTURE.md).
 
 Handlers are imported lazily so that a service-only install (no torch) can run
 `serve` and `bundle ...` while `train` tells the user which extra is missing.
@@ -42,7 +42,7 @@ def _lazy(target: str, extra: str) -> Handler:
 
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("synth", help="write the procedural multilingual sound-scene corpus (SPEC §2)")
+    p = sub.add_parser("synth", help="write the procedural multilingual sound-scene corpus (docs/corpus.md)")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory (WAV files + manifest.jsonl)")
@@ -93,7 +93,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_evaluate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("evaluate", help="recall, mAP@10 and consistency of a checkpoint (SPEC §5)")
+    p = sub.add_parser("evaluate", help="recall, mAP@10 and consistency of a checkpoint (docs/metrics.md)")
     p.add_argument("checkpoint", help="checkpoint directory (runs/NAME/best)")
     p.add_argument("--data", required=True, help="JSONL manifest")
     p.add_argument("--split", default="test")
@@ -123,7 +123,7 @@ def _add_bundle(sub: argparse._SubParsersAction) -> None:
     verify = bsub.add_parser("verify", help="checksums, dimensions, ONNX shapes, index sizes")
     verify.add_argument("dir")
     verify.set_defaults(handler=_lazy("index.bundle_cli:cli_verify", "service"))
-    evaluate = bsub.add_parser("eval", help="SPEC §5 metrics from the ONNX encoders and FAISS indices only")
+    evaluate = bsub.add_parser("eval", help="metrics (docs/metrics.md) from the ONNX encoders and FAISS indices only")
     evaluate.add_argument("dir")
     evaluate.set_defaults(handler=_lazy("index.bundle_cli:cli_eval", "service"))
     for name, help_text in (

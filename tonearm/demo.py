@@ -1,4 +1,4 @@
-"""The embedded demo bundle of `tonearm serve` when no bundle is configured (SPEC §7).
+"""The embedded demo bundle of `tonearm serve` when no bundle is configured (docs/service.md).
 
 Built once — synthetic corpus (``small``, seed 0) → short training with
 ``configs/demo.yaml`` → export — with visible progress, and cached under

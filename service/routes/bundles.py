@@ -1,4 +1,4 @@
-"""Admin routes: list, activate (quality-gated hot swap), roll back (SPEC §7)."""
+"""Admin routes: list, activate (quality-gated hot swap), roll back (docs/service.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cross-language consistency diagnostics (SPEC §7, metrics of SPEC §5)."""
+"""Cross-language consistency diagnostics (docs/service.md, metrics of docs/metrics.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Search routes: text→audio (single and batch) and audio→text (SPEC §7)."""
+"""Search routes: text→audio (single and batch) and audio→text (docs/service.md)."""
 
 from __future__ import annotations
 

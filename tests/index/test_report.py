@@ -97,3 +97,12 @@ def test_rich_table_renders_every_language_and_the_mean() -> None:
     rendered = console.export_text()
     for text in ("eng", "fra", "mean", "66.7", "83.3", "0.405", "MRV text→audio: 0.75", "DCASE"):
         assert text in rendered
+
+
+def test_convention_says_json_values_are_fractions() -> None:
+    """The JSON report holds fractions; the convention travelling with it must say so."""
+    report = _report()
+    recalls = [v for k, v in report.items() if k.startswith(("t2a_R@", "a2t_R@", "t2a_mAP", "a2t_mAP"))]
+    assert recalls and all(0.0 <= v <= 1.0 for v in recalls) and max(recalls) == 1.0
+    assert "fractions in [0, 1] in JSON" in METRIC_CONVENTION
+    assert "shown in %" not in METRIC_CONVENTION

@@ -10,6 +10,7 @@ rejected it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any
 
@@ -20,6 +21,10 @@ from rich.table import Table
 from tonearm.errors import TonearmError
 
 TIMEOUT = httpx.Timeout(10.0, read=600.0)  # activation loads, verifies, warms up and evaluates
+GENERIC_NOT_FOUND = "urn:tonearm:problem:not-found"
+"""The problem type of a path the service does not route (unlike ``bundle-not-found``)."""
+TABLE_SPARE_COLUMNS = 48
+"""Console columns the other table columns need beside the bundle id; narrower → one block per bundle."""
 
 
 def _request(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
@@ -32,14 +37,26 @@ def _request(args: argparse.Namespace, method: str, path: str, body: dict[str, A
         raise TonearmError(f"{url}: {err}") from None
 
 
+def admin_routes_off_hint(args: argparse.Namespace) -> str:
+    return (
+        f" — the admin routes are off on this service: they are on only when it was started with "
+        f"TONEARM_ADMIN_TOKEN set (e.g. TONEARM_ADMIN_TOKEN=$(openssl rand -hex 16) tonearm serve ...); "
+        f"pass the same token here in {args.token_env} (docs/service.md, 'Settings')"
+    )
+
+
 def _problem_message(response: httpx.Response, args: argparse.Namespace) -> str:
+    problem_type = None
     try:
         problem = response.json()
+        problem_type = problem.get("type")
         detail = f"{problem.get('title')}: {problem.get('detail')}"
     except ValueError:
         detail = response.text[:300]
     if response.status_code == 401 and not os.environ.get(args.token_env):
         detail += f" (set {args.token_env} to the admin token)"
+    if response.status_code in (404, 405) and problem_type in (GENERIC_NOT_FOUND, None, "urn:tonearm:problem:method-not-allowed"):
+        detail += admin_routes_off_hint(args)
     return f"{response.request.url} answered {response.status_code}: {detail}"
 
 
@@ -74,16 +91,37 @@ def cli_list(args: argparse.Namespace) -> int:
     if response.status_code != 200:
         raise TonearmError(_problem_message(response, args))
     body = response.json()
-    table = Table(title=f"bundles at {args.url}")
-    for column in ("bundle_id", "state", "created", "languages", "dim", "clips"):
-        table.add_column(column)
-    for b in body["bundles"]:
-        table.add_row(
-            b["bundle_id"], b["state"], b.get("created") or "-", ",".join(b.get("languages") or []),
+    if args.json:
+        print(json.dumps(body, indent=2, ensure_ascii=False))
+        return 0
+    console = Console()
+    rows = [
+        (
+            b["bundle_id"], b["state"], b.get("created") or "-", ",".join(b.get("languages") or []) or "-",
             str(b.get("embed_dim") or "-"), str(b.get("n_clips") or "-"),
         )
-    Console().print(table)
+        for b in body["bundles"]
+    ]
+    longest_id = max((len(r[0]) for r in rows), default=0)
+    if console.width >= longest_id + TABLE_SPARE_COLUMNS:
+        console.print(_bundle_table(args.url, rows, id_width=longest_id))
+    else:  # too narrow for a table: never cut an id, print one block per bundle instead
+        console.print(f"bundles at {args.url}", highlight=False)
+        for bundle_id, state, created, languages, dim, clips in rows:
+            console.print(bundle_id, highlight=False, soft_wrap=True)
+            console.print(f"  {state}, {clips} clips, dim {dim}, {created}\n  {languages}", highlight=False)
     return 0
+
+
+def _bundle_table(url: str, rows: list[tuple[str, ...]], *, id_width: int) -> Table:
+    """Bundle ids never shrink; the other columns wrap."""
+    table = Table(title=f"bundles at {url}")
+    table.add_column("bundle_id", no_wrap=True, min_width=id_width)
+    for column in ("state", "created", "languages", "dim", "clips"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 def cli_activate(args: argparse.Namespace) -> int:

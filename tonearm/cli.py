@@ -134,6 +134,8 @@ def _add_bundle(sub: argparse._SubParsersAction) -> None:
         q = bsub.add_parser(name, help=help_text)
         q.add_argument("--url", required=True, help="service base URL, e.g. http://127.0.0.1:8000")
         q.add_argument("--token-env", default="TONEARM_ADMIN_TOKEN", help="environment variable holding the admin token")
+        if name == "list":
+            q.add_argument("--json", action="store_true", help="print the service's JSON answer instead of a table")
         if name == "activate":
             q.add_argument("bundle_id")
             q.add_argument("--force", action="store_true", help="skip the quality gate")

@@ -92,7 +92,11 @@ class AudioSearchResponse(BaseModel):
     bundle_id: str
     duration_seconds: float = Field(description="Decoded duration of the upload.")
     format: str = Field(description="Container detected from the file's magic bytes.", examples=["wav"])
-    hits: list[CaptionHitOut]
+    hits: list[CaptionHitOut] = Field(
+        description="Up to `k` captions per requested language, grouped by language in request order "
+        "(default: the bundle's languages), best first within a language. Scores are comparable "
+        "within a language only."
+    )
 
 
 class ConsistencyRequest(_Request):

@@ -251,13 +251,25 @@ class Searcher:
         k: int,
         min_score: float | None = None,
     ) -> list[CaptionHit]:
-        """Top-``k`` captions for one decoded waveform (at the bundle's rate), optionally by language."""
-        for lang in languages or ():
+        """Top-``k`` captions *per language* for one decoded waveform (at the bundle's rate).
+
+        Scores are not comparable across languages (one language's captions can all score
+        above another's), so a single global top k would starve languages; each requested
+        language (default: every served one) is searched on its own. Hits come grouped by
+        language, in the order requested (else the bundle's), each group best first."""
+        requested = list(dict.fromkeys(languages)) if languages else self.languages
+        for lang in requested:
             self.check_language(lang)
         embedding = np.asarray(self.bundle.encode_audio([waveform]), dtype=np.float32)
-        scores, rows = self.bundle.search_text(embedding, k, languages=list(languages) if languages else None)
         hits = []
-        for score, row in zip(scores[0].tolist(), rows[0].tolist(), strict=True):
+        for lang in requested:
+            scores, rows = self.bundle.search_text(embedding, k, languages=[lang])
+            hits.extend(self._caption_hits(scores[0], rows[0], min_score=min_score))
+        return hits
+
+    def _caption_hits(self, scores: np.ndarray, rows: np.ndarray, *, min_score: float | None) -> list[CaptionHit]:
+        hits = []
+        for score, row in zip(scores.tolist(), rows.tolist(), strict=True):
             if row < 0 or (min_score is not None and score < min_score):
                 continue
             item = self.bundle.text_items[row]

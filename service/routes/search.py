@@ -157,14 +157,22 @@ async def search_audio(
     searcher: SearcherDep,
     pool: PoolDep,
     settings: SettingsDep,
-    k: Annotated[int, Query(ge=1, le=K_MAX, description="Number of caption hits.")] = 10,
+    k: Annotated[int, Query(ge=1, le=K_MAX, description="Caption hits *per language*.")] = 10,
     lang: Annotated[
         list[str] | None,
-        Query(max_length=CAPTIONS_MAX, description="Only captions in these languages (repeat the parameter)."),
+        Query(
+            max_length=CAPTIONS_MAX,
+            description="Languages to search (repeat the parameter); default: every served language. "
+            "Each gets its own top `k`.",
+        ),
     ] = None,
     min_score: Annotated[float | None, Query(ge=-1.0, le=1.0)] = None,
 ) -> AudioSearchResponse:
-    """Rank the bundle's captions for an uploaded clip, optionally only some languages."""
+    """Rank the bundle's captions for an uploaded clip: the top `k` **per language**.
+
+    Similarity scores are not comparable across languages (a global top k would be taken by
+    one language), so each requested language is ranked on its own; `hits` holds up to `k`
+    captions per language, grouped by language in the order of `lang`, best first."""
     for code in lang or ():
         searcher.check_language(code)
     data = await read_upload(request, settings)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 import httpx
@@ -92,7 +93,7 @@ def cli_list(args: argparse.Namespace) -> int:
         raise TonearmError(_problem_message(response, args))
     body = response.json()
     if args.json:
-        print(json.dumps(body, indent=2, ensure_ascii=False))
+        sys.stdout.write(json.dumps(body, indent=2, ensure_ascii=False) + "\n")
         return 0
     console = Console()
     rows = [
@@ -113,7 +114,7 @@ def cli_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bundle_table(url: str, rows: list[tuple[str, ...]], *, id_width: int) -> Table:
+def _bundle_table(url: str, rows: list[tuple[str, str, str, str, str, str]], *, id_width: int) -> Table:
     """Bundle ids never shrink; the other columns wrap."""
     table = Table(title=f"bundles at {url}")
     table.add_column("bundle_id", no_wrap=True, min_width=id_width)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import platform
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS_MD = ROOT / "docs" / "BENCHMARKS.md"
@@ -41,3 +42,18 @@ def write_section(section: str, path: Path = BENCHMARKS_MD, *, start: str, end: 
         else:
             current = current.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
         path.write_text(current, encoding="utf-8")
+
+
+def random_train_inputs(
+    batch: int, *, views: int, seconds: float, sample_rate: int, vocab: int, device: Any, length: int = 24
+) -> dict[str, Any]:
+    """Random keyword inputs of ``training.loop.TrainStep`` (speed and memory do not depend on content)."""
+    import torch
+
+    return {
+        "waveform": 0.1 * torch.randn(batch, int(seconds * sample_rate), device=device),
+        "input_ids": torch.randint(1, vocab, (views, batch, length), device=device),
+        "attention_mask": torch.ones(views, batch, length, dtype=torch.long, device=device),
+        "text_mask": torch.ones(views, batch, dtype=torch.bool, device=device),
+        "clip_index": torch.arange(batch, device=device),
+    }

@@ -39,7 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import write_section  # noqa: E402
+from benchlib import random_train_inputs, write_section  # noqa: E402
 
 START, END = "<!-- bench/gpu_check.py -->", "<!-- /bench/gpu_check.py -->"
 LANGUAGES = ("en", "de", "fr", "es", "it", "pt", "ja", "zh")
@@ -116,14 +116,9 @@ def amp_step(objective_spec: dict[str, Any], amp_dtype: str, batch: int) -> dict
     runtime = Runtime(device=device, amp_dtype=amp_dtype_for(device, enabled=True, choice=amp_dtype))  # type: ignore[arg-type]
     optimizer = torch.optim.AdamW(step.parameters(), lr=1e-4)
     scaler = make_grad_scaler(runtime)
-    views, length = len(LANGUAGES), 24
-    inputs = {
-        "waveform": 0.1 * torch.randn(batch, 4 * cfg.frontend.sample_rate, device=device),
-        "input_ids": torch.randint(1, 8000, (views, batch, length), device=device),
-        "attention_mask": torch.ones(views, batch, length, dtype=torch.long, device=device),
-        "text_mask": torch.ones(views, batch, dtype=torch.bool, device=device),
-        "clip_index": torch.arange(batch, device=device),
-    }
+    inputs = random_train_inputs(
+        batch, views=len(LANGUAGES), seconds=4, sample_rate=cfg.frontend.sample_rate, vocab=8000, device=device
+    )
 
     def one_step() -> float:
         objective.on_step_start(None)  # type: ignore[arg-type]  # DART/KCL use no context

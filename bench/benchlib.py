@@ -11,6 +11,8 @@ import platform
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS_MD = ROOT / "docs" / "BENCHMARKS.md"
 
@@ -57,3 +59,18 @@ def random_train_inputs(
         "text_mask": torch.ones(views, batch, dtype=torch.bool, device=device),
         "clip_index": torch.arange(batch, device=device),
     }
+
+
+def synthetic_vectors(n: int, dim: int, seed: int, *, queries: int = 1000) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` unit vectors around 1000 centres (noise-to-signal 0.5) and ``queries`` perturbed database rows.
+
+    Built in slices of 100k rows so 1 M × 256 needs no more than the result's memory."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((1000, dim)).astype(np.float32)
+    x = np.empty((n, dim), dtype=np.float32)
+    for start in range(0, n, 100_000):
+        m = min(100_000, n - start)
+        x[start : start + m] = centres[rng.integers(0, 1000, m)] + 0.5 * rng.standard_normal((m, dim)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    q = x[rng.choice(n, queries, replace=False)] + 0.05 * rng.standard_normal((queries, dim)).astype(np.float32)
+    return x, q / np.linalg.norm(q, axis=1, keepdims=True)

@@ -42,7 +42,7 @@ from training.config import TrainConfig  # noqa: E402
 from training.models.dual_encoder import build_dual_encoder  # noqa: E402
 from training.onnx_export import export_audio_encoder, export_text_encoder  # noqa: E402
 
-from benchlib import cpu_model, write_section  # noqa: E402
+from benchlib import cpu_model, synthetic_vectors, write_section  # noqa: E402
 
 START, END = "<!-- bench/export.py -->", "<!-- /bench/export.py -->"
 FACTORIES = ("Flat", "HNSW32,Flat", "IVF256,Flat", "IVF256,PQ32")
@@ -97,15 +97,6 @@ def encoder_rows(threads: int, repeats: int, workdir: Path) -> list[dict]:
         rows.append({"encoder": f"text ({length} tokens)", "batch": batch, "torch": t_text, "onnx": o_text,
                      "int8": o_int8})
     return rows
-
-
-def synthetic_vectors(n: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    centres = rng.standard_normal((1000, dim)).astype(np.float32)
-    x = centres[rng.integers(0, 1000, n)] + 0.5 * rng.standard_normal((n, dim)).astype(np.float32)
-    x /= np.linalg.norm(x, axis=1, keepdims=True)
-    q = x[rng.choice(n, 1000, replace=False)] + 0.05 * rng.standard_normal((1000, dim)).astype(np.float32)
-    return x, q / np.linalg.norm(q, axis=1, keepdims=True)
 
 
 def index_rows(n: int, dim: int, seed: int, max_train: int) -> list[dict]:

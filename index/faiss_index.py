@@ -1,7 +1,17 @@
 """FAISS indices of a bundle (docs/bundle.md): the factory string is the index configuration.
 
-* :func:`choose_factory` picks by collection size: exact ``Flat`` for small
-  collections, ``HNSW32,Flat`` for medium, ``IVF{k},PQ{m}`` for large.
+* :func:`choose_factory` picks by collection size: exact ``Flat`` up to
+  :data:`EXACT_MAX` vectors, ``IVF{nlist},SQfp16`` (inverted lists over
+  half-precision vectors) up to :data:`IVF_SQ_MAX`, ``IVF{nlist},PQ{m}`` beyond.
+  IVF-SQfp16 builds 1 M × 256 vectors in seconds on two cores and keeps recall@10
+  near IVF-Flat's at half its memory; SQ8 was measured to cap recall@10 at about
+  0.96 on clustered data (docs/BENCHMARKS.md, index_scale), too close to the 0.95 floor.
+* ``nprobe`` is tuned at build time: doubled from a small start until the
+  measured recall@10 against exact search reaches :data:`RECALL_TARGET` (or all
+  lists are probed), so the speed/recall trade-off is measured, not guessed.
+* Builds run with every core the process may use (:func:`faiss_threads`):
+  importing torch sets the OpenMP runtime FAISS shares to torch's thread count
+  (often 1), which is why HNSW once built at 756 vectors/s in the export bench.
 * Only factory forms checked for inner product are accepted
   (:func:`parse_factory`); everything else is rejected with the accepted forms.
 * Search parameters (``nprobe`` / ``efSearch``) are fixed when the index is built
@@ -18,7 +28,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -31,13 +44,16 @@ from tonearm.errors import BundleError, TonearmError
 log = logging.getLogger(__name__)
 _faiss: Any = faiss  # the SWIG stubs miss SearchParameters kwargs and several index fields
 
-Kind = Literal["flat", "hnsw", "ivf_flat", "ivf_pq"]
+Kind = Literal["flat", "hnsw", "ivf_flat", "ivf_sq", "ivf_pq"]
 
-EXACT_MAX = 250_000
-"""Collections up to this size get an exact ``Flat`` index: ~10 ms a query on one core at
-d=256, while HNSW builds at under a thousand vectors/s here (docs/BENCHMARKS.md)."""
-HNSW_MAX = 2_000_000
-"""Collections up to this size get ``HNSW32,Flat``; larger ones ``IVF{k},PQ{m}``."""
+EXACT_MAX = 50_000
+"""Collections up to this size get an exact ``Flat`` index (≤ ~2.5 ms a query on one core at
+d=256); beyond it exact search dominates a request (10 ms at 100 k, 100 ms at 1 M)."""
+IVF_SQ_MAX = 20_000_000
+"""Collections up to this size get ``IVF{nlist},SQfp16`` (512 bytes a vector at d=256);
+larger ones ``IVF{nlist},PQ{m}`` (compressed 8×, lower recall)."""
+RECALL_TARGET = 0.97
+"""``nprobe`` is raised until the measured recall@10 reaches this (a margin above 0.95)."""
 DEFAULT_MMAP_THRESHOLD = 256 << 20
 """Index files larger than this (bytes) are memory-mapped when loaded."""
 HNSW_EF_CONSTRUCTION = 80
@@ -51,9 +67,10 @@ _FORMS: dict[Kind, re.Pattern[str]] = {
     "flat": re.compile(r"^Flat$"),
     "hnsw": re.compile(r"^HNSW(?P<m>\d+),Flat$"),
     "ivf_flat": re.compile(r"^IVF(?P<nlist>\d+),Flat$"),
+    "ivf_sq": re.compile(r"^IVF(?P<nlist>\d+),SQ(?:8|fp16)$"),
     "ivf_pq": re.compile(r"^IVF(?P<nlist>\d+),PQ(?P<m>\d+)$"),
 }
-ACCEPTED_FORMS = "Flat, HNSW<M>,Flat, IVF<nlist>,Flat, IVF<nlist>,PQ<m>"
+ACCEPTED_FORMS = "Flat, HNSW<M>,Flat, IVF<nlist>,Flat, IVF<nlist>,SQ8, IVF<nlist>,SQfp16, IVF<nlist>,PQ<m>"
 
 
 class IndexConfigError(TonearmError):
@@ -74,7 +91,11 @@ class FactorySpec:
         """Fewest vectors the index can be trained on."""
         if self.kind == "ivf_pq":
             return max(self.nlist, 256)
-        return self.nlist if self.kind == "ivf_flat" else 0
+        return self.nlist if self.kind in ("ivf_flat", "ivf_sq") else 0
+
+    @property
+    def is_ivf(self) -> bool:
+        return self.kind in ("ivf_flat", "ivf_sq", "ivf_pq")
 
 
 def parse_factory(factory: str, dim: int) -> FactorySpec:
@@ -93,7 +114,7 @@ def parse_factory(factory: str, dim: int) -> FactorySpec:
 
 
 def _check_numbers(spec: FactorySpec, dim: int) -> None:
-    if spec.kind in ("ivf_flat", "ivf_pq") and spec.nlist < 1:
+    if spec.is_ivf and spec.nlist < 1:
         raise IndexConfigError(f"index factory {spec.factory!r}: nlist must be >= 1")
     if spec.kind in ("hnsw", "ivf_pq") and spec.m < 1:
         raise IndexConfigError(f"index factory {spec.factory!r}: M/m must be >= 1")
@@ -105,20 +126,44 @@ def choose_factory(n: int, dim: int) -> str:
     """Default factory for ``n`` vectors of dimension ``dim`` (see module docstring)."""
     if n <= EXACT_MAX:
         return "Flat"
-    if n <= HNSW_MAX:
-        return "HNSW32,Flat"
+    if n <= IVF_SQ_MAX:
+        # ~sqrt(n) lists: assigning n vectors costs n * nlist dot products (seconds at 1 M).
+        nlist = 2 ** round(math.log2(math.sqrt(n)))
+        return f"IVF{min(max(nlist, 256), 16384)},SQfp16"
     nlist = 2 ** round(math.log2(4 * math.sqrt(n)))
     m = max(c for c in range(1, dim // 4 + 1) if dim % c == 0)
     return f"IVF{min(max(nlist, 1024), 65536)},PQ{m}"
 
 
 def default_search_params(spec: FactorySpec) -> dict[str, int]:
-    """Search parameters fixed for the life of the index."""
+    """Search parameters an index starts with (IVF ``nprobe`` is then tuned by :func:`build_index`)."""
     if spec.kind == "hnsw":
         return {"efSearch": HNSW_EF_SEARCH}
-    if spec.kind in ("ivf_flat", "ivf_pq"):
-        return {"nprobe": min(spec.nlist, max(8, spec.nlist // 16))}
+    if spec.is_ivf:
+        return {"nprobe": min(spec.nlist, max(8, spec.nlist // 64))}
     return {}
+
+
+def available_cores() -> int:
+    """CPUs this process may run on (affinity-aware)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@contextmanager
+def faiss_threads(threads: int | None = None) -> Iterator[None]:
+    """Run FAISS's OpenMP loops on ``threads`` (default: every available core), then restore.
+
+    torch, once imported, sets the OpenMP runtime FAISS shares to torch's own thread
+    count; an export run in a torch process would otherwise build on one thread."""
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(threads or available_cores())
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(before)
 
 
 # ----------------------------------------------------------------------------- build
@@ -161,13 +206,33 @@ def build_index(
     queries: np.ndarray | None = None,
     seed: int = 0,
     max_train_vectors: int = MAX_TRAIN_VECTORS,
+    recall_target: float = RECALL_TARGET,
+    threads: int | None = None,
 ) -> BuiltIndex:
     """Build an inner-product index over L2-normalized ``vectors`` and measure its recall@10.
 
     ``queries`` (e.g. the other modality's embeddings) drive the recall check;
     by default a sample of the vectors themselves. Trained indices (IVF, PQ)
-    learn from at most ``max_train_vectors`` of them.
+    learn from at most ``max_train_vectors`` of them; IVF ``nprobe`` is doubled
+    until recall@10 reaches ``recall_target``. FAISS uses ``threads`` OpenMP
+    threads (default: every available core).
     """
+    with faiss_threads(threads):
+        return _build_index(
+            vectors, factory, queries=queries, seed=seed, max_train_vectors=max_train_vectors,
+            recall_target=recall_target,
+        )
+
+
+def _build_index(
+    vectors: np.ndarray,
+    factory: str | None,
+    *,
+    queries: np.ndarray | None,
+    seed: int,
+    max_train_vectors: int,
+    recall_target: float,
+) -> BuiltIndex:
     matrix = _as_matrix(vectors)
     n, dim = matrix.shape
     spec = parse_factory(factory or choose_factory(n, dim), dim)
@@ -190,7 +255,15 @@ def build_index(
     params = default_search_params(spec)
     apply_search_params(index, params)
     sample = _sample_rows(matrix if queries is None else _as_matrix(queries, dim), RECALL_QUERIES, seed)
-    recall = 1.0 if spec.kind == "flat" else ann_recall_at_k(index, matrix, sample, k=10, params=params)
+    if spec.kind == "flat":
+        recall = 1.0
+    else:
+        exact = exact_top_k(matrix, sample, 10)
+        recall = ann_recall_at_k(index, matrix, sample, k=10, params=params, exact_scores=exact)
+        while spec.is_ivf and recall < recall_target and params["nprobe"] < spec.nlist:
+            params = {"nprobe": min(spec.nlist, 2 * params["nprobe"])}
+            apply_search_params(index, params)
+            recall = ann_recall_at_k(index, matrix, sample, k=10, params=params, exact_scores=exact)
     log.info("built %s over %d x %d vectors: ANN recall@10 = %.4f", spec.factory, n, dim, recall)
     return BuiltIndex(index=index, spec=spec, search_params=params, ann_recall_at_10=recall)
 
@@ -211,20 +284,22 @@ def ann_recall_at_k(
     k: int = 10,
     params: dict[str, int] | None = None,
     tolerance: float = TIE_TOLERANCE,
+    exact_scores: np.ndarray | None = None,
 ) -> float:
     """Tie-tolerant recall@k of ``index`` against exact inner-product search over ``vectors``.
 
     A returned row is a hit when its exact score is >= the exact k-th best
     score minus ``tolerance``; duplicates and ``-1`` rows never count.
+    ``exact_scores`` (from :func:`exact_top_k`) saves the exact search when
+    several settings are measured on the same queries.
     """
     matrix = _as_matrix(vectors)
     queries = _as_matrix(queries, matrix.shape[1])
     k_eff = min(k, len(matrix))
     if k_eff == 0 or len(queries) == 0:
         return 1.0
-    exact = faiss.IndexFlatIP(matrix.shape[1])
-    exact.add(matrix)
-    exact_scores, _ = exact.search(queries, k_eff)
+    if exact_scores is None:
+        exact_scores = exact_top_k(matrix, queries, k_eff)
     _, rows = search(index, queries, k_eff, params=params or {})
     hits = 0
     for q, found in enumerate(rows):
@@ -232,6 +307,14 @@ def ann_recall_at_k(
         true_scores = matrix[valid] @ queries[q]
         hits += min(int(np.sum(true_scores >= exact_scores[q, -1] - tolerance)), k_eff)
     return hits / (k_eff * len(queries))
+
+
+def exact_top_k(vectors: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
+    """(n, k) exact inner-product scores of the best ``k`` vectors per query."""
+    exact = faiss.IndexFlatIP(vectors.shape[1])
+    exact.add(vectors)
+    scores, _ = exact.search(queries, min(k, len(vectors)))
+    return scores
 
 
 # ----------------------------------------------------------------------------- search
@@ -288,7 +371,7 @@ def save_index(index: faiss.Index, path: Path) -> None:
 
 def _mmap_flags(spec: FactorySpec) -> int:
     """IVF indices map their inverted lists; Flat/HNSW map their flat code storage."""
-    if spec.kind in ("ivf_flat", "ivf_pq"):
+    if spec.is_ivf:
         return faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY
     return faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY
 

@@ -68,6 +68,7 @@ class BundleSummary:
     languages: list[str] | None = None
     embed_dim: int | None = None
     n_clips: int | None = None
+    indices: dict[str, dict[str, Any]] | None = None
     error: str | None = None
 
 
@@ -192,6 +193,7 @@ class BundleRegistry:
             languages=list(m.languages),
             embed_dim=m.embed_dim,
             n_clips=m.audio_index.ntotal,
+            indices={name: _index_summary(info) for name, info in (("audio", m.audio_index), ("text", m.text_index))},
         )
 
     # ------------------------------------------------------------------ loading
@@ -343,6 +345,11 @@ class BundleRegistry:
             self._active = self._previous = None
         for entry in entries:
             _close(entry)
+
+
+def _index_summary(info: Any) -> dict[str, Any]:
+    return {"factory": info.factory, "ntotal": info.ntotal, "search_params": dict(info.search_params),
+            "ann_recall_at_10": info.ann_recall_at_10}
 
 
 def _check_and_warm(bundle: Any) -> None:

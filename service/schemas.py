@@ -144,6 +144,15 @@ class HeldoutReportResponse(BaseModel):
     report: dict[str, float] = Field(description="Every key of index.metrics.retrieval_report.")
 
 
+class IndexOut(BaseModel):
+    """One FAISS index of a bundle as its manifest records it (recall measured at export)."""
+
+    factory: str
+    ntotal: int
+    search_params: dict[str, int]
+    ann_recall_at_10: float = Field(description="Recall@10 against exact search, measured when the bundle was exported.")
+
+
 class BundleOut(BaseModel):
     bundle_id: str
     path: str
@@ -152,6 +161,7 @@ class BundleOut(BaseModel):
     languages: list[str] | None = None
     embed_dim: int | None = None
     n_clips: int | None = None
+    indices: dict[str, IndexOut] | None = Field(None, description="`audio` (clips) and `text` (captions) indices.")
     error: str | None = None
 
 

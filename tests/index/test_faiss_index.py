@@ -11,8 +11,10 @@ import pytest
 from index.faiss_index import (
     IndexConfigError,
     ann_recall_at_k,
+    available_cores,
     build_index,
     choose_factory,
+    faiss_threads,
     load_index,
     parse_factory,
     save_index,
@@ -40,13 +42,13 @@ def brute_force(vectors: np.ndarray, queries: np.ndarray, k: int, rows: np.ndarr
     return np.take_along_axis(scores, order, axis=1), rows[order]
 
 
-@pytest.mark.parametrize("factory", ["Flat", "HNSW32,Flat", "IVF64,Flat", "IVF16,PQ8"])
+@pytest.mark.parametrize("factory", ["Flat", "HNSW32,Flat", "IVF64,Flat", "IVF16,PQ8", "IVF64,SQ8", "IVF64,SQfp16"])
 def test_parse_accepts_checked_forms(factory):
     assert parse_factory(factory, 32).factory == factory
 
 
 @pytest.mark.parametrize(
-    "factory", ["HNSW32", "PCA16,Flat", "IVF64,SQ8", "LSH", "IVF64,PQ7", "IVF0,Flat", "Flat,IDMap", "OPQ8,IVF16,PQ8"]
+    "factory", ["HNSW32", "PCA16,Flat", "IVF64,SQ4", "LSH", "IVF64,PQ7", "IVF0,Flat", "Flat,IDMap", "OPQ8,IVF16,PQ8"]
 )
 def test_parse_rejects_unchecked_or_invalid_forms(factory):
     with pytest.raises(IndexConfigError, match="factory"):
@@ -55,11 +57,13 @@ def test_parse_rejects_unchecked_or_invalid_forms(factory):
 
 def test_choose_factory_by_size():
     assert choose_factory(1_000, 256) == "Flat"
-    assert choose_factory(250_000, 256) == "Flat"
-    assert choose_factory(250_001, 256) == "HNSW32,Flat"
-    # 4 * sqrt(5e6) = 8944 -> nearest power of two 2^13; PQ64 = 4 dims per sub-quantizer.
-    assert choose_factory(5_000_000, 256) == "IVF8192,PQ64"
-    assert choose_factory(3_000_000, 30) == "IVF8192,PQ6"  # largest divisor of 30 that is <= 30 // 4 = 7
+    assert choose_factory(50_000, 256) == "Flat"
+    assert choose_factory(50_001, 256) == "IVF256,SQfp16"  # sqrt(n) lists, at least 256
+    assert choose_factory(1_000_000, 256) == "IVF1024,SQfp16"
+    assert choose_factory(20_000_000, 256) == "IVF4096,SQfp16"
+    # 4 * sqrt(3e7) = 21909 -> nearest power of two 2^14; PQ64 = 4 dims per sub-quantizer.
+    assert choose_factory(30_000_000, 256) == "IVF16384,PQ64"
+    assert choose_factory(30_000_000, 30) == "IVF16384,PQ6"  # largest divisor of 30 that is <= 30 // 4 = 7
 
 
 def test_flat_is_exact(clustered):
@@ -71,7 +75,8 @@ def test_flat_is_exact(clustered):
     assert built.ann_recall_at_10 == 1.0 and rows.dtype == np.int64
 
 
-@pytest.mark.parametrize(("factory", "param"), [("HNSW16,Flat", "efSearch"), ("IVF32,Flat", "nprobe"), ("IVF32,PQ8", "nprobe")])
+@pytest.mark.parametrize(("factory", "param"), [("HNSW16,Flat", "efSearch"), ("IVF32,Flat", "nprobe"), ("IVF32,SQfp16", "nprobe"), ("IVF32,PQ8", "nprobe")]
+)
 def test_ann_build_measures_recall_and_fixes_search_params(clustered, factory, param):
     built = build_index(clustered, factory, queries=clustered[::7])
     assert param in built.search_params
@@ -81,6 +86,25 @@ def test_ann_build_measures_recall_and_fixes_search_params(clustered, factory, p
     again = ann_recall_at_k(built.index, clustered, clustered[::7], k=10, params=built.search_params)
     assert again == pytest.approx(built.ann_recall_at_10)
     assert built.ann_recall_at_10 >= (0.5 if "PQ" in factory else 0.9)
+
+
+def test_nprobe_is_raised_until_recall_reaches_the_target():
+    rng = np.random.default_rng(4)  # unclustered vectors: few probes miss many neighbours
+    vectors, queries = unit(rng.standard_normal((3000, 32))), unit(rng.standard_normal((300, 32)))
+    loose = build_index(vectors, "IVF64,SQfp16", queries=queries, recall_target=0.0)
+    strict = build_index(vectors, "IVF64,SQfp16", queries=queries, recall_target=0.99)
+    assert loose.search_params == {"nprobe": 8}  # the start: max(8, nlist // 64)
+    assert strict.search_params["nprobe"] > 8 and strict.search_params["nprobe"] in (16, 32, 64)
+    assert strict.ann_recall_at_10 >= 0.99 > loose.ann_recall_at_10
+    assert faiss.downcast_index(strict.index).nprobe == strict.search_params["nprobe"]
+
+
+def test_builds_use_every_core_and_restore_the_thread_count():
+    seen = []
+    faiss.omp_set_num_threads(1)  # what importing torch with torch.set_num_threads(1) leaves behind
+    with faiss_threads():
+        seen.append(faiss.omp_get_max_threads())
+    assert seen == [available_cores()] and faiss.omp_get_max_threads() == 1
 
 
 def test_ivf_needs_enough_training_vectors(clustered):
@@ -143,7 +167,7 @@ def test_missing_hits_are_minus_one_with_minus_inf_scores():
         search(built.index, vectors[:2], 0, params={})
 
 
-@pytest.mark.parametrize("factory", ["Flat", "HNSW16,Flat", "IVF16,Flat", "IVF16,PQ8"])
+@pytest.mark.parametrize("factory", ["Flat", "HNSW16,Flat", "IVF16,Flat", "IVF16,SQfp16", "IVF16,PQ8"])
 def test_memory_mapped_load_gives_identical_results(clustered, factory, tmp_path):
     built = build_index(clustered, factory)
     path = tmp_path / "x.faiss"

@@ -122,6 +122,12 @@ def test_tampered_bundle_is_refused(real_bundles, tmp_path):
         assert ok.status_code == 200 and ok.json()["bundle_id"] == real_bundles.id("a")
         listing = client.get("/v1/bundles", headers=ADMIN).json()
         assert listing["active"] == real_bundles.id("a")
+        entry = next(b for b in listing["bundles"] if b["bundle_id"] == real_bundles.id("a"))
+        manifest = json.loads((real_bundles.a / "manifest.json").read_text())
+        for name in ("audio", "text"):  # the recall measured at export is what the listing reports
+            recorded = manifest[f"{name}_index"]
+            assert entry["indices"][name]["ann_recall_at_10"] == recorded["ann_recall_at_10"]
+            assert entry["indices"][name]["factory"] == recorded["factory"]
 
 
 def _query_loop(url: str, stop: threading.Event, log: list, audio: bytes | None, seed: int) -> None:

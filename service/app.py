@@ -22,9 +22,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tonearm
+from service.batching import BatchMetrics
 from service.bundles import BUNDLE_ID_PATTERN, BundleRegistry, Opener
 from service.cache import LocalCache, QueryCache, RedisCache, RedisHealth, make_redis_client
 from service.deps import AppState, Pool
+from service.encoder_queues import Batchers
 from service.errors import PROBLEM_MEDIA_TYPE, ServiceError, problem_body, slug_for_status
 from service.metrics import LatencyMiddleware, ServiceMetrics
 from service.pubsub import ActivationBus
@@ -67,6 +69,8 @@ def resolve_bundle(spec: str, bundles_dir: Path | None) -> Path:
 def _problem(status_slug: str, detail: str, request: Request, **extra: Any) -> JSONResponse:
     body = problem_body(status_slug, detail, instance=request.url.path, **extra)
     headers = {"WWW-Authenticate": "Bearer"} if status_slug == "unauthorized" else None
+    if "retry_after" in extra:  # backpressure (overloaded): tell clients when to come back
+        headers = {"Retry-After": str(extra["retry_after"])}
     return JSONResponse(body, status_code=body["status"], media_type=PROBLEM_MEDIA_TYPE, headers=headers)
 
 
@@ -123,7 +127,10 @@ def create_app(settings: Settings | None = None, *, opener: Opener | None = None
     registry = BundleRegistry(
         settings=settings, bundles_dir=bundles_dir_of(settings), cache=cache, metrics=metrics, opener=opener
     )
-    state = AppState(settings=settings, metrics=metrics, cache=cache, registry=registry, pool=Pool(settings.search_threads))
+    state = AppState(
+        settings=settings, metrics=metrics, cache=cache, registry=registry, pool=Pool(settings.search_threads),
+        batch_metrics=BatchMetrics(metrics.registry),
+    )
     if client is not None and health_ is not None:
         state.bus = ActivationBus(
             make_redis_client(settings.redis_url or "", socket_timeout=max(1.0, settings.redis_socket_timeout)),
@@ -188,9 +195,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: AppState = app.state.tonearm
     loader = threading.Thread(target=_startup, args=(state,), name="tonearm-startup", daemon=True)
     loader.start()
+    state.batchers = Batchers.start(state.settings, state.batch_metrics)
     try:
         yield
     finally:
+        state.batchers.close()
         loader.join(timeout=60)
         if state.bus is not None:
             state.bus.stop()

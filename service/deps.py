@@ -17,8 +17,10 @@ import anyio
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from service.batching import BatchMetrics
 from service.bundles import BundleRegistry
 from service.cache import QueryCache
+from service.encoder_queues import Batchers
 from service.errors import ServiceError
 from service.metrics import ServiceMetrics
 from service.pubsub import ActivationBus
@@ -49,7 +51,10 @@ class AppState:
     cache: QueryCache
     registry: BundleRegistry
     pool: Pool
+    batch_metrics: BatchMetrics
     bus: ActivationBus | None = None
+    batchers: Batchers | None = None
+    """The encoder micro-batchers; running between the app's startup and shutdown."""
     started: threading.Event = field(default_factory=threading.Event)
     """Set when the startup thread finished (initial bundle loaded or given up)."""
 
@@ -97,8 +102,15 @@ async def require_admin(
         raise ServiceError("unauthorized", "admin routes need 'Authorization: Bearer <TONEARM_ADMIN_TOKEN>'")
 
 
+async def get_batchers(state: StateDep) -> Batchers:
+    if state.batchers is None:
+        raise ServiceError("not-ready", "the encoder queues are not running (the app has not started)")
+    return state.batchers
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 PoolDep = Annotated[Pool, Depends(get_pool)]
 RegistryDep = Annotated[BundleRegistry, Depends(get_registry)]
 SearcherDep = Annotated[Searcher, Depends(get_searcher)]
 AdminDep = Annotated[None, Depends(require_admin)]
+BatchersDep = Annotated[Batchers, Depends(get_batchers)]

@@ -38,6 +38,8 @@ PROBLEMS: dict[str, Problem] = {
     "no-previous-bundle": Problem(409, "There is no previous bundle to roll back to"),
     "activation-in-progress": Problem(409, "Another activation is running"),
     "not-ready": Problem(503, "No bundle is loaded yet"),
+    "overloaded": Problem(503, "Too many requests are waiting for an encoder; retry after the Retry-After delay"),
+    "client-disconnected": Problem(499, "The client disconnected before its result was ready"),
     "not-found": Problem(404, "Not found"),
     "method-not-allowed": Problem(405, "Method not allowed"),
     "malformed-body": Problem(400, "Request body cannot be parsed"),

@@ -72,6 +72,16 @@ class TextLookup:
 
 
 @dataclass(frozen=True)
+class AudioQuery:
+    """One decoded upload to rank captions for (``languages`` empty = all)."""
+
+    waveform: np.ndarray
+    languages: tuple[str, ...]
+    k: int
+    min_score: float | None = None
+
+
+@dataclass(frozen=True)
 class AudioHit:
     id: str
     score: float
@@ -208,15 +218,24 @@ class Searcher:
 
     def complete_text(self, lookup: TextLookup) -> list[tuple[np.ndarray, np.ndarray]]:
         """Encode and search the queries the cache did not answer (blocking: encoder + FAISS)."""
-        results = list(lookup.results)
-        missing = [i for i, r in enumerate(results) if r is None]
+        return self.complete_text_batch([lookup])[0]
+
+    def complete_text_batch(self, lookups: Sequence[TextLookup]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        """:meth:`complete_text` for several requests at once (a micro-batch): the texts the cache
+        did not answer are encoded in one encoder call and searched in one FAISS call per ``k``."""
+        results = [list(lookup.results) for lookup in lookups]
+        missing = [(r, i) for r, lookup in enumerate(lookups) for i, hit in enumerate(lookup.results) if hit is None]
         if missing:
-            embeddings = self.embed_texts([lookup.texts[i] for i in missing])
-            scores, rows = self.bundle.search_audio(embeddings, lookup.k)
-            for j, i in enumerate(missing):
-                results[i] = (scores[j], rows[j])
-                self.cache.set(self._key(f"t2a-k{lookup.k}", lookup.texts[i]), encode_hits(scores[j], rows[j]))
-        return [r for r in results if r is not None]
+            texts = list(dict.fromkeys(lookups[r].texts[i] for r, i in missing))  # a repeated query is encoded once
+            embeddings = self.embed_texts(texts)
+            row_of = {text: row for row, text in enumerate(texts)}
+            for k in sorted({lookups[r].k for r, _ in missing}):
+                group = [(r, i) for r, i in missing if lookups[r].k == k]
+                scores, rows = self.bundle.search_audio(embeddings[[row_of[lookups[r].texts[i]] for r, i in group]], k)
+                for j, (r, i) in enumerate(group):
+                    results[r][i] = (scores[j], rows[j])
+                    self.cache.set(self._key(f"t2a-k{k}", lookups[r].texts[i]), encode_hits(scores[j], rows[j]))
+        return [[hit for hit in found if hit is not None] for found in results]
 
     def hits_of(
         self, results: list[tuple[np.ndarray, np.ndarray]], *, min_score: float | None, include_captions: bool
@@ -257,15 +276,23 @@ class Searcher:
         above another's), so a single global top k would starve languages; each requested
         language (default: every served one) is searched on its own. Hits come grouped by
         language, in the order requested (else the bundle's), each group best first."""
-        requested = list(dict.fromkeys(languages)) if languages else self.languages
-        for lang in requested:
-            self.check_language(lang)
-        embedding = np.asarray(self.bundle.encode_audio([waveform]), dtype=np.float32)
-        hits = []
-        for lang in requested:
-            scores, rows = self.bundle.search_text(embedding, k, languages=[lang])
-            hits.extend(self._caption_hits(scores[0], rows[0], min_score=min_score))
-        return hits
+        return self.search_audio_batch([AudioQuery(waveform, tuple(languages or ()), k, min_score)])[0]
+
+    def search_audio_batch(self, queries: Sequence[AudioQuery]) -> list[list[CaptionHit]]:
+        """:meth:`search_audio` for several uploads at once (a micro-batch): one encoder call for
+        all waveforms, one FAISS search per (language, k) over the uploads that ask for it."""
+        requested = [list(dict.fromkeys(q.languages)) if q.languages else self.languages for q in queries]
+        for langs in requested:
+            for lang in langs:
+                self.check_language(lang)
+        embeddings = np.asarray(self.bundle.encode_audio([q.waveform for q in queries]), dtype=np.float32)
+        per_language: dict[tuple[int, str], list[CaptionHit]] = {}
+        for lang, k in sorted({(lang, q.k) for q, langs in zip(queries, requested, strict=True) for lang in langs}):
+            group = [j for j, q in enumerate(queries) if q.k == k and lang in requested[j]]
+            scores, rows = self.bundle.search_text(embeddings[group], k, languages=[lang])
+            for g, j in enumerate(group):
+                per_language[j, lang] = self._caption_hits(scores[g], rows[g], min_score=queries[j].min_score)
+        return [[hit for lang in langs for hit in per_language[j, lang]] for j, langs in enumerate(requested)]
 
     def _caption_hits(self, scores: np.ndarray, rows: np.ndarray, *, min_score: float | None) -> list[CaptionHit]:
         hits = []

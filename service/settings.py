@@ -48,7 +48,13 @@ class Settings(BaseSettings):
     ``CUDAExecutionProvider,CPUExecutionProvider`` (needs onnxruntime-gpu; a provider this
     onnxruntime lacks stops the bundle from loading, with the available ones named)."""
     search_threads: int = Field(default=4, ge=1, le=256)
-    """Threads that run encoders and FAISS searches (they release the GIL)."""
+    """Threads for blocking work outside the micro-batchers (uploads' decoding, cache look-ups via Redis, admin)."""
+    batch_max_size: int = Field(default=32, ge=1, le=1024)
+    """Most queries (texts or clips) one micro-batch encodes together (docs/service.md, batching)."""
+    batch_max_queue: int = Field(default=256, ge=1)
+    """Queries waiting per encoder beyond which requests get 503 + Retry-After (backpressure)."""
+    batch_workers: int = Field(default=2, ge=1, le=64)
+    """Threads per encoder queue, each running one micro-batch at a time (about the core count)."""
 
     # --- server ---
     host: str = "127.0.0.1"

@@ -10,8 +10,10 @@ from fastapi import APIRouter, Query, Request
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from service.audio_input import AudioLimits, decode_upload
-from service.deps import Pool, PoolDep, SearcherDep, SettingsDep
+from service.audio_input import AudioLimits, DecodedAudio, decode_upload
+from service.batching import wait_for_disconnect
+from service.deps import BatchersDep, Pool, PoolDep, SearcherDep, SettingsDep
+from service.encoder_queues import Batchers
 from service.errors import ServiceError
 from service.limits import CAPTIONS_MAX, K_MAX
 from service.schemas import (
@@ -25,7 +27,7 @@ from service.schemas import (
     TextSearchResponse,
     problem_responses,
 )
-from service.searcher import AudioHit, Searcher
+from service.searcher import AudioHit, AudioQuery, Searcher
 from service.settings import Settings
 
 router = APIRouter(prefix="/v1/search", tags=["search"])
@@ -39,33 +41,46 @@ def _hits_out(hits: list[AudioHit]) -> list[AudioHitOut]:
 
 
 async def _text_hits(
-    body: TextSearchRequest | TextBatchRequest, queries: list[str], searcher: Searcher, pool: Pool
+    body: TextSearchRequest | TextBatchRequest,
+    queries: list[str],
+    searcher: Searcher,
+    pool: Pool,
+    batchers: Batchers,
+    request: Request,
 ) -> list[list[AudioHit]]:
-    """Cache look-up on the event loop when the cache is in-process (no I/O); misses, and every
-    Redis-backed request, run in the thread pool."""
+    """Cache look-up on the event loop when the cache is in-process (no I/O), in the thread pool
+    with Redis; misses go to the text encoder's micro-batcher."""
     if searcher.cache.backend == "local":
         lookup = searcher.lookup_text(queries, lang=body.lang, k=body.k)
     else:
         lookup = await pool.run(lambda: searcher.lookup_text(queries, lang=body.lang, k=body.k))
-    results = (
-        [r for r in lookup.results if r is not None] if lookup.complete else await pool.run(searcher.complete_text, lookup)
-    )
+    if lookup.complete:
+        results = [r for r in lookup.results if r is not None]
+    else:
+        misses = sum(r is None for r in lookup.results)
+        results = await batchers.text.submit(
+            (searcher, lookup), size=misses, disconnected=lambda: wait_for_disconnect(request.receive)
+        )
     return searcher.hits_of(results, min_score=body.min_score, include_captions=body.include_captions)
 
 
 @router.post("/text", responses=problem_responses(400, 422, 503))
-async def search_text(body: TextSearchRequest, searcher: SearcherDep, pool: PoolDep) -> TextSearchResponse:
+async def search_text(
+    body: TextSearchRequest, searcher: SearcherDep, pool: PoolDep, batchers: BatchersDep, request: Request
+) -> TextSearchResponse:
     """Rank the bundle's clips for one text query in any served language."""
-    results = await _text_hits(body, [body.query], searcher, pool)
+    results = await _text_hits(body, [body.query], searcher, pool, batchers, request)
     return TextSearchResponse(
         bundle_id=searcher.bundle_id, query=body.query, lang=body.lang, hits=_hits_out(results[0])
     )
 
 
 @router.post("/text:batch", responses=problem_responses(400, 422, 503))
-async def search_text_batch(body: TextBatchRequest, searcher: SearcherDep, pool: PoolDep) -> TextBatchResponse:
+async def search_text_batch(
+    body: TextBatchRequest, searcher: SearcherDep, pool: PoolDep, batchers: BatchersDep, request: Request
+) -> TextBatchResponse:
     """Several text queries in one call; encoded as one batch (cached queries are skipped)."""
-    results = await _text_hits(body, body.queries, searcher, pool)
+    results = await _text_hits(body, body.queries, searcher, pool, batchers, request)
     items = [TextBatchItem(query=q, hits=_hits_out(h)) for q, h in zip(body.queries, results, strict=True)]
     return TextBatchResponse(bundle_id=searcher.bundle_id, lang=body.lang, results=items)
 
@@ -108,28 +123,13 @@ async def read_upload(request: Request, settings: Settings) -> bytes:
     return data
 
 
-def _search_audio_bytes(
-    searcher: Searcher,
-    data: bytes,
-    settings: Settings,
-    *,
-    languages: list[str] | None,
-    k: int,
-    min_score: float | None,
-) -> AudioSearchResponse:
+def _decode(searcher: Searcher, data: bytes, settings: Settings) -> DecodedAudio:
     limits = AudioLimits(
         max_seconds=settings.max_audio_seconds,
         max_sample_rate=settings.max_sample_rate,
         max_channels=settings.max_channels,
     )
-    audio = decode_upload(data, sample_rate=searcher.bundle.sample_rate, limits=limits)
-    hits = searcher.search_audio(audio.waveform, languages=languages, k=k, min_score=min_score)
-    return AudioSearchResponse(
-        bundle_id=searcher.bundle_id,
-        duration_seconds=audio.duration_seconds,
-        format=audio.format,
-        hits=[CaptionHitOut(**asdict(h)) for h in hits],
-    )
+    return decode_upload(data, sample_rate=searcher.bundle.sample_rate, limits=limits)
 
 
 AUDIO_BODY = {
@@ -156,6 +156,7 @@ async def search_audio(
     request: Request,
     searcher: SearcherDep,
     pool: PoolDep,
+    batchers: BatchersDep,
     settings: SettingsDep,
     k: Annotated[int, Query(ge=1, le=K_MAX, description="Caption hits *per language*.")] = 10,
     lang: Annotated[
@@ -176,6 +177,12 @@ async def search_audio(
     for code in lang or ():
         searcher.check_language(code)
     data = await read_upload(request, settings)
-    return await pool.run(
-        lambda: _search_audio_bytes(searcher, data, settings, languages=lang, k=k, min_score=min_score)
+    audio = await pool.run(_decode, searcher, data, settings)
+    query = AudioQuery(audio.waveform, tuple(lang or ()), k, min_score)
+    hits = await batchers.audio.submit((searcher, query), disconnected=lambda: wait_for_disconnect(request.receive))
+    return AudioSearchResponse(
+        bundle_id=searcher.bundle_id,
+        duration_seconds=audio.duration_seconds,
+        format=audio.format,
+        hits=[CaptionHitOut(**asdict(h)) for h in hits],
     )

@@ -142,3 +142,44 @@ def test_stale_rendezvous_fails_clearly(tiny_corpus: Path, tmp_path: Path) -> No
         done = tonearm(*args, env={**WORKER_ENV, **rendezvous, "RANK": "0", "LOCAL_RANK": "0", "MASTER_PORT": str(port)})
     assert done.returncode == 2
     assert "address already in use" in done.stderr and "failed for rank 0 of 2" in done.stderr
+
+
+def _context_pairs(tiny_checkpoint: Path, tiny_corpus: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from training.checkpoint import load_checkpoint
+    from training.context import LoopContext
+    from training.data.manifest import load_manifest
+
+    checkpoint = load_checkpoint(tiny_checkpoint)
+    cfg = checkpoint.config
+    records = load_manifest(tiny_corpus, languages=cfg.data.languages, split="train")[:7]  # shards of 3 and 4
+    context = LoopContext(
+        model=checkpoint.model, tokenizer=checkpoint.tokenizer, train_records=records, data_cfg=cfg.data,
+        frontend_cfg=cfg.frontend, batch_size=8, device=torch.device("cpu"),
+    )
+    return context.embed_training_pairs()
+
+
+def _context_worker(rank: int, world: int, port: int, checkpoint: str, manifest: str, out: str) -> None:
+    from training import distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    distributed.init_process_group(torch.device("cpu"), timeout_s=60)
+    try:
+        pairs = _context_pairs(Path(checkpoint), Path(manifest))
+        if rank == 0:
+            torch.save(pairs, out)
+    finally:
+        distributed.destroy_process_group()
+
+
+def test_knowledge_sources_are_encoded_in_shards_and_gathered_in_order(
+    tiny_checkpoint: Path, tiny_corpus: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "pairs.pt"
+    mp.spawn(_context_worker, args=(2, free_port(), str(tiny_checkpoint), str(tiny_corpus), str(out)), nprocs=2, join=True)
+    audio, text, clip = torch.load(out)
+    expected_audio, expected_text, expected_clip = _context_pairs(tiny_checkpoint, tiny_corpus)
+    assert torch.equal(clip, expected_clip)  # every (clip, caption) pair once, in record order
+    torch.testing.assert_close(audio, expected_audio, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(text, expected_text, rtol=1e-5, atol=1e-6)

@@ -27,15 +27,24 @@ from training.objectives.base import AlignedPair, BuildEnv, PairTerm, TermConfig
 from training.objectives.temperature import Temperature
 
 
-def symmetric_cross_entropy(pair: AlignedPair, scale: Tensor) -> tuple[Tensor, Tensor]:
+def symmetric_cross_entropy(pair: AlignedPair, scale: Tensor,
+                            positive_offset: Tensor | float = 0.0) -> tuple[Tensor, Tensor]:
     """(left→right, right→left) mean cross-entropies of ``scale · left rightᵀ`` with diagonal targets.
 
     Only the rows of ``pair.query_rows()`` are scored (all of them outside local-loss
     mode, where the logits are the full B × B matrix and its transpose).
+    ``positive_offset`` is added to each row's target logit (SupCLAP's simple
+    reweighting adds ``log γ`` there, :mod:`.reweight`).
     """
     rows = pair.query_rows()
-    left_to_right = F.cross_entropy(scale * pair.left[rows] @ pair.right.t(), rows, reduction="none")
-    right_to_left = F.cross_entropy(scale * pair.right[rows] @ pair.left.t(), rows, reduction="none")
+    left_logits = scale * pair.left[rows] @ pair.right.t()
+    right_logits = scale * pair.right[rows] @ pair.left.t()
+    if not (isinstance(positive_offset, float) and positive_offset == 0.0):
+        on_target = F.one_hot(rows, pair.left.shape[0]).to(left_logits.dtype)
+        left_logits = left_logits + positive_offset * on_target
+        right_logits = right_logits + positive_offset * on_target
+    left_to_right = F.cross_entropy(left_logits, rows, reduction="none")
+    right_to_left = F.cross_entropy(right_logits, rows, reduction="none")
     return row_mean(left_to_right, pair), row_mean(right_to_left, pair)
 
 

@@ -68,9 +68,8 @@ class SimpleReweight(PairTerm):
         return self.log_gamma.clamp(-bound, bound)
 
     def forward(self, pair: AlignedPair) -> dict[str, Tensor]:
-        logits = self.temperature.scale() * pair.left @ pair.right.t()
-        eye = torch.eye(logits.shape[0], dtype=logits.dtype, device=logits.device)
-        left_to_right, right_to_left = symmetric_cross_entropy(logits + self.gamma_log() * eye)
+        left_to_right, right_to_left = symmetric_cross_entropy(
+            pair, self.temperature.scale(), positive_offset=self.gamma_log())
         return {
             "reweight_loss": 0.5 * (left_to_right + right_to_left),
             "gamma": self.gamma_log().exp().detach(),

@@ -39,6 +39,7 @@ from training.evaluate import (
     prepare_eval_set,
     report_keys,
 )
+from training.finetune import apply_freezing, enable_gradient_checkpointing, parameter_groups
 from training.interrupt import StopRequest, TrainingInterrupted, ignore_ctrl_c
 from training.objectives import EmbeddingBatch, Objective, build_objective, total_loss
 from training.objectives.base import BuildEnv
@@ -215,6 +216,8 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
     env = BuildEnv(languages=tuple(cfg.data.languages), embed_dim=model.embed_dim)
     objective = build_objective(cfg.objective, env).to(runtime.device)
     loss_mode = distributed.loss_mode_for(cfg.distributed.loss, objective, runtime.world_size)
+    apply_freezing(model, cfg, epoch=0)  # before DDP, which only syncs parameters that need gradients
+    enable_gradient_checkpointing(model, cfg)
     step_module = wrap_for_training(TrainStep(model, objective, loss_mode=loss_mode), runtime)
     dataset = TrainClipDataset(
         train_records,
@@ -252,7 +255,7 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
         objective=objective,
         step_module=step_module,
         tokenizer=tokenizer,
-        optimizer=build_optimizer(step_module, cfg),
+        optimizer=build_optimizer(step_module, model, cfg),
         scaler=make_grad_scaler(runtime),
         schedule=build_schedule(cfg, steps_per_epoch=steps_per_epoch, total_steps=int(total_steps)),
         loader=loader,
@@ -453,14 +456,16 @@ def wrap_for_training(module: nn.Module, runtime: Runtime) -> nn.Module:
     return DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=True)
 
 
-def build_optimizer(module: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on biases, norms and scalars such as temperatures (ndim < 2)."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas)
+def build_optimizer(module: nn.Module, model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over per-tower groups (training/finetune.py): learning-rate scale and weight decay per
+    tower, none on biases, norms and scalars such as temperatures. Frozen parameters are
+    included (they get no gradient, so AdamW leaves them alone) so that unfreezing needs no rebuild."""
+    return torch.optim.AdamW(parameter_groups(module, model, cfg), lr=cfg.optim.lr, betas=cfg.optim.betas)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module inside a DistributedDataParallel wrapper (the module itself otherwise)."""
+    return module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
 
 
 def build_schedule(cfg: TrainConfig, *, steps_per_epoch: int, total_steps: int) -> Schedule:
@@ -557,6 +562,11 @@ def begin_epoch(run: Run, epoch: int) -> None:
     run.loader.collate_fn.set_epoch(epoch)
     run.context.epoch, run.context.step = epoch, run.state.step
     run.objective.on_epoch_start(run.context)
+    if apply_freezing(run.model, run.cfg, epoch=epoch):  # optim.*.unfreeze_after_epochs
+        log.info("epoch %d: trainable towers changed (optim.*.freeze / unfreeze_after_epochs)", epoch + 1)
+        run.model.train()  # BatchNorm layers that were frozen leave eval mode
+        if run.runtime.distributed:  # DDP fixed its set of synchronised parameters when built
+            run.step_module = wrap_for_training(unwrap(run.step_module), run.runtime)
 
 
 def train_step(run: Run, batch: Any) -> dict[str, float]:
@@ -564,7 +574,7 @@ def train_step(run: Run, batch: Any) -> dict[str, float]:
     cfg, runtime, state = run.cfg, run.runtime, run.state
     lr = run.schedule(state.step)
     for group in run.optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     run.context.step = state.step
     run.objective.on_step_start(run.context)
     inputs = batch_inputs(run, batch)

@@ -319,3 +319,70 @@ def test_checkpoint_loads_without_the_original_model_dirs(
             loaded.model.encode_text(ids, mask), model.encode_text(ids, mask)
         )
         torch.testing.assert_close(loaded.model.encode_audio(wave), model.encode_audio(wave))
+
+
+def test_model_loading_errors_are_one_line_naming_the_folder(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A missing folder, a folder without config.json or weights, a tokenizer that cannot load."""
+    def text_cfg(path: Path | str) -> ModelConfig:
+        return config(("cnn", None), ("hf_auto", Path(path)))
+
+    no_config = tmp_path / "no_config"
+    shutil.copytree(hf_dirs["bert"], no_config)
+    (no_config / "config.json").unlink()
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(hf_dirs["bert"], no_weights)
+    (no_weights / "model.safetensors").unlink()
+    no_tokenizer = tmp_path / "no_tokenizer"
+    shutil.copytree(hf_dirs["bert"], no_tokenizer)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (no_tokenizer / name).unlink(missing_ok=True)
+    broken_tokenizer = tmp_path / "broken_tokenizer"
+    shutil.copytree(hf_dirs["bert"], broken_tokenizer)
+    (broken_tokenizer / "tokenizer.json").write_text("{not json")
+    cases = [
+        (lambda: build_dual_encoder(text_cfg(tmp_path / "nowhere"), FRONTEND, vocab_size=50),
+         f"model.text.path: model folder {tmp_path / 'nowhere'} does not exist"),
+        (lambda: build_tokenizer(text_cfg(tmp_path / "nowhere"), []),
+         f"model.text.path: model folder {tmp_path / 'nowhere'} does not exist"),
+        (lambda: build_dual_encoder(text_cfg(no_config), FRONTEND, vocab_size=50),
+         f"model.text.path: no config.json in {no_config}"),
+        (lambda: build_dual_encoder(text_cfg(no_weights), FRONTEND, vocab_size=50),
+         f"model.text.path: no weights in {no_weights} (expected one of model.safetensors"),
+        (lambda: build_tokenizer(text_cfg(no_tokenizer), []),
+         f"model.text.path: no tokenizer in {no_tokenizer} (expected tokenizer.json"),
+        (lambda: build_tokenizer(text_cfg(broken_tokenizer), []),
+         f"model.text.path '{broken_tokenizer}': its tokenizer cannot be loaded: "),
+        (lambda: build_dual_encoder(config(("hf_ast", tmp_path / "nowhere"), ("builtin", None)), FRONTEND, vocab_size=50),
+         f"model.audio.path: model folder {tmp_path / 'nowhere'} does not exist"),
+    ]
+    for build, message in cases:
+        with pytest.raises(ConfigError) as caught:
+            build()
+        assert str(caught.value).startswith(message), str(caught.value)
+        assert "\n" not in str(caught.value)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(hf_dirs: dict[str, Path]) -> None:
+    from training.finetune import enable_gradient_checkpointing, is_checkpointing
+
+    cfg = config(("cnn", None), ("hf_auto", hf_dirs["bert"]))
+    train_cfg = TrainConfig(model=cfg, frontend=FRONTEND)
+    tokenizer = build_tokenizer(cfg, TEXTS)
+    ids, mask = (torch.from_numpy(a) for a in tokenizer.encode(TEXTS[:4]))
+    gradients = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = build_dual_encoder(cfg, FRONTEND, vocab_size=50).train()
+        if checkpointing:
+            enable_gradient_checkpointing(model, train_cfg.model_copy(update={"optim": train_cfg.optim.model_copy(
+                update={"text": train_cfg.optim.text.model_copy(update={"gradient_checkpointing": True})})}))
+            assert is_checkpointing(model.text.tower.model)
+        model.encode_text(ids, mask).square().sum().backward()
+        gradients.append({n: p.grad.clone() for n, p in model.text.named_parameters() if p.grad is not None})
+    assert gradients[0].keys() == gradients[1].keys() and gradients[0]
+    for name, grad in gradients[0].items():
+        torch.testing.assert_close(grad, gradients[1][name], msg=name)
+    builtin = TrainConfig(frontend=FRONTEND).model_copy()
+    builtin.optim.text.gradient_checkpointing = True
+    with pytest.raises(ConfigError, match="optim.text.gradient_checkpointing: the text tower has no Hugging Face model"):
+        enable_gradient_checkpointing(build_dual_encoder(builtin.model, FRONTEND, vocab_size=300), builtin)

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +59,47 @@ def hf_config_from_dict(data: dict[str, Any]) -> Any:
     return AutoConfig.for_model(model_type, **data)
 
 
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+"""What ``from_pretrained`` reads the weights of a PyTorch model from (one of them)."""
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+"""``org/name``: a Hugging Face hub id (also a relative path; a folder of that name wins)."""
+
+
+def check_model_folder(path: str, *, key: str, weights: bool = True) -> None:
+    """One-line errors for a local model folder that cannot be loaded: it does not exist, has no
+    config.json, or (with `weights`) no weights file. Hub ids that are not local folders pass."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        if HUB_ID.match(path):
+            return  # from_pretrained tries the hub; its failure is reported by the caller
+        raise ConfigError(f"{key}: model folder {folder.absolute()} does not exist")
+    if not folder.is_dir():
+        raise ConfigError(f"{key}: {folder} is a file; give the model folder (with config.json) instead")
+    if not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"{key}: no config.json in {folder} — not a Hugging Face model folder "
+            "(it needs config.json, the weights and, for text, tokenizer.json)"
+        )
+    if weights and not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise ConfigError(f"{key}: no weights in {folder} (expected one of {', '.join(WEIGHT_FILES)})")
+
+
+def hub_note(path: str) -> str:
+    """Says that `path` was tried as a hub id because no such local folder exists."""
+    return "" if Path(path).expanduser().exists() else " (no such local folder, so tried as a hub id)"
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (transformers' messages run over many lines)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def load_hf_model(
     class_name: str, *, path: str | None, config: dict[str, Any] | None, key: str
 ) -> Any:
@@ -72,10 +115,13 @@ def load_hf_model(
         return cls.from_config(hf_config) if class_name == "AutoModel" else cls(hf_config)
     if path is None:
         raise ConfigError(f"{key} is required for this tower kind (local directory or hub id)")
+    check_model_folder(path, key=key)
     try:
         return cls.from_pretrained(path)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"{key} {path!r}: cannot load a {class_name} ({err})") from None
+        raise ConfigError(
+            f"{key} {path!r}{hub_note(path)}: cannot load it as {class_name}: {first_line(err)}"
+        ) from None
 
 
 def fit_frames(x: Tensor, frames: int, fill: float) -> Tensor:

@@ -15,6 +15,7 @@ Either way the result is an :class:`index.tokenizer.TextTokenizer` whose
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 from tokenizers import (
     Tokenizer,
@@ -30,6 +31,8 @@ from index.tokenizer import TextTokenizer
 from training.config import ConfigError, ModelConfig
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "sentencepiece.bpe.model", "spiece.model", "vocab.json")
+"""Files a Hugging Face tokenizer is built from (fast ``tokenizer.json`` first)."""
 SPECIAL_TOKENS = [PAD, BOS, EOS]
 
 
@@ -74,10 +77,21 @@ def load_hf_tokenizer(path: str, *, max_length: int) -> TextTokenizer:
     """The fast tokenizer of a Hugging Face model directory (or hub id), fixed to ``max_length``."""
     from transformers import AutoTokenizer
 
+    from training.models.hf import check_model_folder, first_line, hub_note
+
+    check_model_folder(path, key="model.text.path", weights=False)
+    folder = Path(path).expanduser()
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            f"model.text.path: no tokenizer in {folder} (expected tokenizer.json, or "
+            f"{', '.join(TOKENIZER_FILES[1:])} with tokenizer_config.json)"
+        )
     try:
         hf = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"model.text.path {path!r}: cannot load its tokenizer ({err})") from None
+    except (OSError, ValueError, TypeError) as err:
+        raise ConfigError(
+            f"model.text.path {path!r}{hub_note(path)}: its tokenizer cannot be loaded: {first_line(err)}"
+        ) from None
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
         raise ConfigError(f"model.text.path {path!r}: needs a fast tokenizer (tokenizer.json)")

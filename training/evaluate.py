@@ -49,26 +49,45 @@ def clip_samples(data_cfg: DataConfig, frontend_cfg: FrontendConfig) -> int:
     return int(round(data_cfg.clip_seconds * frontend_cfg.sample_rate))
 
 
+def progress_bar(total: int, description: str, *, enabled: bool) -> Any:
+    """A transient tqdm bar on stderr (a no-op object when disabled)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=description, disable=not enabled, leave=False, dynamic_ncols=True)
+
+
 def load_clip_chunks(
-    records: Sequence[ClipRecord], *, data_cfg: DataConfig, frontend_cfg: FrontendConfig
+    records: Sequence[ClipRecord],
+    *,
+    data_cfg: DataConfig,
+    frontend_cfg: FrontendConfig,
+    progress: bool = False,
 ) -> list[np.ndarray]:
     """Decode every clip into its evaluation chunks (the `data.eval_crop` policy)."""
     n = clip_samples(data_cfg, frontend_cfg)
-    return [
-        eval_audio_chunks(
-            record, sample_rate=frontend_cfg.sample_rate, clip_samples=n, policy=data_cfg.eval_crop
-        )
-        for record in records
-    ]
+    chunks = []
+    with progress_bar(len(records), "decoding clips", enabled=progress) as bar:
+        for record in records:
+            chunks.append(
+                eval_audio_chunks(
+                    record, sample_rate=frontend_cfg.sample_rate, clip_samples=n, policy=data_cfg.eval_crop
+                )
+            )
+            bar.update()
+    return chunks
 
 
 def prepare_eval_set(
-    records: Sequence[ClipRecord], *, data_cfg: DataConfig, frontend_cfg: FrontendConfig
+    records: Sequence[ClipRecord],
+    *,
+    data_cfg: DataConfig,
+    frontend_cfg: FrontendConfig,
+    progress: bool = False,
 ) -> EvalSet:
     """Decode a split once so that periodic validation only re-embeds it."""
     languages = tuple(data_cfg.languages)
     return EvalSet(
-        chunks=load_clip_chunks(records, data_cfg=data_cfg, frontend_cfg=frontend_cfg),
+        chunks=load_clip_chunks(records, data_cfg=data_cfg, frontend_cfg=frontend_cfg, progress=progress),
         captions=eval_captions(records, languages),
         languages=languages,
     )
@@ -81,21 +100,28 @@ def embed_texts(
     *,
     batch_size: int,
     device: torch.device,
+    progress: bool = False,
 ) -> torch.Tensor:
     """(Q, d) float32 CPU text embeddings, in eval mode without gradients."""
     out = []
-    with eval_mode(model):
+    with eval_mode(model), progress_bar(len(texts), "embedding captions", enabled=progress) as bar:
         for start in range(0, len(texts), batch_size):
             ids, mask = tokenizer.encode(list(texts[start : start + batch_size]))
             emb = model.encode_text(
                 torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
             )
             out.append(emb.float().cpu())
+            bar.update(len(ids))
     return torch.cat(out) if out else torch.zeros(0, model.embed_dim)
 
 
 def embed_chunks(
-    model: Any, chunks: Sequence[np.ndarray], *, batch_size: int, device: torch.device
+    model: Any,
+    chunks: Sequence[np.ndarray],
+    *,
+    batch_size: int,
+    device: torch.device,
+    progress: bool = False,
 ) -> torch.Tensor:
     """(N, d) clip embeddings: the L2-normalized mean of each clip's chunk embeddings."""
     flat = np.concatenate(chunks, axis=0) if chunks else np.zeros((0, 1), np.float32)
@@ -103,12 +129,13 @@ def embed_chunks(
         torch.arange(len(chunks)), torch.tensor([len(c) for c in chunks])
     )
     parts = []
-    with eval_mode(model):
+    with eval_mode(model), progress_bar(len(flat), "embedding clips", enabled=progress) as bar:
         for start in range(0, len(flat), batch_size):
             wave = torch.from_numpy(np.ascontiguousarray(flat[start : start + batch_size])).to(
                 device
             )
             parts.append(model.encode_audio(wave).float().cpu())
+            bar.update(len(wave))
     if not parts:
         return torch.zeros(0, model.embed_dim)
     emb = torch.cat(parts)
@@ -123,13 +150,16 @@ def evaluate_prepared(
     *,
     batch_size: int,
     device: torch.device,
+    progress: bool = False,
 ) -> dict[str, float]:
-    """SPEC §5 report of `model` on an already decoded split."""
+    """SPEC §5 report of `model` on an already decoded split (`progress`: bars on stderr)."""
     from index.metrics import retrieval_report
 
     captions = eval_set.captions
-    audio = embed_chunks(model, eval_set.chunks, batch_size=batch_size, device=device)
-    text = embed_texts(model, tokenizer, captions.texts, batch_size=batch_size, device=device)
+    audio = embed_chunks(model, eval_set.chunks, batch_size=batch_size, device=device, progress=progress)
+    text = embed_texts(
+        model, tokenizer, captions.texts, batch_size=batch_size, device=device, progress=progress
+    )
     report = retrieval_report(
         audio_emb=audio.numpy(),
         text_emb=text.numpy(),
@@ -166,13 +196,14 @@ def evaluate_model(
     frontend_cfg: FrontendConfig,
     batch_size: int,
     device: torch.device | str,
+    progress: bool = False,
 ) -> dict[str, float]:
     """Retrieval report (recall, mAP@10, MRV, Gap/Dis per language) of `model` on `records`."""
     if not records:
         raise DataError("nothing to evaluate: the split has no clips")
-    eval_set = prepare_eval_set(records, data_cfg=data_cfg, frontend_cfg=frontend_cfg)
+    eval_set = prepare_eval_set(records, data_cfg=data_cfg, frontend_cfg=frontend_cfg, progress=progress)
     return evaluate_prepared(
-        model, tokenizer, eval_set, batch_size=batch_size, device=torch.device(device)
+        model, tokenizer, eval_set, batch_size=batch_size, device=torch.device(device), progress=progress
     )
 
 
@@ -259,6 +290,7 @@ def cli_evaluate(args: argparse.Namespace) -> int:
         frontend_cfg=cfg.frontend,
         batch_size=cfg.eval.batch_size,
         device=device,
+        progress=True,
     )
     out_dir = Path(args.out) if args.out else checkpoint_dir / f"eval-{args.split}"
     meta = {"checkpoint": str(checkpoint_dir), "manifest": str(args.data), "split": args.split}

@@ -269,7 +269,9 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
             batch_size=cfg.eval.batch_size,
             device=runtime.device,
         ),
-        val_set=prepare_eval_set(val_records, data_cfg=cfg.data, frontend_cfg=cfg.frontend)
+        val_set=prepare_eval_set(
+            val_records, data_cfg=cfg.data, frontend_cfg=cfg.frontend, progress=runtime.is_main
+        )
         if val_records and runtime.is_main
         else None,
         teachers=build_distillation_teachers(cfg, runtime, train_records, tokenizer),
@@ -666,6 +668,7 @@ def validate(run: Run) -> dict[str, float] | None:
             run.val_set,
             batch_size=run.cfg.eval.batch_size,
             device=run.runtime.device,
+            progress=True,  # only rank 0 validates
         )
         if run.cfg.eval.select_metric not in report:
             raise ConfigError(

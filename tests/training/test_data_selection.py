@@ -47,7 +47,7 @@ def test_carved_validation_is_seeded_disjoint_and_leaves_the_rest_to_train(tiny_
 
 
 def test_english_only_run_on_a_train_only_multilingual_manifest(
-    tiny_corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tiny_corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Clotho-development style: one split, 8 languages; train and evaluate on English with val carved."""
     lines = [json.loads(line) for line in tiny_corpus.read_text().splitlines()]
@@ -61,12 +61,15 @@ def test_english_only_run_on_a_train_only_multilingual_manifest(
             "data.languages=[eng]", "data.val_fraction=0.25", "--drop-other-languages"]
     with caplog.at_level(logging.INFO):
         assert main(args) == 0
+    assert "embedding captions" in capsys.readouterr().err  # validation shows its progress
     assert "validation: 8 clips carved from train (data.val_fraction=0.25)" in caplog.text
     evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
     assert len(evals) == 1 and set(evals[0]) >= {"t2a_R@1_eng", "t2a_R@10_mean"}
     assert not any("fra" in key for key in evals[0])
     # `tonearm evaluate --split val` scores the same carved clips the run validated on.
     assert main(["evaluate", str(run / "best"), "--data", str(manifest), "--split", "val", "--out", str(tmp_path / "ev")]) == 0
+    err = capsys.readouterr().err  # evaluate shows its progress
+    assert all(part in err for part in ("decoding clips", "embedding clips", "embedding captions")), err
     report = json.loads((tmp_path / "ev" / "report.json").read_text())
     assert report["languages"] == ["eng"]
     assert report["metrics"]["t2a_R@10_mean"] == pytest.approx(evals[0]["t2a_R@10_mean"], abs=1e-6)

@@ -64,7 +64,8 @@ def run_entry(name: str, preset: str, overrides: list[str], *, runs: Path, manif
     started = time.monotonic()
     tonearm = [sys.executable, "-m", "tonearm.cli"]
     subprocess.run(
-        [*tonearm, "train", preset, f"out_dir={out_dir}", f"data.manifest={manifest}", *overrides],
+        [*tonearm, "train", preset, f"out_dir={out_dir}", f"data.manifest={manifest}", *overrides,
+         "--overwrite"],  # a benchmark entry replaces its previous run
         check=True,
         cwd=ROOT,
     )

@@ -96,7 +96,7 @@ def main() -> int:
         seconds, _ = tonearm("synth", "--size", "small", "--seed", "0", "--out", args.data)
         synth_note = f"corpus: `tonearm synth --size small --seed 0` ({seconds / 60:.1f} min)"
     train_seconds, train_cpu = tonearm(
-        "train", args.config, f"data.manifest={manifest}", f"out_dir={args.out}"
+        "train", args.config, f"data.manifest={manifest}", f"out_dir={args.out}", "--overwrite"
     )
     eval_dir = ROOT / args.out / "eval-test"
     tonearm(

@@ -184,13 +184,18 @@ def shard_range(count: int) -> range:
     return range(start, count * (rank_ + 1) // size)
 
 
-def all_reduce_mean(tensor: Tensor) -> Tensor:
-    """Mean of `tensor` over ranks (no gradient); identity on one process."""
+def all_reduce_sum(tensor: Tensor) -> Tensor:
+    """Sum of `tensor` over ranks (no gradient); identity on one process."""
     if not is_distributed():
         return tensor
     reduced = tensor.detach().clone()
     dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
-    return reduced / world_size()
+    return reduced
+
+
+def all_reduce_mean(tensor: Tensor) -> Tensor:
+    """Mean of `tensor` over ranks (no gradient); identity on one process."""
+    return all_reduce_sum(tensor) / world_size()
 
 
 def gather_objects(obj: T) -> list[T]:

@@ -16,6 +16,12 @@ Caching (``objective.distill.cache``):
   clip lasts at most ``data.clip_seconds`` (read from the audio file headers), so the
   random crop never cuts and each clip reaches the teacher as the same waveform every
   epoch. Otherwise (longer clips are randomly cropped) audio is re-embedded every batch.
+
+Under torchrun the audio cache is **sharded**: clip ``c`` is cached only by rank
+``c mod N``. Each step the ranks look the global batch's clips up in their shards (one
+all-reduce), encode only the clips no shard holds yet, and send each fresh embedding to
+its owner (one all-gather), so every clip is encoded once per run and a rank holds 1/N of
+the cache. The text cache (per caption string) stays per rank.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from training import distributed
 from training.config import ConfigError, DataConfig, FrontendConfig
 from training.objectives.distill import DistillConfig, parse_distill_config
 
@@ -99,6 +106,8 @@ class Teachers:
         waveform = waveform.to(self.device)
         if not self.cache_audio:
             return self._encode_audio(waveform)
+        if distributed.world_size() > 1:
+            return self._sharded_audio_embeddings(waveform, clip_index)
         keys = [int(i) for i in clip_index.tolist()]
         missing = [row for row, key in enumerate(keys) if key not in self._audio]
         if missing:
@@ -106,6 +115,30 @@ class Teachers:
             for column, row in enumerate(missing):
                 self._audio[keys[row]] = fresh[:, column]
         return torch.stack([self._audio[key] for key in keys], dim=1)
+
+    def _sharded_audio_embeddings(self, waveform: Tensor, clip_index: Tensor) -> Tensor:
+        """(M, B, d) through the cache sharded by ``clip mod N`` (module doc); every rank calls it each step."""
+        world, me = distributed.world_size(), distributed.rank()
+        rows = int(clip_index.shape[0])
+        everyone = distributed.all_gather_no_grad(clip_index.to(self.device).long()).tolist()
+        found = torch.zeros(len(everyone), self.num_teachers, self.embed_dim, device=self.device)
+        hit = torch.zeros(len(everyone), device=self.device)
+        for row, key in enumerate(everyone):
+            if key % world == me and key in self._audio:
+                found[row], hit[row] = self._audio[key], 1.0
+        found, hit = distributed.all_reduce_sum(found), distributed.all_reduce_sum(hit)
+        mine = slice(me * rows, (me + 1) * rows)
+        local_hit = hit[mine] > 0
+        fresh = torch.zeros(rows, self.num_teachers, self.embed_dim, device=self.device)
+        missing = (~local_hit).nonzero().squeeze(1)
+        if missing.numel():
+            fresh[missing] = self._encode_audio(waveform[missing]).transpose(0, 1)
+        fresh_everyone = distributed.all_gather_no_grad(fresh)
+        computed = distributed.all_gather_no_grad(~local_hit).tolist()
+        for row, key in enumerate(everyone):
+            if computed[row] and key % world == me:
+                self._audio[key] = fresh_everyone[row].clone()  # not a view of the whole batch
+        return torch.where(local_hit[:, None, None], found[mine], fresh).transpose(0, 1)
 
     def _text_embeddings(self, texts: list[list[str | None]], batch_size: int) -> Tensor:
         table = self._text if self.cache_text else {}

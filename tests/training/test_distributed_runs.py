@@ -183,3 +183,57 @@ def test_knowledge_sources_are_encoded_in_shards_and_gathered_in_order(
     assert torch.equal(clip, expected_clip)  # every (clip, caption) pair once, in record order
     torch.testing.assert_close(audio, expected_audio, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(text, expected_text, rtol=1e-5, atol=1e-6)
+
+
+def _clip_waveforms(clips: list[int], *, silent: bool = False) -> torch.Tensor:
+    """One fixed 1-s waveform per clip id (zeros with `silent`: a cache hit must not look at them)."""
+    rows = [0.1 * torch.randn(16_000, generator=torch.Generator().manual_seed(c)) for c in clips]
+    return torch.zeros(len(clips), 16_000) if silent else torch.stack(rows)
+
+
+# Clips held by each rank in two epochs: the second swaps them between the ranks.
+TEACHER_EPOCHS = [([0, 1, 2, 3], [4, 5, 6, 7]), ([4, 5, 0, 1], [6, 7, 2, 3])]
+
+
+def _teacher_worker(rank: int, world: int, port: int, checkpoint: str, manifest: str, out: str) -> None:
+    from types import SimpleNamespace
+
+    from training import distributed
+    from training.config import load_train_config
+    from training.teachers import build_teachers
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    distributed.init_process_group(torch.device("cpu"), timeout_s=60)
+    try:
+        cfg = load_train_config(TINY_CONFIG, [f"data.manifest={manifest}"])
+        teachers = build_teachers(
+            {"teachers": [checkpoint], "cache": "on"}, device="cpu", train_records=[], tokenizer=None,
+            frontend=cfg.frontend, data=cfg.data,
+        )
+        outputs = []
+        for epoch, held in enumerate(TEACHER_EPOCHS):
+            clips = held[rank]
+            batch = SimpleNamespace(
+                waveform=_clip_waveforms(clips, silent=epoch > 0), clip_index=torch.tensor(clips), texts=[]
+            )
+            outputs.append(teachers.embed(batch)[0])
+        torch.save({"outputs": outputs, "cached": sorted(teachers._audio)}, f"{out}.{rank}")
+    finally:
+        distributed.destroy_process_group()
+
+
+def test_teacher_audio_cache_is_sharded_across_ranks(tiny_checkpoint: Path, tiny_corpus: Path, tmp_path: Path) -> None:
+    from training.checkpoint import load_checkpoint
+
+    out = str(tmp_path / "teacher")
+    mp.spawn(_teacher_worker, args=(2, free_port(), str(tiny_checkpoint), str(tiny_corpus), out), nprocs=2, join=True)
+    model = load_checkpoint(tiny_checkpoint).model.eval()
+    for rank in (0, 1):
+        got = torch.load(f"{out}.{rank}")
+        assert got["cached"] == [c for c in range(8) if c % 2 == rank]  # each rank holds its half
+        for epoch, held in enumerate(TEACHER_EPOCHS):
+            with torch.no_grad():
+                expected = model.encode_audio(_clip_waveforms(held[rank]))
+            # Epoch 2 fed silence: the embeddings still come from epoch 1, via the other rank's shard.
+            torch.testing.assert_close(got["outputs"][epoch][0], expected, rtol=1e-5, atol=1e-6)

@@ -151,11 +151,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_lazy("tonearm.serve:cli_serve", "service"))
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="run a benchmark of a source checkout (bench/NAME.py), e.g. `bench quality`",
+                       add_help=False)
+    p.add_argument("name", help="benchmark name: quality (docs/results/), or any bench/NAME.py")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (NAME --help)")
+    p.set_defaults(handler=_lazy("tonearm.bench:cli_bench", "train"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tonearm", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_synth, _add_data, _add_train, _add_evaluate, _add_export, _add_bundle, _add_serve):
+    for add in (_add_synth, _add_data, _add_train, _add_evaluate, _add_export, _add_bundle, _add_serve, _add_bench):
         add(sub)
     return parser
 

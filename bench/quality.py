@@ -1,0 +1,446 @@
+"""`tonearm bench quality [CONFIG]`: every method on the same data, budget and seeds, clean and noisy.
+
+    tonearm bench quality                        # bench/quality.yaml: the full run (≤ 2 h on 2 cores)
+    tonearm bench quality --smoke                # the whole pipeline on `tiny` in about a minute
+    tonearm bench quality --manifest clotho.jsonl --results docs/results-clotho
+
+Each (condition, method, seed) is one job: train with the method's preset plus the
+config's budget overrides, evaluate `best/` on the test split, and (noisy condition) audit
+how well the model fits the noisy training pairs. A job writes `result.json` when it is
+done; a rerun skips finished jobs and resumes an interrupted training from its `last/`.
+Jobs run in parallel (``--workers``, default: the cores) with one thread each; the
+distillation students start when their stage-1 teachers are done. After every job the
+tables, plots and verdicts under the results directory are rewritten (bench/quality_report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the repository's packages are importable
+    sys.path.insert(0, str(ROOT))
+
+from tonearm.errors import TonearmError  # noqa: E402
+
+DEFAULT_CONFIG = ROOT / "bench" / "quality.yaml"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CorpusSpec(_Strict):
+    size: Literal["tiny", "small"] = "small"
+    seed: int = 0
+    dir: Path = Path("data/small")
+
+
+class MethodSpec(_Strict):
+    preset: Path
+    label: str
+    overrides: list[str] = Field(default_factory=list)
+    conditions: list[str] | None = None
+    """Conditions this method runs on (default: all)."""
+    teachers: Literal["same_seed", "all_seeds"] | None = None
+    """Distillation: teachers are the `stage1` runs of the same seed (M = 1) or of every seed (M = 3)."""
+
+
+class ClaimSpec(_Strict):
+    paper: str
+    claim: str
+    better: str
+    worse: str
+    metric: str
+    lower: bool = False
+
+
+class QualityConfig(_Strict):
+    corpus: CorpusSpec = Field(default_factory=CorpusSpec)
+    manifest: Path | None = None
+    """A ready manifest (Clotho, AudioCaps, ...) instead of the synthetic corpus."""
+    conditions: dict[str, float] = Field(default_factory=lambda: {"clean": 0.0, "noisy": 0.2})
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    runs_dir: Path = Path("runs/bench-quality")
+    results_dir: Path = Path("docs/results")
+    threads_per_job: int = Field(1, ge=1)
+    train_overrides: list[str] = Field(default_factory=list)
+    methods: dict[str, MethodSpec]
+    claims: list[ClaimSpec] = Field(default_factory=list)
+    teacher_method: str = "stage1"
+
+
+def load_quality_config(path: Path) -> QualityConfig:
+    """Parse and validate the benchmark config; one-line errors naming the file and key."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except OSError as err:
+        raise TonearmError(f"{path}: cannot read the benchmark config ({err.strerror})") from None
+    try:
+        cfg = QualityConfig.model_validate(raw)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise TonearmError(f"{path}: {problems}") from None
+    for name, method in cfg.methods.items():
+        unknown = set(method.conditions or []) - set(cfg.conditions)
+        if unknown:
+            raise TonearmError(f"{path}: methods.{name}.conditions: unknown {sorted(unknown)}; known {sorted(cfg.conditions)}")
+        if method.teachers and cfg.teacher_method not in cfg.methods:
+            raise TonearmError(f"{path}: methods.{name}.teachers needs a method named {cfg.teacher_method!r}")
+        if not (ROOT / method.preset).is_file() and not method.preset.is_file():
+            raise TonearmError(f"{path}: methods.{name}.preset: {method.preset} not found")
+    for i, claim in enumerate(cfg.claims):
+        for side in (claim.better, claim.worse):
+            if side not in cfg.methods:
+                raise TonearmError(f"{path}: claims[{i}]: unknown method {side!r}")
+    return cfg
+
+
+SMOKE_METHODS = ("infonce", "svr_bi_dynamic", "stage1", "distill_m1", "dart_ram")
+"""A method of each kind the pipeline treats differently (plain, regularized, teacher → student, OT)."""
+
+
+def smoke_config(cfg: QualityConfig) -> QualityConfig:
+    """A few methods on `tiny`, 1 epoch, 2 seeds, both conditions: the whole pipeline in CI (~1 min)."""
+    methods = {name: spec for name, spec in cfg.methods.items() if name in SMOKE_METHODS}
+    claims = [c for c in cfg.claims if c.better in methods and c.worse in methods]
+    return cfg.model_copy(update={
+        "methods": methods,
+        "claims": claims,
+        "corpus": CorpusSpec(size="tiny", seed=0, dir=Path("data/tiny")),
+        "seeds": cfg.seeds[:2],
+        "runs_dir": Path("runs/bench-quality-smoke"),
+        "train_overrides": [
+            *cfg.train_overrides, "data.clip_seconds=2.0", "model.embed_dim=32", "model.audio.channels=[8,16]",
+            "model.text.width=32", "model.text.layers=1", "model.text.heads=2", "model.text.vocab_size=300",
+            "optim.epochs=1", "optim.batch_size=8", "optim.warmup_steps=1", "eval.every_epochs=1",
+            "eval.batch_size=32",
+        ],
+    })
+
+
+# --- data -------------------------------------------------------------------------------------
+
+def prepare_manifests(cfg: QualityConfig, *, workers: int) -> dict[str, Path]:
+    """The clean manifest (synthesised once when absent) and one noisy copy per noisy condition."""
+    from training.data.manifest import read_manifest, write_manifest
+    from training.data.noise import inject_caption_noise
+
+    if cfg.manifest is not None:
+        clean = (ROOT / cfg.manifest) if not cfg.manifest.is_absolute() else cfg.manifest
+        if not clean.is_file():
+            raise TonearmError(f"manifest {clean} not found")
+    else:
+        corpus_dir = ROOT / cfg.corpus.dir
+        clean = corpus_dir / "manifest.jsonl"
+        if not clean.is_file():
+            from training.data.synth import generate_corpus
+
+            print(f"== synthesising the {cfg.corpus.size} corpus into {corpus_dir}", flush=True)
+            generate_corpus(size=cfg.corpus.size, seed=cfg.corpus.seed, out_dir=corpus_dir,
+                            workers=workers, progress=False)
+    manifests: dict[str, Path] = {}
+    for condition, fraction in cfg.conditions.items():
+        if fraction == 0:
+            manifests[condition] = clean
+            continue
+        noisy = clean.with_name(f"{clean.stem}-noise{fraction:g}.jsonl")
+        if not noisy.is_file() or noisy.stat().st_mtime < clean.stat().st_mtime:
+            records = [record for _, record in read_manifest(clean, languages=None)]
+            count = inject_caption_noise(records, fraction, seed=cfg.corpus.seed)
+            write_manifest(records, noisy)
+            print(f"== {condition}: {count} training caption slots swapped → {noisy}", flush=True)
+        manifests[condition] = noisy
+    return manifests
+
+
+# --- jobs -------------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    condition: str
+    method: str
+    seed: int
+    out_dir: Path
+    overrides: list[str]
+    preset: Path
+    manifest: Path
+    noisy: bool
+    depends: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"{self.condition}/{self.method}/seed{self.seed}"
+
+    @property
+    def result_path(self) -> Path:
+        return self.out_dir / "result.json"
+
+
+def plan_jobs(cfg: QualityConfig, manifests: dict[str, Path]) -> list[Job]:
+    """Every (condition, method, seed), teachers before their students."""
+    jobs: list[Job] = []
+    runs = ROOT / cfg.runs_dir
+    for condition in cfg.conditions:
+        for name, method in cfg.methods.items():
+            if method.conditions is not None and condition not in method.conditions:
+                continue
+            for seed in cfg.seeds:
+                out_dir = runs / condition / name / f"seed{seed}"
+                overrides = [*cfg.train_overrides, *method.overrides, f"seed={seed}", f"out_dir={out_dir}",
+                             f"data.manifest={manifests[condition]}", f"threads={cfg.threads_per_job}"]
+                depends: list[str] = []
+                if method.teachers:
+                    teacher_seeds = [seed] if method.teachers == "same_seed" else list(cfg.seeds)
+                    teachers = [runs / condition / cfg.teacher_method / f"seed{s}" / "best" for s in teacher_seeds]
+                    overrides += [f"model.init_checkpoint={runs / condition / cfg.teacher_method / f'seed{seed}' / 'best'}",
+                                  f"objective.distill.teachers=[{','.join(map(str, teachers))}]"]
+                    depends = [f"{condition}/{cfg.teacher_method}/seed{s}" for s in teacher_seeds]
+                jobs.append(Job(condition, name, seed, out_dir, overrides, method.preset, manifests[condition],
+                                noisy=cfg.conditions[condition] > 0, depends=depends))
+    return sorted(jobs, key=lambda job: bool(job.depends))
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    """Train (resuming from `last/`), evaluate on test, audit the noisy pairs; write result.json."""
+    from training.config import load_train_config
+    from training.loop import train
+
+    overrides = list(job.overrides)
+    if (job.out_dir / "last").is_dir():
+        overrides.append("resume=true")
+    elif job.out_dir.exists():
+        shutil.rmtree(job.out_dir)  # a run that died before its first checkpoint: start clean
+    cfg = load_train_config(ROOT / job.preset, overrides)
+    started = time.monotonic()
+    train(cfg)
+    train_seconds = time.monotonic() - started
+    metrics = evaluate_best(job.out_dir / "best", job.manifest, split="test")
+    result: dict[str, Any] = {
+        "condition": job.condition, "method": job.method, "seed": job.seed, "train_seconds": train_seconds,
+        "metrics": metrics, "curve": validation_curve(job.out_dir / "metrics.jsonl"),
+    }
+    if job.noisy:
+        result["noise_audit"] = audit_noisy_pairs(job.out_dir / "best", job.manifest)
+    job.result_path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return result
+
+
+def evaluate_best(checkpoint: Path, manifest: Path, *, split: str) -> dict[str, float]:
+    import math
+
+    from training.checkpoint import load_checkpoint
+    from training.evaluate import evaluate_model, load_split
+
+    loaded = load_checkpoint(checkpoint, device="cpu")
+    records = load_split(manifest, data_cfg=loaded.config.data, split=split)
+    report = evaluate_model(loaded.model, loaded.tokenizer, records, data_cfg=loaded.config.data,
+                            frontend_cfg=loaded.config.frontend, batch_size=loaded.config.eval.batch_size,
+                            device="cpu")
+    return {key: value for key, value in report.items() if math.isfinite(value)}
+
+
+def validation_curve(metrics_jsonl: Path) -> list[dict[str, float]]:
+    """(epoch, mean R@1 of both directions, mean loss) per validation of the run."""
+    rows = [json.loads(line) for line in metrics_jsonl.read_text(encoding="utf-8").splitlines() if line.strip()]
+    losses = {row["epoch"]: row["loss"] for row in rows if row.get("kind") == "epoch"}
+    return [
+        {"epoch": row["epoch"], "r1": 0.5 * (row["t2a_R@1_mean"] + row["a2t_R@1_mean"]),
+         "loss": losses.get(row["epoch"], float("nan"))}
+        for row in rows if row.get("kind") == "eval"
+    ]
+
+
+AUDIT_CLIPS = 600
+"""Training clips the noise audit embeds (the first ones of the split; enough noisy slots to count)."""
+
+
+def audit_noisy_pairs(checkpoint: Path, manifest: Path) -> dict[str, float]:
+    """How much the trained model still believes the noisy training pairs, against the clean ones.
+
+    Among the first ``AUDIT_CLIPS`` training clips, each English caption ranks the clips; a
+    noisy caption "fitted" means its (wrong) labelled clip is ranked first — the model
+    memorised the mismatch. A method that down-weights noisy pairs fits fewer of them.
+    Also reported: mean similarity of noisy vs clean labelled pairs.
+    """
+    import numpy as np
+    import torch
+
+    from index.languages import ENGLISH
+    from training.checkpoint import load_checkpoint
+    from training.data.noise import noisy_positions
+    from training.evaluate import embed_chunks, embed_texts, load_split, prepare_eval_set
+
+    loaded = load_checkpoint(checkpoint, device="cpu")
+    records = load_split(manifest, data_cfg=loaded.config.data, split="train")[:AUDIT_CLIPS]
+    eval_set = prepare_eval_set(records, data_cfg=loaded.config.data, frontend_cfg=loaded.config.frontend)
+    device = torch.device("cpu")
+    audio = embed_chunks(loaded.model, eval_set.chunks, batch_size=loaded.config.eval.batch_size, device=device)
+    texts, owners, noisy = [], [], []
+    for row, record in enumerate(records):
+        marked = noisy_positions(record)
+        for position, caption in enumerate(record.captions.get(ENGLISH, [])):
+            texts.append(caption)
+            owners.append(row)
+            noisy.append(position in marked)
+    text = embed_texts(loaded.model, loaded.tokenizer, texts, batch_size=loaded.config.eval.batch_size, device=device)
+    similarity = (text @ audio.t()).numpy()
+    owner = np.asarray(owners)
+    is_noisy = np.asarray(noisy)
+    labelled = similarity[np.arange(len(owner)), owner]
+    fitted = similarity.argmax(axis=1) == owner
+    out = {"noisy_captions": float(is_noisy.sum()), "clean_captions": float((~is_noisy).sum())}
+    if is_noisy.any():
+        out["noisy_fitted"] = float(fitted[is_noisy].mean())
+        out["noisy_similarity"] = float(labelled[is_noisy].mean())
+    out["clean_fitted"] = float(fitted[~is_noisy].mean())
+    out["clean_similarity"] = float(labelled[~is_noisy].mean())
+    return out
+
+
+def _job_process(job: Job, log_dir: Path) -> dict[str, Any]:
+    """Run one job in its own Python process (one thread), its output in a log file."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / (job.key.replace("/", "__") + ".log")
+    spec = json.dumps({**job.__dict__, "out_dir": str(job.out_dir), "preset": str(job.preset),
+                       "manifest": str(job.manifest)})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    with log_path.open("w", encoding="utf-8") as log:
+        code = subprocess.run([sys.executable, str(Path(__file__)), "--run-job", spec], cwd=ROOT, env=env,
+                              stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:] or [""]
+        raise TonearmError(f"{job.key} failed (exit {code}): {tail[0]} — full log {log_path}")
+    return json.loads(job.result_path.read_text(encoding="utf-8"))
+
+
+def run_all(cfg: QualityConfig, jobs: list[Job], *, workers: int, on_result: Any) -> list[str]:
+    """Run the unfinished jobs, at most `workers` at a time; returns the keys that failed."""
+    done = {job.key for job in jobs if job.result_path.is_file()}
+    pending = [job for job in jobs if job.key not in done]
+    total, failed = len(jobs), []
+    print(f"== {len(done)} of {total} jobs already done; {len(pending)} to run on {workers} workers", flush=True)
+    started = time.monotonic()
+    finished_now = 0
+    running: dict[Future[dict[str, Any]], Job] = {}
+    log_dir = ROOT / cfg.runs_dir / "logs"
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        while pending or running:
+            for job in [j for j in pending if set(j.depends) & set(failed)]:
+                pending.remove(job)
+                failed.append(job.key)
+                print(f"   skipped {job.key}: a teacher failed", flush=True)
+            for job in [j for j in pending if set(j.depends) <= done]:
+                if len(running) >= workers:
+                    break
+                pending.remove(job)
+                running[pool.submit(_job_process, job, log_dir)] = job
+            if not running:
+                break
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                job = running.pop(future)
+                try:
+                    result = future.result()
+                except TonearmError as err:
+                    failed.append(job.key)
+                    print(f"   FAILED {err}", flush=True)
+                    continue
+                done.add(job.key)
+                finished_now += 1
+                elapsed = time.monotonic() - started
+                left = len(pending) + len(running)
+                eta = elapsed / finished_now * left
+                print(f"[{len(done)}/{total}] {job.key}: r1 {100 * _r1(result['metrics']):.1f}% "
+                      f"({result['train_seconds'] / 60:.1f} min) — elapsed {elapsed / 60:.1f} min, "
+                      f"about {eta / 60:.0f} min left", flush=True)
+                on_result()
+    return failed
+
+
+def _r1(metrics: dict[str, float]) -> float:
+    return 0.5 * (metrics.get("t2a_R@1_mean", 0.0) + metrics.get("a2t_R@1_mean", 0.0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tonearm bench quality", description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="benchmark YAML (default bench/quality.yaml)")
+    parser.add_argument("--smoke", action="store_true", help="the whole pipeline on `tiny`, 1 epoch, 2 seeds (CI)")
+    parser.add_argument("--manifest", help="run on this manifest instead of the synthetic corpus")
+    parser.add_argument("--results", help="results directory (default: the config's results_dir)")
+    parser.add_argument("--runs", help="runs directory (default: the config's runs_dir)")
+    parser.add_argument("--corpus-dir", help="where the synthetic corpus is (written when absent)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel jobs (default: the cores)")
+    parser.add_argument("--only", action="append", help="method name (repeatable); others keep their results")
+    parser.add_argument("--report-only", action="store_true", help="rewrite docs/results from finished jobs")
+    parser.add_argument("--machine", help="machine description written into the results (default: this CPU)")
+    parser.add_argument("--run-job", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.run_job:
+        spec = json.loads(args.run_job)
+        run_job(Job(**{**spec, "out_dir": Path(spec["out_dir"]), "preset": Path(spec["preset"]),
+                       "manifest": Path(spec["manifest"])}))
+        return 0
+    from bench.quality_report import write_results
+
+    cfg = load_quality_config(Path(args.config))
+    if args.smoke:
+        cfg = smoke_config(cfg)
+    updates: dict[str, Any] = {}
+    if args.manifest:
+        updates["manifest"] = Path(args.manifest).resolve()
+    if args.results:
+        updates["results_dir"] = Path(args.results)
+    if args.runs:
+        updates["runs_dir"] = Path(args.runs)
+    if args.corpus_dir:
+        updates["corpus"] = cfg.corpus.model_copy(update={"dir": Path(args.corpus_dir)})
+    if args.only:
+        unknown = set(args.only) - set(cfg.methods)
+        if unknown:
+            raise TonearmError(f"--only: unknown method(s) {sorted(unknown)}; known: {', '.join(cfg.methods)}")
+    cfg = cfg.model_copy(update=updates)
+    workers = max(1, args.workers)
+    command = "tonearm bench quality" + (f" {args.config}" if args.config != str(DEFAULT_CONFIG) else "") + (
+        " --smoke" if args.smoke else "") + (f" --manifest {args.manifest}" if args.manifest else "")
+    manifests = prepare_manifests(cfg, workers=workers)
+    jobs = plan_jobs(cfg, manifests)
+
+    def report() -> None:
+        write_results(cfg, jobs, command=command, machine=args.machine, smoke=args.smoke)
+
+    if args.report_only:
+        report()
+        return 0
+    selected = jobs
+    if args.only:  # the chosen methods and the teachers they need
+        wanted = {j.key for j in jobs if j.method in args.only}
+        wanted |= {d for j in jobs if j.key in wanted for d in j.depends}
+        selected = [j for j in jobs if j.key in wanted]
+    failed = run_all(cfg, selected, workers=workers, on_result=report)
+    report()
+    print(f"== results in {ROOT / cfg.results_dir}", flush=True)
+    if failed:
+        raise TonearmError(f"{len(failed)} job(s) failed: {', '.join(failed[:5])}; rerun the same command to retry them")
+    return 0
+
+
+def cli_quality(argv: list[str]) -> int:
+    return main(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,257 @@
+"""docs/results/ from the finished jobs of `tonearm bench quality`: tables, plots, verdicts, README section.
+
+Everything here reads the jobs' ``result.json`` files only, so it can be rerun at any
+time (``tonearm bench quality --report-only``) and after every job while the run goes on.
+
+Verdict of a claim "A beats B on metric m" under one condition: the margin is
+``mean_A − mean_B`` (sign flipped for lower-is-better metrics such as MRV); when the
+intervals ``mean ± std`` of the two overlap the verdict is *inconclusive*, otherwise
+*reproduced* (margin > 0) or *not reproduced* (margin < 0).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import platform
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.quality import ROOT, Job, QualityConfig
+
+README_START = "<!-- results:start -->"
+README_END = "<!-- results:end -->"
+# (column title, metric key, percent?) of the main table
+MAIN_COLUMNS: tuple[tuple[str, str, bool], ...] = (
+    ("t2a R@1", "t2a_R@1_mean", True), ("t2a R@5", "t2a_R@5_mean", True), ("t2a R@10", "t2a_R@10_mean", True),
+    ("t2a mAP@10", "t2a_mAP@10_mean", True), ("a2t R@1", "a2t_R@1_mean", True), ("a2t R@5", "a2t_R@5_mean", True),
+    ("a2t R@10", "a2t_R@10_mean", True), ("a2t mAP@10", "a2t_mAP@10_mean", True),
+    ("MRV t2a ↓", "mrv_t2a", False), ("MRV a2t ↓", "mrv_a2t", False), ("Gap ↓", "gap_mean", False),
+    ("Dis ↓", "dis_mean", False),
+)
+
+
+def derived(metrics: dict[str, float]) -> dict[str, float]:
+    """Metrics plus r1 (mean R@1 of both directions) and Gap/Dis averaged over non-English languages."""
+    out = dict(metrics)
+    if "t2a_R@1_mean" in metrics and "a2t_R@1_mean" in metrics:
+        out["r1"] = 0.5 * (metrics["t2a_R@1_mean"] + metrics["a2t_R@1_mean"])
+    for name in ("gap", "dis"):
+        values = [v for k, v in metrics.items() if re.fullmatch(f"{name}_[a-z]{{3}}", k)]
+        if values:
+            out[f"{name}_mean"] = float(np.mean(values))
+    return out
+
+
+def collect(jobs: list[Job]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """(condition, method) → the finished seeds' results (metrics with derived keys)."""
+    table: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for job in jobs:
+        if job.result_path.is_file():
+            result = json.loads(job.result_path.read_text(encoding="utf-8"))
+            result["metrics"] = derived(result["metrics"])
+            table[(job.condition, job.method)].append(result)
+    return table
+
+
+def stats(results: list[dict[str, Any]], key: str) -> tuple[float, float, int]:
+    """(mean, std over seeds (population, 0 for one seed), seeds) of one metric."""
+    values = [r["metrics"][key] for r in results if key in r["metrics"] and math.isfinite(r["metrics"][key])]
+    if not values:
+        return math.nan, math.nan, 0
+    return float(np.mean(values)), float(np.std(values)), len(values)
+
+
+def cell(mean: float, std: float, *, percent: bool) -> str:
+    if math.isnan(mean):
+        return "–"
+    scale = 100.0 if percent else 1.0
+    digits = 1 if percent or abs(mean) >= 10 else 3
+    return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f}"
+
+
+def verdict(better: tuple[float, float, int], worse: tuple[float, float, int], *, lower: bool) -> tuple[str, float]:
+    (mean_b, std_b, n_b), (mean_w, std_w, n_w) = better, worse
+    if not n_b or not n_w:
+        return "not run", math.nan
+    margin = (mean_w - mean_b) if lower else (mean_b - mean_w)
+    if abs(mean_b - mean_w) <= std_b + std_w:
+        return "inconclusive", margin
+    return ("reproduced" if margin > 0 else "not reproduced"), margin
+
+
+def claim_rows(cfg: QualityConfig, table: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    rows = []
+    for claim in cfg.claims:
+        percent = not claim.metric.startswith(("mrv", "gap", "dis", "mean_rank"))
+        for condition in cfg.conditions:
+            better = stats(table.get((condition, claim.better), []), claim.metric)
+            worse = stats(table.get((condition, claim.worse), []), claim.metric)
+            if not better[2] and not worse[2]:
+                continue
+            outcome, margin = verdict(better, worse, lower=claim.lower)
+            rows.append({"paper": claim.paper, "claim": claim.claim, "condition": condition, "metric": claim.metric,
+                         "better": cell(better[0], better[1], percent=percent),
+                         "worse": cell(worse[0], worse[1], percent=percent),
+                         "margin": margin * (100 if percent else 1), "verdict": outcome,
+                         "seeds": min(better[2], worse[2])})
+    return rows
+
+
+# --- markdown ---------------------------------------------------------------------------------
+
+def main_table(cfg: QualityConfig, table: dict, condition: str) -> list[str]:
+    head = "| method | seeds | " + " | ".join(title for title, _, _ in MAIN_COLUMNS) + " | train min |"
+    lines = [head, "|---|---:|" + "---:|" * (len(MAIN_COLUMNS) + 1)]
+    for name, method in cfg.methods.items():
+        results = table.get((condition, name))
+        if not results:
+            continue
+        cells = [cell(*stats(results, key)[:2], percent=percent) for _, key, percent in MAIN_COLUMNS]
+        minutes = np.mean([r["train_seconds"] for r in results]) / 60
+        lines.append(f"| {method.label} (`{name}`) | {len(results)} | " + " | ".join(cells) + f" | {minutes:.1f} |")
+    return lines
+
+
+def language_table(cfg: QualityConfig, table: dict, condition: str, direction: str, languages: list[str]) -> list[str]:
+    lines = [f"| method | {' | '.join(languages)} |", "|---|" + "---:|" * len(languages)]
+    for name, method in cfg.methods.items():
+        results = table.get((condition, name))
+        if not results:
+            continue
+        cells = [cell(*stats(results, f"{direction}_R@1_{lang}")[:2], percent=True) for lang in languages]
+        lines.append(f"| {method.label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def audit_table(cfg: QualityConfig, table: dict, condition: str) -> list[str]:
+    lines = ["| method | noisy pairs fitted ↓ | clean pairs fitted | noisy-pair similarity ↓ | clean-pair similarity |",
+             "|---|---:|---:|---:|---:|"]
+    for name, method in cfg.methods.items():
+        audits = [r["noise_audit"] for r in table.get((condition, name), []) if "noise_audit" in r]
+        if not audits or "noisy_fitted" not in audits[0]:
+            continue
+
+        def ms(key: str, percent: bool, audits: list[dict[str, float]] = audits) -> str:
+            values = [a[key] for a in audits]
+            return cell(float(np.mean(values)), float(np.std(values)), percent=percent)
+
+        lines.append(f"| {method.label} | {ms('noisy_fitted', True)} | {ms('clean_fitted', True)} | "
+                     f"{ms('noisy_similarity', False)} | {ms('clean_similarity', False)} |")
+    return lines
+
+
+def languages_of(table: dict) -> list[str]:
+    for results in table.values():
+        keys = results[0]["metrics"]
+        return [k.removeprefix("t2a_R@1_") for k in keys if k.startswith("t2a_R@1_") and not k.endswith("_mean")]
+    return []
+
+
+def machine_line(machine: str | None) -> str:
+    from bench.benchlib import cpu_model
+
+    return machine or f"{cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def write_results(cfg: QualityConfig, jobs: list[Job], *, command: str, machine: str | None, smoke: bool) -> Path:
+    """Rewrite the results directory (README.md, results.json, PNGs) and, for a full run, the README section."""
+    out = ROOT / cfg.results_dir
+    out.mkdir(parents=True, exist_ok=True)
+    table = collect(jobs)
+    finished = sum(len(v) for v in table.values())
+    languages = languages_of(table)
+    claims = claim_rows(cfg, table)
+    lines = [
+        "# Results: every method, clean and noisy correspondences, ≥ 3 seeds",
+        "",
+        "Generated by `bench/quality_report.py` from the runs' `result.json`; do not edit by hand "
+        "(the analysis of the methods that trail is in [laggards.md](laggards.md)).",
+        "",
+        f"- command: `{command}`",
+        f"- machine: {machine_line(machine)}; date: {dt.date.today().isoformat()}; "
+        f"1-min load average when written {os.getloadavg()[0]:.1f}",
+        f"- jobs finished: {finished} of {len(jobs)}" + (" — **incomplete run: the missing rows were not run**"
+                                                         if finished < len(jobs) else ""),
+        "- conditions: " + ", ".join(f"{c} (noise {p:g})" for c, p in cfg.conditions.items())
+        + f"; seeds {cfg.seeds}; budget overrides: `{' '.join(cfg.train_overrides)}`",
+        "- metrics on the test split, mean ± std over seeds (population std); R@k and mAP@10 in %, "
+        "averaged over the languages; MRV = mean rank variance of the target across languages, Gap/Dis "
+        "averaged over the non-English languages (docs/metrics.md); r1 = mean of t2a and a2t R@1",
+    ]
+    if smoke:
+        lines += ["", "**Smoke run on `tiny` (1 epoch): checks the pipeline, not the methods.**"]
+    lines += ["", "## Claims", "",
+              "Verdict: *inconclusive* when the mean ± std intervals overlap; the margin is better − worse "
+              "(percentage points for recall, rank² for MRV; positive = the paper's direction).", "",
+              "| paper | claim | condition | metric | better | worse | margin | seeds | verdict |",
+              "|---|---|---|---|---:|---:|---:|---:|---|"]
+    for row in claims:
+        lines.append(f"| {row['paper']} | {row['claim']} | {row['condition']} | {row['metric']} | {row['better']} | "
+                     f"{row['worse']} | {row['margin']:+.2f} | {row['seeds']} | **{row['verdict']}** |")
+    for condition in cfg.conditions:
+        lines += ["", f"## {condition.capitalize()} ({cfg.conditions[condition]:g} noise)", "",
+                  *main_table(cfg, table, condition)]
+        for direction, title in (("t2a", "text→audio"), ("a2t", "audio→text")):
+            lines += ["", f"### {title} R@1 per language ({condition})", "",
+                      *language_table(cfg, table, condition, direction, languages)]
+        if cfg.conditions[condition] > 0:
+            lines += ["", f"### Noisy training pairs after training ({condition})", "",
+                      "Among the first training clips, an English caption *fits* when its labelled clip ranks "
+                      "first. A method that down-weights noisy pairs (DART's reliability, ASK's Ψ, distillation's "
+                      "soft targets) should fit fewer noisy pairs than InfoNCE while still fitting the clean ones.",
+                      "", *audit_table(cfg, table, condition)]
+    lines += ["", "## Plots", "", "![R@1 and R@10 per method](recall.png)", "", "![MRV per method](mrv.png)", "",
+              "![per-language R@1](languages.png)", "", "![validation curves](curves.png)", ""]
+    (out / "README.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (out / "results.json").write_text(json.dumps({
+        "command": command, "conditions": cfg.conditions, "seeds": cfg.seeds, "claims": claims,
+        "runs": {f"{c}/{m}": [r["metrics"] | {"seed": r["seed"]} for r in rs] for (c, m), rs in table.items()},
+    }, indent=1, default=float) + "\n", encoding="utf-8")
+    if table:
+        from bench.quality_plots import plot_all
+
+        plot_all(cfg, table, languages, out)
+    if not smoke and cfg.results_dir == Path("docs/results"):
+        write_readme_section(cfg, table, claims)
+    return out
+
+
+def write_readme_section(cfg: QualityConfig, table: dict, claims: list[dict[str, Any]]) -> None:
+    """The README's results section: headline table and verdicts, generated from docs/results/."""
+    conditions = list(cfg.conditions)
+    head = "| method | " + " | ".join(f"r1 {c}" for c in conditions) + " | " + " | ".join(
+        f"MRV t2a {c} ↓" for c in conditions) + " |"
+    lines = [README_START, "",
+             "Generated from [docs/results/](docs/results/README.md) by `tonearm bench quality` "
+             f"({', '.join(f'{c}: {p:g} noise' for c, p in cfg.conditions.items())}; {len(cfg.seeds)} seeds, "
+             "mean ± std; r1 = mean of text→audio and audio→text R@1 over the 8 languages, in %):", "",
+             head, "|---|" + "---:|" * (2 * len(conditions))]
+    for name, method in cfg.methods.items():
+        if not any(table.get((c, name)) for c in conditions):
+            continue
+        r1 = [cell(*stats(table.get((c, name), []), "r1")[:2], percent=True) for c in conditions]
+        mrv = [cell(*stats(table.get((c, name), []), "mrv_t2a")[:2], percent=False) for c in conditions]
+        lines.append(f"| {method.label} | " + " | ".join(r1 + mrv) + " |")
+    counts = defaultdict(int)
+    for row in claims:
+        counts[row["verdict"]] += 1
+    lines += ["", "Paper claims: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
+              + " (per claim and condition, with margins, in docs/results/README.md; why SigLIP, DART and ASK "
+              "trail: docs/results/laggards.md).", "", README_END]
+    readme = ROOT / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    section = "\n".join(lines)
+    if README_START in text and README_END in text:
+        before, rest = text.split(README_START, 1)
+        text = before + section + rest.split(README_END, 1)[1]
+    else:
+        marker = "## Results on the synthetic corpus\n"
+        text = text.replace(marker, marker + "\n" + section + "\n", 1) if marker in text else text + "\n" + section + "\n"
+    readme.write_text(text, encoding="utf-8")

@@ -1,0 +1,63 @@
+"""`tonearm bench quality`: verdict rule, and the whole pipeline on `tiny` (--smoke) with resume."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench.quality import DEFAULT_CONFIG, SMOKE_METHODS, load_quality_config
+from bench.quality_report import verdict
+from tonearm.cli import main
+from tonearm.errors import TonearmError
+
+
+def test_verdict_is_inconclusive_when_the_std_intervals_overlap() -> None:
+    assert verdict((0.50, 0.01, 3), (0.40, 0.01, 3), lower=False) == ("reproduced", pytest.approx(0.10))
+    assert verdict((0.40, 0.01, 3), (0.50, 0.01, 3), lower=False)[0] == "not reproduced"
+    assert verdict((0.50, 0.06, 3), (0.40, 0.05, 3), lower=False)[0] == "inconclusive"
+    assert verdict((2.0, 0.1, 3), (9.0, 0.5, 3), lower=True) == ("reproduced", pytest.approx(7.0))  # MRV: lower wins
+    outcome, margin = verdict((0.5, 0.0, 3), (math.nan, math.nan, 0), lower=False)
+    assert outcome == "not run" and math.isnan(margin)
+
+
+def test_the_shipped_config_lists_every_method_of_the_issue_and_valid_claims() -> None:
+    cfg = load_quality_config(DEFAULT_CONFIG)
+    assert len(cfg.seeds) >= 3 and set(cfg.conditions) == {"clean", "noisy"}
+    assert set(SMOKE_METHODS) <= set(cfg.methods)
+    for name in ("infonce", "siglip", "svr_bi_static", "svr_bi_dynamic", "simple_reweight", "kcl", "cacl",
+                 "cacl_svr", "stage1", "distill_m1", "distill_m3", "iot", "dart_uniform", "dart_ram",
+                 "dart_l2norm", "dart_variance", "triplet", "ask", "ask_no_fine"):
+        assert name in cfg.methods, name
+
+
+def test_a_bad_config_names_the_key(tmp_path: Path) -> None:
+    bad = tmp_path / "q.yaml"
+    bad.write_text("methods: {a: {preset: configs/default.yaml, label: A}}\nclaims: [{paper: x, claim: y, "
+                   "better: a, worse: nope, metric: r1}]\n")
+    with pytest.raises(TonearmError, match=r"claims\[0\]: unknown method 'nope'"):
+        load_quality_config(bad)
+
+
+def test_smoke_runs_the_whole_pipeline_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "quality", "--smoke", "--workers", "2", "--runs", str(tmp_path / "runs"),
+            "--results", str(tmp_path / "results"), "--corpus-dir", str(tmp_path / "tiny")]
+    assert main(args) == 0
+    results = tmp_path / "results"
+    report = (results / "README.md").read_text(encoding="utf-8")
+    assert "jobs finished: 20 of 20" in report and "incomplete" not in report
+    data = json.loads((results / "results.json").read_text(encoding="utf-8"))
+    assert {c["claim"] for c in data["claims"]} >= {"SVR > InfoNCE (bi-dynamic)", "self-distillation M=1 > stage 1"}
+    assert all(c["verdict"] in {"reproduced", "not reproduced", "inconclusive"} for c in data["claims"])
+    assert len(data["runs"]["noisy/distill_m1"]) == 2
+    assert "noisy pairs fitted" in report and "| DART (RAM) |" in report
+    for plot in ("recall.png", "mrv.png", "languages.png", "curves.png"):
+        assert (results / plot).stat().st_size > 10_000, plot
+    # resume: a finished run does nothing; a lost result is recomputed alone
+    (tmp_path / "runs" / "noisy" / "dart_ram" / "seed1" / "result.json").unlink()
+    capsys.readouterr()
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "19 of 20 jobs already done; 1 to run" in out and "[20/20] noisy/dart_ram/seed1" in out

@@ -10,6 +10,7 @@ serve:
 test:
 	@scripts/install.sh train,service,dev
 	@scripts/ensure-redis.sh
+	@scripts/ensure-container-tools.sh
 	.venv/bin/ruff check .
 	.venv/bin/mypy
 	.venv/bin/python -m pytest -q

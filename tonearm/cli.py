@@ -64,8 +64,12 @@ def _noise_fraction(text: str) -> float:
 
 def _add_data(sub: argparse._SubParsersAction) -> None:
     # formats.py is stdlib + numpy only (no torch), so building its parser here stays cheap.
-    from training.data.formats import add_data_parser
-
+    try:
+        from training.data.formats import add_data_parser
+    except ModuleNotFoundError as err:  # the service image ships no training code
+        if err.name not in {"training", "training.data"}:
+            raise
+        return
     add_data_parser(sub)
 
 

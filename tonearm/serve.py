@@ -41,13 +41,32 @@ def _settings():
         raise SettingsError(f"invalid service settings: {problems}") from None
 
 
+def check_bundles_dir(path: Path) -> None:
+    """Refuse to start on a bundles volume this process cannot list (missing mount, wrong owner)."""
+    where = f"TONEARM_BUNDLES_DIR={path}"
+    try:
+        with os.scandir(path) as entries:
+            next(entries, None)
+    except FileNotFoundError:
+        raise TonearmError(f"{where}: no such directory (is the bundles volume mounted?)") from None
+    except NotADirectoryError:
+        raise TonearmError(f"{where}: not a directory") from None
+    except PermissionError:
+        raise TonearmError(
+            f"{where}: not readable by uid {os.getuid()} (permission denied); "
+            "make the bundles volume readable by the service user"
+        ) from None
+
+
 def cli_serve(args: argparse.Namespace) -> int:
     """Run the service until interrupted."""
     import uvicorn
 
     os.environ.update(_overrides(args))
     settings = _settings()
-    if settings.bundle is None:
+    if settings.bundles_dir is not None:
+        check_bundles_dir(settings.bundles_dir)
+    if settings.bundle is None and settings.bundles_dir is None:
         from tonearm.demo import ensure_demo_bundle
 
         log.info("no bundle configured (--bundle / TONEARM_BUNDLE): using the embedded demo bundle")

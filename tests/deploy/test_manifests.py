@@ -209,7 +209,7 @@ def test_dockerfile_targets_and_build_arguments():
     stages = re.findall(r"^FROM \S+ AS (\w+)", text, re.M)
     assert {"service", "train"} <= set(stages)
     service = text.split(" AS service")[1].split(" AS train")[0]
-    assert "requirements.py service" in service and "COPY training/" not in service
+    assert "requirements-service.txt" in service and "COPY training/" not in service
     assert re.search(r"^USER 10001:10001", service, re.M) and "HEALTHCHECK" in service and "/healthz" in service
     # The dependency layer comes before the code layer.
     assert service.index("pip install") < service.index("COPY service/")
@@ -217,3 +217,18 @@ def test_dockerfile_targets_and_build_arguments():
     assert "ARG VARIANT=cpu" in train and "faiss-gpu" in train and "onnxruntime-gpu" in train
     for arg in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "PIP_CERT"):
         assert re.search(rf"^ARG {arg}", text, re.M), arg
+
+
+def test_compose_runs_the_service_image_read_only_beside_a_bounded_redis():
+    import yaml
+
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    service, redis_ = compose["services"]["tonearm"], compose["services"]["redis"]
+    assert service["build"]["target"] == "service" and "BASE_IMAGE" in service["build"]["args"]
+    assert service["read_only"] is True and any(t.startswith("/tmp") for t in service["tmpfs"])
+    assert any(v.endswith(":/bundles:ro") for v in service["volumes"])
+    assert service["environment"]["TONEARM_REDIS_URL"] == "redis://redis:6379/0"
+    # The token comes from the caller's environment (required), never a literal.
+    assert service["environment"]["TONEARM_ADMIN_TOKEN"].startswith("${TONEARM_ADMIN_TOKEN:?")
+    command = redis_["command"]
+    assert "--maxmemory" in command and command[command.index("--maxmemory-policy") + 1] == "allkeys-lru"

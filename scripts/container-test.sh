@@ -137,6 +137,11 @@ expect_refusal "unreadable bundles volume" "TONEARM_BUNDLES_DIR" -v "$work/priva
 podman network create "$run_id" >/dev/null
 podman run -d --name "$run_id-redis" --network "$run_id" --network-alias redis --read-only "$redis_image" \
   redis-server --save '' --appendonly no --protected-mode no --maxmemory 64mb --maxmemory-policy allkeys-lru >/dev/null
+for _ in $(seq 1 50); do
+  podman exec "$run_id-redis" redis-cli ping >/dev/null 2>&1 && break
+  sleep 0.2
+done
+podman exec "$run_id-redis" redis-cli ping >/dev/null || die "the redis container does not answer"
 port="$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 podman volume create "$run_id-home" >/dev/null
 podman run -d --name "$run_id-svc" --network "$run_id" --health-interval disable -p "127.0.0.1:$port:8000" \
@@ -170,7 +175,13 @@ curl -sf "$url/v1/search/audio?k=3&lang=eng" --data-binary "@$work/tone.wav" \
   | check "audio search" "r['bundle_id'] == '$bundle_id' and 0 < len(r['hits']) <= 3 and {h['lang'] for h in r['hits']} == {'eng'}"
 curl -sf "$url/v1/bundles" -H "authorization: Bearer $token" \
   | check "admin listing" "r['active'] == '$bundle_id'"
-curl -sf "$url/metrics" | grep -q '^tonearm_redis_up 1' || die "tonearm_redis_up is not 1 (redis beside the service unused)"
+# The cache goes through Redis: a repeated query is a Redis hit.
+for _ in 1 2; do
+  curl -sf "$url/v1/search/text" -H 'content-type: application/json' -d '{"query": "rain on a roof", "k": 3}' >/dev/null
+done
+metrics="$(curl -sf "$url/metrics")"
+grep -q '^tonearm_redis_up 1' <<<"$metrics" || die "tonearm_redis_up is not 1 (redis beside the service unused)"
+[ "$(podman exec "$run_id-redis" redis-cli dbsize)" -gt 0 ] || die "no key written to redis"
 step "text search, audio search, admin listing and redis answered"
 
 uid="$(podman exec "$run_id-svc" id -u)"

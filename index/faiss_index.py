@@ -208,19 +208,22 @@ def build_index(
     max_train_vectors: int = MAX_TRAIN_VECTORS,
     recall_target: float = RECALL_TARGET,
     threads: int | None = None,
+    language_ranges: dict[str, tuple[int, int]] | None = None,
 ) -> BuiltIndex:
     """Build an inner-product index over L2-normalized ``vectors`` and measure its recall@10.
 
     ``queries`` (e.g. the other modality's embeddings) drive the recall check;
     by default a sample of the vectors themselves. Trained indices (IVF, PQ)
     learn from at most ``max_train_vectors`` of them; IVF ``nprobe`` is doubled
-    until recall@10 reaches ``recall_target``. FAISS uses ``threads`` OpenMP
-    threads (default: every available core).
+    until recall@10 reaches ``recall_target``. With ``language_ranges`` (the caption
+    index's rows per language) the recall is the worst of the unfiltered search and
+    each language-filtered one, since the service searches captions one language at
+    a time. FAISS uses ``threads`` OpenMP threads (default: every available core).
     """
     with faiss_threads(threads):
         return _build_index(
             vectors, factory, queries=queries, seed=seed, max_train_vectors=max_train_vectors,
-            recall_target=recall_target,
+            recall_target=recall_target, language_ranges=language_ranges or {},
         )
 
 
@@ -232,6 +235,7 @@ def _build_index(
     seed: int,
     max_train_vectors: int,
     recall_target: float,
+    language_ranges: dict[str, tuple[int, int]],
 ) -> BuiltIndex:
     matrix = _as_matrix(vectors)
     n, dim = matrix.shape
@@ -258,14 +262,34 @@ def _build_index(
     if spec.kind == "flat":
         recall = 1.0
     else:
-        exact = exact_top_k(matrix, sample, 10)
-        recall = ann_recall_at_k(index, matrix, sample, k=10, params=params, exact_scores=exact)
+        probe = _RecallProbe(index, matrix, sample, language_ranges)
+        recall = probe.recall(params)
         while spec.is_ivf and recall < recall_target and params["nprobe"] < spec.nlist:
             params = {"nprobe": min(spec.nlist, 2 * params["nprobe"])}
             apply_search_params(index, params)
-            recall = ann_recall_at_k(index, matrix, sample, k=10, params=params, exact_scores=exact)
+            recall = probe.recall(params)
     log.info("built %s over %d x %d vectors: ANN recall@10 = %.4f", spec.factory, n, dim, recall)
     return BuiltIndex(index=index, spec=spec, search_params=params, ann_recall_at_10=recall)
+
+
+class _RecallProbe:
+    """Worst recall@10 over the unfiltered search and each language's filtered one (exact part computed once)."""
+
+    def __init__(
+        self, index: faiss.Index, matrix: np.ndarray, queries: np.ndarray, ranges: dict[str, tuple[int, int]]
+    ) -> None:
+        self.index, self.matrix, self.queries = index, matrix, queries
+        self.cases: list[tuple[faiss.IDSelector | None, np.ndarray]] = [(None, exact_top_k(matrix, queries, 10))]
+        for lo, hi in ranges.values():
+            if hi - lo >= 10 and hi - lo < len(matrix):
+                self.cases.append((faiss.IDSelectorRange(lo, hi), exact_top_k(matrix[lo:hi], queries, 10)))
+
+    def recall(self, params: dict[str, int]) -> float:
+        return min(
+            ann_recall_at_k(self.index, self.matrix, self.queries, k=10, params=params, exact_scores=exact,
+                            selector=selector)
+            for selector, exact in self.cases
+        )
 
 
 def _sample_rows(matrix: np.ndarray, count: int, seed: int) -> np.ndarray:
@@ -285,13 +309,15 @@ def ann_recall_at_k(
     params: dict[str, int] | None = None,
     tolerance: float = TIE_TOLERANCE,
     exact_scores: np.ndarray | None = None,
+    selector: faiss.IDSelector | None = None,
 ) -> float:
     """Tie-tolerant recall@k of ``index`` against exact inner-product search over ``vectors``.
 
     A returned row is a hit when its exact score is >= the exact k-th best
     score minus ``tolerance``; duplicates and ``-1`` rows never count.
     ``exact_scores`` (from :func:`exact_top_k`) saves the exact search when
-    several settings are measured on the same queries.
+    several settings are measured on the same queries; with ``selector`` they must
+    be the exact scores over the selected rows only.
     """
     matrix = _as_matrix(vectors)
     queries = _as_matrix(queries, matrix.shape[1])
@@ -300,7 +326,7 @@ def ann_recall_at_k(
         return 1.0
     if exact_scores is None:
         exact_scores = exact_top_k(matrix, queries, k_eff)
-    _, rows = search(index, queries, k_eff, params=params or {})
+    _, rows = search(index, queries, k_eff, params=params or {}, selector=selector)
     hits = 0
     for q, found in enumerate(rows):
         valid = np.unique(found[found >= 0])
@@ -360,6 +386,17 @@ def search(
         scores, rows = index.search(queries, k, params=search_params)
     scores = np.where(rows >= 0, scores, -np.inf).astype(np.float32)
     return scores, rows.astype(np.int64)
+
+
+def all_vectors(index: faiss.Index) -> np.ndarray:
+    """Every stored vector (N, d) in row order: exact for Flat/HNSW, the quantized value for SQ/PQ."""
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None and not ivf.direct_map.type:
+        # Reading vectors back from IVF lists needs a direct map; build it once on a
+        # copy so the serving index stays untouched.
+        index = faiss.clone_index(index)
+        faiss.extract_index_ivf(index).make_direct_map()
+    return np.asarray(index.reconstruct_n(0, index.ntotal), dtype=np.float32)
 
 
 # ----------------------------------------------------------------------------- io

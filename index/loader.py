@@ -6,7 +6,7 @@ caption index are built once, and every method only reads them, so any number
 of threads may encode and search concurrently (ONNX Runtime's ``run`` and
 FAISS's ``search`` are thread-safe for concurrent readers).
 
-Per-language caption search: the caption rows of ``text.faiss`` are stored
+Per-language caption search (FAISS backend): the caption rows of ``text.faiss`` are stored
 grouped by language (``manifest.text_index.language_ranges``), so a language
 filter is an ``IDSelectorRange`` (or an ``IDSelectorOr`` of several) passed in
 a fresh per-call ``SearchParameters`` — never by changing the shared index.
@@ -18,7 +18,7 @@ import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import faiss
 import numpy as np
@@ -29,7 +29,7 @@ from index.audio import eval_chunks
 from index.bundle import BundleManifest, read_manifest, verify_files
 from index.bundle import verify_bundle as verify_bundle  # re-exported: the shared API names it here
 from index.evalset import EvalSet, read_eval_set, read_jsonl
-from index.faiss_index import DEFAULT_MMAP_THRESHOLD, load_index, parse_factory, search
+from index.faiss_index import DEFAULT_MMAP_THRESHOLD, all_vectors, load_index, parse_factory, search
 from index.tokenizer import TextTokenizer
 from tonearm.errors import BundleError, TonearmError
 
@@ -146,20 +146,52 @@ def encode_waveforms(
     return l2_normalize(summed)
 
 
-@dataclass(frozen=True)
-class _Index:
-    """A loaded FAISS index with its fixed search parameters."""
+class VectorIndex(Protocol):
+    """The one small interface both backends implement (FAISS in the bundle, or Milvus)."""
 
-    index: faiss.Index
-    params: dict[str, int]
+    ntotal: int
 
     def search(
-        self, queries: np.ndarray, k: int, selector: faiss.IDSelector | None = None
+        self, queries: np.ndarray, k: int, languages: Sequence[str] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        return search(self.index, queries, k, params=self.params, selector=selector)
+        """Top-k (scores (n, k) float32, rows (n, k) int64; -1 / -inf past the end), rows only
+        of ``languages`` when given (the caption index)."""
+        ...
+
+    def vectors(self) -> np.ndarray:
+        """Every stored vector, row order."""
+        ...
 
 
-def _open_index(root: Path, info: fmt.IndexInfo, *, embed_dim: int, mmap_threshold_bytes: int) -> _Index:
+class FaissVectorIndex:
+    """A loaded FAISS index with its fixed search parameters; languages are row ranges."""
+
+    def __init__(self, index: faiss.Index, params: dict[str, int], ranges: dict[str, tuple[int, int]] | None = None):
+        self.index = index
+        self.params = params
+        self.ntotal = int(index.ntotal)
+        self._selectors = {lang: faiss.IDSelectorRange(lo, hi) for lang, (lo, hi) in (ranges or {}).items()}
+
+    def search(
+        self, queries: np.ndarray, k: int, languages: Sequence[str] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if not languages:
+            return search(self.index, queries, k, params=self.params)
+        selectors = [self._selectors[lang] for lang in sorted(languages)]
+        combined: faiss.IDSelector = selectors[0]
+        keep_alive = [combined]  # the SWIG Or-selector does not own its parts
+        for other in selectors[1:]:
+            combined = faiss.IDSelectorOr(combined, other)
+            keep_alive.append(combined)
+        result = search(self.index, queries, k, params=self.params, selector=combined)
+        del keep_alive
+        return result
+
+    def vectors(self) -> np.ndarray:
+        return all_vectors(self.index)
+
+
+def _open_index(root: Path, info: fmt.IndexInfo, *, embed_dim: int, mmap_threshold_bytes: int) -> FaissVectorIndex:
     spec = parse_factory(info.factory, info.dim)
     index = load_index(
         root / info.file, spec=spec, search_params=info.search_params, mmap_threshold_bytes=mmap_threshold_bytes
@@ -168,7 +200,7 @@ def _open_index(root: Path, info: fmt.IndexInfo, *, embed_dim: int, mmap_thresho
         raise BundleError(f"{root / info.file}: dimension {index.d} != manifest embed_dim {embed_dim}")
     if index.ntotal != info.ntotal:
         raise BundleError(f"{root / info.file}: ntotal {index.ntotal} != {info.ntotal} in manifest")
-    return _Index(index=index, params=dict(info.search_params))
+    return FaissVectorIndex(index, dict(info.search_params), info.language_ranges)
 
 
 def _read_items(path: Path, *, required: Sequence[str], expected: int) -> list[dict[str, Any]]:
@@ -189,8 +221,8 @@ class LoadedBundle:
         tokenizer: TextTokenizer,
         audio_encoder: OnnxEncoder,
         text_encoder: OnnxEncoder,
-        audio_index: _Index,
-        text_index: _Index,
+        audio_index: VectorIndex,
+        text_index: VectorIndex,
         audio_items: list[dict[str, Any]],
         text_items: list[dict[str, Any]],
     ) -> None:
@@ -206,10 +238,10 @@ class LoadedBundle:
         self.tokenizer = tokenizer
         self._audio_encoder: OnnxEncoder | None = audio_encoder
         self._text_encoder: OnnxEncoder | None = text_encoder
-        self._audio_index: _Index | None = audio_index
-        self._text_index: _Index | None = text_index
-        ranges = manifest.text_index.language_ranges or {}
-        self._language_selectors = {lang: faiss.IDSelectorRange(lo, hi) for lang, (lo, hi) in ranges.items()}
+        self._audio_index: VectorIndex | None = audio_index
+        self._text_index: VectorIndex | None = text_index
+        self.milvus: Any = None
+        """The :class:`index.milvus_index.MilvusTarget` the vectors live in (None: FAISS in the bundle)."""
 
     @property
     def onnx_providers(self) -> list[str]:
@@ -229,18 +261,29 @@ class LoadedBundle:
         verify: bool = True,
         mmap_threshold_bytes: int = DEFAULT_MMAP_THRESHOLD,
         providers: Sequence[str] | None = None,
+        milvus: Any = None,
     ) -> LoadedBundle:
         """Load a bundle; ``verify`` checks every file's sha256 first (else only the manifest).
 
         Dimensions, ONNX interfaces, index sizes and id files are always checked.
-        Raises :class:`BundleError` naming the offending file.
+        ``milvus`` (an :class:`index.milvus_index.MilvusTarget`) searches the bundle's vectors
+        in Milvus instead of its FAISS files (:class:`index.milvus_index.BundleNotPublished`
+        when they are not there). Raises :class:`BundleError` naming the offending file.
         """
         root = Path(path)
         manifest = verify_files(root) if verify else read_manifest(root)
         providers = check_providers(providers) if providers else providers_for(device)
         dim = manifest.embed_dim
-        audio_index = _open_index(root, manifest.audio_index, embed_dim=dim, mmap_threshold_bytes=mmap_threshold_bytes)
-        text_index = _open_index(root, manifest.text_index, embed_dim=dim, mmap_threshold_bytes=mmap_threshold_bytes)
+        audio_index: VectorIndex
+        text_index: VectorIndex
+        client = None
+        if milvus is None:
+            audio_index = _open_index(root, manifest.audio_index, embed_dim=dim, mmap_threshold_bytes=mmap_threshold_bytes)
+            text_index = _open_index(root, manifest.text_index, embed_dim=dim, mmap_threshold_bytes=mmap_threshold_bytes)
+        else:
+            from index.milvus_index import open_bundle_indices
+
+            client, audio_index, text_index = open_bundle_indices(milvus, manifest)
         bundle = cls(
             path=root,
             manifest=manifest,
@@ -256,14 +299,20 @@ class LoadedBundle:
             audio_index=audio_index,
             text_index=text_index,
             audio_items=_read_items(
-                root / manifest.audio_index.ids_file, required=("id", "uri", "captions"), expected=audio_index.index.ntotal
+                root / manifest.audio_index.ids_file, required=("id", "uri", "captions"), expected=audio_index.ntotal
             ),
             text_items=_read_items(
                 root / manifest.text_index.ids_file, required=("clip_id", "clip_row", "lang", "text"),
-                expected=text_index.index.ntotal,
+                expected=text_index.ntotal,
             ),
         )
-        bundle._check_text_items()
+        if client is not None:  # the process-wide Milvus client stays open for other bundles
+            bundle.milvus = milvus
+        try:
+            bundle._check_text_items()
+        except BundleError:
+            bundle.close()
+            raise
         log.info("opened bundle %s (%d clips, %d captions, %s)", bundle.bundle_id,
                  len(bundle.audio_items), len(bundle.text_items), providers[0])
         return bundle
@@ -290,6 +339,13 @@ class LoadedBundle:
         """Release sessions and indices; call only when no request uses the bundle any more."""
         self._audio_encoder = self._text_encoder = None
         self._audio_index = self._text_index = None
+
+    def mark_active(self) -> None:
+        """Record this bundle as the active one where its vectors live (Milvus aliases; FAISS: nothing)."""
+        if self.milvus is not None:
+            from index.milvus_index import set_active
+
+            set_active(self.milvus, self.bundle_id)
 
     def _need(self, part: Any) -> Any:
         if part is None:
@@ -319,17 +375,10 @@ class LoadedBundle:
     def audio_embeddings(self) -> np.ndarray:
         """All clip vectors (N, d), row order = ``audio_items``, read back from the audio index.
 
-        Exact for ``Flat`` and ``HNSW,Flat``; PQ indices give their compressed approximation.
+        Exact for ``Flat`` and ``HNSW,Flat`` (and Milvus); SQ/PQ indices give their quantized values.
         The service's consistency diagnostics rank a target against all of these.
         """
-        index = self._need(self._audio_index).index
-        ivf = faiss.try_extract_index_ivf(index)
-        if ivf is not None and not ivf.direct_map.type:
-            # Reading vectors back from IVF lists needs a direct map; build it once on a
-            # copy so the serving index stays untouched.
-            index = faiss.clone_index(index)
-            faiss.extract_index_ivf(index).make_direct_map()
-        return np.asarray(index.reconstruct_n(0, index.ntotal), dtype=np.float32)
+        return self._need(self._audio_index).vectors()
 
     def search_text(
         self, queries: np.ndarray, k: int, *, languages: Collection[str] | None = None
@@ -341,15 +390,7 @@ class LoadedBundle:
         unknown = sorted(set(languages) - set(self.languages))
         if unknown:
             raise ValueError(f"unknown language(s) {unknown}; bundle languages: {self.languages}")
-        selectors = [self._language_selectors[lang] for lang in sorted(languages)]
-        combined: faiss.IDSelector = selectors[0]
-        keep_alive = [combined]
-        for other in selectors[1:]:
-            combined = faiss.IDSelectorOr(combined, other)
-            keep_alive.append(combined)
-        result = index.search(queries, k, combined)
-        del keep_alive
-        return result
+        return index.search(queries, k, sorted(languages))
 
     # ------------------------------------------------------------------ held-out set, warm-up
 

@@ -88,10 +88,21 @@ def default_opener(settings: Settings) -> Opener:
 
         providers = [name.strip() for name in settings.onnx_providers.split(",") if name.strip()]
         return LoadedBundle.open(
-            path, device="cpu", intra_op_threads=settings.onnx_threads, verify=True, providers=providers
+            path, device="cpu", intra_op_threads=settings.onnx_threads, verify=True, providers=providers,
+            milvus=milvus_target(settings),
         )
 
     return open_bundle
+
+
+def milvus_target(settings: Settings) -> Any:
+    """The Milvus the bundles' vectors live in, or None for the FAISS backend."""
+    if settings.index_backend != "milvus" or not settings.milvus_uri:
+        return None
+    from index.milvus_index import MilvusTarget
+
+    token = settings.milvus_token.get_secret_value() if settings.milvus_token else None
+    return MilvusTarget(uri=settings.milvus_uri, token=token)
 
 
 def thresholds_from(settings: Settings) -> GateThresholds:
@@ -203,6 +214,8 @@ class BundleRegistry:
         try:
             bundle = self.opener(Path(path))
         except BundleError as err:
+            if type(err).__name__ == "BundleNotPublished":  # index.milvus_index, imported only with Milvus
+                raise ServiceError("bundle-not-published", str(err)) from None
             raise ServiceError("bundle-invalid", str(err)) from None
         except Exception as err:  # a bundle that cannot load must never take the service down
             log.exception("loading bundle %s failed", path)
@@ -318,7 +331,16 @@ class BundleRegistry:
         log.info("followed activation of bundle %s from another replica", bundle_id)
 
     def _swap(self, new: _Entry) -> None:
-        """Make ``new`` active; the old active becomes previous; the bundle pushed out is retired."""
+        """Make ``new`` active; the old active becomes previous; the bundle pushed out is retired.
+
+        Where the vectors live in Milvus, its active aliases are switched first: a failure
+        there leaves this replica on its current bundle."""
+        mark_active = getattr(new.bundle, "mark_active", None)
+        if callable(mark_active):
+            try:
+                mark_active()
+            except Exception as err:
+                raise ServiceError("index-unavailable", f"cannot activate {new.bundle_id}: {err}") from None
         with self._ref_lock:
             old_active, old_previous = self._active, self._previous
             self._active = new

@@ -56,6 +56,14 @@ class Settings(BaseSettings):
     batch_workers: int = Field(default=2, ge=1, le=64)
     """Threads per encoder queue, each running one micro-batch at a time (about the core count)."""
 
+    # --- index backend (docs/service.md, "Index backends") ---
+    index_backend: Literal["faiss", "milvus"] = "faiss"
+    """Where bundle vectors are searched: `faiss` (the bundle's own files) or `milvus` (published collections)."""
+    milvus_uri: str | None = None
+    """e.g. http://milvus:19530 (a local *.db path uses Milvus Lite); needed with index_backend=milvus."""
+    milvus_token: SecretStr | None = None
+    """Milvus credentials (`user:password` or an API key); mount from a secret."""
+
     # --- server ---
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -110,6 +118,8 @@ class Settings(BaseSettings):
         if self.admin_token is not None and len(self.admin_token.get_secret_value()) < 16:
             if self.environment != "development":
                 raise SettingsError("TONEARM_ADMIN_TOKEN is shorter than 16 characters")
+        if self.index_backend == "milvus" and not self.milvus_uri:
+            raise SettingsError("TONEARM_INDEX_BACKEND=milvus needs TONEARM_MILVUS_URI (e.g. http://milvus:19530)")
         if self.workers > 1 and self.redis_url is None:
             raise SettingsError(
                 "TONEARM_WORKERS > 1 needs TONEARM_REDIS_URL: each worker is a replica "

@@ -130,6 +130,15 @@ def _add_bundle(sub: argparse._SubParsersAction) -> None:
     evaluate = bsub.add_parser("eval", help="metrics (docs/metrics.md) from the ONNX encoders and FAISS indices only")
     evaluate.add_argument("dir")
     evaluate.set_defaults(handler=_lazy("index.bundle_cli:cli_eval", "service"))
+    publish = bsub.add_parser(
+        "publish", help="write a bundle's vectors to Milvus collections named by its id (docs/service.md)"
+    )
+    publish.add_argument("bundle", help="bundle directory")
+    publish.add_argument("--milvus-uri", required=True, help="e.g. http://milvus:19530, or a local *.db file (Milvus Lite)")
+    publish.add_argument("--milvus-token-env", metavar="VAR", help="environment variable holding the Milvus token")
+    publish.add_argument("--milvus-index", default="FLAT", choices=("FLAT", "IVF_FLAT", "HNSW", "AUTOINDEX"),
+                         help="Milvus index type of the collections (FLAT = exact)")
+    publish.set_defaults(handler=_lazy("index.milvus_index:cli_publish", "milvus"))
     for name, help_text in (
         ("list", "bundles known to a running service"),
         ("activate", "activate a bundle on a running service (runs the quality gate)"),

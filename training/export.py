@@ -428,7 +428,7 @@ def _build_contents(
         text_emb = embed_catalogue_texts(encoders.text, tokenizer, [t["text"] for t in text_items], dim,
                                          task("embedding captions", len(text_items)))
     audio_built = build_index(audio_emb, index_factory, queries=text_emb)
-    text_built = build_index(text_emb, index_factory, queries=audio_emb)
+    text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)
     save_index(audio_built.index, staging / fmt.AUDIO_INDEX)
     save_index(text_built.index, staging / fmt.TEXT_INDEX)
     _write_jsonl(staging / fmt.AUDIO_IDS, [

@@ -99,6 +99,24 @@ def test_nprobe_is_raised_until_recall_reaches_the_target():
     assert faiss.downcast_index(strict.index).nprobe == strict.search_params["nprobe"]
 
 
+def test_language_filtered_recall_counts_toward_the_target():
+    rng = np.random.default_rng(5)
+    vectors, queries = unit(rng.standard_normal((3000, 32))), unit(rng.standard_normal((300, 32)))
+    ranges = {"eng": (0, 2700), "jpn": (2700, 3000)}  # a small language: its neighbours sit in few lists
+    plain = build_index(vectors, "IVF64,SQfp16", queries=queries, recall_target=0.9)
+    filtered = build_index(vectors, "IVF64,SQfp16", queries=queries, recall_target=0.9, language_ranges=ranges)
+    jpn = faiss.IDSelectorRange(2700, 3000)
+    exact_jpn = brute_force(vectors, queries, 10, rows=np.arange(2700, 3000))[0]
+    jpn_recall = {
+        name: ann_recall_at_k(built.index, vectors, queries, k=10, params=built.search_params,
+                              exact_scores=exact_jpn, selector=jpn)
+        for name, built in (("plain", plain), ("filtered", filtered))
+    }
+    assert jpn_recall["plain"] < 0.9 <= jpn_recall["filtered"]  # tuned unfiltered only, jpn searches miss
+    assert filtered.ann_recall_at_10 <= jpn_recall["filtered"]  # the manifest records the worst case
+    assert filtered.search_params["nprobe"] > plain.search_params["nprobe"]
+
+
 def test_builds_use_every_core_and_restore_the_thread_count():
     seen = []
     faiss.omp_set_num_threads(1)  # what importing torch with torch.set_num_threads(1) leaves behind

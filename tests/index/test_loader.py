@@ -181,13 +181,13 @@ def test_audio_embeddings_are_the_indexed_clip_vectors(bundle):
 
 def test_audio_embeddings_read_back_from_an_ivf_index_without_touching_it():
     from index.faiss_index import build_index
-    from index.loader import _Index
+    from index.loader import FaissVectorIndex
 
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((400, 16)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     index = build_index(vectors, "IVF4,Flat").index
     holder = LoadedBundle.__new__(LoadedBundle)
-    holder._audio_index = _Index(index=index, params={"nprobe": 2})
+    holder._audio_index = FaissVectorIndex(index, {"nprobe": 2})
     np.testing.assert_allclose(holder.audio_embeddings(), vectors, atol=1e-6)
     assert not faiss.extract_index_ivf(index).direct_map.type  # serving index unchanged

@@ -8,8 +8,14 @@ clients (asyncio, a minimal keep-alive HTTP/1.1 client each):
   queries, answered once before measuring), and audio search (5 s WAV uploads,
   never cached), at 1, 8, 16 and 32 concurrent clients;
 * against a bundle (``--bundle``, default the demo bundle) and against the same
-  bundle with its clip index replaced by a synthetic 100 k-clip Flat index of
-  random unit vectors built through ``index.faiss_index`` (``--synthetic-clips``).
+  bundle with its clip index grown to synthetic 100 k and 1 M clips (random unit
+  vectors, index chosen by size through ``index.faiss_index``; ``--synthetic-clips``);
+* with ``--milvus``, the bundle once more through the Milvus backend (Milvus Lite:
+  published by ``tonearm bundle publish`` to a local file first);
+* beside each tonearm server, the **reference peer** (bench/reference_server.py:
+  FastAPI + the PyTorch encoders in eager mode + FAISS, no cache, no batching — what
+  a user would write by hand) on the same bundle and clients; the report gives
+  tonearm's throughput and p99 as ratios to it (``--no-peer`` skips it).
 
 Prints a table and writes (or replaces) the ``service_load`` section of
 docs/BENCHMARKS.md with the command, machine, date and numbers. Client and
@@ -44,6 +50,7 @@ import soundfile as sf
 from benchlib import cpu_model, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = "reference"
 START = "<!-- bench:service_load:start -->"
 END = "<!-- bench:service_load:end -->"
 QUERIES = [
@@ -57,6 +64,7 @@ QUERIES = [
 
 @dataclass
 class Result:
+    server: str
     target: str
     kind: str
     clients: int
@@ -68,7 +76,7 @@ class Result:
     def row(self) -> dict[str, float | int | str]:
         p50, p95, p99 = np.percentile(self.latencies_ms, [50, 95, 99]) if len(self.latencies_ms) else (0, 0, 0)
         return {
-            "target": self.target, "kind": self.kind, "clients": self.clients, "requests": self.requests,
+            "server": self.server, "target": self.target, "kind": self.kind, "clients": self.clients, "requests": self.requests,
             "errors": self.errors, "p50_ms": p50, "p95_ms": p95, "p99_ms": p99,
             "rps": self.requests / self.seconds if self.seconds else 0.0,
         }
@@ -84,9 +92,13 @@ def free_port() -> int:
 
 
 class Server:
-    """`tonearm serve --bundle DIR` in a subprocess, ready when /readyz answers 200."""
+    """`tonearm serve --bundle DIR` (or, ``reference=True``, bench/reference_server.py) in a
+    subprocess, ready when /readyz answers 200."""
 
-    def __init__(self, bundle: Path, *, threads: int, redis_url: str | None, log: Path) -> None:
+    def __init__(
+        self, bundle: Path, *, threads: int, redis_url: str | None, log: Path, reference: bool = False,
+        milvus_uri: str | None = None, checkpoint: Path | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -94,7 +106,13 @@ class Server:
         if redis_url:
             env["TONEARM_REDIS_URL"] = redis_url
             env["TONEARM_KEY_PREFIX"] = f"bench{self.port}"
-        cmd = [sys.executable, "-m", "tonearm.cli", "serve", "--bundle", str(bundle), "--port", str(self.port)]
+        if milvus_uri:
+            env.update(TONEARM_INDEX_BACKEND="milvus", TONEARM_MILVUS_URI=milvus_uri)
+        if reference:
+            cmd = [sys.executable, str(ROOT / "bench" / "reference_server.py"), "--bundle", str(bundle),
+                   "--port", str(self.port)] + (["--checkpoint", str(checkpoint)] if checkpoint else [])
+        else:
+            cmd = [sys.executable, "-m", "tonearm.cli", "serve", "--bundle", str(bundle), "--port", str(self.port)]
         with log.open("w") as sink:
             self.process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
 
@@ -241,7 +259,7 @@ async def _worker(url: str, kind: str, stop_at: float, out: list, errors: list, 
         connection.close()
 
 
-async def measure(url: str, *, target: str, kind: str, clients: int, seconds: float) -> Result:
+async def measure(url: str, *, server: str, target: str, kind: str, clients: int, seconds: float) -> Result:
     if kind == "text-warm":
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             for q in QUERIES:
@@ -252,7 +270,7 @@ async def measure(url: str, *, target: str, kind: str, clients: int, seconds: fl
     stop_at = started + seconds
     await asyncio.gather(*(_worker(url, kind, stop_at, out, errors, w) for w in range(clients)))
     elapsed = time.perf_counter() - started
-    return Result(target, kind, clients, len(out), len(errors), elapsed, np.asarray(out))
+    return Result(server, target, kind, clients, len(out), len(errors), elapsed, np.asarray(out))
 
 
 # ----------------------------------------------------------------------------- report
@@ -261,13 +279,32 @@ async def measure(url: str, *, target: str, kind: str, clients: int, seconds: fl
 
 
 def table(rows: list[dict]) -> str:
-    head = "| index | workload | clients | requests | errors | p50 ms | p95 ms | p99 ms | req/s |\n"
-    head += "|---|---|---:|---:|---:|---:|---:|---:|---:|\n"
+    head = "| server | index | workload | clients | requests | errors | p50 ms | p95 ms | p99 ms | req/s |\n"
+    head += "|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n"
     return head + "".join(
-        f"| {r['target']} | {r['kind']} | {r['clients']} | {r['requests']} | {r['errors']} | "
+        f"| {r['server']} | {r['target']} | {r['kind']} | {r['clients']} | {r['requests']} | {r['errors']} | "
         f"{r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | {r['rps']:.0f} |\n"
         for r in rows
     )
+
+
+def ratios(rows: list[dict]) -> str:
+    """tonearm / reference throughput and p99 for every cell both servers ran."""
+    peer = {(r["target"], r["kind"], r["clients"]): r for r in rows if r["server"] == REFERENCE}
+    lines = []
+    for r in rows:
+        p = peer.get((r["target"], r["kind"], r["clients"]))
+        if r["server"] == REFERENCE or p is None or not p["rps"]:
+            continue
+        lines.append(
+            f"| {r['server']} | {r['target']} | {r['kind']} | {r['clients']} | {r['rps'] / p['rps']:.2f} "
+            f"| {r['p99_ms'] / p['p99_ms']:.2f} |\n" if p["p99_ms"] else ""
+        )
+    if not lines:
+        return ""
+    head = "\nRatios to the reference peer (throughput: higher is better; p99: lower is better):\n\n"
+    head += "| server | index | workload | clients | req/s ÷ peer | p99 ÷ peer |\n|---|---|---|---:|---:|---:|\n"
+    return head + "".join(lines)
 
 
 def section(rows: list[dict], *, command: str, notes: str) -> str:
@@ -278,10 +315,13 @@ def section(rows: list[dict], *, command: str, notes: str) -> str:
         f"Python {platform.python_version()}\n"
         f"- date: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}; 1-min load average at the end "
         f"{os.getloadavg()[0]:.1f} (other jobs share the machine)\n"
-        f"- setup: one uvicorn worker, thread pool for encoders/FAISS, in-process cache; the load "
-        f"generator runs on the same cores. Targets (two cores): text p99 ≤ 25 ms at 16 clients and "
-        f"≥ 300 req/s; audio (5 s clip) p50 ≤ 60 ms.\n\n"
-        f"{table(rows)}\n{notes}\n{END}\n"
+        f"- setup: one uvicorn worker, micro-batched encoders (text and audio queues), in-process cache; "
+        f"`{REFERENCE}` = bench/reference_server.py (FastAPI + PyTorch eager encoders + FAISS, no cache, "
+        f"no batching) on the same bundle; the load generator runs on the same cores. Targets (two cores): "
+        f"100k cold text at 16 clients ≥ 740 req/s with p99 ≤ 40 ms; demo cold text at 16 clients p99 ≤ 20 ms "
+        f"and ≥ 1,000 req/s; demo audio at 8 clients ≥ 282 req/s; ≥ 3× the peer on every text workload "
+        f"at 16 clients.\n\n"
+        f"{table(rows)}{ratios(rows)}\n{notes}\n{END}\n"
     )
 
 
@@ -293,9 +333,14 @@ def main() -> int:
     parser.add_argument("--clients", default="1,8,16,32")
     parser.add_argument("--seconds", type=float, default=5.0, help="measurement time per cell")
     parser.add_argument("--threads", type=int, default=4, help="TONEARM_SEARCH_THREADS of the server")
-    parser.add_argument("--synthetic-clips", type=int, default=100_000, help="0 skips the synthetic index")
+    parser.add_argument("--synthetic-clips", default="100000,1000000",
+                        help="comma-separated sizes of synthetic clip indices; 0 skips them")
     parser.add_argument("--synthetic-factory", help="FAISS factory of the synthetic clip index (default: by size)")
     parser.add_argument("--redis-url", help="measure with a Redis cache instead of the in-process one")
+    parser.add_argument("--milvus", action="store_true", help="also serve the bundle through Milvus Lite")
+    parser.add_argument("--no-peer", action="store_true", help="skip the reference server")
+    parser.add_argument("--checkpoint", help="PyTorch checkpoint of the peer (default: the bundle's source checkpoint)")
+    parser.add_argument("--kinds", default="text-cold,text-warm,audio")
     parser.add_argument("--no-write", action="store_true", help="print only; do not update docs/BENCHMARKS.md")
     args = parser.parse_args()
 
@@ -309,20 +354,29 @@ def main() -> int:
     clients = [int(c) for c in args.clients.split(",")]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as scratch:
-        targets = [("bundle", bundle)]
-        if args.synthetic_clips:
-            synthetic = synthetic_bundle(bundle, Path(scratch), args.synthetic_clips, factory=args.synthetic_factory)
+        targets: list[tuple[str, Path, str | None]] = [("bundle", bundle, None)]
+        for size in [int(n) for n in args.synthetic_clips.split(",") if int(n)]:
+            synthetic = synthetic_bundle(bundle, Path(scratch), size, factory=args.synthetic_factory)
             factory = json.loads((synthetic / "manifest.json").read_text())["audio_index"]["factory"]
-            targets.append((f"synthetic {args.synthetic_clips // 1000}k ({factory})", synthetic))
-        for name, path in targets:
-            log = Path(scratch) / f"serve-{len(rows)}.log"
-            with Server(path, threads=args.threads, redis_url=args.redis_url, log=log) as server:
-                for kind in ("text-cold", "text-warm", "audio"):
-                    for c in clients:
-                        result = asyncio.run(measure(server.url, target=name, kind=kind, clients=c, seconds=args.seconds))
-                        rows.append(result.row())
-                        print(table(rows[-1:]).splitlines()[-1], flush=True)
-    print(table(rows))
+            targets.append((f"synthetic {size // 1000}k ({factory})", synthetic, None))
+        if args.milvus:
+            uri = str(Path(scratch) / "milvus.db")
+            subprocess.run([sys.executable, "-m", "tonearm.cli", "bundle", "publish", str(bundle), "--milvus-uri", uri],
+                           cwd=ROOT, check=True)
+            targets.append(("bundle (Milvus Lite)", bundle, uri))
+        for name, path, milvus_uri in targets:
+            servers = [("tonearm", False)] + ([] if args.no_peer or milvus_uri else [(REFERENCE, True)])
+            for server_name, reference in servers:
+                log = Path(scratch) / f"serve-{len(rows)}.log"
+                with Server(path, threads=args.threads, redis_url=args.redis_url, log=log, reference=reference,
+                            milvus_uri=milvus_uri, checkpoint=args.checkpoint) as server:
+                    for kind in args.kinds.split(","):
+                        for c in clients:
+                            result = asyncio.run(measure(server.url, server=server_name, target=name, kind=kind,
+                                                         clients=c, seconds=args.seconds))
+                            rows.append(result.row())
+                            print(table(rows[-1:]).splitlines()[-1], f"load {os.getloadavg()[0]:.1f}", flush=True)
+    print(table(rows) + ratios(rows))
     manifest = json.loads((bundle / "manifest.json").read_text())
     notes = (
         f"Bundle `{manifest['bundle_id']}`: {manifest['audio_index']['ntotal']} clips "

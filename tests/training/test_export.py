@@ -172,7 +172,8 @@ def test_cli_export_with_hnsw_and_int8_text_encoder(tiny_checkpoint, tiny_corpus
     (path,) = list(tmp_path.iterdir())
     m = verify_bundle(path)
     assert m.audio_index.factory == m.text_index.factory == "HNSW16,Flat"
-    assert m.text_index.search_params == {"efSearch": 128} and 0.9 <= m.text_index.ann_recall_at_10 <= 1.0
+    # efSearch is raised until language-filtered caption search (one language of 8) also reaches the target
+    assert m.text_index.search_params["efSearch"] >= 128 and 0.9 <= m.text_index.ann_recall_at_10 <= 1.0
     assert m.text_encoder.quantization == "dynamic-int8"
     ops = {node.op_type for node in onnx.load(str(path / "text_encoder.onnx")).graph.node}
     assert ops & {"DynamicQuantizeLinear", "MatMulInteger"}

@@ -56,10 +56,9 @@ class Replica:
 
 
 def start_replica(tmp_path: Path, name: str, *, bundles_dir: Path, bundle: str, redis_url: str, prefix: str) -> Replica:
+    """`tonearm serve` in a subprocess; an empty ``bundle`` or ``redis_url`` leaves that setting unset."""
     port = free_port()
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
+    settings = {
         "TONEARM_ENVIRONMENT": "production",
         "TONEARM_BUNDLES_DIR": str(bundles_dir),
         "TONEARM_BUNDLE": bundle,
@@ -70,6 +69,8 @@ def start_replica(tmp_path: Path, name: str, *, bundles_dir: Path, bundle: str, 
         "TONEARM_SEARCH_THREADS": "2",
         "TONEARM_HOME": str(tmp_path / "home"),
     }
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("TONEARM_")}
+    env = {**inherited, "OMP_NUM_THREADS": "1", **{k: v for k, v in settings.items() if v}}
     log = tmp_path / f"{name}.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
@@ -129,6 +130,7 @@ def test_activation_and_rollback_reach_both_replicas_under_load(real_bundles, re
 
         # Activate b through replica 0 (force: the gate is tested elsewhere; these tiny bundles
         # are two seeds of the same run and either may win it).
+        activate_called = time.monotonic()
         result = _admin(replicas[0].url, "/v1/bundles/activate", {"bundle_id": b, "force": True})
         assert result["bundle_id"] == b and result["changed"] is True
         activated = time.monotonic()
@@ -152,7 +154,7 @@ def test_activation_and_rollback_reach_both_replicas_under_load(real_bundles, re
     assert failures == [], failures[:5]
     # Before the activation only a answered; once each replica served b it never went back
     # to a until the rollback; after the rollback reached it, only a.
-    assert {e[4] for e in log if e[2] < activated} == {a}
+    assert {e[4] for e in log if e[2] < activate_called} == {a}
     for replica in (0, 1):
         switched = min(e[2] for e in log if e[0] == replica and e[1] >= activated and e[4] == b)
         assert {e[4] for e in log if e[0] == replica and e[1] > switched and e[2] < rollback_called} == {b}
@@ -213,3 +215,23 @@ def test_serve_in_production_without_the_admin_token_fails_at_start(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2 and "set TONEARM_ADMIN_TOKEN" in result.stderr
+
+
+def test_a_deployment_without_a_bundle_waits_instead_of_building_the_demo(tmp_path, key_prefix):
+    bundles = tmp_path / "bundles"
+    bundles.mkdir()
+    replica = start_replica(tmp_path, "empty", bundles_dir=bundles, bundle="", redis_url="", prefix=key_prefix)
+    try:
+        def live() -> bool:
+            assert replica.process.poll() is None, replica.logged()[-3000:]
+            try:
+                return httpx.get(replica.url + "/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(live, timeout=60, interval=0.1, what="/healthz")
+        assert httpx.get(replica.url + "/readyz", timeout=5).status_code == 503
+    finally:
+        replica.stop()
+    assert not (tmp_path / "home" / "demo").exists()
+    assert "not ready until one is activated" in replica.logged()

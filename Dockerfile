@@ -95,10 +95,13 @@ ARG VARIANT=cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG GPU_PACKAGES="faiss-gpu-cu12 onnxruntime-gpu"
 COPY --from=requirements /app/requirements-train.txt /app/constraints.txt /tmp/
-# The GPU packages are a build argument: pin them there (e.g. "faiss-gpu-cu12==1.10.0").
+# torch comes from TORCH_INDEX_URL alone (pinned by constraints.txt), so an unreachable CPU
+# index fails the build instead of falling back to PyPI's multi-GB CUDA build. The GPU
+# packages are a build argument: pin them there (e.g. "faiss-gpu-cu12==1.10.0").
 # hadolint ignore=DL3013
 RUN case "$VARIANT" in cpu|cuda) ;; *) echo "VARIANT must be cpu or cuda, not $VARIANT" >&2; exit 1;; esac \
-    && pip install --no-compile --extra-index-url "$TORCH_INDEX_URL" -c /tmp/constraints.txt -r /tmp/requirements-train.txt \
+    && pip install --no-compile --index-url "$TORCH_INDEX_URL" -c /tmp/constraints.txt torch \
+    && pip install --no-compile -c /tmp/constraints.txt -r /tmp/requirements-train.txt \
     && if [ "$VARIANT" = cuda ]; then \
          pip uninstall -y faiss-cpu onnxruntime && pip install --no-compile $GPU_PACKAGES; \
        fi \

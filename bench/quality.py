@@ -191,7 +191,7 @@ class Job:
 
 
 def plan_jobs(cfg: QualityConfig, manifests: dict[str, Path]) -> list[Job]:
-    """Every (condition, method, seed), teachers before their students."""
+    """Every (condition, method, seed), seed by seed, teachers before their students."""
     jobs: list[Job] = []
     runs = ROOT / cfg.runs_dir
     for condition in cfg.conditions:
@@ -211,7 +211,9 @@ def plan_jobs(cfg: QualityConfig, manifests: dict[str, Path]) -> list[Job]:
                     depends = [f"{condition}/{cfg.teacher_method}/seed{s}" for s in teacher_seeds]
                 jobs.append(Job(condition, name, seed, out_dir, overrides, method.preset, manifests[condition],
                                 noisy=cfg.conditions[condition] > 0, depends=depends))
-    return sorted(jobs, key=lambda job: bool(job.depends))
+    # Seed-major order: an interrupted or time-boxed run has every method on the first seeds
+    # rather than some methods on all seeds; students wait for their teachers anyway.
+    return sorted(jobs, key=lambda job: (bool(job.depends), job.seed))
 
 
 def run_job(job: Job) -> dict[str, Any]:

@@ -11,6 +11,7 @@ test:
 	@scripts/install.sh train,service,milvus,dev
 	@scripts/ensure-redis.sh
 	@scripts/ensure-container-tools.sh
+	@scripts/ensure-chromium.sh
 	.venv/bin/ruff check .
 	.venv/bin/mypy
 	.venv/bin/python -m pytest -q

@@ -30,7 +30,7 @@ from service.encoder_queues import Batchers
 from service.errors import PROBLEM_MEDIA_TYPE, ServiceError, problem_body, slug_for_status
 from service.metrics import LatencyMiddleware, ServiceMetrics
 from service.pubsub import ActivationBus
-from service.routes import bundles, diagnostics, health, search
+from service.routes import audio, bundles, demo, diagnostics, health, search
 from service.settings import Settings
 from tonearm.errors import BundleError
 
@@ -151,7 +151,7 @@ def create_app(settings: Settings | None = None, *, opener: Opener | None = None
     app.state.tonearm = state
     app.add_middleware(LatencyMiddleware, metrics=metrics)
     install_error_handlers(app)
-    for module in (search, diagnostics, health):
+    for module in (search, diagnostics, health, audio, demo):
         app.include_router(module.router)
     if settings.admin_on:
         if settings.admin_token is None:

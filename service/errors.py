@@ -43,6 +43,7 @@ PROBLEMS: dict[str, Problem] = {
     "overloaded": Problem(503, "Too many requests are waiting for an encoder; retry after the Retry-After delay"),
     "client-disconnected": Problem(499, "The client disconnected before its result was ready"),
     "not-found": Problem(404, "Not found"),
+    "range-not-satisfiable": Problem(416, "Requested byte range lies outside the file"),
     "method-not-allowed": Problem(405, "Method not allowed"),
     "malformed-body": Problem(400, "Request body cannot be parsed"),
     "http-error": Problem(400, "Bad request"),

@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     """Directory holding bundle directories; activation is by bundle id among them."""
     bundle: str | None = None
     """Bundle served at start: a bundle id inside `bundles_dir` or a bundle directory path."""
+    audio_root: Path | None = None
+    """Directory the clips' audio URIs are relative to (`GET /v1/audio/{clip_id}`); default: the
+    directory of the bundle's data manifest. Nothing outside it is ever served."""
     onnx_threads: int = Field(default=1, ge=1, le=64)
     """onnxruntime intra-op threads per session; parallelism comes from the request thread pool."""
     onnx_providers: str = "CPUExecutionProvider"

@@ -1,0 +1,113 @@
+"""`GET /v1/audio/{clip_id}`: the audio of a clip of the active bundle, with HTTP range requests.
+
+The bundle stores each clip's audio URI relative to its data manifest's directory (the
+*audio root*; `TONEARM_AUDIO_ROOT` overrides it). Only clips of the bundle are served,
+by id — never a path from the request — and the resolved file (symbolic links
+followed) must lie inside the audio root, so a URI such as ``../../etc/passwd`` in a
+tampered bundle is refused with 404 like a missing file. One byte range per request
+(``bytes=a-b``, ``bytes=a-``, ``bytes=-n``, RFC 9110 §14): 206 with ``Content-Range``;
+an unsatisfiable range gets 416; anything else the full file (200). Browsers' ``<audio>``
+elements seek with exactly these requests.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from service.deps import SearcherDep, SettingsDep
+from service.errors import ServiceError
+from service.schemas import problem_responses
+from service.searcher import Searcher
+from service.settings import Settings
+
+router = APIRouter(prefix="/v1/audio", tags=["audio"])
+
+CHUNK_BYTES = 64 * 1024
+MEDIA_TYPES = {".wav": "audio/wav", ".flac": "audio/flac", ".mp3": "audio/mpeg", ".ogg": "audio/ogg",
+               ".opus": "audio/ogg", ".m4a": "audio/mp4"}
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+
+
+def audio_root(searcher: Searcher, settings: Settings) -> Path | None:
+    """The directory clip URIs are relative to: the setting, else the bundle's data manifest's directory."""
+    if settings.audio_root is not None:
+        return Path(settings.audio_root).resolve()
+    source = getattr(getattr(searcher.bundle, "manifest", None), "source", None)
+    manifest = getattr(source, "data_manifest", None)
+    if not manifest:
+        return None
+    path = Path(manifest)
+    if not path.is_absolute():  # exported with a relative path: relative to the bundle's parent
+        path = Path(searcher.bundle.path).parent / path
+    return path.resolve().parent
+
+
+def clip_file(searcher: Searcher, settings: Settings, clip_id: str) -> Path:
+    """The clip's audio file, confined to the audio root; ServiceError ``not-found`` otherwise."""
+    row = searcher.clip_rows.get(clip_id)
+    uri = searcher.bundle.audio_items[row].get("uri") if row is not None else None
+    if not uri:
+        raise ServiceError("not-found", f"clip {clip_id!r} has no audio in bundle {searcher.bundle_id}")
+    root = audio_root(searcher, settings)
+    if root is None:
+        raise ServiceError("not-found", "this bundle does not say where its audio is; set TONEARM_AUDIO_ROOT")
+    path = (root / uri).resolve()  # absolute URIs replace the root and are checked like the rest
+    if not path.is_relative_to(root) or not path.is_file():
+        raise ServiceError("not-found", f"audio of clip {clip_id!r} is not available under the audio root")
+    return path
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """``(start, end)`` inclusive for one satisfiable range, None for no/ignored header; raises 416."""
+    if not header:
+        return None
+    match = _RANGE.fullmatch(header.strip())
+    if match is None:
+        return None  # several ranges or another unit: RFC 9110 lets us send the whole file
+    first, last = match.groups()
+    if not first and not last:
+        return None
+    if not first:  # suffix: the last n bytes
+        length = int(last)
+        if length == 0 or size == 0:
+            raise ServiceError("range-not-satisfiable", f"range {header!r} of a {size}-byte file", size=size)
+        return max(0, size - length), size - 1
+    start = int(first)
+    end = min(int(last), size - 1) if last else size - 1
+    if start >= size or (last and int(last) < start):
+        raise ServiceError("range-not-satisfiable", f"range {header!r} of a {size}-byte file", size=size)
+    return start, end
+
+
+def _read(path: Path, start: int, length: int) -> Iterator[bytes]:
+    with path.open("rb") as handle:
+        handle.seek(start)
+        while length > 0:
+            chunk = handle.read(min(CHUNK_BYTES, length))
+            if not chunk:
+                return
+            length -= len(chunk)
+            yield chunk
+
+
+@router.get("/{clip_id}", responses={**problem_responses(404, 416, 503),
+                                     200: {"content": {"audio/wav": {}}}, 206: {"description": "Partial content"}})
+def clip_audio(clip_id: str, request: Request, searcher: SearcherDep, settings: SettingsDep) -> Response:
+    """Stream a clip's audio (supports `Range: bytes=…`, as `<audio>` elements send)."""
+    path = clip_file(searcher, settings, clip_id)
+    size = path.stat().st_size
+    media_type = MEDIA_TYPES.get(path.suffix.lower(), "application/octet-stream")
+    headers = {"Accept-Ranges": "bytes", "Cache-Control": "public, max-age=3600"}
+    span = parse_range(request.headers.get("range"), size)
+    if span is None:
+        return StreamingResponse(_read(path, 0, size), media_type=media_type,
+                                 headers={**headers, "Content-Length": str(size)})
+    start, end = span
+    headers |= {"Content-Range": f"bytes {start}-{end}/{size}", "Content-Length": str(end - start + 1)}
+    return StreamingResponse(_read(path, start, end - start + 1), status_code=206, media_type=media_type,
+                             headers=headers)

@@ -1,0 +1,119 @@
+"""The demo page at `/` in Debian's headless chromium (Playwright, no browser download).
+
+French query → hits → a clip plays → consistency chart → caption search for an uploaded
+clip; keyboard use, labels, a phone-width layout; no console error and no request leaving
+the service. Screenshots go to the test's output directory (``TONEARM_SCREENSHOTS`` when set).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from service.app import create_app
+from tests.service.conftest import make_settings
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FRENCH_QUERY = "Un oiseau chante tout près deux fois, avec des pauses."
+
+
+def _screenshots(tmp_path: Path) -> Path:
+    out = Path(os.environ.get("TONEARM_SCREENSHOTS", tmp_path / "screenshots"))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+@pytest.fixture
+def browser():
+    playwright_api = pytest.importorskip("playwright.sync_api") if os.environ.get("CI") != "true" else None
+    if playwright_api is None:
+        import playwright.sync_api as playwright_api
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail("chromium is missing: run scripts/ensure-chromium.sh")
+        pytest.skip("chromium is not installed (scripts/ensure-chromium.sh)")
+    with playwright_api.sync_playwright() as p:
+        launched = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--autoplay-policy=no-user-gesture-required", "--mute-audio"],
+        )
+        yield launched
+        launched.close()
+
+
+def test_demo_page_end_to_end(browser, tiny_bundle: Path, tiny_corpus: Path, uvicorn_runner, tmp_path: Path) -> None:
+    shots = _screenshots(tmp_path)
+    app = create_app(make_settings(bundle=str(tiny_bundle)))
+    with uvicorn_runner(app) as server:
+        server.wait_ready()
+        page = browser.new_page(viewport={"width": 1100, "height": 900})
+        problems: list[str] = []
+        page.on("console", lambda msg: problems.append(f"console {msg.type}: {msg.text}") if msg.type == "error" else None)
+        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+        foreign: list[str] = []
+        page.on("request", lambda req: foreign.append(req.url)
+                if not req.url.startswith((server.url, "data:", "blob:")) else None)
+
+        page.goto(server.url + "/")
+        # every form control has a label
+        unlabelled = page.evaluate("""() => [...document.querySelectorAll('input, select')]
+            .filter(e => !document.querySelector(`label[for="${e.id}"]`)).map(e => e.id || e.name)""")
+        assert unlabelled == []
+        assert page.locator("#examples button").count() == 2  # the query groups, in the chosen language
+        for code in ("jpn", "zho", "cat", "fra"):  # every language has its examples
+            page.select_option("#lang", code)
+            assert page.locator(f'#examples button[lang="{code}"]').count() == 2
+
+        # keyboard only: Tab to the query box, type French, choose French, Enter
+        for _ in range(10):
+            if page.evaluate("document.activeElement.id") == "query":
+                break
+            page.keyboard.press("Tab")
+        assert page.evaluate("document.activeElement.id") == "query"
+        page.keyboard.type(FRENCH_QUERY)
+        page.select_option("#lang", "fra")
+        page.focus("#query")
+        page.keyboard.press("Enter")
+        page.wait_for_selector("#hits li")
+        assert page.locator("#hits li").count() == 10
+        assert "10 clips" in page.inner_text("#search-status")
+        page.screenshot(path=str(shots / "1-search-french.png"), full_page=True)
+
+        # the first hit's clip loads and plays
+        audio = page.locator("#hits li audio").first
+        audio.evaluate("a => a.play()")
+        page.wait_for_function("""() => { const a = document.querySelector('#hits li audio');
+            return a.readyState >= 2 && a.currentTime > 0 && !a.error; }""", timeout=15_000)
+        assert audio.evaluate("a => a.duration") > 1.0
+
+        # consistency diagnostic: one bar and one table row per language
+        page.click("#consistency-button")
+        page.wait_for_selector("#consistency-figure:not([hidden])")
+        assert page.locator("#rank-chart rect").count() == 8
+        assert page.locator("#rank-table tbody tr").count() == 8
+        assert "MRV" in page.inner_text("#rank-caption")
+        page.locator("#consistency-figure").scroll_into_view_if_needed()
+        page.screenshot(path=str(shots / "2-consistency.png"), full_page=True)
+
+        # caption search for an uploaded clip of the corpus
+        with tiny_corpus.open(encoding="utf-8") as handle:
+            clip = json.loads(handle.readline())
+        page.set_input_files("#audio-file", str(tiny_corpus.parent / clip["audio"]))
+        page.click("#upload-button")
+        page.wait_for_selector("#captions li")
+        assert page.locator("#captions li").count() == 16  # k = 2 per language
+        page.screenshot(path=str(shots / "3-upload.png"), full_page=True)
+
+        # phone width: nothing wider than the screen
+        page.set_viewport_size({"width": 375, "height": 800})
+        wide = page.evaluate("""() => [...document.querySelectorAll('body *')]
+            .filter(e => e.getBoundingClientRect().right > 376).map(e => e.tagName + '#' + e.id + '.' + e.className)""")
+        assert page.evaluate("document.documentElement.scrollWidth") <= 375, wide
+        page.screenshot(path=str(shots / "4-phone.png"), full_page=True)
+
+        assert problems == []
+        assert foreign == []

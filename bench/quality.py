@@ -387,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus-dir", help="where the synthetic corpus is (written when absent)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel jobs (default: the cores)")
     parser.add_argument("--only", action="append", help="method name (repeatable); others keep their results")
+    parser.add_argument("--conditions", nargs="+", help="run only these conditions (e.g. clean); others keep their results")
     parser.add_argument("--report-only", action="store_true", help="rewrite docs/results from finished jobs")
     parser.add_argument("--machine", help="machine description written into the results (default: this CPU)")
     parser.add_argument("--run-job", help=argparse.SUPPRESS)
@@ -428,10 +429,15 @@ def main(argv: list[str] | None = None) -> int:
         report()
         return 0
     selected = jobs
+    if args.conditions:
+        unknown = set(args.conditions) - set(cfg.conditions)
+        if unknown:
+            raise TonearmError(f"--conditions: unknown {sorted(unknown)}; known: {', '.join(cfg.conditions)}")
+        selected = [j for j in jobs if j.condition in args.conditions]
     if args.only:  # the chosen methods and the teachers they need
         wanted = {j.key for j in jobs if j.method in args.only}
         wanted |= {d for j in jobs if j.key in wanted for d in j.depends}
-        selected = [j for j in jobs if j.key in wanted]
+        selected = [j for j in selected if j.key in wanted]
     failed = run_all(cfg, selected, workers=workers, on_result=report)
     report()
     print(f"== results in {ROOT / cfg.results_dir}", flush=True)

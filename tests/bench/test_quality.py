@@ -61,3 +61,19 @@ def test_smoke_runs_the_whole_pipeline_and_resumes(tmp_path: Path, capsys: pytes
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "19 of 20 jobs already done; 1 to run" in out and "[20/20] noisy/dart_ram/seed1" in out
+
+
+@pytest.mark.parametrize("config", ["quality.yaml", "laggards.yaml"])
+def test_every_method_of_the_shipped_configs_builds(config: str) -> None:
+    from training.config import load_train_config
+    from training.objectives.base import BuildEnv
+    from training.objectives.registry import build_objective
+
+    cfg = load_quality_config(DEFAULT_CONFIG.parent / config)
+    for name, method in cfg.methods.items():
+        overrides = [*cfg.train_overrides, *method.overrides]
+        if method.teachers:  # the teachers exist only once their runs are done
+            overrides.append("objective.distill.teachers=[t]")
+        train_cfg = load_train_config(method.preset, overrides)
+        env = BuildEnv(languages=tuple(train_cfg.data.languages), embed_dim=train_cfg.model.embed_dim)
+        assert build_objective(train_cfg.objective, env) is not None, name

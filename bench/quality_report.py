@@ -187,6 +187,7 @@ def write_results(cfg: QualityConfig, jobs: list[Job], *, command: str, machine:
     ]
     if smoke:
         lines += ["", "**Smoke run on `tiny` (1 epoch): checks the pipeline, not the methods.**"]
+    lines += ["", "## Budget", "", *budget_lines(cfg, jobs, table)]
     lines += ["", "## Claims", "",
               "Verdict: *inconclusive* when the mean ± std intervals overlap; the margin is better − worse "
               "(percentage points for recall, rank² for MRV; positive = the paper's direction).", "",
@@ -219,11 +220,33 @@ def write_results(cfg: QualityConfig, jobs: list[Job], *, command: str, machine:
 
         plot_all(cfg, table, languages, out)
     if not smoke and cfg.results_dir == Path("docs/results"):
-        write_readme_section(cfg, table, claims)
+        write_readme_section(cfg, table, claims, planned=len(jobs))
     return out
 
 
-def write_readme_section(cfg: QualityConfig, table: dict, claims: list[dict[str, Any]]) -> None:
+def budget_lines(cfg: QualityConfig, jobs: list[Job], table: dict) -> list[str]:
+    """How long the whole run takes, from the measured job times (unmeasured methods: the overall mean)."""
+    seconds = {key: [r["train_seconds"] for r in results] for key, results in table.items()}
+    measured = [t for values in seconds.values() for t in values]
+    if not measured:
+        return ["No job finished yet."]
+    overall = float(np.mean(measured))
+    by_method = {m: float(np.mean([t for (c, mm), v in seconds.items() if mm == m for t in v]))
+                 for (_, m) in seconds}
+    total = sum(by_method.get(job.method, overall) for job in jobs)
+    both = [n for n, m in cfg.methods.items() if m.conditions is None]
+    one = {n: m.conditions for n, m in cfg.methods.items() if m.conditions is not None}
+    return [
+        f"{len(jobs)} jobs: {len(both)} methods on every condition × {len(cfg.seeds)} seeds, plus "
+        + ", ".join(f"{n} ({'/'.join(c)})" for n, c in one.items()) + " on one condition each (ablations).",
+        f"Measured training time per job (wall, one thread, including validation): mean {overall / 60:.1f} min over "
+        f"{len(measured)} finished jobs, so the whole run takes about {total / 3600:.1f} CPU-hours — "
+        f"{total / 3600 / 2:.1f} h on two cores with `--workers 2`. Evaluation and the noise audit add about a "
+        "minute per job. Job times measured on a busy shared machine are upper bounds (see the load above).",
+    ]
+
+
+def write_readme_section(cfg: QualityConfig, table: dict, claims: list[dict[str, Any]], *, planned: int = 0) -> None:
     """The README's results section: headline table and verdicts, generated from docs/results/."""
     conditions = list(cfg.conditions)
     head = "| method | " + " | ".join(f"r1 {c}" for c in conditions) + " | " + " | ".join(
@@ -242,16 +265,26 @@ def write_readme_section(cfg: QualityConfig, table: dict, claims: list[dict[str,
     counts = defaultdict(int)
     for row in claims:
         counts[row["verdict"]] += 1
-    lines += ["", "Paper claims: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
-              + " (per claim and condition, with margins, in docs/results/README.md; why SigLIP, DART and ASK "
-              "trail: docs/results/laggards.md).", "", README_END]
+    finished = sum(len(v) for v in table.values())
+    if finished < planned:
+        lines += ["", f"**Subset: {finished} of the {planned} planned runs are done** (docs/results/README.md says "
+                  "which); the missing rows and verdicts are not measured yet."]
+    verdicts = ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) or "none evaluated yet"
+    lines += ["", f"Paper claims: {verdicts} (per claim and condition, with margins, in docs/results/README.md; "
+              "why SigLIP, DART and ASK trail: docs/results/laggards.md). Every preset trained once for 12 "
+              "epochs: docs/BENCHMARKS.md (objectives_small).", "", README_END]
     readme = ROOT / "README.md"
     text = readme.read_text(encoding="utf-8")
     section = "\n".join(lines)
     if README_START in text and README_END in text:
         before, rest = text.split(README_START, 1)
         text = before + section + rest.split(README_END, 1)[1]
-    else:
-        marker = "## Results on the synthetic corpus\n"
-        text = text.replace(marker, marker + "\n" + section + "\n", 1) if marker in text else text + "\n" + section + "\n"
+    else:  # first generation: the block replaces the hand-written body of the results section
+        heading = "## Results on the synthetic corpus\n"
+        if heading in text:
+            before, rest = text.split(heading, 1)
+            after = rest[rest.index("\n## "):] if "\n## " in rest else ""
+            text = before + heading + "\n" + section + "\n" + after
+        else:
+            text = text.rstrip("\n") + "\n\n" + heading + "\n" + section + "\n"
     readme.write_text(text, encoding="utf-8")

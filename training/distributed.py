@@ -58,10 +58,6 @@ def rank() -> int:
     return dist.get_rank() if is_distributed() else 0
 
 
-def is_main_process() -> bool:
-    return rank() == 0
-
-
 def launched_world_size() -> int:
     """``WORLD_SIZE`` set by torchrun (1 when launched as a plain process)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -205,14 +201,6 @@ def gather_objects(obj: T) -> list[T]:
     out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def all_ranks_agree(value: float) -> bool:
-    """True when every rank passes the same `value` (a cheap consistency check)."""
-    if not is_distributed():
-        return True
-    values = gather_objects(value)
-    return all(v == values[0] for v in values)
 
 
 # --- the embedding batch -----------------------------------------------------------------

@@ -21,7 +21,10 @@ from training.loop import train
 
 WORKER_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 # 12 clips over 2 processes, batches of 2 per process: 3 steps per epoch, 2 epochs.
-SMALL_RUN = ["optim.epochs=2", "optim.batch_size=2", "data.max_clips=12", "optim.warmup_steps=1"]
+SMALL_RUN = [
+    "optim.epochs=2", "optim.batch_size=2", "data.max_clips=12", "optim.warmup_steps=1",
+    "distributed.timeout_s=120",  # a hang becomes an error naming the rendezvous
+]
 
 
 def free_port() -> int:
@@ -70,25 +73,32 @@ def test_tonearm_train_nproc_per_node_then_export_and_evaluate(tiny_corpus: Path
     assert 0.0 <= metrics["t2a_R@10_mean"] <= 1.0
 
 
-def _train_worker(rank: int, world: int, port: int, manifest: str, out_dir: str, stop: int | None, resume: bool) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-    )
-    overrides = [f"data.manifest={manifest}", f"out_dir={out_dir}", "threads=1", *SMALL_RUN]
-    train(load_train_config(TINY_CONFIG, [*overrides, *(["resume=true"] if resume else [])]), interrupt_after_steps=stop)
-
-
-def _spawn_train(manifest: Path, out_dir: Path, *, stop: int | None = None, resume: bool = False) -> None:
-    mp.spawn(_train_worker, args=(2, free_port(), str(manifest), str(out_dir), stop, resume), nprocs=2, join=True)
+def _train_worker(rank: int, world: int, manifest: str, jobs: list[tuple[str, int | None, bool, int]]) -> None:
+    """Run the training `jobs` (out_dir, stop after, resume, rendezvous port) one after another."""
+    for out_dir, stop, resume, port in jobs:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+        )
+        overrides = [f"data.manifest={manifest}", f"out_dir={out_dir}", "threads=1", *SMALL_RUN]
+        cfg = load_train_config(TINY_CONFIG, [*overrides, *(["resume=true"] if resume else [])])
+        train(cfg, interrupt_after_steps=stop)
+        if stop is not None and rank == 0:  # what the interrupted run left for the resume
+            state = json.loads((Path(out_dir) / "last" / "trainer_state.json").read_text())
+            (Path(out_dir) / "interrupted_at_step").write_text(str(state["loop"]["step"]))
 
 
 def test_resume_under_two_processes_matches_an_uninterrupted_run(tiny_corpus: Path, tmp_path: Path) -> None:
     full, split = tmp_path / "full", tmp_path / "split"
-    _spawn_train(tiny_corpus, full)
-    _spawn_train(tiny_corpus, split, stop=4)  # mid-way through epoch 2
-    assert json.loads((split / "last" / "trainer_state.json").read_text())["loop"]["step"] == 4
-    _spawn_train(tiny_corpus, split, resume=True)
+    jobs = [
+        (str(full), None, False, free_port()),
+        (str(split), 4, False, free_port()),  # stops mid-way through epoch 2, saving last/
+        (str(split), None, True, free_port()),  # resumes from last/
+    ]
+    mp.spawn(_train_worker, args=(2, str(tiny_corpus), jobs), nprocs=2, join=True)
+    assert (split / "interrupted_at_step").read_text() == "4"
+    metrics = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in metrics if r["kind"] == "epoch"] == [3, 6]
 
     expected = load_file(str(full / "last" / "model.safetensors"))
     resumed = load_file(str(split / "last" / "model.safetensors"))

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tonearm
+from service.apidocs import install_api_docs
 from service.batching import BatchMetrics
 from service.bundles import BUNDLE_ID_PATTERN, BundleRegistry, Opener
 from service.cache import LocalCache, QueryCache, RedisCache, RedisHealth, make_redis_client
@@ -147,10 +148,13 @@ def create_app(settings: Settings | None = None, *, opener: Opener | None = None
         version=getattr(tonearm, "__version__", "0.1.0"),
         description=DESCRIPTION,
         lifespan=_lifespan,
+        docs_url=None,  # served from local assets by install_api_docs (no CDN)
+        redoc_url=None,
     )
     app.state.tonearm = state
     app.add_middleware(LatencyMiddleware, metrics=metrics)
     install_error_handlers(app)
+    install_api_docs(app)
     for module in (search, diagnostics, health, audio, demo):
         app.include_router(module.router)
     if settings.admin_on:

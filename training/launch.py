@@ -44,5 +44,10 @@ def cli_train(args: argparse.Namespace) -> int:
         from training.loop import cli_train as train_here
 
         return train_here(args)
+    from training.config import load_train_config
+    from training.rundir import refuse_unless_chosen, train_command, train_overrides
+
+    # One clear refusal here rather than one per worker process.
+    refuse_unless_chosen(load_train_config(args.config, train_overrides(args)), command=train_command(args))
     # OMP threads: torchrun sets 1 per worker unless told; keep the user's setting if any.
     return subprocess.call(torchrun_command(args))

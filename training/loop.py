@@ -16,8 +16,6 @@ import argparse
 import json
 import logging
 import math
-import shlex
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from tonearm.errors import DataError, TonearmError
+from tonearm.errors import DataError
 from training import distributed
 from training.config import ConfigError, TrainConfig, load_train_config
 from training.context import LoopContext
@@ -43,6 +41,12 @@ from training.finetune import apply_freezing, enable_gradient_checkpointing, par
 from training.interrupt import StopRequest, TrainingInterrupted, ignore_ctrl_c
 from training.objectives import EmbeddingBatch, Objective, build_objective, total_loss
 from training.objectives.base import BuildEnv
+from training.rundir import (
+    delete_previous_run,
+    refuse_unless_chosen,
+    train_command,
+    train_overrides,
+)
 from training.runtime import (
     Runtime,
     autocast,
@@ -110,22 +114,10 @@ class Run:
 # --- setup / teardown ------------------------------------------------------------------------
 
 
-RUN_FLAGS = ("resume=", "overwrite=")
-"""Overrides that choose between continuing and replacing a run; the hints set their own."""
-
-
 def cli_train(args: argparse.Namespace) -> int:
     """Entry point of `tonearm train`."""
-    overrides = list(args.overrides or [])
-    if getattr(args, "overwrite", False):
-        overrides.append("overwrite=true")
-    if getattr(args, "drop_other_languages", False):
-        overrides.append("data.drop_other_languages=true")
-    command = shlex.join(
-        ["tonearm", "train", *([args.config] if args.config else []),
-         *(o for o in overrides if not o.startswith(RUN_FLAGS))]
-    )
-    cfg = load_train_config(args.config, overrides)
+    command = train_command(args)
+    cfg = load_train_config(args.config, train_overrides(args))
     try:
         train(cfg, command=command)
     except TrainingInterrupted as stop:
@@ -170,36 +162,13 @@ def train(
     return cfg.out_dir
 
 
-class RunExistsError(TonearmError):
-    """`out_dir` holds a previous run and neither `resume` nor `overwrite` says what to do with it."""
-
-
-CHECKPOINT_DIRS = ("last", "best")
-
-
 def prepare_out_dir(cfg: TrainConfig, runtime: Runtime, *, command: str) -> None:
-    """Never replace a previous run silently: resume it, delete it (`overwrite`), or refuse."""
-    out = cfg.out_dir
-    previous = [out / name for name in CHECKPOINT_DIRS if (out / name).is_dir()]
-    if not previous or (cfg.resume and (out / "last").is_dir()):
-        return
-    if cfg.overwrite:
-        barrier(runtime)  # every rank has looked before rank 0 deletes
-        if runtime.is_main:
-            for directory in previous:
-                shutil.rmtree(directory)
-            log.warning("overwrite: deleted the previous run's %s", ", ".join(map(str, previous)))
-        barrier(runtime)
-        return
-    fresh = f"start afresh, deleting it: {command} --overwrite"
-    last_state = out / "last" / "state.json"
-    if not last_state.is_file():
-        raise RunExistsError(f"{out} already holds a training run's best/; {fresh} (or pick another out_dir)")
-    state = json.loads(last_state.read_text(encoding="utf-8"))
-    raise RunExistsError(
-        f"{out} already holds a training run (last/ at epoch {state.get('epoch')}, step "
-        f"{state.get('step')}); resume it: {command} resume=true; or {fresh}"
-    )
+    """Never replace a previous run silently (training/rundir.py): resume, overwrite, or refuse."""
+    refuse_unless_chosen(cfg, command=command)
+    barrier(runtime)  # every rank has looked before rank 0 deletes
+    if runtime.is_main:
+        delete_previous_run(cfg)
+    barrier(runtime)
 
 
 # --- build ------------------------------------------------------------------------------------

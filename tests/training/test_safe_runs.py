@@ -41,6 +41,9 @@ def test_existing_run_is_refused_with_both_commands(
     assert f"resume it: {command.replace('0.001', '1e-3')} resume=true" in err
     assert f"{command.replace('0.001', '1e-3')} --overwrite" in err
     assert (out / "last" / "model.safetensors").read_bytes() == before  # untouched
+    # Several processes: the launcher refuses once, before starting any, quoting its own flag.
+    assert _cli(tiny_corpus, out, "--nproc-per-node", "2") == 2
+    assert "resume it: tonearm train --nproc-per-node 2 " in capsys.readouterr().err
     # --overwrite starts afresh: a different learning rate gives different weights.
     assert _cli(tiny_corpus, out, "optim.lr=1e-3", "--overwrite") == 0
     assert (out / "last" / "model.safetensors").read_bytes() != before

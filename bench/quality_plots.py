@@ -38,9 +38,24 @@ def _bars(cfg: QualityConfig, table: Table, key: str, *, scale: float, ax: Any, 
     ax.legend(fontsize=8)
 
 
-def _legend(ax: Any) -> None:
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=6, ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5))
+def _color(cfg: QualityConfig, name: str) -> Any:
+    """One colour per method, the same in every panel (tab20, then cycling markers' colours)."""
+    return plt.get_cmap("tab20")(list(cfg.methods).index(name) % 20)
+
+
+def _style(cfg: QualityConfig, name: str) -> str:
+    """Solid for the first 20 methods, dashed after, so colours that repeat stay distinguishable."""
+    return "-" if list(cfg.methods).index(name) < 20 else "--"
+
+
+def _legend(fig: Any, axes: Any) -> None:
+    """One legend for the figure: every method that appears in any panel."""
+    seen: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            seen.setdefault(label, handle)
+    if seen:
+        fig.legend(list(seen.values()), list(seen), fontsize=7, ncol=1, loc="outside right center")
 
 
 def plot_all(cfg: QualityConfig, table: Table, languages: list[str], out: Path) -> None:
@@ -65,11 +80,12 @@ def plot_all(cfg: QualityConfig, table: Table, languages: list[str], out: Path) 
             if not results:
                 continue
             means = [100 * stats(results, f"t2a_R@1_{lang}")[0] for lang in languages]
-            ax.plot(languages, means, marker="o", label=cfg.methods[name].label, linewidth=1)
+            ax.plot(languages, means, marker="o", label=cfg.methods[name].label, linewidth=1, color=_color(cfg, name),
+                    linestyle=_style(cfg, name))
         ax.set_title(f"text→audio R@1 per language ({condition})")
         ax.set_ylabel("%")
         ax.grid(alpha=0.3)
-    _legend(axes[0][-1])
+    _legend(fig, axes[0])
     fig.savefig(out / "languages.png", dpi=110)
     plt.close(fig)
 
@@ -85,11 +101,12 @@ def plot_all(cfg: QualityConfig, table: Table, languages: list[str], out: Path) 
             epochs = [p["epoch"] for p in curves[0][:length]]
             values = np.array([[100 * p["r1"] for p in c[:length]] for c in curves])
             ax.errorbar(epochs, values.mean(0), yerr=values.std(0), marker="o", capsize=2, linewidth=1,
-                        label=cfg.methods[name].label)
+                        label=cfg.methods[name].label, color=_color(cfg, name), linestyle=_style(cfg, name))
         ax.set_title(f"validation r1 during training ({condition})")
         ax.set_xlabel("epoch")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_ylabel("%")
         ax.grid(alpha=0.3)
-    _legend(axes[0][-1])
+    _legend(fig, axes[0])
     fig.savefig(out / "curves.png", dpi=110)
     plt.close(fig)

@@ -5,7 +5,7 @@ time (``tonearm bench quality --report-only``) and after every job while the run
 
 Verdict of a claim "A beats B on metric m" under one condition: the margin is
 ``mean_A − mean_B`` (sign flipped for lower-is-better metrics such as MRV); when the
-intervals ``mean ± std`` of the two overlap the verdict is *inconclusive*, otherwise
+intervals ``mean ± std`` of the two overlap (or a side has one seed) the verdict is *inconclusive*, otherwise
 *reproduced* (margin > 0) or *not reproduced* (margin < 0).
 """
 
@@ -81,6 +81,8 @@ def verdict(better: tuple[float, float, int], worse: tuple[float, float, int], *
     if not n_b or not n_w:
         return "not run", math.nan
     margin = (mean_w - mean_b) if lower else (mean_b - mean_w)
+    if min(n_b, n_w) < 2:  # no spread to compare the margin with
+        return "inconclusive (one seed)", margin
     if abs(mean_b - mean_w) <= std_b + std_w:
         return "inconclusive", margin
     return ("reproduced" if margin > 0 else "not reproduced"), margin
@@ -189,7 +191,7 @@ def write_results(cfg: QualityConfig, jobs: list[Job], *, command: str, machine:
         lines += ["", "**Smoke run on `tiny` (1 epoch): checks the pipeline, not the methods.**"]
     lines += ["", "## Budget", "", *budget_lines(cfg, jobs, table)]
     lines += ["", "## Claims", "",
-              "Verdict: *inconclusive* when the mean ± std intervals overlap; the margin is better − worse "
+              "Verdict: *inconclusive* when the mean ± std intervals overlap or a side has a single seed; the margin is better − worse "
               "(percentage points for recall, rank² for MRV; positive = the paper's direction).", "",
               "| paper | claim | condition | metric | better | worse | margin | seeds | verdict |",
               "|---|---|---|---|---:|---:|---:|---:|---|"]

@@ -19,6 +19,7 @@ def test_verdict_is_inconclusive_when_the_std_intervals_overlap() -> None:
     assert verdict((0.40, 0.01, 3), (0.50, 0.01, 3), lower=False)[0] == "not reproduced"
     assert verdict((0.50, 0.06, 3), (0.40, 0.05, 3), lower=False)[0] == "inconclusive"
     assert verdict((2.0, 0.1, 3), (9.0, 0.5, 3), lower=True) == ("reproduced", pytest.approx(7.0))  # MRV: lower wins
+    assert verdict((0.50, 0.0, 1), (0.40, 0.01, 3), lower=False)[0] == "inconclusive (one seed)"
     outcome, margin = verdict((0.5, 0.0, 3), (math.nan, math.nan, 0), lower=False)
     assert outcome == "not run" and math.isnan(margin)
 
@@ -50,7 +51,8 @@ def test_smoke_runs_the_whole_pipeline_and_resumes(tmp_path: Path, capsys: pytes
     assert "jobs finished: 20 of 20" in report and "incomplete" not in report
     data = json.loads((results / "results.json").read_text(encoding="utf-8"))
     assert {c["claim"] for c in data["claims"]} >= {"SVR > InfoNCE (bi-dynamic)", "self-distillation M=1 > stage 1"}
-    assert all(c["verdict"] in {"reproduced", "not reproduced", "inconclusive"} for c in data["claims"])
+    assert all(c["verdict"] in {"reproduced", "not reproduced", "inconclusive"} and c["seeds"] == 2
+               for c in data["claims"])
     assert len(data["runs"]["noisy/distill_m1"]) == 2
     assert "noisy pairs fitted" in report and "| DART (RAM) |" in report
     for plot in ("recall.png", "mrv.png", "languages.png", "curves.png"):

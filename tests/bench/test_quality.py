@@ -79,3 +79,24 @@ def test_every_method_of_the_shipped_configs_builds(config: str) -> None:
         train_cfg = load_train_config(method.preset, overrides)
         env = BuildEnv(languages=tuple(train_cfg.data.languages), embed_dim=train_cfg.model.embed_dim)
         assert build_objective(train_cfg.objective, env) is not None, name
+
+
+def test_a_foreign_manifest_gets_its_noisy_copy_and_jobs(tiny_corpus: Path, tmp_path: Path) -> None:
+    """What `--manifest clotho.jsonl` does before training: no synthesis, a noisy copy beside it."""
+    from bench.quality import plan_jobs, prepare_manifests
+    from training.data.manifest import read_manifest, write_manifest
+    from training.data.noise import noisy_positions
+
+    records = [r for _, r in read_manifest(tiny_corpus, languages=None)]
+    for record in records:
+        record.meta = {}  # a converted public dataset has no scene families
+    foreign = tmp_path / "clotho" / "manifest.jsonl"
+    write_manifest(records, foreign)
+    cfg = load_quality_config(DEFAULT_CONFIG).model_copy(update={"manifest": foreign, "runs_dir": tmp_path / "runs"})
+    manifests = prepare_manifests(cfg, workers=1)
+    assert manifests["clean"] == foreign and manifests["noisy"].parent == foreign.parent
+    noisy = [r for _, r in read_manifest(manifests["noisy"], languages=None)]
+    assert sum(len(noisy_positions(r)) for r in noisy) == round(0.2 * 32 * 3)
+    jobs = plan_jobs(cfg, manifests)
+    assert {j.manifest for j in jobs} == {foreign, manifests["noisy"]}
+    assert all(set(j.depends) <= {k.key for k in jobs} for j in jobs)

@@ -6,6 +6,7 @@
 #             builds of faiss and onnxruntime; use a CUDA BASE_IMAGE with it.
 #
 #   docker build --target service -t tonearm:service .
+#   docker build --target service --build-arg SERVICE_EXTRAS="service milvus" -t tonearm:service-milvus .
 #   docker build --target train -t tonearm:train .
 #   docker build --target train --build-arg VARIANT=cuda \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 \
@@ -48,9 +49,12 @@ WORKDIR /app
 # cached on these lists, so editing pyproject.toml elsewhere (another extra, a tool's
 # settings) does not reinstall them.
 FROM base AS requirements
+# Extras of the service image: add `milvus` for TONEARM_INDEX_BACKEND=milvus.
+ARG SERVICE_EXTRAS=service
 COPY pyproject.toml constraints.txt ./
 COPY scripts/requirements.py scripts/
-RUN python scripts/requirements.py service > requirements-service.txt \
+# hadolint ignore=SC2086
+RUN python scripts/requirements.py $SERVICE_EXTRAS > requirements-service.txt \
     && python scripts/requirements.py train service > requirements-train.txt
 
 # ---------------------------------------------------------------- service

@@ -215,6 +215,7 @@ def test_dockerfile_targets_and_build_arguments():
     assert service.index("pip install") < service.index("COPY service/")
     train = text.split(" AS train")[1]
     assert "ARG VARIANT=cpu" in train and "faiss-gpu" in train and "onnxruntime-gpu" in train
+    assert re.search(r"^ARG SERVICE_EXTRAS=service$", text, re.M)
     for arg in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "PIP_CERT"):
         assert re.search(rf"^ARG {arg}", text, re.M), arg
 

@@ -188,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]  # overrides after a flag: train CFG --overwrite a=1
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # re-launched by `train --nproc-per-node`
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

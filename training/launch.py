@@ -14,25 +14,38 @@ import os
 import subprocess
 import sys
 
-from training.config import ConfigError
+from training.config import ConfigError, TrainConfig
 
 
-def torchrun_command(args: argparse.Namespace) -> list[str]:
-    """The torchrun command line equivalent to `args` (without ``--nproc-per-node`` for the workers)."""
-    worker = ["-m", "tonearm", *(["-v"] if getattr(args, "verbose", False) else []), "train"]
-    worker += [args.config] if args.config else []
-    worker += list(args.overrides or [])
-    worker += [flag for flag, on in (("--overwrite", getattr(args, "overwrite", False)),
-               ("--drop-other-languages", getattr(args, "drop_other_languages", False))) if on]
+def worker_argv(argv: list[str]) -> list[str]:
+    """The command line of each worker: this one without ``--nproc-per-node N``."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            out.append(arg)
+    return out
+
+
+def torchrun_command(argv: list[str], processes: int) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node N -m tonearm …`` for `argv`."""
     return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(args.nproc_per_node),
-        *worker,
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+        "-m", "tonearm", *worker_argv(argv),
     ]
+
+
+def check_before_launch(cfg: TrainConfig, processes: int) -> None:
+    """Errors every worker would hit, reported once here instead of N times through torchrun."""
+    from training.distributed import check_clips_per_rank
+    from training.loop import load_training_data
+
+    train_records, _ = load_training_data(cfg)
+    check_clips_per_rank(len(train_records), processes)
 
 
 def cli_train(args: argparse.Namespace) -> int:
@@ -48,6 +61,8 @@ def cli_train(args: argparse.Namespace) -> int:
     from training.rundir import refuse_unless_chosen, train_command, train_overrides
 
     # One clear refusal here rather than one per worker process.
-    refuse_unless_chosen(load_train_config(args.config, train_overrides(args)), command=train_command(args))
+    cfg = load_train_config(args.config, train_overrides(args))
+    refuse_unless_chosen(cfg, command=train_command(args))
+    check_before_launch(cfg, processes)
     # OMP threads: torchrun sets 1 per worker unless told; keep the user's setting if any.
-    return subprocess.call(torchrun_command(args))
+    return subprocess.call(torchrun_command(args.argv, processes))

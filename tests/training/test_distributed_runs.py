@@ -118,13 +118,22 @@ def test_resume_under_two_processes_matches_an_uninterrupted_run(tiny_corpus: Pa
         train(cfg)
 
 
+def test_workers_get_the_command_line_without_the_process_count() -> None:
+    from training.launch import torchrun_command
+
+    argv = ["-v", "train", "--nproc-per-node", "2", "cfg.yaml", "--overwrite", "a=1", "--nproc-per-node=3"]
+    command = torchrun_command(argv, 2)
+    assert command[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
+    assert command[7:] == ["tonearm", "-v", "train", "cfg.yaml", "--overwrite", "a=1"]
+
+
 def test_more_processes_than_clips_fails_clearly(tiny_corpus: Path, tmp_path: Path) -> None:
     done = tonearm(
         "train", "--nproc-per-node", "2", str(TINY_CONFIG),
         f"data.manifest={tiny_corpus}", f"out_dir={tmp_path / 'run'}", "data.max_clips=3",
     )
-    assert done.returncode != 0
-    assert "error: data: 3 training clips cannot feed 2 processes" in done.stderr
+    assert done.returncode == 2  # found before torchrun starts: one line, not one per process
+    assert done.stderr.count("error: data: 3 training clips cannot feed 2 processes") == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA; the error is for machines without")

@@ -137,7 +137,9 @@ def test_service_deployment_probes_rollout_secret_and_bundles(name):
 
 def test_production_overlay_changes_what_it_says():
     base, production = rendered("base"), rendered("production")
-    assert {o["metadata"].get("namespace") for o in production} == {"tonearm"}
+    assert {o["metadata"].get("namespace") for o in production if o["kind"] != "Namespace"} == {"tonearm"}
+    namespace = by_kind(production, "Namespace", "tonearm")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     image = by_kind(production, "Deployment", "tonearm")["spec"]["template"]["spec"]["containers"][0]["image"]
     assert image == "registry.example.com/tonearm:service-0.1.0"
     assert by_kind(production, "HorizontalPodAutoscaler", "tonearm")["spec"]["minReplicas"] > by_kind(

@@ -131,9 +131,12 @@ function svg(tag, attrs, text = null) {
 function renderChart(body) {
   const rows = Object.entries(body.languages);
   const chart = $("rank-chart");
-  const barHeight = 22, left = 90, width = 520, top = 8;
+  const barHeight = 22, left = 80, width = 270, top = 8;
   const maxRank = Math.max(10, ...rows.map(([, d]) => d.target_rank || 0));  // rank 1 stays a short bar
-  chart.setAttribute("viewBox", `0 0 ${width + left + 60} ${top + rows.length * (barHeight + 6) + 8}`);
+  const totalWidth = width + left + 60, totalHeight = top + rows.length * (barHeight + 6) + 8;
+  chart.setAttribute("viewBox", `0 0 ${totalWidth} ${totalHeight}`);
+  chart.setAttribute("width", String(totalWidth));  // intrinsic size: CSS scales it, keeping the ratio
+  chart.setAttribute("height", String(totalHeight));
   chart.replaceChildren();
   rows.forEach(([code, diagnosis], i) => {
     const y = top + i * (barHeight + 6);

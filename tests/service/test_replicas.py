@@ -23,8 +23,6 @@ import pytest
 from tests.conftest import ROOT
 from tests.service.conftest import free_port, wait_until
 
-pytestmark = pytest.mark.redis
-
 TOKEN = "replica-test-admin-token-0123456789"
 
 
@@ -112,6 +110,7 @@ def _first_answer_of(replica: int, bundle: str, log: list, after: float, timeout
 
 
 @pytest.mark.slow
+@pytest.mark.redis
 def test_activation_and_rollback_reach_both_replicas_under_load(real_bundles, redis_server, key_prefix, tmp_path):
     a, b = real_bundles.id("a"), real_bundles.id("b")
     bundles_dir = real_bundles.a.parent

@@ -98,13 +98,14 @@ build_args=(--build-arg "BASE_IMAGE=$base" --build-arg "PIP_EXTRA_INDEX_URL=$ext
 image="localhost/tonearm:service-test"
 step "building the service target (${index_url:-default index}) ..."
 # --format docker keeps HEALTHCHECK (the OCI image format has no such field).
-podman build --quiet --force-rm --format docker --network host --target service "${build_args[@]}" -t "$image" . >/dev/null \
-  || die "podman build of the service target failed (output above)"
+podman build --force-rm --format docker --network host --target service "${build_args[@]}" -t "$image" . \
+  >"$work/build.log" 2>&1 || { tail -n 40 "$work/build.log" >&2; die "podman build of the service target failed (log tail above)"; }
 redis_image="localhost/tonearm-redis-test:${base##*:}"
 if ! podman image exists "$redis_image"; then
   step "building a redis image from the same base (apt-get install redis-server) ..."
   printf 'FROM %s\nRUN apt-get update && apt-get install -y --no-install-recommends redis-server && rm -rf /var/lib/apt/lists/*\nUSER 999:999\n' "$base" \
-    | podman build --quiet --force-rm --network host -t "$redis_image" -f - "$work" >/dev/null || die "redis image build failed"
+    | podman build --force-rm --network host -t "$redis_image" -f - "$work" >"$work/redis-build.log" 2>&1 \
+    || { tail -n 40 "$work/redis-build.log" >&2; die "redis image build failed (log tail above)"; }
 fi
 step "images built"
 

@@ -235,3 +235,14 @@ def test_compose_runs_the_service_image_read_only_beside_a_bounded_redis():
     assert service["environment"]["TONEARM_ADMIN_TOKEN"].startswith("${TONEARM_ADMIN_TOKEN:?")
     command = redis_["command"]
     assert "--maxmemory" in command and command[command.index("--maxmemory-policy") + 1] == "allkeys-lru"
+
+
+def test_lite_renderer_refuses_what_it_does_not_implement(tmp_path):
+    from tests.deploy.kustomize_lite import UnsupportedKustomization
+
+    (tmp_path / "kustomization.yaml").write_text("resources: []\ncommonLabels: {team: search}\n")
+    with pytest.raises(UnsupportedKustomization, match="commonLabels not supported"):
+        render(tmp_path)
+    (tmp_path / "kustomization.yaml").write_text("resources: []\npatches:\n  - path: p.yaml\n    target: {kind: Deployment}\n")
+    with pytest.raises(UnsupportedKustomization, match="only `patches: - path: FILE`"):
+        render(tmp_path)

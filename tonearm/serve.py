@@ -67,10 +67,18 @@ def cli_serve(args: argparse.Namespace) -> int:
     if settings.bundles_dir is not None:
         check_bundles_dir(settings.bundles_dir)
     if settings.bundle is None and settings.bundles_dir is None:
-        from tonearm.demo import ensure_demo_bundle
+        from tonearm.demo import build_log_path, cached_demo_bundle, ensure_demo_bundle
 
         log.info("no bundle configured (--bundle / TONEARM_BUNDLE): using the embedded demo bundle")
-        os.environ["TONEARM_BUNDLE"] = str(ensure_demo_bundle(settings.home))
+        bundle = cached_demo_bundle(settings.home)
+        if bundle is None:  # first start: answer /healthz and /readyz (503 + progress) meanwhile
+            from tonearm.build_server import answer_while_building
+
+            home = settings.home
+            bundle = answer_while_building(
+                settings.host, settings.port, lambda: ensure_demo_bundle(home), log_file=build_log_path(home)
+            )
+        os.environ["TONEARM_BUNDLE"] = str(bundle)
         settings = _settings()
     log.info("serving %s on http://%s:%d (%d worker(s))", settings.bundle, settings.host, settings.port, settings.workers)
     uvicorn.run(

@@ -146,7 +146,18 @@ def _progress(enabled: bool) -> Iterator[Callable[[str, int], Callable[[int], No
 
         def task(description: str, total: int) -> Callable[[int], None]:
             task_id = bar.add_task(description, total=total)
-            return lambda n: bar.advance(task_id, n)
+            done, next_log = 0, 0
+
+            def advance(n: int) -> None:
+                # Also to the log (every 10 %), so a log file, not only a terminal, shows the progress.
+                nonlocal done, next_log
+                bar.advance(task_id, n)
+                done += n
+                if done >= next_log or done >= total:
+                    log.info("export progress: %s %d/%d", description, done, total)
+                    next_log = done + max(1, total // 10)
+
+            return advance
 
         yield task
 

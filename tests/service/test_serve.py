@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.conftest import ROOT
 from tests.service.conftest import free_port, wait_until
@@ -89,9 +90,31 @@ def test_demo_rebuilds_when_the_cached_bundle_vanished(tmp_path, monkeypatch):
 def test_real_demo_build_on_the_tiny_corpus_gives_a_servable_bundle(tmp_path):
     """The same synth → train → export path `tonearm serve` runs, with the tiny corpus and config."""
     from index.loader import LoadedBundle
+    from tonearm.build_server import _collecting
+    from tonearm.demo_progress import BuildProgress
 
-    bundle_dir = demo._build(tmp_path / "demo", size="tiny", config=ROOT / "configs" / "tiny.yaml")
+    progress = BuildProgress()
+    (tmp_path / "demo").mkdir()
+    with demo._logging_to(tmp_path / "demo" / "build.log"), _collecting(progress):
+        bundle_dir = demo._build(tmp_path / "demo", size="tiny", config=ROOT / "configs" / "tiny.yaml")
+    log_text = (tmp_path / "demo" / "build.log").read_text()
+    for line in ("demo bundle [1/3]", "demo bundle [2/3]", "epoch 1: loss", "export progress: embedding clips",
+                 "export progress: embedding captions", "demo bundle ready"):
+        assert line in log_text, line  # the whole build, export progress included, is in the log file
+    status = progress.status()
+    assert status["step"] == 3 and status["progress"] == pytest.approx(1.0)
     bundle = LoadedBundle.open(bundle_dir)  # verifies checksums, dimensions, ONNX interfaces
     assert bundle.manifest.audio_index.ntotal == len(bundle.audio_items) > 0
     scores, rows = bundle.search_audio(bundle.encode_text(["un chien aboie"]), 3)
     assert (rows >= 0).all() and scores[0, 0] >= scores[0, 2]
+
+
+def test_a_changed_demo_config_rebuilds(tmp_path, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(demo, "_build", _fake_build(calls, 0.0))
+    first = demo.ensure_demo_bundle(tmp_path)
+    monkeypatch.setattr(demo, "config_fingerprint", lambda config=demo.DEMO_CONFIG: "another-recipe")
+    assert demo.cached_demo_bundle(tmp_path) is None
+    second = demo.ensure_demo_bundle(tmp_path)
+    assert second != first and len(calls) == 2
+    assert "demo-2" in (tmp_path / "demo" / "bundle-another-recipe.path").read_text()

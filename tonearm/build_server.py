@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TypeVar
 
@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from service.errors import PROBLEM_MEDIA_TYPE, problem_body
-from tonearm.demo_progress import BuildProgress
+from tonearm.demo_progress import BuildProgress, attached
 from tonearm.errors import TonearmError
 
 log = logging.getLogger(__name__)
@@ -55,21 +55,9 @@ def building_app(progress: BuildProgress, *, log_file: Path | None = None) -> Fa
     return app
 
 
-@contextmanager
-def _collecting(progress: BuildProgress) -> Iterator[None]:
-    """Feed the build's INFO records to ``progress`` (whatever the configured log level)."""
-    loggers = [logging.getLogger(name) for name in BUILD_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.addHandler(progress)
-        if logger.getEffectiveLevel() > logging.INFO:
-            logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.removeHandler(progress)
-            logger.setLevel(level)
+def _collecting(progress: BuildProgress) -> AbstractContextManager[None]:
+    """Feed the build's INFO records to ``progress``."""
+    return attached(progress, [logging.getLogger(name) for name in BUILD_LOGGERS])
 
 
 def answer_while_building(host: str, port: int, build: Callable[[], T], *, log_file: Path | None = None) -> T:

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tonearm.demo_progress import attached
 from tonearm.errors import TonearmError
 
 log = logging.getLogger(__name__)
@@ -101,16 +102,10 @@ def _logging_to(path: Path) -> Iterator[None]:
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root_logger = logging.getLogger()
-    previous_level = root_logger.level
-    root_logger.addHandler(handler)
-    if root_logger.getEffectiveLevel() > logging.INFO:
-        root_logger.setLevel(logging.INFO)
     try:
-        yield
+        with attached(handler, [logging.getLogger()]):
+            yield
     finally:
-        root_logger.removeHandler(handler)
-        root_logger.setLevel(previous_level)
         handler.close()
 
 

@@ -13,6 +13,8 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,3 +75,19 @@ class BuildProgress(logging.Handler):
                 "detail": state.detail,
                 "elapsed_seconds": round(time.monotonic() - self._started, 1),
             }
+
+
+@contextmanager
+def attached(handler: logging.Handler, loggers: Sequence[logging.Logger]) -> Iterator[None]:
+    """``handler`` on ``loggers`` with INFO records let through (whatever the configured level)."""
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)

@@ -8,8 +8,8 @@ clients (asyncio, a minimal keep-alive HTTP/1.1 client each):
   queries, answered once before measuring), and audio search (5 s WAV uploads,
   never cached), at 1, 8, 16 and 32 concurrent clients;
 * against a bundle (``--bundle``, default the demo bundle) and against the same
-  bundle with its clip index grown to synthetic 100 k and 1 M clips (random unit
-  vectors, index chosen by size through ``index.faiss_index``; ``--synthetic-clips``);
+  bundle with its clip index grown to synthetic 100 k and 1 M clips (unit vectors
+  scattered around the real clips, index chosen by size through ``index.faiss_index``; ``--synthetic-clips``);
 * with ``--milvus``, the bundle once more through the Milvus backend (Milvus Lite:
   published by ``tonearm bundle publish`` to a local file first);
 * beside each tonearm server, the **reference peer** (bench/reference_server.py:
@@ -147,7 +147,7 @@ class Server:
 
 def synthetic_bundle(source: Path, parent: Path, clips: int, *, factory: str | None = None, seed: int = 0) -> Path:
     """``source`` with its clip index grown to ``clips`` vectors: the real clips first (so the
-    caption index still points at valid rows), then random unit vectors (ids ``syn-000000``…)."""
+    caption index still points at valid rows), then unit vectors scattered around them (ids ``syn-000000``…)."""
     import faiss
 
     from index import bundle as fmt
@@ -157,7 +157,11 @@ def synthetic_bundle(source: Path, parent: Path, clips: int, *, factory: str | N
     real = faiss.read_index(str(source / manifest.audio_index.file))
     real_vectors = real.reconstruct_n(0, real.ntotal)
     rng = np.random.default_rng(seed)
-    extra = rng.standard_normal((clips - real.ntotal, manifest.embed_dim)).astype(np.float32)
+    # Around the real clips (noise-to-signal 1): the neighbour structure of real embeddings,
+    # which ANN indices rely on; uniform random vectors have none and make any IVF scan everything.
+    count = clips - real.ntotal
+    extra = real_vectors[rng.integers(0, real.ntotal, count)]
+    extra = extra + rng.standard_normal((count, manifest.embed_dim)).astype(np.float32) / np.sqrt(manifest.embed_dim)
     extra /= np.linalg.norm(extra, axis=1, keepdims=True)
     vectors = np.concatenate([real_vectors, extra])
     factory = factory or choose_factory(clips, manifest.embed_dim)

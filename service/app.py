@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 import tonearm
 from service.apidocs import install_api_docs
@@ -30,6 +31,7 @@ from service.deps import AppState, Pool
 from service.encoder_queues import Batchers
 from service.errors import PROBLEM_MEDIA_TYPE, ServiceError, problem_body, slug_for_status
 from service.metrics import LatencyMiddleware, ServiceMetrics
+from service.openapi_contract import install_language_enums
 from service.pubsub import ActivationBus
 from service.routes import audio, bundles, demo, diagnostics, health, search
 from service.settings import Settings
@@ -75,6 +77,19 @@ def _problem(status_slug: str, detail: str, request: Request, **extra: Any) -> J
     return JSONResponse(body, status_code=body["status"], media_type=PROBLEM_MEDIA_TYPE, headers=headers)
 
 
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+
+def allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """Every method some route of ``app`` fully matches at ``path`` (the ``Allow`` header of a 405)."""
+    allowed = []
+    for method in HTTP_METHODS:
+        scope = {"type": "http", "path": path, "method": method, "root_path": "", "path_params": {}}
+        if any(route.matches(scope)[0] is Match.FULL for route in app.router.routes):
+            allowed.append(method)
+    return allowed
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """The one place where errors become HTTP responses."""
 
@@ -95,7 +110,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         slug = slug_for_status(exc.status_code)
         body = problem_body(slug, str(exc.detail), status=exc.status_code, instance=request.url.path)
-        return JSONResponse(body, status_code=exc.status_code, media_type=PROBLEM_MEDIA_TYPE, headers=exc.headers)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # Starlette names only the first matching route's methods
+            headers["Allow"] = ", ".join(allowed_methods(app, request.url.path))
+        return JSONResponse(body, status_code=exc.status_code, media_type=PROBLEM_MEDIA_TYPE, headers=headers)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
@@ -155,6 +173,7 @@ def create_app(settings: Settings | None = None, *, opener: Opener | None = None
     app.add_middleware(LatencyMiddleware, metrics=metrics)
     install_error_handlers(app)
     install_api_docs(app)
+    install_language_enums(app, registry.active_languages)
     for module in (search, diagnostics, health, audio, demo):
         app.include_router(module.router)
     if settings.admin_on:

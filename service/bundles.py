@@ -146,6 +146,11 @@ class BundleRegistry:
         entry = self._active
         return entry.bundle_id if entry else None
 
+    def active_languages(self) -> list[str] | None:
+        """Languages of the active bundle (None before one is loaded)."""
+        entry = self._active
+        return entry.searcher.languages if entry else None
+
     @property
     def previous_id(self) -> str | None:
         entry = self._previous

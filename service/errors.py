@@ -25,7 +25,7 @@ PROBLEMS: dict[str, Problem] = {
     "validation-error": Problem(422, "Request does not match the schema"),
     "invalid-query": Problem(422, "Query text is empty or too long"),
     "unknown-language": Problem(422, "Language not supported by the active bundle"),
-    "unknown-target": Problem(422, "Target clip id not in the active bundle"),
+    "unknown-target": Problem(404, "Target clip id not in the active bundle"),
     "upload-too-large": Problem(413, "Upload exceeds the size limit"),
     "bad-upload": Problem(400, "Malformed upload (multipart without one audio file part)"),
     "unsupported-audio": Problem(415, "Upload is not a supported audio format"),

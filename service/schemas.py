@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StringConstraints
 
 from service.limits import BATCH_MAX, CAPTIONS_MAX, K_MAX, QUERY_MAX_CHARS
 
@@ -15,13 +15,28 @@ LANG_FIELD = Field(
     description="ISO 639-3 code of the query language (e.g. `fra`); must be one the bundle serves.",
     examples=["fra"],
 )
-K_FIELD = Field(10, ge=1, le=K_MAX, description=f"Number of hits, 1–{K_MAX}.", examples=[10])
-MIN_SCORE_FIELD = Field(
-    None, ge=-1.0, le=1.0, description="Drop hits whose cosine score is below this.", examples=[0.2]
-)
+K_FIELD = Field(10, description=f"Number of hits, 1–{K_MAX}.", examples=[10])
+MIN_SCORE_FIELD = Field(None, description="Drop hits whose cosine score is below this.", examples=[0.2])
+
+
+NOT_BLANK = r"\S"
+"""Pattern of query texts: at least one non-space character (blank queries are rejected)."""
+QueryText = Annotated[str, StringConstraints(min_length=1, max_length=QUERY_MAX_CHARS, pattern=NOT_BLANK)]
+
+
+def _json_number(value: Any) -> Any:
+    """Numbers must be JSON numbers, as the schema says: no `"5"` strings, no booleans (`55.0` is an integer)."""
+    if isinstance(value, str | bool):
+        raise ValueError("must be a JSON number")
+    return value
+
+
+HitCount = Annotated[int, Field(ge=1, le=K_MAX), BeforeValidator(_json_number)]
+Score = Annotated[float, Field(ge=-1.0, le=1.0), BeforeValidator(_json_number)]
 
 
 class _Request(BaseModel):
+    # booleans are StrictBool (JSON `0` or `"true"` is not a boolean), numbers `HitCount`/`Score`
     model_config = ConfigDict(extra="forbid")
 
 
@@ -31,28 +46,29 @@ class TextSearchRequest(_Request):
     query: str = Field(
         min_length=1,
         max_length=QUERY_MAX_CHARS,
+        pattern=NOT_BLANK,
         description=f"Free text in any served language, 1–{QUERY_MAX_CHARS} characters after trimming.",
         examples=["un chien aboie puis une sirène passe"],
     )
     lang: str | None = LANG_FIELD
-    k: int = K_FIELD
-    min_score: float | None = MIN_SCORE_FIELD
-    include_captions: bool = Field(False, description="Attach each clip's captions to its hit.")
+    k: HitCount = K_FIELD
+    min_score: Score | None = MIN_SCORE_FIELD
+    include_captions: StrictBool = Field(False, description="Attach each clip's captions to its hit.")
 
 
 class TextBatchRequest(_Request):
     """Several text queries in one call (same `lang`, `k`, `min_score` for all)."""
 
-    queries: list[str] = Field(
+    queries: list[QueryText] = Field(
         min_length=1,
         max_length=BATCH_MAX,
         description=f"1–{BATCH_MAX} queries, each 1–{QUERY_MAX_CHARS} characters.",
         examples=[["a dog barks", "犬が吠えてからサイレンが鳴る"]],
     )
     lang: str | None = LANG_FIELD
-    k: int = K_FIELD
-    min_score: float | None = MIN_SCORE_FIELD
-    include_captions: bool = False
+    k: HitCount = K_FIELD
+    min_score: Score | None = MIN_SCORE_FIELD
+    include_captions: StrictBool = False
 
 
 class AudioHitOut(BaseModel):
@@ -102,7 +118,7 @@ class AudioSearchResponse(BaseModel):
 class ConsistencyRequest(_Request):
     """A query group: one caption and its translations, optionally with the clip it describes."""
 
-    captions: dict[str, str] = Field(
+    captions: dict[str, QueryText] = Field(
         min_length=1,
         max_length=CAPTIONS_MAX,
         description="Language code → caption text (translations of each other).",
@@ -111,7 +127,7 @@ class ConsistencyRequest(_Request):
     target_id: str | None = Field(
         None, min_length=1, max_length=256, description="Clip id whose rank is reported per language."
     )
-    k: int = K_FIELD
+    k: HitCount = K_FIELD
 
 
 class LanguageDiagnosisOut(BaseModel):
@@ -173,7 +189,7 @@ class BundleListResponse(BaseModel):
 
 class ActivateRequest(_Request):
     bundle_id: str = Field(min_length=1, max_length=200, examples=["demo-small-1"])
-    force: bool = Field(False, description="Activate even if the quality gate rejects (the verdict is still reported).")
+    force: StrictBool = Field(False, description="Activate even if the quality gate rejects (the verdict is still reported).")
 
 
 class GateVerdictOut(BaseModel):

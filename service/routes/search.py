@@ -132,19 +132,22 @@ def _decode(searcher: Searcher, data: bytes, settings: Settings) -> DecodedAudio
     return decode_upload(data, sample_rate=searcher.bundle.sample_rate, limits=limits)
 
 
+AUDIO_MEDIA_TYPES = ("audio/wav", "audio/flac", "audio/ogg", "audio/mpeg")
+"""What an upload must be. The server recognises the container from the content (magic bytes)
+and ignores the declared type, so a raw body sent as e.g. application/octet-stream works too;
+anything that is not WAV/FLAC/OGG/MP3 audio is a 415 whatever its declared type."""
+BINARY = {"type": "string", "format": "binary"}
 AUDIO_BODY = {
     "requestBody": {
         "required": True,
         "description": "The audio itself (raw body) or a multipart form with one file part. "
-        "The format is recognised from the content: WAV, FLAC, OGG or MP3.",
+        "The format is recognised from the content: WAV, FLAC, OGG (Vorbis/Opus) or MP3; the "
+        "declared type is not used, other content is rejected with 415.",
         "content": {
-            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            **{media_type: {"schema": BINARY} for media_type in AUDIO_MEDIA_TYPES},
             "multipart/form-data": {
-                "schema": {
-                    "type": "object",
-                    "properties": {"file": {"type": "string", "format": "binary"}},
-                    "required": ["file"],
-                }
+                "schema": {"type": "object", "properties": {"file": BINARY}, "required": ["file"]},
+                "encoding": {"file": {"contentType": ", ".join(AUDIO_MEDIA_TYPES)}},
             },
         },
     }

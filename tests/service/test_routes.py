@@ -45,7 +45,7 @@ def test_text_search_with_captions_and_min_score(fake_client):
     ("body", "status", "slug"),
     [
         ({"query": ""}, 422, "validation-error"),
-        ({"query": "   "}, 422, "invalid-query"),
+        ({"query": "   "}, 422, "validation-error"),  # the schema's pattern (at least one non-space)
         ({"query": "x" * 513}, 422, "validation-error"),
         ({"query": "dog", "k": 0}, 422, "validation-error"),
         ({"query": "dog", "k": 101}, 422, "validation-error"),
@@ -76,7 +76,7 @@ def test_batch_search(fake_client):
     assert_problem(
         fake_client.post("/v1/search/text:batch", json={"queries": ["x"] * 65}), 422, "validation-error"
     )
-    assert_problem(fake_client.post("/v1/search/text:batch", json={"queries": ["ok", " "]}), 422, "invalid-query")
+    assert_problem(fake_client.post("/v1/search/text:batch", json={"queries": ["ok", " "]}), 422, "validation-error")
 
 
 # ------------------------------------------------------------------ audio search
@@ -145,7 +145,7 @@ def test_consistency_post(fake_client):
     bad = {"captions": {"xx": "dog"}}
     assert_problem(fake_client.post("/v1/diagnostics/consistency", json=bad), 422, "unknown-language")
     missing = {"captions": {"eng": "dog"}, "target_id": "nope"}
-    assert_problem(fake_client.post("/v1/diagnostics/consistency", json=missing), 422, "unknown-target")
+    assert_problem(fake_client.post("/v1/diagnostics/consistency", json=missing), 404, "unknown-target")
     assert_problem(fake_client.post("/v1/diagnostics/consistency", json={"captions": {}}), 422, "validation-error")
 
 

@@ -1,7 +1,11 @@
 """Property-based API test against the app's own OpenAPI schema, over real HTTP (uvicorn).
 
-Checks: no response ≥ 500, documented status codes, content types and response
-schemas. Examples per operation are kept small so the whole test fits in about a minute.
+Every schemathesis check runs, conformance included: no response ≥ 500, documented status
+codes, content types, headers and response schemas, schema-valid requests accepted and
+schema-violating ones rejected, unsupported methods answered 405 with an ``Allow`` header
+naming every method of the path. Uploads declared as audio are generated as real audio
+(WAV/FLAC/OGG/MP3 of a few tones). Examples per operation are kept small so the whole test
+fits in about a minute.
 """
 
 from __future__ import annotations
@@ -12,16 +16,20 @@ import hypothesis
 import hypothesis.errors
 import pytest
 import schemathesis
+import schemathesis.specs.openapi.checks  # noqa: F401  (registers the OpenAPI checks)
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (
-    content_type_conformance,
-    response_schema_conformance,
-    status_code_conformance,
-)
+from schemathesis.checks import CHECKS
 
 from service.app import create_app
+from service.routes.search import AUDIO_MEDIA_TYPES
 from tests.service.conftest import ADMIN, UvicornServer, fake_opener, make_settings
+from tests.service.fakes import CONCEPTS, tone, wav_bytes
+
+SOUNDFILE_FORMATS = {"audio/wav": "WAV", "audio/flac": "FLAC", "audio/ogg": "OGG", "audio/mpeg": "MP3"}
+for media_type in AUDIO_MEDIA_TYPES:
+    clips = [wav_bytes(tone([c], seconds=0.5), fmt=SOUNDFILE_FORMATS[media_type]) for c in CONCEPTS]
+    schemathesis.openapi.media_type(media_type, st.sampled_from(clips))
 
 MAX_EXAMPLES = 15
 
@@ -38,7 +46,7 @@ def api_server(tmp_path_factory):
         yield server
 
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+ALL_CHECKS = CHECKS.get_all()
 
 
 def test_api_never_answers_5xx(api_server):
@@ -62,7 +70,7 @@ def test_api_never_answers_5xx(api_server):
             suppress_health_check=list(hypothesis.HealthCheck),
         )
         def run(case):
-            case.call_and_validate(headers=ADMIN, timeout=30, checks=CHECKS)
+            case.call_and_validate(headers=ADMIN, timeout=30, checks=ALL_CHECKS)
 
         try:
             run()
@@ -70,3 +78,17 @@ def test_api_never_answers_5xx(api_server):
             if mode is GenerationMode.POSITIVE:
                 raise
             # an operation without inputs (e.g. GET /healthz) has no invalid request to generate
+
+
+def test_schema_states_the_active_bundles_languages_and_every_allowed_method(api_server):
+    import httpx
+
+    doc = httpx.get(api_server.url + "/openapi.json", timeout=10).json()
+    schemas = doc["components"]["schemas"]
+    served = ["eng", "fra", "jpn"]  # the fake bundle's languages
+    assert [b for b in schemas["TextSearchRequest"]["properties"]["lang"]["anyOf"] if "enum" in b] == [
+        {"type": "string", "enum": served, "minLength": 1, "maxLength": 16}
+    ]
+    assert schemas["ConsistencyRequest"]["properties"]["captions"]["propertyNames"] == {"enum": served}
+    options = httpx.request("OPTIONS", api_server.url + "/v1/diagnostics/consistency", timeout=10)
+    assert options.status_code == 405 and options.headers["allow"] == "GET, POST"

@@ -79,7 +79,8 @@ def run_entry(name: str, preset: str, overrides: list[str], *, runs: Path, manif
     return row
 
 
-def markdown(rows: list[dict], *, command: str, clips: int, epochs: int) -> str:
+def markdown(rows: list[dict], *, command: str, clips: int, epochs: int, not_run: list[str]) -> str:
+    missing = f"- not run yet: {', '.join(not_run)} (`--only NAME`)" if not_run else ""
     lines = [
         START,
         "## finetune_hf_text — a pretrained text tower (all-MiniLM-L6-v2) vs one trained from scratch",
@@ -92,6 +93,7 @@ def markdown(rows: list[dict], *, command: str, clips: int, epochs: int) -> str:
         f"- data: the first {clips} training clips of `tonearm synth --size small --seed 0`, English captions "
         f"only, {epochs} epochs, batch 64, 10 warm-up steps, built-in audio CNN from scratch, audio lr 1e-3; test split "
         "(300 clips × 5 English captions), R@k and mAP@10 in % (text→audio chance R@10 = 3.3%)",
+        *([missing] if missing else []),
         "",
         "| text tower | overrides | train min | load | t2a R@1 | t2a R@10 | t2a mAP@10 | a2t R@1 | a2t R@10 |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -128,18 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, preset, overrides in entries(str(model)):
         saved = runs / slug(name) / "bench_row.json"
-        if args.only and name not in args.only and slug(name) not in args.only:
-            if saved.is_file():  # keep earlier results in the table
-                rows.append(json.loads(saved.read_text(encoding="utf-8")))
-            continue
-        if saved.is_file() and not args.fresh:
+        selected = not args.only or name in args.only or slug(name) in args.only
+        if saved.is_file() and not (selected and args.fresh):  # earlier results stay in the table
             rows.append(json.loads(saved.read_text(encoding="utf-8")))
-        else:
+        elif selected:
             rows.append(run_entry(name, preset, overrides, runs=runs, manifest=manifest, common=common))
-        print(json.dumps(rows[-1]))
+            print(json.dumps(rows[-1]))
         command = "OMP_NUM_THREADS=2 python bench/finetune_hf_text.py --model MODEL_FOLDER"
-        write_section(markdown(rows, command=command, clips=args.clips, epochs=args.epochs), ROOT / args.docs,
-                      start=START, end=END)
+        not_run = [entry[0] for entry in entries(str(model)) if entry[0] not in {row["name"] for row in rows}]
+        section = markdown(rows, command=command, clips=args.clips, epochs=args.epochs, not_run=not_run)
+        write_section(section, ROOT / args.docs, start=START, end=END)
     return 0
 
 

@@ -21,8 +21,8 @@ def cli_bench(args: argparse.Namespace) -> int:
     name = args.name
     script = BENCH_DIR / f"{name}.py"
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or not script.is_file():
-        known = sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith(("bench", "_"))) \
-            if BENCH_DIR.is_dir() else []
+        known = sorted(p.stem for p in BENCH_DIR.glob("*.py")  # scripts, not their helper modules
+                       if '__name__ == "__main__"' in p.read_text(encoding="utf-8")) if BENCH_DIR.is_dir() else []
         raise TonearmError(f"unknown benchmark {name!r}; known: {', '.join(known) or f'none ({BENCH_DIR} is missing: use a source checkout)'}")
     root = str(BENCH_DIR.parent)
     saved = sys.argv, list(sys.path)

@@ -418,7 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = cfg.model_copy(update=updates)
     workers = max(1, args.workers)
     command = "tonearm bench quality" + (f" {args.config}" if args.config != str(DEFAULT_CONFIG) else "") + (
-        " --smoke" if args.smoke else "") + (f" --manifest {args.manifest}" if args.manifest else "")
+        " --smoke" if args.smoke else "") + (f" --manifest {args.manifest}" if args.manifest else "") + (
+        f" --workers {args.workers}") + "".join(f" --only {m}" for m in args.only or []) + (
+        f" --conditions {' '.join(args.conditions)}" if args.conditions else "")
     manifests = prepare_manifests(cfg, workers=workers)
     jobs = plan_jobs(cfg, manifests)
 

@@ -46,3 +46,20 @@ def tiny_bundle(tiny_checkpoint: Path, tiny_corpus: Path, tmp_path_factory: pyte
 
     out_dir = tmp_path_factory.mktemp("bundles")
     return export_bundle(tiny_checkpoint, manifest=tiny_corpus, out_dir=out_dir, progress=False)
+
+
+@pytest.fixture(scope="session")
+def demo_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`$TONEARM_HOME` holding the real demo bundle, built once per session by the path `tonearm serve`
+    takes (synth small → configs/demo.yaml → export; about 5 minutes on two idle cores).
+
+    ``TONEARM_DEMO_TEST_HOME`` points it at a home whose demo is already built (a CI cache, a
+    developer's ~/.cache/tonearm): the build is skipped when that home holds the current recipe."""
+    import os
+
+    from tonearm.demo import ensure_demo_bundle
+
+    given = os.environ.get("TONEARM_DEMO_TEST_HOME")
+    home = Path(given) if given else tmp_path_factory.mktemp("demo_home")
+    ensure_demo_bundle(home)
+    return home

@@ -73,7 +73,9 @@ class SourceInfo(_Frozen):
     weights_sha256: str
     """sha256 of the checkpoint's ``model.safetensors``."""
     data_manifest: str
-    """The manifest whose clips were indexed."""
+    """The manifest whose clips were indexed (`tonearm index`: the audio directory)."""
+    audio_root: str | None = None
+    """Directory clip uris are relative to; None: the data manifest's directory."""
 
 
 class EncoderInfo(_Frozen):
@@ -153,9 +155,11 @@ class BundleManifest(_Frozen):
     text_encoder: EncoderInfo
     tokenizer: TokenizerInfo
     audio_index: IndexInfo
-    text_index: IndexInfo
-    eval_set: EvalSetInfo
-    evaluation: EvaluationInfo
+    text_index: IndexInfo | None = None
+    """None in an index-only bundle (`tonearm index`): no captions, so no audio→text search."""
+    eval_set: EvalSetInfo | None = None
+    """None in an index-only bundle: no held-out set (the quality gate cannot compare it)."""
+    evaluation: EvaluationInfo | None = None
     files: dict[str, FileEntry]
     manifest_sha256: str = _ZERO_HASH
     """sha256 of this file's bytes with this value replaced by 64 zeros."""
@@ -323,7 +327,7 @@ def verify_bundle(path: Path | str) -> BundleManifest:
     Checksums and sizes of every file, the manifest schema, ONNX input/output
     names and shapes, embedding dimensions (a probe run of both encoders), the
     tokenizer, index sizes against the id files, and the held-out set's
-    consistency with the manifest.
+    consistency with the manifest (each part only when the manifest lists it).
     """
     from index.loader import LoadedBundle  # loader imports this module
 
@@ -334,7 +338,8 @@ def verify_bundle(path: Path | str) -> BundleManifest:
     try:
         _check_tokenizer(root, manifest, bundle)
         _check_probe(root, manifest, bundle)
-        _check_eval_set(root, manifest, bundle)
+        if manifest.eval_set is not None:
+            _check_eval_set(root, manifest, manifest.eval_set, bundle)
     finally:
         bundle.close()
     return manifest
@@ -377,10 +382,9 @@ def _check_probe(root: Path, manifest: BundleManifest, bundle: Any) -> None:
             raise BundleError(f"{root / name}: output shape {emb.shape} / non-finite values, expected (n, {manifest.embed_dim})")
 
 
-def _check_eval_set(root: Path, manifest: BundleManifest, bundle: Any) -> None:
+def _check_eval_set(root: Path, manifest: BundleManifest, info: EvalSetInfo, bundle: Any) -> None:
     eval_set = bundle.eval_set()
     where = root / EVAL_DIR
-    info = manifest.eval_set
     if (len(eval_set.clip_ids), len(eval_set.captions)) != (info.n_clips, info.n_captions):
         raise BundleError(
             f"{where}: {len(eval_set.clip_ids)} clips / {len(eval_set.captions)} captions, "

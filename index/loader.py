@@ -43,6 +43,10 @@ TEXT_INPUTS = ("input_ids", "attention_mask")
 OUTPUTS = ("embedding",)
 
 
+class NoCaptionIndex(BundleError):
+    """Audio→text search on a bundle without a caption index (an index-only bundle)."""
+
+
 def providers_for(device: Device) -> list[str]:
     """ONNX Runtime providers: CUDA first when requested (or ``auto``) and available."""
     available = ort.get_available_providers()
@@ -222,7 +226,7 @@ class LoadedBundle:
         audio_encoder: OnnxEncoder,
         text_encoder: OnnxEncoder,
         audio_index: VectorIndex,
-        text_index: VectorIndex,
+        text_index: VectorIndex | None,
         audio_items: list[dict[str, Any]],
         text_items: list[dict[str, Any]],
     ) -> None:
@@ -240,6 +244,8 @@ class LoadedBundle:
         self._text_encoder: OnnxEncoder | None = text_encoder
         self._audio_index: VectorIndex | None = audio_index
         self._text_index: VectorIndex | None = text_index
+        self.has_captions = manifest.text_index is not None
+        """False for an index-only bundle (`tonearm index`): audio→text search is impossible."""
         self.milvus: Any = None
         """The :class:`index.milvus_index.MilvusTarget` the vectors live in (None: FAISS in the bundle)."""
 
@@ -275,11 +281,14 @@ class LoadedBundle:
         providers = check_providers(providers) if providers else providers_for(device)
         dim = manifest.embed_dim
         audio_index: VectorIndex
-        text_index: VectorIndex
+        text_index: VectorIndex | None = None
         client = None
         if milvus is None:
             audio_index = _open_index(root, manifest.audio_index, embed_dim=dim, mmap_threshold_bytes=mmap_threshold_bytes)
-            text_index = _open_index(root, manifest.text_index, embed_dim=dim, mmap_threshold_bytes=mmap_threshold_bytes)
+            if manifest.text_index is not None:
+                text_index = _open_index(
+                    root, manifest.text_index, embed_dim=dim, mmap_threshold_bytes=mmap_threshold_bytes
+                )
         else:
             from index.milvus_index import open_bundle_indices
 
@@ -304,7 +313,7 @@ class LoadedBundle:
             text_items=_read_items(
                 root / manifest.text_index.ids_file, required=("clip_id", "clip_row", "lang", "text"),
                 expected=text_index.ntotal,
-            ),
+            ) if manifest.text_index is not None and text_index is not None else [],
         )
         if client is not None:  # the process-wide Milvus client stays open for other bundles
             bundle.milvus = milvus
@@ -319,8 +328,11 @@ class LoadedBundle:
 
     def _check_text_items(self) -> None:
         """Caption rows lie in their language's range and point at the clip they name."""
-        path = self.path / self.manifest.text_index.ids_file
-        ranges = self.manifest.text_index.language_ranges or {}
+        info = self.manifest.text_index
+        if info is None:
+            return
+        path = self.path / info.ids_file
+        ranges = info.language_ranges or {}
         if set(ranges) != set(self.languages):
             raise BundleError(f"{self.path / fmt.MANIFEST_NAME}: text_index.language_ranges must cover {self.languages}")
         rows = np.arange(len(self.text_items))
@@ -384,6 +396,11 @@ class LoadedBundle:
         self, queries: np.ndarray, k: int, *, languages: Collection[str] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Top-k captions (rows into ``text_items``), only in ``languages`` when given (empty = all)."""
+        if not self.has_captions:
+            raise NoCaptionIndex(
+                f"bundle {self.bundle_id} has no caption index (built by `tonearm index` from audio files only); "
+                "audio→text search needs a bundle from `tonearm export`"
+            )
         index = self._need(self._text_index)
         if not languages or set(languages) >= set(self.languages):
             return index.search(queries, k)
@@ -396,6 +413,8 @@ class LoadedBundle:
 
     def eval_set(self) -> EvalSet:
         """The held-out set (read from disk on each call); waveforms are ready for ``encode_audio``."""
+        if self.manifest.eval_set is None:
+            raise BundleError(f"bundle {self.bundle_id} has no held-out set (an index-only bundle from `tonearm index`)")
         return read_eval_set(self.path / fmt.EVAL_DIR)
 
     def warmup(self) -> None:
@@ -403,8 +422,9 @@ class LoadedBundle:
         text = self.encode_text([f"{lang} warm-up" for lang in self.languages])
         audio = self.encode_audio([np.zeros(self.clip_samples, np.float32)])
         self.search_audio(text[:1], 1)
-        self.search_text(audio, 1, languages=self.languages[:1])
-        self.search_text(audio, 1)
+        if self.has_captions:
+            self.search_text(audio, 1, languages=self.languages[:1])
+            self.search_text(audio, 1)
 
 
 def _load_tokenizer(path: Path) -> TextTokenizer:

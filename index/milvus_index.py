@@ -41,7 +41,7 @@ import numpy as np
 from rich.console import Console
 
 from index import bundle as fmt
-from index.bundle import BundleManifest, read_manifest
+from index.bundle import BundleManifest, IndexInfo, read_manifest
 from index.evalset import read_jsonl
 from tonearm.errors import BundleError, TonearmError
 
@@ -165,12 +165,22 @@ def _lookup(client: Any, registry: str, key: str) -> dict[str, Any] | None:
     return rows[0] if rows else None
 
 
+def caption_index(manifest: BundleManifest) -> IndexInfo:
+    """The caption index; index-only bundles (`tonearm index`) are served from their FAISS files only."""
+    if manifest.text_index is None:
+        raise BundleError(
+            f"bundle {manifest.bundle_id} has no caption index (built by `tonearm index`); "
+            "the Milvus backend serves only bundles from `tonearm export` — serve it with the FAISS backend"
+        )
+    return manifest.text_index
+
+
 def bundle_vectors(root: Path, manifest: BundleManifest) -> tuple[np.ndarray, np.ndarray]:
     """(audio, text) vectors of a bundle, read back from its FAISS indices (exact for Flat/HNSW)."""
     from index.faiss_index import all_vectors, load_index, parse_factory
 
     out = []
-    for info in (manifest.audio_index, manifest.text_index):
+    for info in (manifest.audio_index, caption_index(manifest)):
         index = load_index(root / info.file, spec=parse_factory(info.factory, info.dim), search_params={})
         out.append(all_vectors(index))
     return out[0], out[1]
@@ -185,7 +195,7 @@ def publish(bundle_dir: Path, target: MilvusTarget, *, index_type: str = "FLAT")
         if _lookup(client, target.registry, manifest.bundle_id) is not None:
             return False
         audio, text = bundle_vectors(root, manifest)
-        text_items = read_jsonl(root / manifest.text_index.ids_file, required=("lang", "clip_row"))
+        text_items = read_jsonl(root / caption_index(manifest).ids_file, required=("lang", "clip_row"))
         for kind, vectors in (("audio", audio), ("text", text)):
             name = target.collection(manifest.bundle_id, kind)
             if client.has_collection(name):  # a publish interrupted before its registry row: start over
@@ -277,7 +287,7 @@ def open_bundle_indices(
                 f"run: tonearm bundle publish BUNDLE_DIR --milvus-uri {target.uri}"
             )
         info = json.loads(record["info"])
-        expected = {"n_audio": manifest.audio_index.ntotal, "n_text": manifest.text_index.ntotal}
+        expected = {"n_audio": manifest.audio_index.ntotal, "n_text": caption_index(manifest).ntotal}
         if any(info.get(key) != value for key, value in expected.items()):
             raise BundleError(f"Milvus holds {info} for bundle {manifest.bundle_id}, its manifest {expected}")
         indices = []
@@ -369,6 +379,6 @@ def cli_publish(args: argparse.Namespace) -> int:
     Console().print(
         f"{manifest.bundle_id}: {state} to {target.uri} as {target.collection(manifest.bundle_id, 'audio')} "
         f"({manifest.audio_index.ntotal} clips) and {target.collection(manifest.bundle_id, 'text')} "
-        f"({manifest.text_index.ntotal} captions)", highlight=False, soft_wrap=True,
+        f"({caption_index(manifest).ntotal} captions)", highlight=False, soft_wrap=True,
     )
     return 0

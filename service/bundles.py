@@ -209,7 +209,11 @@ class BundleRegistry:
             languages=list(m.languages),
             embed_dim=m.embed_dim,
             n_clips=m.audio_index.ntotal,
-            indices={name: _index_summary(info) for name, info in (("audio", m.audio_index), ("text", m.text_index))},
+            indices={
+                name: _index_summary(info)
+                for name, info in (("audio", m.audio_index), ("text", m.text_index))
+                if info is not None
+            },
         )
 
     # ------------------------------------------------------------------ loading

@@ -32,6 +32,8 @@ PROBLEMS: dict[str, Problem] = {
     "audio-decode-failed": Problem(422, "Audio could not be decoded"),
     "audio-limits": Problem(422, "Audio exceeds the duration, sample-rate or channel limits"),
     "unauthorized": Problem(401, "Missing or wrong admin bearer token"),
+    "no-caption-index": Problem(409, "The active bundle has no caption index (an index-only bundle from `tonearm index`)"),
+    "no-heldout-set": Problem(409, "The active bundle has no held-out set (an index-only bundle from `tonearm index`)"),
     "bundle-not-found": Problem(404, "No bundle with this id in the bundles directory"),
     "bundle-invalid": Problem(422, "Bundle failed verification"),
     "quality-gate-rejected": Problem(409, "Candidate bundle regresses past the quality gate"),

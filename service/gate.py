@@ -130,6 +130,12 @@ def run_gate(
     """Evaluate both bundles on the candidate's held-out set and decide."""
     if active is None:
         return GateVerdict(passed=True, forced=force, reasons=["no active bundle to compare with"])
+    if getattr(getattr(candidate, "manifest", None), "eval_set", True) is None:
+        reason = (
+            "the candidate has no held-out set (an index-only bundle from `tonearm index`), so the gate "
+            "cannot compare it; activate it with force=true"
+        )
+        return GateVerdict(passed=force, forced=force, reasons=[reason], compared_to=active.bundle_id)
     data = eval_data(candidate)
     languages = [
         lang for lang in candidate.languages if lang in active.languages and np.any(data.lang == lang)

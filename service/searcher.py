@@ -281,6 +281,12 @@ class Searcher:
     def search_audio_batch(self, queries: Sequence[AudioQuery]) -> list[list[CaptionHit]]:
         """:meth:`search_audio` for several uploads at once (a micro-batch): one encoder call for
         all waveforms, one FAISS search per (language, k) over the uploads that ask for it."""
+        if not getattr(self.bundle, "has_captions", True):
+            raise ServiceError(
+                "no-caption-index",
+                f"bundle {self.bundle_id} holds only audio (built by `tonearm index`, no captions): "
+                "audio→text search needs a bundle from `tonearm export`",
+            )
         requested = [list(dict.fromkeys(q.languages)) if q.languages else self.languages for q in queries]
         for langs in requested:
             for lang in langs:
@@ -357,6 +363,11 @@ class Searcher:
         evaluation = getattr(getattr(self.bundle, "manifest", None), "evaluation", None)
         if evaluation is not None and evaluation.report:
             return HeldoutReport(dict(evaluation.report), str(evaluation.convention), "manifest")
+        if getattr(getattr(self.bundle, "manifest", None), "eval_set", True) is None:
+            raise ServiceError(
+                "no-heldout-set",
+                f"bundle {self.bundle_id} has no held-out set (built by `tonearm index` from audio files only)",
+            )
         with self._gallery_lock:
             if self._heldout is None:
                 data = eval_data(self.bundle)

@@ -121,6 +121,16 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_lazy("training.export:cli_export", "train"))
 
 
+def _add_index(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "index", help="index a folder of your own audio files with a bundle's encoders (docs/bundle.md)"
+    )
+    p.add_argument("audio_dir", help="folder searched recursively; files soundfile cannot read are skipped")
+    p.add_argument("--bundle", required=True, help="source bundle whose ONNX encoders and tokenizer are reused")
+    p.add_argument("--out", required=True, help="new bundle directory (its name is the bundle id; must not exist)")
+    p.set_defaults(handler=_lazy("index.own_audio:cli_index", "service"))
+
+
 def _add_bundle(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bundle", help="inspect bundles, or manage a running service's bundles")
     bsub = p.add_subparsers(dest="bundle_command", required=True)
@@ -176,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tonearm", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_synth, _add_data, _add_train, _add_evaluate, _add_export, _add_bundle, _add_serve, _add_bench):
+    for add in (_add_synth, _add_data, _add_train, _add_evaluate, _add_export, _add_index, _add_bundle, _add_serve, _add_bench):
         add(sub)
     return parser
 

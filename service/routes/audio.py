@@ -38,6 +38,9 @@ def audio_root(searcher: Searcher, settings: Settings) -> Path | None:
     if settings.audio_root is not None:
         return Path(settings.audio_root).resolve()
     source = getattr(getattr(searcher.bundle, "manifest", None), "source", None)
+    named_root = getattr(source, "audio_root", None)
+    if named_root:  # an index-only bundle (`tonearm index`) names its folder
+        return Path(named_root).resolve()
     manifest = getattr(source, "data_manifest", None)
     if not manifest:
         return None
@@ -95,10 +98,12 @@ def _read(path: Path, start: int, length: int) -> Iterator[bytes]:
             yield chunk
 
 
-@router.get("/{clip_id}", responses={**problem_responses(404, 416, 503),
+@router.get("/{clip_id:path}", responses={**problem_responses(404, 416, 503),
                                      200: {"content": {"audio/wav": {}}}, 206: {"description": "Partial content"}})
 def clip_audio(clip_id: str, request: Request, searcher: SearcherDep, settings: SettingsDep) -> Response:
-    """Stream a clip's audio (supports `Range: bytes=…`, as `<audio>` elements send)."""
+    """Stream a clip's audio (supports `Range: bytes=…`, as `<audio>` elements send).
+
+    Ids may contain `/` (`tonearm index` names clips by their relative path)."""
     path = clip_file(searcher, settings, clip_id)
     size = path.stat().st_size
     media_type = MEDIA_TYPES.get(path.suffix.lower(), "application/octet-stream")

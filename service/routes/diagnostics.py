@@ -67,7 +67,7 @@ def _heldout(searcher: Searcher) -> HeldoutReportResponse:
     )
 
 
-@router.get("/consistency", responses=problem_responses(503))
+@router.get("/consistency", responses=problem_responses(409, 503))
 async def heldout_report(searcher: SearcherDep, pool: PoolDep) -> HeldoutReportResponse:
     """The active bundle's own held-out report: per-language R@k, mAP@10, MRV."""
     return await pool.run(_heldout, searcher)

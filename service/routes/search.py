@@ -154,7 +154,9 @@ AUDIO_BODY = {
 }
 
 
-@router.post("/audio", openapi_extra=AUDIO_BODY, responses=problem_responses(400, 413, 415, 422, 503))
+@router.post(
+    "/audio", openapi_extra=AUDIO_BODY, responses=problem_responses(400, 409, 413, 415, 422, 503)
+)
 async def search_audio(
     request: Request,
     searcher: SearcherDep,

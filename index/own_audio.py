@@ -1,0 +1,134 @@
+"""`tonearm index AUDIO_DIR --bundle BUNDLE --out NEW_BUNDLE`: an index-only bundle of your own audio files.
+
+The new bundle reuses the source bundle's ONNX encoders and tokenizer (copied and
+re-checksummed) and indexes every file under ``AUDIO_DIR`` (recursively) that
+soundfile can decode; other files are reported and skipped. It has no captions,
+so it has no caption index and no held-out set (docs/bundle.md, "Index-only
+bundles"): text→audio search works, audio→text search does not. Clip ids and
+uris are the files' POSIX paths relative to ``AUDIO_DIR``, which the manifest
+records as the audio root. Torch-free: needs only the service extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from index import bundle as fmt
+from index.audio import decode_audio
+from index.faiss_index import build_index, save_index
+from index.loader import LoadedBundle
+from tonearm.errors import AudioDecodeError, BundleError, TonearmError
+
+log = logging.getLogger(__name__)
+EMBED_BATCH = 16
+
+
+@dataclass(frozen=True)
+class IndexedFolder:
+    """What `tonearm index` did: the published bundle, the indexed clip ids and the skipped files."""
+
+    path: Path
+    clip_ids: list[str]
+    skipped: list[tuple[str, str]]
+    """(relative path, reason) of every file that could not be decoded."""
+
+
+def audio_files(audio_dir: Path) -> list[Path]:
+    """Every regular file under ``audio_dir`` (recursive, sorted by relative path); hidden ones skipped."""
+    return sorted(
+        p for p in audio_dir.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(audio_dir).parts)
+    )
+
+
+def index_folder(audio_dir: Path, source: Path, out: Path, *, progress: bool = False) -> IndexedFolder:
+    """Embed every decodable file under ``audio_dir`` with ``source``'s audio encoder; publish ``out`` atomically."""
+    audio_dir, out = Path(audio_dir).resolve(), Path(out)
+    if not audio_dir.is_dir():
+        raise TonearmError(f"{audio_dir}: audio directory not found")
+    files = audio_files(audio_dir)
+    bundle = LoadedBundle.open(source, verify=True)
+    try:
+        clip_ids, embeddings, skipped = _embed(bundle, audio_dir, files, progress=progress)
+    finally:
+        bundle.close()
+    if not clip_ids:
+        raise TonearmError(f"{audio_dir}: no decodable audio file among {len(files)} files")
+    manifest = bundle.manifest
+    built = build_index(embeddings)
+    with fmt.staged_bundle(out.parent, out.name) as staging:
+        for name in {manifest.audio_encoder.file, manifest.text_encoder.file, manifest.tokenizer.file}:
+            shutil.copyfile(source / name, staging / name)
+        save_index(built.index, staging / fmt.AUDIO_INDEX)
+        with (staging / fmt.AUDIO_IDS).open("w", encoding="utf-8") as handle:
+            for clip_id in clip_ids:  # uri = id: both are the path relative to the audio root
+                handle.write(json.dumps({"id": clip_id, "uri": clip_id, "captions": {}}, ensure_ascii=False) + "\n")
+        new = manifest.model_copy(update={
+            "bundle_id": out.name,
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "source": manifest.source.model_copy(update={"data_manifest": str(audio_dir), "audio_root": str(audio_dir)}),
+            "audio_index": fmt.IndexInfo(
+                file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS, factory=built.spec.factory, dim=built.index.d,
+                ntotal=built.index.ntotal, search_params=built.search_params,
+                ann_recall_at_10=built.ann_recall_at_10,
+            ),
+            "text_index": None,
+            "eval_set": None,
+            "evaluation": None,
+        })
+        path = fmt.publish(staging, fmt.BundleManifest.model_validate(new.model_dump()))
+    return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped)
+
+
+def _embed(
+    bundle: LoadedBundle, audio_dir: Path, files: list[Path], *, progress: bool
+) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
+    clip_ids: list[str] = []
+    parts: list[np.ndarray] = []
+    skipped: list[tuple[str, str]] = []
+    batch: list[np.ndarray] = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, disable=not progress) as bar:
+        task = bar.add_task("embedding audio", total=len(files))
+        for number, path in enumerate(files, 1):
+            rel = path.relative_to(audio_dir).as_posix()
+            try:
+                batch.append(decode_audio(path, sample_rate=bundle.sample_rate))
+                clip_ids.append(rel)
+            except AudioDecodeError as err:
+                skipped.append((rel, str(err)))
+                log.warning("skipped %s", err)
+            if len(batch) == EMBED_BATCH or (number == len(files) and batch):
+                parts.append(bundle.encode_audio(batch))
+                batch = []
+            bar.advance(task)
+            if number % 100 == 0:
+                log.info("index progress: %d/%d files", number, len(files))
+    embeddings = np.concatenate(parts) if parts else np.zeros((0, bundle.embed_dim), np.float32)
+    return clip_ids, embeddings, skipped
+
+
+def cli_index(args: argparse.Namespace) -> int:
+    """`tonearm index AUDIO_DIR --bundle BUNDLE --out NEW_BUNDLE`; exit 2 when nothing could be indexed."""
+    out = Path(args.out)
+    if out.exists():
+        raise BundleError(f"{out}: already exists; bundles are never overwritten")
+    result = index_folder(Path(args.audio_dir), Path(args.bundle), out, progress=True)
+    console = Console()
+    for rel, reason in result.skipped:
+        console.print(f"[yellow]skipped[/yellow] {rel}: {reason}", highlight=False, soft_wrap=True)
+    console.print(
+        f"[green]OK[/green] {result.path}: {len(result.clip_ids)} files indexed, {len(result.skipped)} skipped "
+        "(no captions: text→audio search only)", highlight=False, soft_wrap=True,
+    )
+    return 0

@@ -1,0 +1,97 @@
+"""`tonearm index`: an index-only bundle of a folder of the user's own files (issue 13 item 6).
+
+Real files (WAV/FLAC/OGG written with soundfile, nested), a corrupt file and a text
+file; the real tiny bundle's ONNX encoders; the service through its real app."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from index.audio import decode_audio
+from index.bundle import verify_bundle
+from index.loader import LoadedBundle, NoCaptionIndex
+from service.app import create_app
+from tests.service.conftest import ADMIN, make_settings, running_client
+from tests.service.test_routes import assert_problem
+from tonearm.cli import main as tonearm_main
+from tonearm.errors import BundleError
+
+AUDIO = {"top.wav": "WAV", "birds/morning.flac": "FLAC", "birds/deep/night.ogg": "OGG", "b/x.wav": "WAV"}
+
+
+@pytest.fixture(scope="module")
+def own_folder(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Four noise bursts of different lengths in three formats, nested, plus two files that are not audio."""
+    rate = LoadedBundle.open(tiny_bundle).sample_rate
+    folder = tmp_path_factory.mktemp("my_sounds")
+    rng = np.random.default_rng(0)
+    for i, (rel, kind) in enumerate(AUDIO.items()):
+        wave = rng.uniform(-0.5, 0.5, rate // 2 * (i + 1)).astype(np.float32) * np.hanning(rate // 2 * (i + 1))
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        sf.write(folder / rel, wave.astype(np.float32), rate, format=kind)
+    (folder / "birds" / "broken.wav").write_bytes(b"RIFF\x10\x00\x00\x00WAVEfmt garbage")
+    (folder / "notes.txt").write_text("not audio\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def own_bundle(own_folder: Path, tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("own_bundles") / "my-sounds"
+    assert tonearm_main(["index", str(own_folder), "--bundle", str(tiny_bundle), "--out", str(out)]) == 0
+    return out
+
+
+def test_bundle_holds_every_audio_file_and_verifies(own_bundle: Path) -> None:
+    ids = [json.loads(line)["id"] for line in (own_bundle / "audio_ids.jsonl").read_text().splitlines()]
+    assert sorted(ids) == sorted(AUDIO)
+    manifest = verify_bundle(own_bundle)
+    assert manifest.audio_index.ntotal == 4
+    assert manifest.text_index is None and manifest.eval_set is None and manifest.evaluation is None
+    assert manifest.source.audio_root and (Path(manifest.source.audio_root) / "birds/deep/night.ogg").is_file()
+
+
+def test_cli_reports_the_skipped_files(own_folder: Path, tiny_bundle: Path, tmp_path: Path, capsys) -> None:
+    assert tonearm_main(["index", str(own_folder), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "4 files indexed, 2 skipped" in out
+    assert "birds/broken.wav" in out and "notes.txt" in out
+    assert tonearm_main(["index", str(own_folder), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "b")]) == 2
+
+
+def test_text_search_ranks_the_files_as_the_encoders_do(own_bundle: Path, own_folder: Path, tiny_bundle: Path) -> None:
+    source = LoadedBundle.open(tiny_bundle)
+    bundle = LoadedBundle.open(own_bundle)
+    assert bundle.has_captions is False and source.has_captions is True
+    ids = [item["id"] for item in bundle.audio_items]
+    clips = source.encode_audio([decode_audio(own_folder / i, sample_rate=source.sample_rate) for i in ids])
+    queries = ["a dog barks", "Regen fällt auf ein Dach", "鳥が鳴いている"]
+    q = source.encode_text(queries)
+    expected = [[ids[j] for j in np.argsort(-(clips @ row), kind="stable")] for row in q]
+    scores, rows = bundle.search_audio(bundle.encode_text(queries), 4)
+    assert [[ids[r] for r in found] for found in rows] == expected
+    np.testing.assert_allclose(scores, np.sort(q @ clips.T, axis=1)[:, ::-1], atol=1e-4)
+    with pytest.raises(NoCaptionIndex, match="no caption index"):
+        bundle.search_text(clips[:1], 1)
+    with pytest.raises(BundleError, match="no held-out set"):
+        bundle.eval_set()
+
+
+def test_service_searches_text_and_refuses_audio_to_text(own_bundle: Path, own_folder: Path) -> None:
+    app = create_app(make_settings(bundles_dir=own_bundle.parent, bundle=own_bundle.name))
+    with running_client(app) as client:
+        r = client.post("/v1/search/text", json={"query": "rain on a roof", "k": 4})
+        assert r.status_code == 200, r.text
+        assert sorted(h["id"] for h in r.json()["hits"]) == sorted(AUDIO)
+        audio = (own_folder / "top.wav").read_bytes()
+        r = client.post("/v1/search/audio", files={"file": ("top.wav", audio, "audio/wav")})
+        assert_problem(r, 409, "no-caption-index")
+        assert_problem(client.get("/v1/diagnostics/consistency"), 409, "no-heldout-set")
+        streamed = client.get("/v1/audio/birds/morning.flac")
+        assert streamed.status_code == 200 and streamed.content == (own_folder / "birds/morning.flac").read_bytes()
+        listing = client.get("/v1/bundles", headers=ADMIN).json()
+        assert list(next(b for b in listing["bundles"] if b["bundle_id"] == own_bundle.name)["indices"]) == ["audio"]

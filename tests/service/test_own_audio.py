@@ -16,6 +16,7 @@ from index.audio import decode_audio
 from index.bundle import verify_bundle
 from index.loader import LoadedBundle, NoCaptionIndex
 from service.app import create_app
+from tests.service.bundle_factory import copy_bundle
 from tests.service.conftest import ADMIN, make_settings, running_client
 from tests.service.test_routes import assert_problem
 from tonearm.cli import main as tonearm_main
@@ -95,3 +96,19 @@ def test_service_searches_text_and_refuses_audio_to_text(own_bundle: Path, own_f
         assert streamed.status_code == 200 and streamed.content == (own_folder / "birds/morning.flac").read_bytes()
         listing = client.get("/v1/bundles", headers=ADMIN).json()
         assert list(next(b for b in listing["bundles"] if b["bundle_id"] == own_bundle.name)["indices"]) == ["audio"]
+
+
+def test_gate_cannot_compare_an_index_only_bundle_so_activation_needs_force(
+    own_bundle: Path, tiny_bundle: Path, tmp_path: Path
+) -> None:
+    copy_bundle(tiny_bundle, tmp_path)
+    copy_bundle(own_bundle, tmp_path)
+    app = create_app(make_settings(bundles_dir=tmp_path, bundle=tiny_bundle.name))
+    with running_client(app) as client:
+        refused = client.post("/v1/bundles/activate", json={"bundle_id": own_bundle.name}, headers=ADMIN)
+        body = assert_problem(refused, 409, "quality-gate-rejected")
+        assert "no held-out set" in body["verdict"]["reasons"][0]
+        assert client.get("/readyz").json()["bundle_id"] == tiny_bundle.name
+        forced = client.post("/v1/bundles/activate", json={"bundle_id": own_bundle.name, "force": True}, headers=ADMIN)
+        assert forced.status_code == 200, forced.text
+        assert client.get("/readyz").json()["bundle_id"] == own_bundle.name

@@ -28,6 +28,13 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def publish_section(section: str, *, start: str, end: str, write: bool = True) -> None:
+    """Print a benchmark's section and, unless ``write`` is false (``--no-write``), store it."""
+    print(section)
+    if write:
+        write_section(section, start=start, end=end)
+
+
 def write_section(section: str, path: Path = BENCHMARKS_MD, *, start: str, end: str) -> None:
     """Replace the text between `start` and `end` in `path` with `section` (or append it).
 

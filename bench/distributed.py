@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import cpu_model, random_train_inputs, write_section  # noqa: E402
+from benchlib import cpu_model, publish_section, random_train_inputs  # noqa: E402
 
 START, END = "<!-- bench/distributed.py -->", "<!-- /bench/distributed.py -->"
 DIM = 256
@@ -189,9 +189,7 @@ def main() -> None:
         END,
     ]
     section = "\n".join(lines) + "\n"
-    print(section)
-    if not args.no_write:
-        write_section(section, start=START, end=END)
+    publish_section(section, start=START, end=END, write=not args.no_write)
 
 
 if __name__ == "__main__":

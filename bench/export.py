@@ -42,7 +42,7 @@ from training.config import TrainConfig  # noqa: E402
 from training.models.dual_encoder import build_dual_encoder  # noqa: E402
 from training.onnx_export import export_audio_encoder, export_text_encoder  # noqa: E402
 
-from benchlib import cpu_model, synthetic_vectors, write_section  # noqa: E402
+from benchlib import cpu_model, publish_section, synthetic_vectors  # noqa: E402
 
 START, END = "<!-- bench/export.py -->", "<!-- /bench/export.py -->"
 FACTORIES = ("Flat", "HNSW32,Flat", "IVF256,Flat", "IVF256,PQ32")
@@ -176,9 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "OMP_NUM_THREADS=2 python bench/export.py " + " ".join(argv if argv is not None else sys.argv[1:])
     section = markdown(enc, idx, command=command.strip(), threads=args.threads, n=args.n, dim=args.dim,
                        max_train=args.max_train)
-    print(section)
-    if not args.no_write:
-        write_section(section, start=START, end=END)
+    publish_section(section, start=START, end=END, write=not args.no_write)
     return 0
 
 

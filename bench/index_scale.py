@@ -40,7 +40,7 @@ from index.faiss_index import (  # noqa: E402
     search,
 )
 
-from benchlib import cpu_model, synthetic_vectors, write_section  # noqa: E402
+from benchlib import cpu_model, publish_section, synthetic_vectors  # noqa: E402
 
 START, END = "<!-- bench:index_scale:start -->", "<!-- bench:index_scale:end -->"
 SINGLE_QUERIES = 200
@@ -135,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args)
     command = "OMP_NUM_THREADS=2 python bench/index_scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
     section = markdown(rows, command=command.strip(), n=args.n, dim=args.dim, load=(before, os.getloadavg()[0]))
-    print(section)
-    if not args.no_write:
-        write_section(section, start=START, end=END)
+    publish_section(section, start=START, end=END, write=not args.no_write)
     return 0
 
 

@@ -50,7 +50,7 @@ from training.models.dual_encoder import DualEncoder, build_dual_encoder  # noqa
 from training.objectives.base import BuildEnv, EmbeddingBatch, Objective, total_loss  # noqa: E402
 from training.objectives.registry import build_objective  # noqa: E402
 
-from benchlib import cpu_model, write_section  # noqa: E402
+from benchlib import cpu_model, publish_section  # noqa: E402
 
 START = "<!-- bench:objective_overhead:start -->"
 END = "<!-- bench:objective_overhead:end -->"
@@ -322,9 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix = f"OMP_NUM_THREADS={threads} " if threads else ""
     command = prefix + "python bench/objective_overhead.py " + " ".join(argv or sys.argv[1:])
     section = markdown(rows, extras, command=command.strip(), setup=setup)
-    print(section)
-    if not args.no_write:
-        write_section(section, start=START, end=END)
+    publish_section(section, start=START, end=END, write=not args.no_write)
     return 0
 
 

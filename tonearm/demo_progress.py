@@ -21,6 +21,7 @@ from typing import Any
 STAGES = ("synthesizing the corpus", "training", "exporting the bundle")
 STAGE_WEIGHTS = (0.19, 0.67, 0.14)
 EXPORT_PROGRESS = re.compile(r"export progress: (?P<what>.+) (?P<done>\d+)/(?P<total>\d+)$")
+SYNTH_PROGRESS = re.compile(r"synth progress: rendered clips (?P<done>\d+)/(?P<total>\d+)$")
 EPOCH_DONE = re.compile(r"^epoch (?P<epoch>\d+): loss")
 
 
@@ -50,6 +51,10 @@ class BuildProgress(logging.Handler):
                 state.stage, state.stage_fraction = int(stage), 0.0
                 state.epochs = getattr(record, "demo_epochs", None)
                 state.detail = STAGES[state.stage - 1]
+            elif record.name == "training.data.synth" and (m := SYNTH_PROGRESS.search(message)):
+                done, total = int(m["done"]), max(1, int(m["total"]))
+                state.stage_fraction = min(1.0, done / total)
+                state.detail = f"synthesizing the corpus: {done}/{total} clips"
             elif record.name == "training.loop" and state.epochs and (m := EPOCH_DONE.match(message)):
                 epoch = int(m["epoch"])
                 state.stage_fraction = min(1.0, epoch / state.epochs)

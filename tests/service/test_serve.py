@@ -98,7 +98,7 @@ def test_real_demo_build_on_the_tiny_corpus_gives_a_servable_bundle(tmp_path):
     with demo._logging_to(tmp_path / "demo" / "build.log"), _collecting(progress):
         bundle_dir = demo._build(tmp_path / "demo", size="tiny", config=ROOT / "configs" / "tiny.yaml")
     log_text = (tmp_path / "demo" / "build.log").read_text()
-    for line in ("demo bundle [1/3]", "demo bundle [2/3]", "epoch 1: loss", "export progress: embedding clips",
+    for line in ("demo bundle [1/3]", "synth progress: rendered clips", "demo bundle [2/3]", "epoch 1: loss", "export progress: embedding clips",
                  "export progress: embedding captions", "demo bundle ready"):
         assert line in log_text, line  # the whole build, export progress included, is in the log file
     status = progress.status()
@@ -118,3 +118,20 @@ def test_a_changed_demo_config_rebuilds(tmp_path, monkeypatch):
     second = demo.ensure_demo_bundle(tmp_path)
     assert second != first and len(calls) == 2
     assert "demo-2" in (tmp_path / "demo" / "bundle-another-recipe.path").read_text()
+
+
+def test_readyz_progress_moves_during_corpus_synthesis():
+    """Synthesis logs every tenth of its clips, so the build's progress is not frozen at 0 % for a minute."""
+    import logging
+
+    from tonearm.demo_progress import STAGE_WEIGHTS, BuildProgress
+
+    progress = BuildProgress()
+    start = logging.LogRecord("tonearm.demo", logging.INFO, __file__, 0, "demo bundle [1/3]", None, None)
+    start.demo_stage = 1
+    progress.emit(start)
+    progress.emit(logging.LogRecord("training.data.synth", logging.INFO, __file__, 0,
+                                    "synth progress: rendered clips %d/%d", (300, 3000), None))
+    status = progress.status()
+    assert status["step"] == 1 and "300/3000" in status["detail"]
+    assert status["progress"] == pytest.approx(round(STAGE_WEIGHTS[0] * 0.1, 3))

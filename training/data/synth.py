@@ -26,8 +26,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -669,6 +670,12 @@ def plan_corpus(*, size: Size, seed: int, out_dir: Path) -> tuple[list[ClipRecor
     return records, jobs
 
 
+def _log_progress(done: int, total: int) -> None:
+    """A log record at every tenth of the clips: the terminal bar is not in log files or /readyz."""
+    if done == total or done * 10 // total != (done - 1) * 10 // total:
+        log.info("synth progress: rendered clips %d/%d", done, total)
+
+
 def _progress_bar(total: int, enabled: bool) -> Any:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -694,16 +701,16 @@ def generate_corpus(*, size: Size, seed: int, out_dir: Path, workers: int | None
     noisy = inject_caption_noise(records, noise, seed=seed)
     if workers is None:
         workers = 1 if len(jobs) < 200 else min(2, os.cpu_count() or 1)
-    with _progress_bar(len(jobs), progress) as bar:
+    with ExitStack() as stack, _progress_bar(len(jobs), progress) as bar:
         task = bar.add_task("clips", total=len(jobs))
         if workers <= 1:
-            for job in jobs:
-                _write_clip(job)
-                bar.advance(task)
+            rendered: Iterable[None] = map(_write_clip, jobs)
         else:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
-                for _ in pool.map(_write_clip, jobs, chunksize=16):
-                    bar.advance(task)
+            pool = stack.enter_context(ProcessPoolExecutor(max_workers=workers))
+            rendered = pool.map(_write_clip, jobs, chunksize=16)
+        for done, _ in enumerate(rendered, start=1):
+            bar.advance(task)
+            _log_progress(done, len(jobs))
     manifest = out_dir / "manifest.jsonl"
     write_manifest(records, manifest)
     counts = ", ".join(f"{split} {quota}" for split, quota in SIZES[size].splits)

@@ -58,6 +58,13 @@ def _legend(fig: Any, axes: Any) -> None:
         fig.legend(list(seen.values()), list(seen), fontsize=7, ncol=1, loc="outside right center")
 
 
+def _mark_if_empty(ax: Any, condition: str) -> None:
+    """An axis with no finished run says so, rather than showing an empty frame."""
+    if not ax.lines:
+        ax.text(0.5, 0.5, f"no finished runs yet ({condition})", ha="center", va="center",
+                transform=ax.transAxes, color="0.4")
+
+
 def plot_all(cfg: QualityConfig, table: Table, languages: list[str], out: Path) -> None:
     fig, axes = plt.subplots(2, 1, figsize=(12, 9), constrained_layout=True)
     _bars(cfg, table, "r1", scale=100, ax=axes[0], title="R@1, mean of text→audio and audio→text (%, ± std over seeds)")
@@ -82,6 +89,7 @@ def plot_all(cfg: QualityConfig, table: Table, languages: list[str], out: Path) 
             means = [100 * stats(results, f"t2a_R@1_{lang}")[0] for lang in languages]
             ax.plot(languages, means, marker="o", label=cfg.methods[name].label, linewidth=1, color=_color(cfg, name),
                     linestyle=_style(cfg, name))
+        _mark_if_empty(ax, condition)
         ax.set_title(f"text→audio R@1 per language ({condition})")
         ax.set_ylabel("%")
         ax.grid(alpha=0.3)
@@ -102,6 +110,7 @@ def plot_all(cfg: QualityConfig, table: Table, languages: list[str], out: Path) 
             values = np.array([[100 * p["r1"] for p in c[:length]] for c in curves])
             ax.errorbar(epochs, values.mean(0), yerr=values.std(0), marker="o", capsize=2, linewidth=1,
                         label=cfg.methods[name].label, color=_color(cfg, name), linestyle=_style(cfg, name))
+        _mark_if_empty(ax, condition)
         ax.set_title(f"validation r1 during training ({condition})")
         ax.set_xlabel("epoch")
         ax.xaxis.get_major_locator().set_params(integer=True)

@@ -189,6 +189,30 @@ class Job:
     def result_path(self) -> Path:
         return self.out_dir / "result.json"
 
+    @property
+    def spec_path(self) -> Path:
+        return self.out_dir / "job.json"
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What decides the job's outcome: preset and overrides, with the runs root and checkout
+        abstracted so that a moved runs folder still counts as the same job."""
+        runs_root = str(self.out_dir.parents[2])
+
+        def portable(text: str) -> str:
+            return text.replace(runs_root, "<runs>").replace(str(ROOT), "<root>")
+
+        return {"preset": portable(str(self.preset)), "overrides": [portable(o) for o in self.overrides]}
+
+    def is_done(self) -> bool:
+        """A result exists and was produced by this very job (not by an older budget or preset)."""
+        if not self.result_path.is_file():
+            return False
+        try:
+            recorded = json.loads(self.result_path.read_text(encoding="utf-8")).get("job")
+        except (OSError, ValueError):
+            return False
+        return recorded == self.fingerprint()
+
 
 def plan_jobs(cfg: QualityConfig, manifests: dict[str, Path]) -> list[Job]:
     """Every (condition, method, seed), seed by seed, teachers before their students."""
@@ -222,17 +246,23 @@ def run_job(job: Job) -> dict[str, Any]:
     from training.loop import train
 
     overrides = list(job.overrides)
-    if (job.out_dir / "last").is_dir():
+    fingerprint = job.fingerprint()
+    same_job = job.spec_path.is_file() and json.loads(job.spec_path.read_text(encoding="utf-8")) == fingerprint
+    if same_job and (job.out_dir / "last").is_dir():
         overrides.append("resume=true")
     elif job.out_dir.exists():
-        shutil.rmtree(job.out_dir)  # a run that died before its first checkpoint: start clean
+        # died before its first checkpoint, or left by another budget/preset: start clean
+        shutil.rmtree(job.out_dir)
+    job.out_dir.mkdir(parents=True, exist_ok=True)
+    job.spec_path.write_text(json.dumps(fingerprint, indent=1) + "\n", encoding="utf-8")
     cfg = load_train_config(ROOT / job.preset, overrides)
     started = time.monotonic()
     train(cfg)
     train_seconds = time.monotonic() - started
     metrics = evaluate_best(job.out_dir / "best", job.manifest, split="test")
     result: dict[str, Any] = {
-        "condition": job.condition, "method": job.method, "seed": job.seed, "train_seconds": train_seconds,
+        "condition": job.condition, "method": job.method, "seed": job.seed, "job": fingerprint,
+        "train_seconds": train_seconds,
         "metrics": metrics, "curve": validation_curve(job.out_dir / "metrics.jsonl"),
     }
     if job.noisy:
@@ -331,9 +361,13 @@ def _job_process(job: Job, log_dir: Path) -> dict[str, Any]:
 
 def run_all(cfg: QualityConfig, jobs: list[Job], *, workers: int, on_result: Any) -> list[str]:
     """Run the unfinished jobs, at most `workers` at a time; returns the keys that failed."""
-    done = {job.key for job in jobs if job.result_path.is_file()}
+    done = {job.key for job in jobs if job.is_done()}
     pending = [job for job in jobs if job.key not in done]
     total, failed = len(jobs), []
+    stale = [job.key for job in pending if job.result_path.is_file()]
+    if stale:
+        print(f"== {len(stale)} finished job(s) were run with another preset or budget and run again: "
+              f"{', '.join(stale[:3])}{' …' if len(stale) > 3 else ''}", flush=True)
     print(f"== {len(done)} of {total} jobs already done; {len(pending)} to run on {workers} workers", flush=True)
     started = time.monotonic()
     finished_now = 0

@@ -53,7 +53,7 @@ def collect(jobs: list[Job]) -> dict[tuple[str, str], list[dict[str, Any]]]:
     """(condition, method) → the finished seeds' results (metrics with derived keys)."""
     table: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for job in jobs:
-        if job.result_path.is_file():
+        if job.is_done():
             result = json.loads(job.result_path.read_text(encoding="utf-8"))
             result["metrics"] = derived(result["metrics"])
             table[(job.condition, job.method)].append(result)

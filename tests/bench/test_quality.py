@@ -57,12 +57,31 @@ def test_smoke_runs_the_whole_pipeline_and_resumes(tmp_path: Path, capsys: pytes
     assert "noisy pairs fitted" in report and "| DART (RAM) |" in report
     for plot in ("recall.png", "mrv.png", "languages.png", "curves.png"):
         assert (results / plot).stat().st_size > 10_000, plot
-    # resume: a finished run does nothing; a lost result is recomputed alone
+    # resume: a finished run does nothing; a lost result is recomputed alone, and so is a
+    # result produced by another budget (never reused silently)
     (tmp_path / "runs" / "noisy" / "dart_ram" / "seed1" / "result.json").unlink()
+    stale = tmp_path / "runs" / "clean" / "infonce" / "seed0" / "result.json"
+    edited = json.loads(stale.read_text(encoding="utf-8"))
+    edited["job"]["overrides"] = [o.replace("optim.epochs=1", "optim.epochs=9") for o in edited["job"]["overrides"]]
+    stale.write_text(json.dumps(edited), encoding="utf-8")
     capsys.readouterr()
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "19 of 20 jobs already done; 1 to run" in out and "[20/20] noisy/dart_ram/seed1" in out
+    assert "1 finished job(s) were run with another preset or budget and run again: clean/infonce/seed0" in out
+    assert "18 of 20 jobs already done; 2 to run" in out and "noisy/dart_ram/seed1: r1" in out
+    assert json.loads(stale.read_text(encoding="utf-8"))["job"]["overrides"] != edited["job"]["overrides"]
+
+
+def test_a_job_fingerprint_ignores_where_the_runs_folder_lives(tmp_path: Path) -> None:
+    from bench.quality import Job
+
+    def job(runs: Path, epochs: int) -> Job:
+        out = runs / "clean" / "infonce" / "seed0"
+        return Job("clean", "infonce", 0, out, [f"optim.epochs={epochs}", f"out_dir={out}"],
+                   Path("configs/default.yaml"), tmp_path / "m.jsonl", noisy=False)
+
+    assert job(tmp_path / "a", 6).fingerprint() == job(tmp_path / "b" / "c", 6).fingerprint()
+    assert job(tmp_path / "a", 6).fingerprint() != job(tmp_path / "a", 5).fingerprint()
 
 
 @pytest.mark.parametrize("config", ["quality.yaml", "laggards.yaml"])

@@ -66,6 +66,8 @@ class ClaimSpec(_Strict):
     worse: str
     metric: str
     lower: bool = False
+    against_best_seed: bool = False
+    """Compare with the best single seed of `worse` (the paper's "best stage-1 model"), not its mean."""
 
 
 class QualityConfig(_Strict):
@@ -81,6 +83,8 @@ class QualityConfig(_Strict):
     methods: dict[str, MethodSpec]
     claims: list[ClaimSpec] = Field(default_factory=list)
     teacher_method: str = "stage1"
+    budget_note: str = ""
+    """How the budget was chosen (printed under "Budget" in the results)."""
 
 
 def load_quality_config(path: Path) -> QualityConfig:
@@ -109,8 +113,9 @@ def load_quality_config(path: Path) -> QualityConfig:
     return cfg
 
 
-SMOKE_METHODS = ("infonce", "svr_bi_dynamic", "stage1", "distill_m1", "dart_ram")
-"""A method of each kind the pipeline treats differently (plain, regularized, teacher → student, OT)."""
+SMOKE_METHODS = ("infonce", "svr_bi_dynamic", "stage1", "distill_m1", "dart_ram", "ask")
+"""A method of each kind the pipeline treats differently (plain, regularized, teacher → student, OT,
+knowledge bases)."""
 
 
 def smoke_config(cfg: QualityConfig) -> QualityConfig:
@@ -343,6 +348,29 @@ def audit_noisy_pairs(checkpoint: Path, manifest: Path) -> dict[str, float]:
     return out
 
 
+def backfill_pair_weights(jobs: list[Job]) -> int:
+    """The per-pair weight audit (bench/noise_weights.py) of finished noisy jobs that lack it.
+
+    A separate pass over the `best/` checkpoints, so that the audit can change without
+    retraining; ``pair_weights`` is null for a method without such a signal. Returns how
+    many jobs it audited.
+    """
+    from bench.noise_weights import pair_weight_audit
+
+    todo = []
+    for job in jobs:
+        if job.noisy and job.is_done():
+            result = json.loads(job.result_path.read_text(encoding="utf-8"))
+            if "pair_weights" not in result:
+                todo.append((job, result))
+    for count, (job, result) in enumerate(todo, 1):
+        result["pair_weights"] = pair_weight_audit(job.out_dir / "best", job.manifest)
+        job.result_path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        print(f"   pair weights {count}/{len(todo)}: {job.key}"
+              + ("" if result["pair_weights"] else " (no per-pair signal)"), flush=True)
+    return len(todo)
+
+
 def _job_process(job: Job, log_dir: Path) -> dict[str, Any]:
     """Run one job in its own Python process (one thread), its output in a log file."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -422,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel jobs (default: the cores)")
     parser.add_argument("--only", action="append", help="method name (repeatable); others keep their results")
     parser.add_argument("--conditions", nargs="+", help="run only these conditions (e.g. clean); others keep their results")
+    parser.add_argument("--seeds", nargs="+", type=int, help="run and report only these of the config's seeds (distillation M=3 then uses their teachers only)")
     parser.add_argument("--report-only", action="store_true", help="rewrite docs/results from finished jobs")
     parser.add_argument("--machine", help="machine description written into the results (default: this CPU)")
     parser.add_argument("--run-job", help=argparse.SUPPRESS)
@@ -445,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
         updates["runs_dir"] = Path(args.runs)
     if args.corpus_dir:
         updates["corpus"] = cfg.corpus.model_copy(update={"dir": Path(args.corpus_dir)})
+    if args.seeds:
+        unknown_seeds = set(args.seeds) - set(cfg.seeds)
+        if unknown_seeds:
+            raise TonearmError(f"--seeds: {sorted(unknown_seeds)} not in the config's seeds {cfg.seeds}")
+        updates["seeds"] = [seed for seed in cfg.seeds if seed in args.seeds]
     if args.only:
         unknown = set(args.only) - set(cfg.methods)
         if unknown:
@@ -454,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "tonearm bench quality" + (f" {args.config}" if args.config != str(DEFAULT_CONFIG) else "") + (
         " --smoke" if args.smoke else "") + (f" --manifest {args.manifest}" if args.manifest else "") + (
         f" --workers {args.workers}") + "".join(f" --only {m}" for m in args.only or []) + (
-        f" --conditions {' '.join(args.conditions)}" if args.conditions else "")
+        f" --conditions {' '.join(args.conditions)}" if args.conditions else "") + (
+        f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else "")
     manifests = prepare_manifests(cfg, workers=workers)
     jobs = plan_jobs(cfg, manifests)
 
@@ -475,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         wanted |= {d for j in jobs if j.key in wanted for d in j.depends}
         selected = [j for j in selected if j.key in wanted]
     failed = run_all(cfg, selected, workers=workers, on_result=report)
+    if backfill_pair_weights(selected):
+        print("== noisy pairs' weights audited (bench/noise_weights.py)", flush=True)
     report()
     print(f"== results in {ROOT / cfg.results_dir}", flush=True)
     if failed:

@@ -68,6 +68,12 @@ def stats(results: list[dict[str, Any]], key: str) -> tuple[float, float, int]:
     return float(np.mean(values)), float(np.std(values)), len(values)
 
 
+def best_seed(results: list[dict[str, Any]], key: str, *, lower: bool) -> tuple[float, float, int]:
+    """The best single seed as (value, 0, seeds): a claim against "the best model", not the average one."""
+    values = [r["metrics"][key] for r in results if key in r["metrics"] and math.isfinite(r["metrics"][key])]
+    return (min(values) if lower else max(values)), 0.0, len(values)
+
+
 def cell(mean: float, std: float, *, percent: bool) -> str:
     if math.isnan(mean):
         return "–"
@@ -95,6 +101,8 @@ def claim_rows(cfg: QualityConfig, table: dict[tuple[str, str], list[dict[str, A
         for condition in cfg.conditions:
             better = stats(table.get((condition, claim.better), []), claim.metric)
             worse = stats(table.get((condition, claim.worse), []), claim.metric)
+            if claim.against_best_seed and worse[2]:
+                worse = best_seed(table[(condition, claim.worse)], claim.metric, lower=claim.lower)
             if not better[2] and not worse[2]:
                 continue
             outcome, margin = verdict(better, worse, lower=claim.lower)
@@ -149,6 +157,23 @@ def audit_table(cfg: QualityConfig, table: dict, condition: str) -> list[str]:
     return lines
 
 
+def pair_weight_table(cfg: QualityConfig, table: dict, condition: str) -> list[str]:
+    """Mean weight of noisy vs clean pairs under each method's own per-pair signal (bench/noise_weights.py)."""
+    lines = ["| method | signal | noisy pairs | clean pairs | noisy pairs below the clean median ↑ |",
+             "|---|---|---:|---:|---:|"]
+    for name, method in cfg.methods.items():
+        audits = [r["pair_weights"] for r in table.get((condition, name), []) if r.get("pair_weights")]
+        signals = sorted({key.split("|")[0] for audit in audits for key in audit if "|" in key})
+        for signal in signals:
+            def ms(part: str, percent: bool, signal: str = signal, audits: list[dict[str, float]] = audits) -> str:
+                values = [a[f"{signal}|{part}"] for a in audits if f"{signal}|{part}" in a]
+                return cell(float(np.mean(values)), float(np.std(values)), percent=percent)
+
+            lines.append(f"| {method.label} | {signal} | {ms('noisy', False)} | {ms('clean', False)} | "
+                         f"{ms('below', True)} |")
+    return lines if len(lines) > 2 else ["No method with a per-pair signal has finished on this condition yet."]
+
+
 def languages_of(table: dict) -> list[str]:
     for results in table.values():
         keys = results[0]["metrics"]
@@ -189,7 +214,8 @@ def write_results(cfg: QualityConfig, jobs: list[Job], *, command: str, machine:
     ]
     if smoke:
         lines += ["", "**Smoke run on `tiny` (1 epoch): checks the pipeline, not the methods.**"]
-    lines += ["", "## Budget", "", *budget_lines(cfg, jobs, table)]
+    lines += ["", "## Budget", "", *([cfg.budget_note.strip(), ""] if cfg.budget_note.strip() else []),
+              *budget_lines(cfg, jobs, table)]
     lines += ["", "## Claims", "",
               "Verdict: *inconclusive* when the mean ± std intervals overlap or a side has a single seed; the margin is better − worse "
               "(percentage points for recall, rank² for MRV; positive = the paper's direction).", "",
@@ -209,13 +235,23 @@ def write_results(cfg: QualityConfig, jobs: list[Job], *, command: str, machine:
                       "Among the first training clips, an English caption *fits* when its labelled clip ranks "
                       "first. A method that down-weights noisy pairs (DART's reliability, ASK's Ψ, distillation's "
                       "soft targets) should fit fewer noisy pairs than InfoNCE while still fitting the clean ones.",
-                      "", *audit_table(cfg, table, condition)]
+                      "", *audit_table(cfg, table, condition),
+                      "", f"### How each method weighs the noisy pairs ({condition})", "",
+                      "Each method's own per-pair signal on labelled training pairs after training (bench/noise_weights.py): "
+                      "IOT/DART's transport plan on the labelled pair (B·Π_ii; 1 = InfoNCE's hard target), the "
+                      "distillation teachers' soft target p̂_ii (hard label: 1), ASK's reliability Ψ_i and its "
+                      "realignment plan B·Q*_ii. The last column is the share of noisy pairs weighted below the median "
+                      "clean pair: 50 % = the signal does not tell noisy from clean, 100 % = every noisy pair is "
+                      "down-weighted. InfoNCE, SigLIP, SVR, KCL/CACL and triplet have no such signal.",
+                      "", *pair_weight_table(cfg, table, condition)]
     lines += ["", "## Plots", "", "![R@1 and R@10 per method](recall.png)", "", "![MRV per method](mrv.png)", "",
               "![per-language R@1](languages.png)", "", "![validation curves](curves.png)", ""]
     (out / "README.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (out / "results.json").write_text(json.dumps({
         "command": command, "conditions": cfg.conditions, "seeds": cfg.seeds, "claims": claims,
         "runs": {f"{c}/{m}": [r["metrics"] | {"seed": r["seed"]} for r in rs] for (c, m), rs in table.items()},
+        "pair_weights": {f"{c}/{m}": [r["pair_weights"] | {"seed": r["seed"]} for r in rs if r.get("pair_weights")]
+                         for (c, m), rs in table.items() if any(r.get("pair_weights") for r in rs)},
     }, indent=1, default=float) + "\n", encoding="utf-8")
     if table:
         from bench.quality_plots import plot_all
@@ -226,25 +262,42 @@ def write_results(cfg: QualityConfig, jobs: list[Job], *, command: str, machine:
     return out
 
 
+def job_wall_seconds(job: Job) -> float | None:
+    """Start (job.json written) to result.json: training, test evaluation and noise audit of one job."""
+    if not (job.spec_path.is_file() and job.is_done()):
+        return None
+    return job.result_path.stat().st_mtime - job.spec_path.stat().st_mtime
+
+
 def budget_lines(cfg: QualityConfig, jobs: list[Job], table: dict) -> list[str]:
-    """How long the whole run takes, from the measured job times (unmeasured methods: the overall mean)."""
-    seconds = {key: [r["train_seconds"] for r in results] for key, results in table.items()}
-    measured = [t for values in seconds.values() for t in values]
+    """How long the whole run takes: measured per job, and the wall clock of the run itself."""
+    walls = {job.key: job_wall_seconds(job) for job in jobs}
+    measured = {key: t for key, t in walls.items() if t is not None}
     if not measured:
         return ["No job finished yet."]
-    overall = float(np.mean(measured))
-    by_method = {m: float(np.mean([t for (c, mm), v in seconds.items() if mm == m for t in v]))
-                 for (_, m) in seconds}
-    total = sum(by_method.get(job.method, overall) for job in jobs)
+    overall = float(np.mean(list(measured.values())))
+    per_method: dict[str, list[float]] = defaultdict(list)
+    for job in jobs:
+        if measured.get(job.key) is not None:
+            per_method[job.method].append(measured[job.key])
+    total = sum(float(np.mean(per_method[job.method])) if per_method.get(job.method) else overall for job in jobs)
     both = [n for n, m in cfg.methods.items() if m.conditions is None]
     one = {n: m.conditions for n, m in cfg.methods.items() if m.conditions is not None}
+    done = [job for job in jobs if job.key in measured]
+    first_start = min(job.spec_path.stat().st_mtime for job in done)
+    last_end = max(job.result_path.stat().st_mtime for job in done)
+    slowest = sorted(per_method.items(), key=lambda kv: -float(np.mean(kv[1])))[:3]
     return [
         f"{len(jobs)} jobs: {len(both)} methods on every condition × {len(cfg.seeds)} seeds, plus "
         + ", ".join(f"{n} ({'/'.join(c)})" for n, c in one.items()) + " on one condition each (ablations).",
-        f"Measured training time per job (wall, one thread, including validation): mean {overall / 60:.1f} min over "
-        f"{len(measured)} finished jobs, so the whole run takes about {total / 3600:.1f} CPU-hours — "
-        f"{total / 3600 / 2:.1f} h on two cores with `--workers 2`. Evaluation and the noise audit add about a "
-        "minute per job. Job times measured on a busy shared machine are upper bounds (see the load above).",
+        "",
+        f"Measured per job (wall, one thread, two jobs side by side; training + test evaluation + noise audit): "
+        f"mean {overall / 60:.1f} min over {len(measured)} finished jobs; slowest methods "
+        + ", ".join(f"{m} {float(np.mean(v)) / 60:.1f} min" for m, v in slowest)
+        + f". All {len(jobs)} jobs: about {total / 3600:.1f} job-hours, {total / 3600 / 2:.1f} h with `--workers 2`.",
+        "",
+        f"Wall clock of this run, first job started → last job finished: **{(last_end - first_start) / 60:.0f} min** "
+        f"for {len(done)} jobs (an interrupted and resumed run counts its pause too).",
     ]
 
 

@@ -24,6 +24,16 @@ def test_verdict_is_inconclusive_when_the_std_intervals_overlap() -> None:
     assert outcome == "not run" and math.isnan(margin)
 
 
+def test_a_claim_against_the_best_seed_takes_that_seed_not_the_mean() -> None:
+    from bench.quality_report import best_seed
+
+    runs = [{"metrics": {"r1": value, "mrv_t2a": 10 * value}} for value in (0.30, 0.36, 0.33)]
+    assert best_seed(runs, "r1", lower=False) == (0.36, 0.0, 3)
+    assert best_seed(runs, "mrv_t2a", lower=True) == (pytest.approx(3.0), 0.0, 3)
+    # a student at 0.35 ± 0.02 beats the teachers' mean (0.33) but not the best teacher (0.36)
+    assert verdict((0.35, 0.02, 3), best_seed(runs, "r1", lower=False), lower=False)[0] == "inconclusive"
+
+
 def test_the_shipped_config_lists_every_method_of_the_issue_and_valid_claims() -> None:
     cfg = load_quality_config(DEFAULT_CONFIG)
     assert len(cfg.seeds) >= 3 and set(cfg.conditions) == {"clean", "noisy"}
@@ -42,19 +52,30 @@ def test_a_bad_config_names_the_key(tmp_path: Path) -> None:
         load_quality_config(bad)
 
 
+@pytest.mark.timeout(1500)  # 24 tiny jobs and a resume: ~4 min idle on 2 cores, far longer beside other work
 def test_smoke_runs_the_whole_pipeline_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["bench", "quality", "--smoke", "--workers", "2", "--runs", str(tmp_path / "runs"),
             "--results", str(tmp_path / "results"), "--corpus-dir", str(tmp_path / "tiny")]
     assert main(args) == 0
     results = tmp_path / "results"
     report = (results / "README.md").read_text(encoding="utf-8")
-    assert "jobs finished: 20 of 20" in report and "incomplete" not in report
+    assert "jobs finished: 24 of 24" in report and "incomplete" not in report
     data = json.loads((results / "results.json").read_text(encoding="utf-8"))
     assert {c["claim"] for c in data["claims"]} >= {"SVR > InfoNCE (bi-dynamic)", "self-distillation M=1 > stage 1"}
     assert all(c["verdict"] in {"reproduced", "not reproduced", "inconclusive"} and c["seeds"] == 2
                for c in data["claims"])
     assert len(data["runs"]["noisy/distill_m1"]) == 2
     assert "noisy pairs fitted" in report and "| DART (RAM) |" in report
+    # each method's own per-pair signal on the noisy pairs (bench/noise_weights.py); none for InfoNCE
+    weights = data["pair_weights"]
+    assert "noisy/infonce" not in weights and "clean/dart_ram" not in weights
+    for key, signal in (("noisy/dart_ram", "B·Π_ii (IOT plan)"), ("noisy/distill_m1", "p̂_ii (teacher target)"),
+                        ("noisy/ask", "Ψ_i (ASK reliability)"), ("noisy/ask", "B·Q*_ii (ASK realignment)")):
+        assert len(weights[key]) == 2, key
+        for audit in weights[key]:
+            assert audit["noisy_pairs"] > 0 and 0.0 <= audit[f"{signal}|below"] <= 1.0, (key, audit)
+            assert math.isfinite(audit[f"{signal}|noisy"]) and audit[f"{signal}|clean"] > 0, (key, audit)
+    assert "| DART (RAM) | B·Π_ii (IOT plan) |" in report and "| ASK | Ψ_i (ASK reliability) |" in report
     for plot in ("recall.png", "mrv.png", "languages.png", "curves.png"):
         assert (results / plot).stat().st_size > 10_000, plot
     # resume: a finished run does nothing; a lost result is recomputed alone, and so is a
@@ -68,7 +89,8 @@ def test_smoke_runs_the_whole_pipeline_and_resumes(tmp_path: Path, capsys: pytes
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "1 finished job(s) were run with another preset or budget and run again: clean/infonce/seed0" in out
-    assert "18 of 20 jobs already done; 2 to run" in out and "noisy/dart_ram/seed1: r1" in out
+    assert "22 of 24 jobs already done; 2 to run" in out and "noisy/dart_ram/seed1: r1" in out
+    assert "pair weights 1/1: noisy/dart_ram/seed1" in out  # only the rerun noisy job is audited again
     assert json.loads(stale.read_text(encoding="utf-8"))["job"]["overrides"] != edited["job"]["overrides"]
 
 

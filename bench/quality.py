@@ -1,16 +1,21 @@
 """`tonearm bench quality [CONFIG]`: every method on the same data, budget and seeds, clean and noisy.
 
-    tonearm bench quality                        # bench/quality.yaml: the full run (≤ 2 h on 2 cores)
-    tonearm bench quality --smoke                # the whole pipeline on `tiny` in about a minute
+    tonearm bench quality                        # bench/quality.yaml: the full run (about 2 h on 2 cores)
+    tonearm bench quality --smoke                # the whole pipeline on `tiny` (a few minutes)
     tonearm bench quality --manifest clotho.jsonl --results docs/results-clotho
+    tonearm bench quality bench/laggards.yaml --only siglip_2x --seeds 0 1   # part of a sweep
 
 Each (condition, method, seed) is one job: train with the method's preset plus the
 config's budget overrides, evaluate `best/` on the test split, and (noisy condition) audit
-how well the model fits the noisy training pairs. A job writes `result.json` when it is
-done; a rerun skips finished jobs and resumes an interrupted training from its `last/`.
+how well the model fits the noisy training pairs. A job writes `job.json` (its preset and
+overrides) when it starts and `result.json` when it is done; a rerun skips finished jobs
+whose `job.json` still matches (a changed budget or preset reruns them rather than
+reporting a stale number) and resumes an interrupted training from its `last/`.
 Jobs run in parallel (``--workers``, default: the cores) with one thread each; the
-distillation students start when their stage-1 teachers are done. After every job the
-tables, plots and verdicts under the results directory are rewritten (bench/quality_report.py).
+distillation students start when their stage-1 teachers are done. Once the jobs are done,
+the noisy jobs' per-pair weights are audited (bench/noise_weights.py: how each method's own
+signal weighs the noisy pairs). After every job the tables, plots and verdicts under the
+results directory are rewritten (bench/quality_report.py).
 """
 
 from __future__ import annotations

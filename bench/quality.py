@@ -266,6 +266,7 @@ def run_job(job: Job) -> dict[str, Any]:
     job.out_dir.mkdir(parents=True, exist_ok=True)
     job.spec_path.write_text(json.dumps(fingerprint, indent=1) + "\n", encoding="utf-8")
     cfg = load_train_config(ROOT / job.preset, overrides)
+    started_at = time.time()
     started = time.monotonic()
     train(cfg)
     train_seconds = time.monotonic() - started
@@ -277,6 +278,7 @@ def run_job(job: Job) -> dict[str, Any]:
     }
     if job.noisy:
         result["noise_audit"] = audit_noisy_pairs(job.out_dir / "best", job.manifest)
+    result["started_at"], result["finished_at"] = started_at, time.time()
     job.result_path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     return result
 

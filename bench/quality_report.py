@@ -242,7 +242,10 @@ def write_results(cfg: QualityConfig, jobs: list[Job], *, command: str, machine:
                       "distillation teachers' soft target p̂_ii (hard label: 1), ASK's reliability Ψ_i and its "
                       "realignment plan B·Q*_ii. The last column is the share of noisy pairs weighted below the median "
                       "clean pair: 50 % = the signal does not tell noisy from clean, 100 % = every noisy pair is "
-                      "down-weighted. InfoNCE, SigLIP, SVR, KCL/CACL and triplet have no such signal.",
+                      "down-weighted. InfoNCE, SigLIP, SVR, KCL/CACL and triplet have no such signal. Every signal derives from "
+                      "the trained embeddings' similarities and a noisy caption is unrelated to its clip, so a high share "
+                      "says the signal *can* single the noisy pairs out by the end of training, not that training with it "
+                      "helped: that is what the recall tables measure.",
                       "", *pair_weight_table(cfg, table, condition)]
     lines += ["", "## Plots", "", "![R@1 and R@10 per method](recall.png)", "", "![MRV per method](mrv.png)", "",
               "![per-language R@1](languages.png)", "", "![validation curves](curves.png)", ""]
@@ -262,11 +265,21 @@ def write_results(cfg: QualityConfig, jobs: list[Job], *, command: str, machine:
     return out
 
 
+def job_end_time(job: Job) -> float:
+    """When the job finished: recorded in result.json, else its log's last write (result.json's
+    mtime moves when the pair-weight audit is added afterwards)."""
+    result = json.loads(job.result_path.read_text(encoding="utf-8"))
+    if "finished_at" in result:
+        return float(result["finished_at"])
+    log = job.out_dir.parents[2] / "logs" / (job.key.replace("/", "__") + ".log")
+    return log.stat().st_mtime if log.is_file() else job.result_path.stat().st_mtime
+
+
 def job_wall_seconds(job: Job) -> float | None:
-    """Start (job.json written) to result.json: training, test evaluation and noise audit of one job."""
+    """Start (job.json written) to finish: training, test evaluation and noise audit of one job."""
     if not (job.spec_path.is_file() and job.is_done()):
         return None
-    return job.result_path.stat().st_mtime - job.spec_path.stat().st_mtime
+    return job_end_time(job) - job.spec_path.stat().st_mtime
 
 
 def budget_lines(cfg: QualityConfig, jobs: list[Job], table: dict) -> list[str]:
@@ -285,7 +298,7 @@ def budget_lines(cfg: QualityConfig, jobs: list[Job], table: dict) -> list[str]:
     one = {n: m.conditions for n, m in cfg.methods.items() if m.conditions is not None}
     done = [job for job in jobs if job.key in measured]
     first_start = min(job.spec_path.stat().st_mtime for job in done)
-    last_end = max(job.result_path.stat().st_mtime for job in done)
+    last_end = max(job_end_time(job) for job in done)
     slowest = sorted(per_method.items(), key=lambda kv: -float(np.mean(kv[1])))[:3]
     return [
         f"{len(jobs)} jobs: {len(both)} methods on every condition × {len(cfg.seeds)} seeds, plus "

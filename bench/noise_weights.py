@@ -40,11 +40,25 @@ def has_pair_weights(objective: dict[str, Any]) -> bool:
     return base == "iot" or bool(objective.get("distill")) or bool(objective.get("knowledge"))
 
 
+def english_training_pairs(records: Sequence[Any]) -> tuple[list[str], list[int], list[bool], list[int]]:
+    """(caption, clip row, noisy?, caption position) of every English caption of `records`."""
+    from index.languages import ENGLISH
+    from training.data.noise import noisy_positions
+
+    texts, owners, noisy, positions = [], [], [], []
+    for row, record in enumerate(records):
+        marked = noisy_positions(record)
+        for position, caption in enumerate(record.captions.get(ENGLISH, [])):
+            texts.append(caption)
+            owners.append(row)
+            noisy.append(position in marked)
+            positions.append(position)
+    return texts, owners, noisy, positions
+
+
 def pair_weight_audit(checkpoint: Path, manifest: Path, *, clips: int = AUDIT_CLIPS) -> dict[str, float] | None:
     """{signal: mean noisy / mean clean / share of noisy pairs below the clean median} or None."""
-    from index.languages import ENGLISH
     from training.checkpoint import load_checkpoint
-    from training.data.noise import noisy_positions
     from training.evaluate import embed_chunks, embed_texts, load_clip_chunks, load_split
 
     loaded = load_checkpoint(checkpoint, device="cpu")
@@ -54,14 +68,7 @@ def pair_weight_audit(checkpoint: Path, manifest: Path, *, clips: int = AUDIT_CL
         return None
     train_records = load_split(manifest, data_cfg=cfg.data, split="train")
     records = train_records[:clips]
-    texts, owners, noisy, positions = [], [], [], []
-    for row, record in enumerate(records):
-        marked = noisy_positions(record)
-        for position, caption in enumerate(record.captions.get(ENGLISH, [])):
-            texts.append(caption)
-            owners.append(row)
-            noisy.append(position in marked)
-            positions.append(position)
+    texts, owners, noisy, positions = english_training_pairs(records)
     device = torch.device("cpu")
     chunks = load_clip_chunks(records, data_cfg=cfg.data, frontend_cfg=cfg.frontend)
 

@@ -308,10 +308,6 @@ def validation_curve(metrics_jsonl: Path) -> list[dict[str, float]]:
     ]
 
 
-AUDIT_CLIPS = 600
-"""Training clips the noise audit embeds (the first ones of the split; enough noisy slots to count)."""
-
-
 def audit_noisy_pairs(checkpoint: Path, manifest: Path) -> dict[str, float]:
     """How much the trained model still believes the noisy training pairs, against the clean ones.
 
@@ -323,9 +319,8 @@ def audit_noisy_pairs(checkpoint: Path, manifest: Path) -> dict[str, float]:
     import numpy as np
     import torch
 
-    from index.languages import ENGLISH
+    from bench.noise_weights import AUDIT_CLIPS, english_training_pairs
     from training.checkpoint import load_checkpoint
-    from training.data.noise import noisy_positions
     from training.evaluate import embed_chunks, embed_texts, load_split, prepare_eval_set
 
     loaded = load_checkpoint(checkpoint, device="cpu")
@@ -333,13 +328,7 @@ def audit_noisy_pairs(checkpoint: Path, manifest: Path) -> dict[str, float]:
     eval_set = prepare_eval_set(records, data_cfg=loaded.config.data, frontend_cfg=loaded.config.frontend)
     device = torch.device("cpu")
     audio = embed_chunks(loaded.model, eval_set.chunks, batch_size=loaded.config.eval.batch_size, device=device)
-    texts, owners, noisy = [], [], []
-    for row, record in enumerate(records):
-        marked = noisy_positions(record)
-        for position, caption in enumerate(record.captions.get(ENGLISH, [])):
-            texts.append(caption)
-            owners.append(row)
-            noisy.append(position in marked)
+    texts, owners, noisy, _ = english_training_pairs(records)
     text = embed_texts(loaded.model, loaded.tokenizer, texts, batch_size=loaded.config.eval.batch_size, device=device)
     similarity = (text @ audio.t()).numpy()
     owner = np.asarray(owners)

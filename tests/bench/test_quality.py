@@ -44,6 +44,22 @@ def test_the_shipped_config_lists_every_method_of_the_issue_and_valid_claims() -
         assert name in cfg.methods, name
 
 
+def test_the_laggards_sweep_reuses_the_main_runs_jobs_rather_than_overwriting_them() -> None:
+    # bench/laggards.yaml shares the main runs folder; a shared row whose budget drifted from
+    # quality.yaml's would be retrained there and replace the main run's result.
+    from bench.quality import ROOT, plan_jobs
+
+    main_cfg = load_quality_config(DEFAULT_CONFIG)
+    sweep_cfg = load_quality_config(ROOT / "bench" / "laggards.yaml")
+    assert sweep_cfg.runs_dir == main_cfg.runs_dir and sweep_cfg.corpus == main_cfg.corpus
+    manifests = {condition: Path(f"/data/{condition}.jsonl") for condition in main_cfg.conditions}
+    main_jobs = {job.key: job.fingerprint() for job in plan_jobs(main_cfg, manifests)}
+    sweep_jobs = {job.key: job.fingerprint() for job in plan_jobs(sweep_cfg, manifests)}
+    shared = sweep_jobs.keys() & main_jobs.keys()
+    assert {key.split("/")[1] for key in shared} >= {"infonce", "siglip", "iot", "dart_ram", "ask", "triplet"}
+    assert {key: sweep_jobs[key] for key in shared} == {key: main_jobs[key] for key in shared}
+
+
 def test_a_bad_config_names_the_key(tmp_path: Path) -> None:
     bad = tmp_path / "q.yaml"
     bad.write_text("methods: {a: {preset: configs/default.yaml, label: A}}\nclaims: [{paper: x, claim: y, "

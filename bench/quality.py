@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,8 @@ class MethodSpec(_Strict):
     """Conditions this method runs on (default: all)."""
     teachers: Literal["same_seed", "all_seeds"] | None = None
     """Distillation: teachers are the `stage1` runs of the same seed (M = 1) or of every seed (M = 3)."""
+    min_languages: int = Field(1, ge=1)
+    """Caption languages the method needs (cross-lingual methods: 2); with fewer in the manifest it is not run."""
 
 
 class ClaimSpec(_Strict):
@@ -90,6 +93,8 @@ class QualityConfig(_Strict):
     teacher_method: str = "stage1"
     budget_note: str = ""
     """How the budget was chosen (printed under "Budget" in the results)."""
+    not_run: dict[str, str] = Field(default_factory=dict)
+    """Methods left out for this manifest, with the reason (set by `fit_to_manifest`, not in YAML)."""
 
 
 def load_quality_config(path: Path) -> QualityConfig:
@@ -175,6 +180,44 @@ def prepare_manifests(cfg: QualityConfig, *, workers: int) -> dict[str, Path]:
             print(f"== {condition}: {count} training caption slots swapped → {noisy}", flush=True)
         manifests[condition] = noisy
     return manifests
+
+
+def manifest_languages(manifest: Path) -> list[str]:
+    """The caption languages every split of `manifest` has, in the project's language order."""
+    from index.languages import DEFAULT_LANGUAGES
+    from training.data.manifest import read_manifest
+
+    per_split: dict[str, set[str]] = defaultdict(set)
+    for _, record in read_manifest(manifest, languages=None):
+        per_split[record.split].update(lang for lang, captions in record.captions.items() if captions)
+    missing = {"train", "test"} - set(per_split)
+    if missing:
+        raise TonearmError(f"{manifest}: no {' or '.join(sorted(missing))} split; the benchmark trains on 'train' "
+                           "and reports on 'test'")
+    common = set.intersection(*per_split.values())
+    if not common:
+        raise TonearmError(f"{manifest}: no caption language is present in every split "
+                           f"({', '.join(f'{s}: {sorted(langs)}' for s, langs in sorted(per_split.items()))})")
+    return [lang for lang in DEFAULT_LANGUAGES if lang in common] + sorted(common - set(DEFAULT_LANGUAGES))
+
+
+def fit_to_manifest(cfg: QualityConfig, languages: list[str]) -> QualityConfig:
+    """A user's manifest (Clotho, AudioCaps …): train on its languages, leave out what needs more.
+
+    English-only Clotho has one caption language, so the cross-lingual methods (KCL, CACL) and
+    the claims that compare them are not run; the report says so rather than failing 24 jobs.
+    """
+    not_run = {name: f"needs ≥ {spec.min_languages} caption languages; the manifest has {', '.join(languages)}"
+               for name, spec in cfg.methods.items() if spec.min_languages > len(languages)}
+    if cfg.teacher_method in not_run:
+        not_run.update({name: f"its teacher {cfg.teacher_method} is not run"
+                        for name, spec in cfg.methods.items() if spec.teachers})
+    methods = {name: spec for name, spec in cfg.methods.items() if name not in not_run}
+    claims = [c for c in cfg.claims if c.better in methods and c.worse in methods]
+    return cfg.model_copy(update={
+        "methods": methods, "claims": claims, "not_run": not_run,
+        "train_overrides": [*cfg.train_overrides, f"data.languages=[{','.join(languages)}]"],
+    })
 
 
 # --- jobs -------------------------------------------------------------------------------------
@@ -487,6 +530,14 @@ def main(argv: list[str] | None = None) -> int:
         f" --conditions {' '.join(args.conditions)}" if args.conditions else "") + (
         f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else "")
     manifests = prepare_manifests(cfg, workers=workers)
+    if cfg.manifest is not None:
+        languages = manifest_languages(manifests[next(iter(cfg.conditions))])
+        cfg = fit_to_manifest(cfg, languages)
+        print(f"== manifest languages: {', '.join(languages)}", flush=True)
+        for name, why in cfg.not_run.items():
+            print(f"   not run: {name} ({why})", flush=True)
+        if args.only and not set(args.only) & set(cfg.methods):
+            raise TonearmError(f"--only: none of {sorted(args.only)} can run on this manifest")
     jobs = plan_jobs(cfg, manifests)
 
     def report() -> None:

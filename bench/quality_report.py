@@ -214,6 +214,9 @@ def write_results(cfg: QualityConfig, jobs: list[Job], *, command: str, machine:
     ]
     if smoke:
         lines += ["", "**Smoke run on `tiny` (1 epoch): checks the pipeline, not the methods.**"]
+    if cfg.not_run:
+        lines += ["", "Not run on this manifest (their claims are left out too): "
+                  + "; ".join(f"{name} — {why}" for name, why in cfg.not_run.items()) + "."]
     lines += ["", "## Budget", "", *([cfg.budget_note.strip(), ""] if cfg.budget_note.strip() else []),
               *budget_lines(cfg, jobs, table)]
     lines += ["", "## Claims", "",

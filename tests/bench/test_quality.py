@@ -157,3 +157,67 @@ def test_a_foreign_manifest_gets_its_noisy_copy_and_jobs(tiny_corpus: Path, tmp_
     jobs = plan_jobs(cfg, manifests)
     assert {j.manifest for j in jobs} == {foreign, manifests["noisy"]}
     assert all(set(j.depends) <= {k.key for k in jobs} for j in jobs)
+
+
+def _english_only_clotho(tiny_corpus: Path, out: Path) -> Path:
+    """The tiny corpus as Clotho ships it (one CSV per split, English captions), converted by `convert_clotho`."""
+    import csv
+
+    from training.data.formats import convert_clotho
+    from training.data.manifest import read_manifest, write_manifest
+
+    records = [r for _, r in read_manifest(tiny_corpus, languages=None)]
+    converted = []
+    for split in ("train", "val", "test"):
+        rows = [r for r in records if r.split == split]
+        table = out / f"clotho_{split}.csv"
+        table.parent.mkdir(parents=True, exist_ok=True)
+        with table.open("w", newline="", encoding="utf-8") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["file_name", "caption_1", "caption_2", "caption_3"])
+            for r in rows:
+                writer.writerow([Path(r.audio).name, *r.captions["eng"][:3]])
+        converted += convert_clotho(table, audio_dir=tiny_corpus.parent / "audio" / split, split=split)
+    manifest = out / "manifest.jsonl"
+    write_manifest(converted, manifest)
+    return manifest
+
+
+@pytest.mark.timeout(600)
+def test_an_english_only_clotho_manifest_runs_unchanged_and_leaves_out_the_cross_lingual_methods(
+        tiny_corpus: Path, tmp_path: Path) -> None:
+    from bench.quality import manifest_languages
+
+    manifest = _english_only_clotho(tiny_corpus, tmp_path / "clotho")
+    assert manifest_languages(manifest) == ["eng"]
+    config = tmp_path / "q.yaml"
+    config.write_text(
+        "conditions: {clean: 0.0}\nseeds: [0]\n"
+        "train_overrides: [data.clip_seconds=2.0, model.embed_dim=32, 'model.audio.channels=[8,16]', "
+        "model.text.width=32, model.text.layers=1, model.text.heads=2, model.text.vocab_size=300, optim.epochs=1, "
+        "optim.batch_size=8, optim.warmup_steps=1, eval.every_epochs=1, device=cpu]\n"
+        "methods:\n  infonce: {preset: configs/default.yaml, label: InfoNCE}\n"
+        "  kcl: {preset: configs/atri_kcl.yaml, label: KCL, min_languages: 2}\n"
+        "claims: [{paper: ATRI, claim: 'KCL > InfoNCE', better: kcl, worse: infonce, metric: r1}]\n",
+        encoding="utf-8")
+    results = tmp_path / "results"
+    assert main(["bench", "quality", str(config), "--manifest", str(manifest), "--workers", "1",
+                 "--runs", str(tmp_path / "runs"), "--results", str(results)]) == 0
+    report = (results / "README.md").read_text(encoding="utf-8")
+    assert "jobs finished: 1 of 1" in report
+    assert "Not run on this manifest" in report and "kcl — needs ≥ 2 caption languages; the manifest has eng" in report
+    data = json.loads((results / "results.json").read_text(encoding="utf-8"))
+    assert data["claims"] == [] and list(data["runs"]) == ["clean/infonce"]
+    per_language = {k for k in data["runs"]["clean/infonce"][0] if k.startswith("t2a_R@1_")}
+    assert per_language == {"t2a_R@1_eng", "t2a_R@1_mean"}
+
+
+def test_a_manifest_without_a_test_split_is_refused_by_name(tiny_corpus: Path, tmp_path: Path) -> None:
+    from bench.quality import manifest_languages
+    from training.data.manifest import read_manifest, write_manifest
+
+    records = [r for _, r in read_manifest(tiny_corpus, languages=None) if r.split != "test"]
+    partial = tmp_path / "m.jsonl"
+    write_manifest(records, partial)
+    with pytest.raises(TonearmError, match="no test split"):
+        manifest_languages(partial)

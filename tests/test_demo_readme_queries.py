@@ -38,15 +38,20 @@ def test_readme_has_one_example_per_language_at_least():
     assert {lang for lang, _, _ in examples} == set(DEFAULT_LANGUAGES)
 
 
-@pytest.fixture(scope="module")
-def demo(demo_home: Path):
-    bundle_dir = cached_demo_bundle(demo_home)
-    assert bundle_dir is not None
+def demo_clip_events(demo_home: Path) -> dict[str, set[str]]:
+    """Clip id → the sounds synthesized into it (the demo corpus manifest's ``meta.events``)."""
     events = {}
     for line in (demo_root(demo_home) / "corpus" / "manifest.jsonl").read_text(encoding="utf-8").splitlines():
         record = json.loads(line)
         events[record["id"]] = {e["label"] for e in record["meta"]["events"]}
-    return LoadedBundle.open(bundle_dir), events
+    return events
+
+
+@pytest.fixture(scope="module")
+def demo(demo_home: Path):
+    bundle_dir = cached_demo_bundle(demo_home)
+    assert bundle_dir is not None
+    return LoadedBundle.open(bundle_dir), demo_clip_events(demo_home)
 
 
 @pytest.mark.parametrize(("lang", "query", "sounds"), readme_examples())

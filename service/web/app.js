@@ -30,7 +30,6 @@ const EXAMPLES = [
 ];
 
 const $ = (id) => document.getElementById(id);
-let lastHits = [];
 
 function el(tag, attrs = {}, text = null) {
   const node = document.createElement(tag);
@@ -109,11 +108,9 @@ async function search(event) {
       method: "POST", headers: { "Content-Type": "application/json" },
       body: JSON.stringify({ query, lang: $("lang").value, k: 10, include_captions: true }),
     });
-    lastHits = body.hits;
     $("bundle").textContent = `Bundle ${body.bundle_id}.`;
     renderHits(body.hits);
     setStatus("search-status", `${body.hits.length} clips for “${query}”.`);
-    if (!$("target").value && body.hits.length) $("target").placeholder = `clip id (default: ${body.hits[0].id})`;
   } catch (err) {
     setStatus("search-status", `Search failed: ${err.message}`, true);
   }
@@ -131,7 +128,8 @@ function svg(tag, attrs, text = null) {
 function renderChart(body) {
   const rows = Object.entries(body.languages);
   const chart = $("rank-chart");
-  const barHeight = 22, left = 80, width = 270, top = 8;
+  // about a phone's width, so that the labels keep their size there rather than shrink
+  const barHeight = 22, left = 86, width = 190, top = 8;
   const maxRank = Math.max(10, ...rows.map(([, d]) => d.target_rank || 0));  // rank 1 stays a short bar
   const totalWidth = width + left + 60, totalHeight = top + rows.length * (barHeight + 6) + 8;
   chart.setAttribute("viewBox", `0 0 ${totalWidth} ${totalHeight}`);

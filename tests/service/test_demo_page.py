@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -117,3 +118,57 @@ def test_demo_page_end_to_end(browser, tiny_bundle: Path, tiny_corpus: Path, uvi
 
         assert problems == []
         assert foreign == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # the first user of `demo_home` builds the real demo (about 5 min on two idle cores)
+def test_demo_page_on_the_real_demo_finds_what_the_readme_promises(browser, demo_home: Path, uvicorn_runner,
+                                                                   tmp_path: Path) -> None:
+    """The page as a newcomer sees it after `make serve`: the README's French query through the
+    browser finds a clip with both asked sounds in the top 3; a clip plays; the consistency chart
+    ranks the target per language; the screenshots (``demo-*.png``) show the real model."""
+    from tests.test_demo_readme_queries import demo_clip_events, readme_examples
+    from tonearm.demo import cached_demo_bundle
+
+    bundle = cached_demo_bundle(demo_home)
+    assert bundle is not None
+    events = demo_clip_events(demo_home)
+    query, sounds = next((q, s) for lang, q, s in readme_examples() if lang == "fra")
+    shots = _screenshots(tmp_path)
+    app = create_app(make_settings(bundle=str(bundle)))
+    with uvicorn_runner(app) as server:
+        server.wait_ready()
+        page = browser.new_page(viewport={"width": 1100, "height": 900})
+        problems: list[str] = []
+        page.on("console", lambda msg: problems.append(f"console {msg.type}: {msg.text}") if msg.type == "error" else None)
+        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+        page.goto(server.url + "/")
+        page.select_option("#lang", "fra")
+        page.fill("#query", query)
+        page.press("#query", "Enter")
+        page.wait_for_selector("#hits li")
+        top = page.locator("#hits li .hit-id").all_inner_texts()[:3]
+        assert any(sounds <= events[clip] for clip in top), [(clip, sorted(events[clip])) for clip in top]
+        audio = page.locator("#hits li audio").first
+        audio.evaluate("a => a.play()")
+        page.wait_for_function("""() => { const a = document.querySelector('#hits li audio');
+            return a.readyState >= 2 && a.currentTime > 0 && !a.error; }""", timeout=15_000)
+        page.screenshot(path=str(shots / "demo-1-search-french.png"), full_page=False)
+
+        page.click("#consistency-button")
+        page.wait_for_selector("#consistency-figure:not([hidden])")
+        ranks = [int(r) for r in page.locator("#rank-table tbody td:nth-child(2)").all_inner_texts()]
+        assert len(ranks) == 8 and ranks[0] == 1  # English: the default target is the English query's first hit
+        # the target box promises no other default than the one used (it once named the search's first hit)
+        used = page.inner_text("#consistency-status").split()[1].rstrip(":")
+        promised = re.findall(r"(?:train|val|test)-\d+", page.get_attribute("#target", "placeholder") or "")
+        assert promised in ([], [used]), (promised, used)
+        assert "MRV" in page.inner_text("#rank-caption")
+        page.evaluate("document.getElementById('consistency-title').scrollIntoView()")
+        page.screenshot(path=str(shots / "demo-2-consistency.png"), full_page=False)
+
+        page.set_viewport_size({"width": 375, "height": 800})
+        page.evaluate("window.scrollTo(0, 0)")
+        assert page.evaluate("document.documentElement.scrollWidth") <= 375
+        page.screenshot(path=str(shots / "demo-3-phone.png"), full_page=False)
+        assert problems == []

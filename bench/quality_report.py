@@ -212,6 +212,8 @@ def write_results(cfg: QualityConfig, jobs: list[Job], *, command: str, machine:
         "averaged over the languages; MRV = mean rank variance of the target across languages, Gap/Dis "
         "averaged over the non-English languages (docs/metrics.md); r1 = mean of t2a and a2t R@1",
     ]
+    if (out / "rerun.md").is_file():
+        lines.append("- reproduced? part of these runs trained again on another machine, run by run: [rerun.md](rerun.md)")
     if smoke:
         lines += ["", "**Smoke run on `tiny` (1 epoch): checks the pipeline, not the methods.**"]
     if cfg.not_run:
@@ -341,8 +343,10 @@ def write_readme_section(cfg: QualityConfig, table: dict, claims: list[dict[str,
         lines += ["", f"**Subset: {finished} of the {planned} planned runs are done** (docs/results/README.md says "
                   "which); the missing rows and verdicts are not measured yet."]
     verdicts = ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) or "none evaluated yet"
+    rerun = ("; the same runs trained again on another machine: docs/results/rerun.md"
+             if (ROOT / cfg.results_dir / "rerun.md").is_file() else "")
     lines += ["", f"Paper claims: {verdicts} (per claim and condition, with margins, in docs/results/README.md; "
-              "why SigLIP, DART and ASK trail: docs/results/laggards.md). Every preset trained once for 12 "
+              f"why SigLIP, DART and ASK trail: docs/results/laggards.md{rerun}). Every preset trained once for 12 "
               "epochs: docs/BENCHMARKS.md (objectives_small).", "", README_END]
     readme = ROOT / "README.md"
     text = readme.read_text(encoding="utf-8")

@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.quality import QualityConfig, load_quality_config  # noqa: E402
+
 PUBLISHED = ROOT / "docs" / "results" / "results.json"
 METRICS = (("r1", "r1 (%)", 100.0), ("t2a_R@10_mean", "t2a R@10 (%)", 100.0), ("mrv_t2a", "MRV t2a", 1.0))
 
@@ -55,15 +57,9 @@ def _runs(data: dict[str, Any]) -> Runs:
     return {key: {int(run["seed"]): run for run in runs} for key, runs in data["runs"].items()}
 
 
-def load_config(config: Path) -> Any:
-    from bench.quality import load_quality_config
-
-    return load_quality_config(config)
-
-
-def all_seed_students(config: Path) -> set[str]:
+def all_seed_students(cfg: QualityConfig) -> set[str]:
     """Methods whose teachers are every seed's stage-1 run: a rerun of fewer seeds trains another student."""
-    return {name for name, spec in load_config(config).methods.items() if spec.teachers == "all_seeds"}
+    return {name for name, spec in cfg.methods.items() if spec.teachers == "all_seeds"}
 
 
 def _spread(runs: dict[int, dict[str, float]], key: str) -> float:
@@ -94,12 +90,11 @@ def compare(published: Runs, rerun: Runs, *, not_comparable: Collection[str] = (
     return rows, left_out
 
 
-def verdict_changes(config: Path, published: Runs, rerun: Runs, *, not_comparable: Collection[str],
+def verdict_changes(cfg: QualityConfig, published: Runs, rerun: Runs, *, not_comparable: Collection[str],
                     published_claims: list[dict[str, Any]]) -> tuple[int, list[str]]:
     """The paper claims judged again with each rerun run in place of its published seed: (claims, changes)."""
     from bench.quality_report import claim_rows
 
-    cfg = load_config(config)
     mixed = {key: dict(seeds) for key, seeds in published.items()}
     for key, seeds in rerun.items():
         if key.split("/", 1)[1] not in not_comparable and key in mixed:
@@ -160,11 +155,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="the benchmark config both ran (default bench/quality.yaml)")
     args = parser.parse_args(argv)
     published, rerun = _load(args.published), _load(args.rerun)
-    not_comparable = all_seed_students(args.config) if rerun.get("seeds") != published.get("seeds") else set()
-    rows, left_out = compare(_runs(published), _runs(rerun), not_comparable=not_comparable)
+    published_runs, rerun_runs = _runs(published), _runs(rerun)
+    cfg = load_quality_config(args.config)
+    not_comparable = all_seed_students(cfg) if rerun.get("seeds") != published.get("seeds") else set()
+    rows, left_out = compare(published_runs, rerun_runs, not_comparable=not_comparable)
     if not rows:
         raise SystemExit(f"error: {args.rerun} and {args.published} have no run in common")
-    verdicts = verdict_changes(args.config, _runs(published), _runs(rerun), not_comparable=not_comparable,
+    verdicts = verdict_changes(cfg, published_runs, rerun_runs, not_comparable=not_comparable,
                                published_claims=published.get("claims", []))
     compared_by = "tonearm bench quality_rerun " + shlex.join(sys.argv[1:] if argv is None else argv)
     text = report(rows, left_out, command=args.command or rerun.get("command", ""), verdicts=verdicts,

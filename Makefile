@@ -8,7 +8,7 @@ serve:
 
 # The whole test suite (what CI runs).
 test:
-	@scripts/install.sh train,service,milvus,dev
+	@scripts/install.sh train,service,milvus,ray,dev
 	@scripts/ensure-redis.sh
 	@scripts/ensure-container-tools.sh
 	@scripts/ensure-chromium.sh

@@ -22,7 +22,7 @@ import numpy as np
 import soundfile as sf
 import soxr
 
-from tonearm.errors import AudioDecodeError
+from index.errors import AudioDecodeError
 
 CropMode = Literal["center", "random", "start"]
 

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tonearm.errors import BundleError
+from index.errors import BundleError
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from rich.console import Console
 
 from index.bundle import verify_bundle
 from index.bundle_eval import evaluate_bundle, max_report_difference
+from index.errors import BundleError
 from index.loader import LoadedBundle
 from index.report import format_report_rich
-from tonearm.errors import BundleError
 
 log = logging.getLogger(__name__)
 

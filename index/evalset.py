@@ -28,7 +28,7 @@ from typing import Literal
 import numpy as np
 
 from index.audio import fit_length
-from tonearm.errors import BundleError
+from index.errors import BundleError
 
 WAVEFORMS = "waveforms.npy"
 CLIPS = "clips.jsonl"

@@ -41,7 +41,7 @@ from typing import Any, Literal
 import faiss
 import numpy as np
 
-from tonearm.errors import BundleError, TonearmError
+from index.errors import BundleError, TonearmError
 
 log = logging.getLogger(__name__)
 _faiss: Any = faiss  # the SWIG stubs miss SearchParameters kwargs and several index fields

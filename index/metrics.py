@@ -33,8 +33,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from index.errors import DataError
 from index.languages import ENGLISH, validate_language_codes
-from tonearm.errors import DataError
 
 DEFAULT_BLOCK_ELEMENTS = 1 << 22
 """Scores per block (4 Mi: 16 MB of float32 per temporary)."""

@@ -42,8 +42,8 @@ from rich.console import Console
 
 from index import bundle as fmt
 from index.bundle import BundleManifest, IndexInfo, read_manifest
+from index.errors import BundleError, TonearmError
 from index.evalset import read_jsonl
-from tonearm.errors import BundleError, TonearmError
 
 log = logging.getLogger(__name__)
 

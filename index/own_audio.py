@@ -25,9 +25,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from index import bundle as fmt
 from index.audio import decode_audio
+from index.errors import AudioDecodeError, BundleError, TonearmError
 from index.faiss_index import build_index, save_index
 from index.loader import LoadedBundle
-from tonearm.errors import AudioDecodeError, BundleError, TonearmError
 
 log = logging.getLogger(__name__)
 EMBED_BATCH = 16

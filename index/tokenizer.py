@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from tonearm.errors import TonearmError
+from index.errors import TonearmError
 
 
 class TextTokenizer:

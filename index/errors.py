@@ -1,0 +1,44 @@
+"""User-facing errors of the torch-free library: the lowest layer, imported by every other one.
+
+The CLI prints their message (no traceback) and exits with status 2; the service maps them to
+problems. ``tonearm.errors`` re-exports these names for code written against it. Anything that
+is not a :class:`TonearmError` is a bug and keeps its traceback.
+
+Index-backend errors live here too (not in :mod:`index.milvus_index`), so the loader and the
+service can tell them apart without importing pymilvus:
+
+* :class:`IndexUnavailable` — the backend could not answer within its deadline (unreachable,
+  restarting, overloaded): transient, the service answers 503 ``index-unavailable`` with
+  ``Retry-After``;
+* :class:`BundleNotPublished` — the bundle's vectors are not in the backend: the user publishes.
+"""
+
+from __future__ import annotations
+
+
+class TonearmError(Exception):
+    """A problem the user can fix; the message says what and where."""
+
+
+class DataError(TonearmError):
+    """A manifest, caption file or dataset layout that cannot be used."""
+
+
+class AudioDecodeError(DataError):
+    """An audio file or upload that cannot be decoded (unreadable, empty, not audio)."""
+
+
+class BundleError(TonearmError):
+    """A bundle that is missing, incomplete, tampered with or inconsistent."""
+
+
+class BundleNotPublished(BundleError):
+    """The bundle's vectors are not (completely) in the index backend (Milvus) yet."""
+
+
+class IndexBackendError(TonearmError):
+    """The index backend (Milvus) answered an operation with an error that is not transient."""
+
+
+class IndexUnavailable(IndexBackendError):
+    """The index backend cannot be reached, or did not answer within its deadline; retry later."""

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from index.bundle import verify_bundle
 from index.bundle_eval import evaluate_bundle, max_report_difference
 from index.errors import BundleError
 from index.loader import LoadedBundle
 from index.report import format_report_rich
+from index.verify import verify_bundle
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,6 @@ import onnxruntime as ort
 from index import bundle as fmt
 from index.audio import eval_chunks
 from index.bundle import BundleManifest, read_manifest, verify_files
-from index.bundle import verify_bundle as verify_bundle  # re-exported: the shared API names it here
 from index.errors import BundleError, TonearmError
 from index.evalset import EvalSet, read_eval_set, read_jsonl
 from index.faiss_index import DEFAULT_MMAP_THRESHOLD, all_vectors, load_index, parse_factory, search

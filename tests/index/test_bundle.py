@@ -15,10 +15,10 @@ from index.bundle import (
     publish,
     read_manifest,
     staged_bundle,
-    verify_bundle,
     verify_files,
 )
 from index.loader import LoadedBundle
+from index.verify import verify_bundle
 from tests.index.conftest import copy_bundle
 from tonearm.errors import BundleError
 

@@ -25,7 +25,7 @@ class Block(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Block())
 import numpy as np
-from index.bundle import verify_bundle
+from index.verify import verify_bundle
 from index.bundle_eval import evaluate_bundle
 from index.loader import LoadedBundle
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from index.audio import decode_audio
-from index.bundle import read_manifest, verify_bundle
+from index.bundle import read_manifest
 from index.evalset import MAX_EVAL_CLIPS
 from index.faiss_index import IndexConfigError
 from index.loader import OnnxEncoder
+from index.verify import verify_bundle
 from tonearm.cli import main
 from tonearm.errors import BundleError, TonearmError
 from training.checkpoint import load_checkpoint

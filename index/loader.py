@@ -6,10 +6,10 @@ caption index are built once, and every method only reads them, so any number
 of threads may encode and search concurrently (ONNX Runtime's ``run`` and
 FAISS's ``search`` are thread-safe for concurrent readers).
 
-Per-language caption search (FAISS backend): the caption rows of ``text.faiss`` are stored
-grouped by language (``manifest.text_index.language_ranges``), so a language
-filter is an ``IDSelectorRange`` (or an ``IDSelectorOr`` of several) passed in
-a fresh per-call ``SearchParameters`` — never by changing the shared index.
+The vectors are searched through one small interface, :class:`index.vector_index.VectorIndex`,
+with two backends below this module: FAISS in the bundle (:mod:`index.vector_index`) and Milvus
+(:mod:`index.milvus_index`, imported only with ``milvus=``). Layering: bundle format → backends
+→ loader → verification (:mod:`index.verify`); nothing below imports this module.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-import faiss
 import numpy as np
 import onnxruntime as ort
 
@@ -29,8 +28,10 @@ from index.audio import eval_chunks
 from index.bundle import BundleManifest, read_manifest, verify_files
 from index.errors import BundleError, TonearmError
 from index.evalset import EvalSet, read_eval_set, read_jsonl
-from index.faiss_index import DEFAULT_MMAP_THRESHOLD, all_vectors, load_index, parse_factory, search
+from index.faiss_index import DEFAULT_MMAP_THRESHOLD
 from index.tokenizer import TextTokenizer
+from index.vector_index import FaissVectorIndex as FaissVectorIndex  # re-exported
+from index.vector_index import VectorIndex, open_faiss_index
 
 log = logging.getLogger(__name__)
 
@@ -149,63 +150,6 @@ def encode_waveforms(
     return l2_normalize(summed)
 
 
-class VectorIndex(Protocol):
-    """The one small interface both backends implement (FAISS in the bundle, or Milvus)."""
-
-    ntotal: int
-
-    def search(
-        self, queries: np.ndarray, k: int, languages: Sequence[str] | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k (scores (n, k) float32, rows (n, k) int64; -1 / -inf past the end), rows only
-        of ``languages`` when given (the caption index)."""
-        ...
-
-    def vectors(self) -> np.ndarray:
-        """Every stored vector, row order."""
-        ...
-
-
-class FaissVectorIndex:
-    """A loaded FAISS index with its fixed search parameters; languages are row ranges."""
-
-    def __init__(self, index: faiss.Index, params: dict[str, int], ranges: dict[str, tuple[int, int]] | None = None):
-        self.index = index
-        self.params = params
-        self.ntotal = int(index.ntotal)
-        self._selectors = {lang: faiss.IDSelectorRange(lo, hi) for lang, (lo, hi) in (ranges or {}).items()}
-
-    def search(
-        self, queries: np.ndarray, k: int, languages: Sequence[str] | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        if not languages:
-            return search(self.index, queries, k, params=self.params)
-        selectors = [self._selectors[lang] for lang in sorted(languages)]
-        combined: faiss.IDSelector = selectors[0]
-        keep_alive = [combined]  # the SWIG Or-selector does not own its parts
-        for other in selectors[1:]:
-            combined = faiss.IDSelectorOr(combined, other)
-            keep_alive.append(combined)
-        result = search(self.index, queries, k, params=self.params, selector=combined)
-        del keep_alive
-        return result
-
-    def vectors(self) -> np.ndarray:
-        return all_vectors(self.index)
-
-
-def _open_index(root: Path, info: fmt.IndexInfo, *, embed_dim: int, mmap_threshold_bytes: int) -> FaissVectorIndex:
-    spec = parse_factory(info.factory, info.dim)
-    index = load_index(
-        root / info.file, spec=spec, search_params=info.search_params, mmap_threshold_bytes=mmap_threshold_bytes
-    )
-    if index.d != embed_dim or info.dim != embed_dim:
-        raise BundleError(f"{root / info.file}: dimension {index.d} != manifest embed_dim {embed_dim}")
-    if index.ntotal != info.ntotal:
-        raise BundleError(f"{root / info.file}: ntotal {index.ntotal} != {info.ntotal} in manifest")
-    return FaissVectorIndex(index, dict(info.search_params), info.language_ranges)
-
-
 def _read_items(path: Path, *, required: Sequence[str], expected: int) -> list[dict[str, Any]]:
     items = read_jsonl(path, required=required)
     if len(items) != expected:
@@ -283,9 +227,9 @@ class LoadedBundle:
         text_index: VectorIndex | None = None
         client = None
         if milvus is None:
-            audio_index = _open_index(root, manifest.audio_index, embed_dim=dim, mmap_threshold_bytes=mmap_threshold_bytes)
+            audio_index = open_faiss_index(root, manifest.audio_index, embed_dim=dim, mmap_threshold_bytes=mmap_threshold_bytes)
             if manifest.text_index is not None:
-                text_index = _open_index(
+                text_index = open_faiss_index(
                     root, manifest.text_index, embed_dim=dim, mmap_threshold_bytes=mmap_threshold_bytes
                 )
         else:

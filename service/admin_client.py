@@ -61,21 +61,43 @@ def _problem_message(response: httpx.Response, args: argparse.Namespace) -> str:
     return f"{response.request.url} answered {response.status_code}: {detail}"
 
 
+def _verdict_title(verdict: dict[str, Any]) -> str:
+    where = ", ".join(verdict.get("languages") or [])
+    gate_set = verdict.get("set")
+    if gate_set:
+        return (f"quality gate vs {verdict.get('compared_to')} on the {gate_set['name']} "
+                f"({gate_set['n_clips']} clips, {gate_set['n_queries']} queries; {where})")
+    return f"quality gate vs {verdict.get('compared_to')} on {where}"
+
+
 def _verdict_table(verdict: dict[str, Any]) -> Table:
-    table = Table(title=f"quality gate vs {verdict.get('compared_to') or '-'} on {', '.join(verdict.get('languages') or []) or '-'}")
-    table.add_column("metric")
-    table.add_column("candidate", justify="right")
-    table.add_column("active", justify="right")
+    """Each metric for both bundles and their difference; values never cut (the metric column folds)."""
+    table = Table(title=_verdict_title(verdict))
+    table.add_column("metric", overflow="fold")
+    for column in ("candidate", "active", "difference"):
+        table.add_column(column, justify="right", no_wrap=True)
     for key in sorted(set(verdict.get("candidate", {})) | set(verdict.get("active", {}))):
         cand, act = verdict["candidate"].get(key), verdict["active"].get(key)
-        table.add_row(key, "-" if cand is None else f"{cand:.4f}", "-" if act is None else f"{act:.4f}")
+        diff = "-" if cand is None or act is None else f"{cand - act:+.4f}"
+        table.add_row(key, "-" if cand is None else f"{cand:.4f}", "-" if act is None else f"{act:.4f}", diff)
     return table
+
+
+def _interval_line(interval: dict[str, Any]) -> str:
+    return (
+        f"{interval['metric']}: candidate − active = {interval['delta']:+.4f}, "
+        f"{100 * interval['confidence']:g} % interval [{interval['low']:+.4f}, {interval['high']:+.4f}] "
+        f"(paired bootstrap, {interval['samples']} draws of the {interval['unit']}s, seed {interval['seed']})"
+    )
 
 
 def _print_verdict(console: Console, verdict: dict[str, Any] | None) -> None:
     if not verdict:
         return
-    console.print(_verdict_table(verdict))
+    if verdict.get("candidate") or verdict.get("active"):  # a refusal before any evaluation has no numbers
+        console.print(_verdict_table(verdict))
+    if verdict.get("interval"):
+        console.print(_interval_line(verdict["interval"]), highlight=False, soft_wrap=True)
     if not verdict["passed"]:
         status = "rejected"
     elif verdict["forced"] and verdict["reasons"]:
@@ -84,7 +106,7 @@ def _print_verdict(console: Console, verdict: dict[str, Any] | None) -> None:
         status = "passed"
     console.print(f"gate: [bold]{status}[/bold]")
     for reason in verdict.get("reasons", []):
-        console.print(f"  - {reason}")
+        console.print(f"  - {reason}", highlight=False, soft_wrap=True)
 
 
 def cli_list(args: argparse.Namespace) -> int:

@@ -111,6 +111,11 @@ def thresholds_from(settings: Settings) -> GateThresholds:
         max_recall_drop=settings.gate_max_recall_drop,
         max_mrv_ratio=settings.gate_max_mrv_ratio,
         mrv_slack=settings.gate_mrv_slack,
+        min_clips=settings.gate_min_clips,
+        confidence=settings.gate_confidence,
+        bootstrap_samples=settings.gate_bootstrap_samples,
+        seed=settings.gate_seed,
+        gate_set=settings.gate_set,
     )
 
 

@@ -192,6 +192,25 @@ class ActivateRequest(_Request):
     force: StrictBool = Field(False, description="Activate even if the quality gate rejects (the verdict is still reported).")
 
 
+class GateSetOut(BaseModel):
+    source: Literal["active-held-out", "configured"]
+    name: str = Field(description="Which set: the active bundle's held-out set, or the TONEARM_GATE_SET path.")
+    n_clips: int
+    n_queries: int = Field(description="Caption queries in the compared languages.")
+    languages: list[str]
+
+
+class GateIntervalOut(BaseModel):
+    metric: str
+    delta: float = Field(description="candidate − active on the whole set.")
+    low: float
+    high: float
+    confidence: float
+    samples: int
+    seed: int
+    unit: str = Field(description="What the bootstrap resamples (clips).")
+
+
 class GateVerdictOut(BaseModel):
     passed: bool
     forced: bool
@@ -200,6 +219,8 @@ class GateVerdictOut(BaseModel):
     candidate: dict[str, float]
     active: dict[str, float]
     compared_to: str | None
+    set: GateSetOut | None = None
+    interval: GateIntervalOut | None = None
 
 
 class ActivationResponse(BaseModel):

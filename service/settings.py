@@ -103,10 +103,19 @@ class Settings(BaseSettings):
     max_channels: int = Field(default=8, ge=1)
 
     # --- quality gate ---
-    gate_metric: str = "t2a_R@10_mean"
-    """Recall metric compared by the gate (a key of index.metrics.retrieval_report)."""
+    gate_metric: str = Field(default="t2a_R@10_mean", pattern=r"^(t2a|a2t)_(R@\d+|mAP@10)_mean$")
+    """Recall metric compared by the gate (a per-query key of index.metrics.retrieval_report)."""
     gate_max_recall_drop: float = Field(default=0.02, ge=0, le=1)
-    """Reject when candidate recall < active recall − this (absolute)."""
+    """Reject when the lower end of the bootstrap interval of (candidate − active) recall is below −this."""
+    gate_set: Path | None = None
+    """Bundle directory whose held-out set the gate uses (default: the active bundle's)."""
+    gate_min_clips: int = Field(default=100, ge=1)
+    """A gate set with fewer clips is refused without --force (100 clips: chance R@10 ≤ 10 %)."""
+    gate_confidence: float = Field(default=0.95, gt=0, lt=1)
+    """Two-sided confidence of the paired bootstrap interval."""
+    gate_bootstrap_samples: int = Field(default=2000, ge=100, le=100_000)
+    gate_seed: int = 0
+    """Seed of the bootstrap draws (same bundles, same set, same seed → same verdict)."""
     gate_max_mrv_ratio: float = Field(default=1.10, ge=1)
     gate_mrv_slack: float = Field(default=1.0, ge=0)
     """Reject when candidate MRV > active MRV × ratio + slack (rank², slack absorbs tiny-set noise)."""

@@ -124,7 +124,10 @@ def fake_opener(path: Path) -> KeywordBundle:
 
 
 def make_settings(**overrides) -> Settings:
-    values = {"environment": "development", "admin_token": "test-admin-token-123456", "search_threads": 2}
+    """Development settings for tests. The gate's minimum set size is 1 here: fake and tiny bundles
+    hold 5–8 held-out clips; tests of the minimum (tests/service/test_gate_real.py) set it."""
+    values = {"environment": "development", "admin_token": "test-admin-token-123456", "search_threads": 2,
+              "gate_min_clips": 1}
     values.update(overrides)
     return Settings(**values)
 

@@ -5,7 +5,7 @@ import pytest
 from service.gate import GateThresholds, judge, run_gate
 from tests.service.fakes import KeywordBundle
 
-T = GateThresholds(metric="t2a_R@10_mean", max_recall_drop=0.02, max_mrv_ratio=1.1, mrv_slack=1.0)
+T = GateThresholds(metric="t2a_R@10_mean", max_recall_drop=0.02, max_mrv_ratio=1.1, mrv_slack=1.0, min_clips=1)
 
 
 def test_judge_passes_within_thresholds():
@@ -24,7 +24,7 @@ def test_judge_rejects_recall_drop_and_mrv_rise_with_numbers():
 def test_run_gate_compares_both_bundles_on_the_candidates_eval_set(tmp_path):
     good = KeywordBundle(tmp_path, bundle_id="good")
     worse = KeywordBundle(tmp_path, bundle_id="worse", degrade=True)
-    t = GateThresholds(metric="t2a_R@1_mean", max_recall_drop=0.02, max_mrv_ratio=1.1, mrv_slack=1.0)
+    t = GateThresholds(metric="t2a_R@1_mean", max_recall_drop=0.02, max_mrv_ratio=1.1, mrv_slack=1.0, min_clips=1)
     verdict = run_gate(worse, good, t, force=False)
     assert not verdict.passed and verdict.compared_to == "good"
     assert verdict.active["t2a_R@1_mean"] == 1.0

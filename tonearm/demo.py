@@ -5,9 +5,17 @@ Built once — synthetic corpus (``small``, seed 0) → short training with
 ``$TONEARM_HOME/demo`` (default ``~/.cache/tonearm/demo``) so later starts take
 seconds. A lock file serializes concurrent starts: the second one waits and then
 reuses the first one's bundle. Each step's output is reused when present, so an
-interrupted build resumes at the step that did not finish. The cache is keyed by a
-fingerprint of the demo config, so a changed ``configs/demo.yaml`` retrains (the corpus
-is reused). The build's log goes to ``$TONEARM_HOME/demo/build.log`` as well as the terminal.
+interrupted build resumes at the step that did not finish.
+
+The cache is keyed by a fingerprint of the **recipe**: ``configs/demo.yaml`` and the file it
+extends, plus the source of every module the build runs (``training/`` and ``index/``), so a
+changed config or changed training/export code rebuilds instead of serving a stale bundle.
+The corpus has its own, narrower key (the synthesizer's code and size): a changed training
+recipe retrains on the corpus already there. `make serve`, the test suite
+(``tests/conftest.py`` ``demo_home``) and the benchmarks share one build in
+``~/.cache/tonearm/demo`` this way. The build's log goes to
+``$TONEARM_HOME/demo/build.log`` as well as the terminal (:func:`wait_for_demo_bundle`
+watches it to tell a slow build from a stuck one).
 
 This module imports ``training`` lazily (it is not part of ``service``): building
 the demo needs the ``train`` extra; serving a built one does not.
@@ -29,24 +37,53 @@ from tonearm.errors import TonearmError
 
 log = logging.getLogger(__name__)
 
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = ROOT / "configs" / "demo.yaml"
+DEMO_SIZE = "small"
+"""Synthetic corpus size of the demo (``tonearm synth --size``)."""
 BUILD_LOG = "build.log"
+CORPUS_KEY = ".recipe"
+RECIPE_CODE = ("training", "index")
+"""Packages whose source is part of the recipe fingerprint (the build runs their code)."""
+CORPUS_CODE = ("training/data", "index/languages.py")
 
 
 def demo_root(home: Path) -> Path:
     return Path(home).expanduser() / "demo"
 
 
-def config_fingerprint(config: Path = DEMO_CONFIG) -> str:
-    """Short hash of the demo config and the file it extends (a changed recipe → a new build)."""
+def _sources(parts: tuple[str, ...]) -> list[Path]:
+    files: list[Path] = []
+    for part in parts:
+        path = ROOT / part
+        files.extend(sorted(path.rglob("*.py")) if path.is_dir() else [path])
+    return files
+
+
+def _digest(files: list[Path], *extra: str) -> str:
     digest = hashlib.sha256()
-    for path in (config, config.parent / "default.yaml"):
+    for value in extra:
+        digest.update(value.encode() + b"\0")
+    for path in files:
+        digest.update(str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path).encode() + b"\0")
         digest.update(path.read_bytes() if path.is_file() else b"")
     return digest.hexdigest()[:12]
 
 
-def _marker(root: Path) -> Path:
-    return root / f"bundle-{config_fingerprint()}.path"
+def config_fingerprint(config: Path | None = None) -> str:
+    """Short hash of the recipe: the demo config, the file it extends, the corpus size and the
+    source of ``training/`` and ``index/`` (a changed config or build code → a new build)."""
+    config = config or DEMO_CONFIG
+    return _digest([config, config.parent / "default.yaml", *_sources(RECIPE_CODE)], DEMO_SIZE)
+
+
+def corpus_fingerprint(size: str) -> str:
+    """Short hash of what the corpus depends on: the synthesizer's code and the size (seed 0)."""
+    return _digest(_sources(CORPUS_CODE), size)
+
+
+def _marker(root: Path, key: str | None = None) -> Path:
+    return root / f"bundle-{key or config_fingerprint()}.path"
 
 
 def build_log_path(home: Path) -> Path:
@@ -87,9 +124,10 @@ def ensure_demo_bundle(home: Path) -> Path:
         found = cached_demo_bundle(home)  # built by the process we waited for
         if found is not None:
             return found
+        key = config_fingerprint()  # before the build: code edited meanwhile must not bless this bundle
         with _logging_to(root / BUILD_LOG):
             bundle = _build(root)
-        marker = _marker(root)
+        marker = _marker(root, key)
         tmp = marker.with_suffix(".tmp")
         tmp.write_text(str(bundle.resolve()))
         os.replace(tmp, marker)
@@ -109,8 +147,10 @@ def _logging_to(path: Path) -> Iterator[None]:
         handler.close()
 
 
-def _build(root: Path, *, size: str = "small", config: Path = DEMO_CONFIG) -> Path:
-    """synth → train → export into ``root``; ``size``/``config`` let tests run the same path on ``tiny``."""
+def _build(root: Path, *, size: str | None = None, config: Path | None = None) -> Path:
+    """synth → train → export into ``root``; ``size``/``config`` (default :data:`DEMO_SIZE`,
+    :data:`DEMO_CONFIG`) let tests run the same path on ``tiny``."""
+    size, config = size or DEMO_SIZE, config or DEMO_CONFIG
     try:
         from training.config import load_train_config
         from training.data.synth import generate_corpus
@@ -126,15 +166,18 @@ def _build(root: Path, *, size: str = "small", config: Path = DEMO_CONFIG) -> Pa
 
     corpus_dir, bundles_dir = root / "corpus", root / "bundles"
     run_dir = root / f"run-{config_fingerprint(config)}"
-    manifest = corpus_dir / "manifest.jsonl"
-    if not manifest.is_file():
+    manifest, corpus_key = corpus_dir / "manifest.jsonl", corpus_fingerprint(size)
+    key_file = corpus_dir / CORPUS_KEY
+    if not manifest.is_file() or not key_file.is_file() or key_file.read_text().strip() != corpus_key:
         log.info("demo bundle [1/3]: generating the synthetic corpus (%s, seed 0) in %s", size, corpus_dir,
                  extra={"demo_stage": 1})
         shutil.rmtree(corpus_dir, ignore_errors=True)
         manifest = generate_corpus(size=size, seed=0, out_dir=corpus_dir)
+        key_file.write_text(corpus_key + "\n")
+        _remove_stale_runs(root, keep=None)  # trained on the old corpus
     checkpoint = run_dir / "best"
     if not (checkpoint / "model.safetensors").is_file():
-        shutil.rmtree(run_dir, ignore_errors=True)
+        _remove_stale_runs(root, keep=None)  # older recipes' runs (and an interrupted one): disk stays bounded
         cfg = load_train_config(config, [f"data.manifest={manifest}", f"out_dir={run_dir}"])
         log.info("demo bundle [2/3]: training %s, %d epochs (a few minutes on two cores)", config.name,
                  cfg.optim.epochs, extra={"demo_stage": 2, "demo_epochs": cfg.optim.epochs})
@@ -146,3 +189,37 @@ def _build(root: Path, *, size: str = "small", config: Path = DEMO_CONFIG) -> Pa
     bundle = export_bundle(checkpoint, manifest=manifest, out_dir=bundles_dir, progress=True)
     log.info("demo bundle ready: %s", bundle)
     return bundle
+
+
+def _remove_stale_runs(root: Path, *, keep: Path | None) -> None:
+    for run in root.glob("run-*"):
+        if run != keep and run.is_dir():
+            shutil.rmtree(run, ignore_errors=True)
+    for marker in root.glob("bundle-*.path"):
+        marker.unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tonearm.demo [--home DIR]``: build (or find) the demo bundle; print its path."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m tonearm.demo", description=main.__doc__)
+    parser.add_argument("--home", type=Path, default=None, help="TONEARM_HOME (default: the service's setting)")
+    args = parser.parse_args(argv)
+    if args.home is None:
+        from service.settings import Settings
+
+        args.home = Settings().home
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        bundle = ensure_demo_bundle(args.home)
+    except TonearmError as err:
+        sys.stderr.write(f"error: {err}\n")
+        return 2
+    sys.stdout.write(f"{bundle}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

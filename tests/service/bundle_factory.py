@@ -116,3 +116,16 @@ def build_real_bundles(*, tiny_corpus: Path, tiny_bundle: Path, work: Path) -> R
     b = export(b_ckpt, tiny_corpus, root)
     worse = collapsed_copy(a, root, "worse-" + a.name)
     return RealBundles(root=root, a=a, b=b, worse=worse, corpus=tiny_corpus)
+
+
+def renamed_copy(src: Path, parent: Path, bundle_id: str) -> Path:
+    """``src`` republished under another bundle id: the same encoders, indices and held-out set
+    (a candidate exactly as good as ``src``)."""
+    from index import bundle as fmt
+
+    manifest = fmt.read_manifest(src)
+    with fmt.staged_bundle(parent, bundle_id) as staging:
+        for rel in manifest.files:
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / rel, staging / rel)
+        return fmt.publish(staging, manifest.model_copy(update={"bundle_id": bundle_id}))

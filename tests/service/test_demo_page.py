@@ -129,7 +129,6 @@ def test_demo_page_end_to_end(browser, tiny_bundle: Path, tiny_corpus: Path, uvi
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # the first user of `demo_home` builds the real demo (about 5 min on two idle cores)
 def test_demo_page_on_the_real_demo_finds_what_the_readme_promises(browser, demo_home: Path, uvicorn_runner,
                                                                    tmp_path: Path) -> None:
     """The page as a newcomer sees it after `make serve`: the README's French query through the

@@ -110,15 +110,15 @@ def _batches(positions: np.ndarray, *, batch_size: int) -> list[np.ndarray]:
 
 def _iot_signal(audio: torch.Tensor, text: torch.Tensor, base: dict[str, Any]) -> Callable[[np.ndarray], np.ndarray]:
     from training.objectives.iot import IOTConfig
-    from training.ot import pairwise_euclidean, sinkhorn_log_plan
+    from training.ot import normalize_cost, pairwise_euclidean, sinkhorn_log_plan
 
     cfg = IOTConfig.model_validate({k: v for k, v in base.items() if k != "name"})
 
     def signal(rows: np.ndarray) -> np.ndarray:
         index = torch.as_tensor(rows)
         with torch.no_grad():
-            log_plan = sinkhorn_log_plan(pairwise_euclidean(audio[index], text[index]), eps=cfg.eps,
-                                         iters=cfg.iters, tol=cfg.tol)
+            cost = normalize_cost(pairwise_euclidean(audio[index], text[index]), cfg.cost_normalization)
+            log_plan = sinkhorn_log_plan(cost, eps=cfg.eps, iters=cfg.iters, tol=cfg.tol)
         return (len(rows) * log_plan.diagonal().exp()).numpy()
 
     return signal

@@ -327,17 +327,30 @@ def run_job(job: Job) -> dict[str, Any]:
 
 
 def evaluate_best(checkpoint: Path, manifest: Path, *, split: str) -> dict[str, float]:
+    """The retrieval report of `checkpoint` on `split`, plus the collapse and hubness diagnostics
+    (bench/quality_diagnostics.py) of the same test embeddings."""
     import math
 
+    import numpy as np
+    import torch
+
+    from bench.quality_diagnostics import embedding_diagnostics
+    from index.metrics import retrieval_report
     from training.checkpoint import load_checkpoint
-    from training.evaluate import evaluate_model, load_split
+    from training.evaluate import embed_chunks, embed_texts, load_split, prepare_eval_set
 
     loaded = load_checkpoint(checkpoint, device="cpu")
     records = load_split(manifest, data_cfg=loaded.config.data, split=split)
-    report = evaluate_model(loaded.model, loaded.tokenizer, records, data_cfg=loaded.config.data,
-                            frontend_cfg=loaded.config.frontend, batch_size=loaded.config.eval.batch_size,
-                            device="cpu")
-    return {key: value for key, value in report.items() if math.isfinite(value)}
+    eval_set = prepare_eval_set(records, data_cfg=loaded.config.data, frontend_cfg=loaded.config.frontend)
+    device, batch = torch.device("cpu"), loaded.config.eval.batch_size
+    audio = embed_chunks(loaded.model, eval_set.chunks, batch_size=batch, device=device).numpy()
+    captions = eval_set.captions
+    text = embed_texts(loaded.model, loaded.tokenizer, captions.texts, batch_size=batch, device=device).numpy()
+    report = retrieval_report(audio_emb=audio, text_emb=text, caption_clip=np.asarray(captions.clip),
+                              caption_lang=np.asarray(captions.lang), caption_group=np.asarray(captions.group),
+                              languages=list(eval_set.languages))
+    report.update(embedding_diagnostics(audio, text, list(captions.lang)))
+    return {key: float(value) for key, value in report.items() if math.isfinite(float(value))}
 
 
 def validation_curve(metrics_jsonl: Path) -> list[dict[str, float]]:

@@ -32,6 +32,25 @@ import torch
 from torch import Tensor
 
 RegType = Literal["kl", "entropy"]
+CostNormalization = Literal["none", "max"]
+
+
+def normalize_cost(cost: Tensor, mode: CostNormalization, *, detach: bool = False) -> Tensor:
+    """The cost on the scale ε is chosen for: ``none`` = as is; ``max`` = ``C / max C`` over the batch.
+
+    ``max`` is the convention of m-LTM's OT loss (Luong et al. 2024, ``tools/loss.py``:
+    ``M = M / M.max()`` before ``ot.sinkhorn(reg=0.03)``, the maximum not detached), which DART's
+    IOT builds on: ε then means the same thing whatever the spread of the embeddings, so a batch
+    whose distances shrink as training goes does not turn a fixed ε into an ever softer plan.
+    ``detach`` stops the gradient through the maximum (a constant rescaling per step).
+    Shapes: (..., n, m) → same; the maximum is per matrix (over the last two dims).
+    """
+    if mode == "none":
+        return cost
+    if mode != "max":
+        raise ValueError(f"cost normalization must be 'none' or 'max', got {mode!r}")
+    peak = cost.amax(dim=(-2, -1), keepdim=True).clamp(min=torch.finfo(cost.dtype).tiny)
+    return cost / (peak.detach() if detach else peak)
 
 
 def pairwise_euclidean(x: Tensor, y: Tensor, *, min_sq: float = 1e-12) -> Tensor:

@@ -20,6 +20,11 @@ For each granularity g ∈ {fine, coarse} (knowledge bases of :mod:`training.kno
   cross-entropy of ``S*/τ`` (the paper sums fine + coarse; the mean keeps the loss on
   InfoNCE's scale whatever the ablation), ``L*_{T→A} = (1 + λ_f F_f + λ_c F_c) L_{T→A}``,
   ``L_ASK = ½ (L*_{T→A} + L*_{A→T})``. With ρ = β = λ = 0 this is InfoNCE exactly.
+  ``reliability_scope`` chooses how Eq. 17–18 are read: ``batch`` (F the batch mean of
+  −log Ψ_i, one factor per batch and direction, as written above) or ``sample`` (each query's
+  cross-entropy weighted by its own ``1 + λ_f F_{f,i} + λ_c F_{c,i}`` with ``F_i = −log Ψ_i``,
+  then averaged). They are equal when Ψ is the same for every query; the default is the one the
+  benchmark supports (docs/objectives.md, "ASK reliability scope").
 
 τ is the wrapped InfoNCE base's temperature (fixed or learnable). Text–text pairs
 (CACL's anchor–other pair) and evaluation mode use the plain base loss: the knowledge
@@ -94,6 +99,9 @@ class ASKConfig(TermConfig):
     """``adaptive`` = Eq. 11 weights; ``uniform`` = w_j = 1/K (ablation); ``off`` = no modulation."""
     lambda_fine: float = Field(0.2, ge=0)
     lambda_coarse: float = Field(0.3, ge=0)
+    reliability_scope: Literal["batch", "sample"] = "batch"
+    """Eq. 17–18 per batch (one ``1 + λF`` per direction) or per sample (each query weighted by its
+    own ``1 + λF_i``); equal when Ψ is constant (docs/objectives.md, "ASK reliability scope")."""
     potential_gradient: bool = False
     """Back-propagate through the potentials F = −log Ψ (Eq. 16–17 read literally, as the
     paper's Appendix B does). Off by default: with the gradient, ``(1 + λF)·L`` has a collapsed
@@ -160,10 +168,24 @@ def realignment_plan(similarity: Tensor, *, eps: float, iters: int) -> Tensor:
 
 
 def realigned_cross_entropy(similarity: Tensor, plan: Tensor, *, beta: float, scale: Tensor) -> Tensor:
-    """Row cross-entropy with diagonal targets of ``scale · ((1 − β) I + β Q*) S`` (Eq. 14–15)."""
+    """Per-row cross-entropy (B,) with diagonal targets of ``scale · ((1 − β) I + β Q*) S`` (Eq. 14–15)."""
     realigned = (1.0 - beta) * similarity + beta * plan @ similarity
     targets = torch.arange(similarity.shape[0], device=similarity.device)
-    return F.cross_entropy(scale * realigned, targets)
+    return F.cross_entropy(scale * realigned, targets, reduction="none")
+
+
+def modulated_loss(row_losses: Tensor, potentials: list[tuple[float, Tensor]], *, scope: str) -> Tensor:
+    """``(1 + Σ_g λ_g F_g) · L`` of Eq. 17 for one direction.
+
+    ``row_losses`` (B,): each query's loss; ``potentials``: (λ_g, F_g (B,) = −log Ψ_{g,i}) per
+    granularity. ``batch``: ``(1 + Σ_g λ_g mean_i F_{g,i}) · mean_i L_i``; ``sample``:
+    ``mean_i (1 + Σ_g λ_g F_{g,i}) L_i``. Identical when every F_g is constant over the batch.
+    """
+    if scope == "batch":
+        factor = 1.0 + sum((lam * f.mean() for lam, f in potentials), torch.zeros((), device=row_losses.device))
+        return factor * row_losses.mean()
+    weights = 1.0 + sum((lam * f for lam, f in potentials), torch.zeros_like(row_losses))
+    return (weights * row_losses).mean()
 
 
 class ASK(PairTerm):
@@ -200,7 +222,8 @@ class ASK(PairTerm):
         scale = self.base.temperature.scale()
         out: dict[str, Tensor] = {}
         t2a, a2t, diag = [], [], []
-        mod_t2a = mod_a2t = 1.0
+        f_rows_t2a: list[tuple[float, Tensor]] = []
+        f_rows_a2t: list[tuple[float, Tensor]] = []
         for name, kb, lam, exclude in (
             ("fine", self.fine_kb, cfg.lambda_fine, pair.clip_index),
             ("coarse", self.coarse_kb, cfg.lambda_coarse, None),
@@ -217,11 +240,12 @@ class ASK(PairTerm):
                 f_t2a, f_a2t = self._reliability_terms(pair.left, pair.right, hood)
                 if not cfg.potential_gradient:
                     f_t2a, f_a2t = f_t2a.detach(), f_a2t.detach()
-                mod_t2a = mod_t2a + lam * f_t2a
-                mod_a2t = mod_a2t + lam * f_a2t
-                out[f"ask_f_{name}"] = (0.5 * (f_t2a + f_a2t)).detach()
-        loss_t2a = mod_t2a * torch.stack(t2a).mean()
-        loss_a2t = mod_a2t * torch.stack(a2t).mean()
+                f_rows_t2a.append((lam, f_t2a))
+                f_rows_a2t.append((lam, f_a2t))
+                out[f"ask_f_{name}"] = (0.5 * (f_t2a.mean() + f_a2t.mean())).detach()
+                out[f"ask_f_{name}_std"] = (0.5 * (f_t2a.std(correction=0) + f_a2t.std(correction=0))).detach()
+        loss_t2a = modulated_loss(torch.stack(t2a).mean(dim=0), f_rows_t2a, scope=cfg.reliability_scope)
+        loss_a2t = modulated_loss(torch.stack(a2t).mean(dim=0), f_rows_a2t, scope=cfg.reliability_scope)
         out["ask_loss"] = 0.5 * (loss_t2a + loss_a2t)
         out["ask_plan_diag"] = torch.stack(diag).mean()
         out["tau"] = self.base.temperature.tau().detach()
@@ -242,11 +266,11 @@ class ASK(PairTerm):
         return (loss_t2a, loss_a2t), plan
 
     def _reliability_terms(self, u: Tensor, v: Tensor, hood: Neighbours) -> tuple[Tensor, Tensor]:
-        """(F^{T→A}, F^{A→T}) = mean −log Ψ (Eq. 16)."""
+        """Per-query potentials (−log Ψ^{T→A}_i, −log Ψ^{A→T}_i), each (B,); their means are F (Eq. 16)."""
         adaptive = self.config.reliability == "adaptive"
         psi_t2a = knowledge_potential(u, hood.text_partner, hood.audio, adaptive=adaptive)
         psi_a2t = knowledge_potential(v, hood.audio_partner, hood.text, adaptive=adaptive)
-        return -psi_t2a.log().mean(), -psi_a2t.log().mean()
+        return -psi_t2a.log(), -psi_a2t.log()
 
     # -- knowledge bases ----------------------------------------------------------------
     def on_epoch_start(self, context: TrainingContext) -> None:

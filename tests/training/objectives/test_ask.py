@@ -322,3 +322,36 @@ def test_detached_potentials_do_not_reward_collapse() -> None:
     optimum); the default treats F as a reliability weight and keeps them apart."""
     collapsing, default = _spread_after_training(True), _spread_after_training(False)
     assert collapsing > default + 0.1, (collapsing, default)
+
+
+# --- reliability scope (docs/objectives.md, "ASK reliability scope") --------------------------------
+
+def test_per_sample_modulation_equals_per_batch_when_psi_is_constant() -> None:
+    from training.objectives.ask import modulated_loss
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.rand(12, generator=gen) * 3
+    constant = [(0.2, torch.full((12,), 0.7)), (0.3, torch.full((12,), -0.4))]
+    batch = modulated_loss(rows, constant, scope="batch")
+    sample = modulated_loss(rows, constant, scope="sample")
+    torch.testing.assert_close(sample, batch)
+    torch.testing.assert_close(batch, (1 + 0.2 * 0.7 - 0.3 * 0.4) * rows.mean())
+    # varying Ψ: the two readings differ, and per sample weights each row by its own factor
+    varying = [(0.2, torch.linspace(-1, 1, 12)), (0.3, torch.linspace(1, 0, 12))]
+    by_hand = ((1 + 0.2 * torch.linspace(-1, 1, 12) + 0.3 * torch.linspace(1, 0, 12)) * rows).mean()
+    torch.testing.assert_close(modulated_loss(rows, varying, scope="sample"), by_hand)
+    assert not torch.allclose(modulated_loss(rows, varying, scope="batch"), by_hand)
+    torch.testing.assert_close(modulated_loss(rows, [], scope="sample"), rows.mean())
+
+
+def test_per_sample_scope_trains_and_logs_the_spread_of_f() -> None:
+    ctx = FakeContext()
+    batch_term, sample_term = _ask(), _ask(reliability_scope="sample")
+    batch_term.on_epoch_start(ctx)
+    sample_term.on_epoch_start(ctx)
+    u, v, clip = _batch_from(ctx, torch.arange(0, 30, 2))
+    by_batch, by_sample = batch_term(_pair(u, v, clip)), sample_term(_pair(u, v, clip))
+    torch.testing.assert_close(by_sample["ask_f_fine"], by_batch["ask_f_fine"])
+    assert float(by_sample["ask_f_fine_std"]) > 0
+    assert torch.isfinite(by_sample["ask_loss"])
+    assert not torch.allclose(by_sample["ask_loss"], by_batch["ask_loss"])

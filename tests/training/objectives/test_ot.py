@@ -9,7 +9,13 @@ import ot
 import pytest
 import torch
 
-from training.ot import pairwise_euclidean, sinkhorn_log, sinkhorn_log_plan, sinkhorn_unbalanced_log
+from training.ot import (
+    normalize_cost,
+    pairwise_euclidean,
+    sinkhorn_log,
+    sinkhorn_log_plan,
+    sinkhorn_unbalanced_log,
+)
 
 
 def _problem(seed: int, n: int, m: int, *, scale: float = 2.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -131,3 +137,67 @@ def test_pairwise_euclidean() -> None:
     y = torch.tensor([[0.0, 0.0], [0.0, 1.0], [3.0, 4.0]])
     expected = torch.tensor([[0.0, 1.0, 5.0], [5.0, 18.0**0.5, 0.0]])
     torch.testing.assert_close(pairwise_euclidean(x, y), expected, atol=1e-5, rtol=0)
+
+
+# --- cost scale (IOT's cost_normalization, docs/objectives.md "IOT cost scale") -------------------
+
+def test_a_constant_added_to_every_cost_leaves_the_plan_unchanged() -> None:
+    cost, a, b = _problem(3, 6, 6)
+    cost_t = torch.tensor(cost)
+    plan = sinkhorn_log(cost_t, torch.tensor(a), torch.tensor(b), eps=0.05, iters=2000)
+    shifted = sinkhorn_log(cost_t + 7.5, torch.tensor(a), torch.tensor(b), eps=0.05, iters=2000)
+    torch.testing.assert_close(shifted, plan, atol=1e-9, rtol=1e-6)
+    # and a per-row offset too (why balanced OT is blind to a caption's offset)
+    row_shift = sinkhorn_log(cost_t + torch.arange(6.0, dtype=cost_t.dtype)[:, None], torch.tensor(a),
+                             torch.tensor(b), eps=0.05, iters=2000)
+    torch.testing.assert_close(row_shift, plan, atol=1e-9, rtol=1e-6)
+
+
+@pytest.mark.parametrize("c", [0.1, 3.0, 40.0])
+def test_cost_scaled_by_c_with_eps_scaled_by_c_leaves_the_plan_unchanged(c: float) -> None:
+    cost, _, _ = _problem(4, 8, 8)
+    cost_t = torch.tensor(cost)
+    plan = sinkhorn_log(cost_t, eps=0.03, iters=3000)
+    torch.testing.assert_close(sinkhorn_log(c * cost_t, eps=0.03 * c, iters=3000), plan, atol=1e-9, rtol=1e-6)
+    # without scaling ε the plan does change (the test can fail)
+    assert not torch.allclose(sinkhorn_log(c * cost_t, eps=0.03, iters=3000), plan, atol=1e-4)
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_max_normalization_makes_the_plan_scale_free(detach: bool) -> None:
+    cost = torch.tensor(_problem(5, 8, 8)[0])
+    normalized = normalize_cost(cost, "max", detach=detach)
+    assert float(normalized.max()) == pytest.approx(1.0)
+    plan = sinkhorn_log(normalized, eps=0.03, iters=3000)
+    for c in (0.2, 5.0):
+        again = sinkhorn_log(normalize_cost(c * cost, "max", detach=detach), eps=0.03, iters=3000)
+        torch.testing.assert_close(again, plan, atol=1e-9, rtol=1e-6)
+    assert normalize_cost(cost, "none") is cost
+    with pytest.raises(ValueError, match="none"):
+        normalize_cost(cost, "mean")  # type: ignore[arg-type]
+
+
+def test_max_normalization_gradient_flows_through_the_maximum_unless_detached() -> None:
+    cost = torch.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
+    normalize_cost(cost, "max").sum().backward()
+    assert cost.grad is not None and float(cost.grad[1, 1]) != pytest.approx(0.25)  # max entry gets −Σ/max² too
+    detached = torch.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
+    normalize_cost(detached, "max", detach=True).sum().backward()
+    assert detached.grad is not None
+    torch.testing.assert_close(detached.grad, torch.full((2, 2), 0.25))
+
+
+def test_iot_with_max_normalization_ignores_the_spread_of_the_embeddings() -> None:
+    """Shrinking every distance (embeddings closer together) leaves the normalised IOT loss unchanged
+    when the shrink is a pure scaling of the cost; the raw-cost loss changes."""
+    from training.objectives.iot import iot_loss
+
+    gen = torch.Generator().manual_seed(0)
+    left, right = torch.randn(16, 8, generator=gen, dtype=torch.float64), torch.randn(16, 8, generator=gen, dtype=torch.float64)
+    kwargs = {"eps": 0.05, "iters": 500, "tol": None}
+    loss, _ = iot_loss(left, right, cost_normalization="max", **kwargs)  # type: ignore[arg-type]
+    small, _ = iot_loss(0.3 * left, 0.3 * right, cost_normalization="max", **kwargs)  # type: ignore[arg-type]
+    torch.testing.assert_close(small, loss)
+    raw, _ = iot_loss(left, right, **kwargs)  # type: ignore[arg-type]
+    raw_small, _ = iot_loss(0.3 * left, 0.3 * right, **kwargs)  # type: ignore[arg-type]
+    assert abs(float(raw - raw_small)) > 1e-3

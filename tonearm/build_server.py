@@ -4,6 +4,10 @@ The first ``tonearm serve`` builds the demo bundle (minutes). Meanwhile a minima
 the configured host and port: ``/healthz`` answers 200 (the process is alive) and every other
 path — ``/readyz`` included — a 503 ``not-ready`` problem whose ``build`` member holds the
 stage and progress (with ``Retry-After``), so orchestrators and people see what is happening.
+A browser asking for ``/`` (``Accept: text/html``) gets a page instead
+(:mod:`tonearm.building_page`): the stage, a progress bar and the build log's latest line,
+refreshed from ``/readyz`` every 1.5 s, which reloads itself into the demo page once the
+service answers ready. Everything else still gets the problem document.
 When the build ends this server stops and the real service takes the port over (the port is
 closed for the moment between the two, well under a second).
 """
@@ -18,9 +22,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from service.errors import PROBLEM_MEDIA_TYPE, problem_body
+from tonearm.building_page import building_page, log_tail, wants_html
 from tonearm.demo_progress import BuildProgress, attached
 from tonearm.errors import TonearmError
 
@@ -39,18 +44,20 @@ def building_app(progress: BuildProgress, *, log_file: Path | None = None) -> Fa
         return {"status": "ok"}
 
     @app.api_route("/{path:path}", methods=ALL_METHODS)
-    async def building(request: Request, path: str) -> JSONResponse:
+    async def building(request: Request, path: str) -> Response:
         status = progress.status()
         if log_file is not None:
             status["log"] = str(log_file)
+            status["log_tail"] = log_tail(log_file)
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS), "Cache-Control": "no-store"}
+        if path == "" and request.method in ("GET", "HEAD") and wants_html(request.headers.get("accept", "")):
+            return HTMLResponse(building_page(status), status_code=503, headers=headers)
         detail = (
             f"building the demo bundle: step {status['step']}/{status['steps']} ({status['detail']}), "
             f"{100 * status['progress']:.0f} % after {status['elapsed_seconds']:.0f} s"
         )
         body = problem_body("not-ready", detail, instance=request.url.path, build=status)
-        return JSONResponse(
-            body, status_code=503, media_type=PROBLEM_MEDIA_TYPE, headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
-        )
+        return JSONResponse(body, status_code=503, media_type=PROBLEM_MEDIA_TYPE, headers=headers)
 
     return app
 

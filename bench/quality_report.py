@@ -7,6 +7,11 @@ Verdict of a claim "A beats B on metric m" under one condition: the margin is
 ``mean_A − mean_B`` (sign flipped for lower-is-better metrics such as MRV); when the
 intervals ``mean ± std`` of the two overlap (or a side has one seed) the verdict is *inconclusive*, otherwise
 *reproduced* (margin > 0) or *not reproduced* (margin < 0).
+
+A seed whose test embeddings collapsed (bench/quality_diagnostics.py: the spread of its test
+similarities is below ``COLLAPSE_SPREAD``) is listed under "Collapsed runs" and left out of every
+table, plot and mean; a claim with a collapsed seed on either side is *not scored* — a comparison
+with a model that did not train says nothing about the method.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ MAIN_COLUMNS: tuple[tuple[str, str, bool], ...] = (
     ("t2a mAP@10", "t2a_mAP@10_mean", True), ("a2t R@1", "a2t_R@1_mean", True), ("a2t R@5", "a2t_R@5_mean", True),
     ("a2t R@10", "a2t_R@10_mean", True), ("a2t mAP@10", "a2t_mAP@10_mean", True),
     ("MRV t2a ↓", "mrv_t2a", False), ("MRV a2t ↓", "mrv_a2t", False), ("Gap ↓", "gap_mean", False),
-    ("Dis ↓", "dis_mean", False),
+    ("Dis ↓", "dis_mean", False), ("hubness ↓", "hubness", False), ("sim. spread", "similarity_spread", False),
 )
+NOT_SCORED = "not scored (collapsed run)"
 
 
 def derived(metrics: dict[str, float]) -> dict[str, float]:
@@ -49,13 +55,26 @@ def derived(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def collect(jobs: list[Job]) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    """(condition, method) → the finished seeds' results (metrics with derived keys)."""
+def is_collapsed(result: dict[str, Any]) -> bool:
+    """The run's test embeddings collapsed (flag written at evaluation; older results lack it)."""
+    return bool(result["metrics"].get("collapsed", 0.0))
+
+
+def collect(jobs: list[Job], *, collapsed: dict[tuple[str, str], list[dict[str, Any]]] | None = None,
+            ) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """(condition, method) → the finished seeds' results (metrics with derived keys).
+
+    Collapsed seeds are left out; pass ``collapsed`` to receive them, by the same keys.
+    """
     table: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for job in jobs:
         if job.is_done():
             result = json.loads(job.result_path.read_text(encoding="utf-8"))
             result["metrics"] = derived(result["metrics"])
+            if is_collapsed(result):
+                if collapsed is not None:
+                    collapsed.setdefault((job.condition, job.method), []).append(result)
+                continue
             table[(job.condition, job.method)].append(result)
     return table
 
@@ -94,7 +113,10 @@ def verdict(better: tuple[float, float, int], worse: tuple[float, float, int], *
     return ("reproduced" if margin > 0 else "not reproduced"), margin
 
 
-def claim_rows(cfg: QualityConfig, table: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def claim_rows(cfg: QualityConfig, table: dict[tuple[str, str], list[dict[str, Any]]],
+               collapsed: dict[tuple[str, str], list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
+    """One row per claim and condition; a side with a collapsed seed makes the row *not scored*."""
+    collapsed = collapsed or {}
     rows = []
     for claim in cfg.claims:
         percent = not claim.metric.startswith(("mrv", "gap", "dis", "mean_rank"))
@@ -103,9 +125,12 @@ def claim_rows(cfg: QualityConfig, table: dict[tuple[str, str], list[dict[str, A
             worse = stats(table.get((condition, claim.worse), []), claim.metric)
             if claim.against_best_seed and worse[2]:
                 worse = best_seed(table[(condition, claim.worse)], claim.metric, lower=claim.lower)
-            if not better[2] and not worse[2]:
+            fallen = [side for side in (claim.better, claim.worse) if collapsed.get((condition, side))]
+            if not better[2] and not worse[2] and not fallen:
                 continue
             outcome, margin = verdict(better, worse, lower=claim.lower)
+            if fallen:
+                outcome = f"{NOT_SCORED}: {', '.join(fallen)}"
             rows.append({"paper": claim.paper, "claim": claim.claim, "condition": condition, "metric": claim.metric,
                          "better": cell(better[0], better[1], percent=percent),
                          "worse": cell(worse[0], worse[1], percent=percent),
@@ -116,16 +141,41 @@ def claim_rows(cfg: QualityConfig, table: dict[tuple[str, str], list[dict[str, A
 
 # --- markdown ---------------------------------------------------------------------------------
 
-def main_table(cfg: QualityConfig, table: dict, condition: str) -> list[str]:
+def main_table(cfg: QualityConfig, table: dict, condition: str, collapsed: dict | None = None) -> list[str]:
     head = "| method | seeds | " + " | ".join(title for title, _, _ in MAIN_COLUMNS) + " | train min |"
     lines = [head, "|---|---:|" + "---:|" * (len(MAIN_COLUMNS) + 1)]
     for name, method in cfg.methods.items():
         results = table.get((condition, name))
+        fallen = len((collapsed or {}).get((condition, name), []))
         if not results:
+            if fallen:
+                lines.append(f"| {method.label} (`{name}`) | 0 (+{fallen} collapsed) | "
+                             + " | ".join("–" for _ in MAIN_COLUMNS) + " | – |")
             continue
         cells = [cell(*stats(results, key)[:2], percent=percent) for _, key, percent in MAIN_COLUMNS]
         minutes = np.mean([r["train_seconds"] for r in results]) / 60
-        lines.append(f"| {method.label} (`{name}`) | {len(results)} | " + " | ".join(cells) + f" | {minutes:.1f} |")
+        seeds = f"{len(results)}" + (f" (+{fallen} collapsed)" if fallen else "")
+        lines.append(f"| {method.label} (`{name}`) | {seeds} | " + " | ".join(cells) + f" | {minutes:.1f} |")
+    return lines
+
+
+def collapsed_lines(cfg: QualityConfig, collapsed: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
+    """The runs left out because their test embeddings collapsed, with the evidence."""
+    from bench.quality_diagnostics import COLLAPSE_SPREAD
+
+    lines = [f"A run is *collapsed* when the standard deviation of its test audio–caption similarities is below "
+             f"{COLLAPSE_SPREAD:g} (every pair scored alike: recall at chance). Collapsed runs are left out of the "
+             "tables, plots and means, and a claim with a collapsed run on either side is not scored. Hubness is "
+             "the skewness of how often each caption is among the audios' 10 nearest (per language, averaged; "
+             "bench/quality_diagnostics.py).", ""]
+    if not collapsed:
+        return lines + ["No run collapsed."]
+    lines += ["| condition | method | seed | similarity spread | r1 |", "|---|---|---:|---:|---:|"]
+    for (condition, name), results in sorted(collapsed.items()):
+        label = cfg.methods[name].label if name in cfg.methods else name
+        for r in results:
+            lines.append(f"| {condition} | {label} (`{name}`) | {r['seed']} | "
+                         f"{r['metrics'].get('similarity_spread', math.nan):.4f} | {100 * r['metrics'].get('r1', math.nan):.1f} |")
     return lines
 
 
@@ -191,10 +241,11 @@ def write_results(cfg: QualityConfig, jobs: list[Job], *, command: str, machine:
     """Rewrite the results directory (README.md, results.json, PNGs) and, for a full run, the README section."""
     out = ROOT / cfg.results_dir
     out.mkdir(parents=True, exist_ok=True)
-    table = collect(jobs)
-    finished = sum(len(v) for v in table.values())
+    collapsed: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    table = collect(jobs, collapsed=collapsed)
+    finished = sum(len(v) for v in table.values()) + sum(len(v) for v in collapsed.values())
     languages = languages_of(table)
-    claims = claim_rows(cfg, table)
+    claims = claim_rows(cfg, table, collapsed)
     lines = [
         "# Results: every method, clean and noisy correspondences, ≥ 3 seeds",
         "",
@@ -229,9 +280,10 @@ def write_results(cfg: QualityConfig, jobs: list[Job], *, command: str, machine:
     for row in claims:
         lines.append(f"| {row['paper']} | {row['claim']} | {row['condition']} | {row['metric']} | {row['better']} | "
                      f"{row['worse']} | {row['margin']:+.2f} | {row['seeds']} | **{row['verdict']}** |")
+    lines += ["", "## Collapsed runs and hubness", "", *collapsed_lines(cfg, collapsed)]
     for condition in cfg.conditions:
         lines += ["", f"## {condition.capitalize()} ({cfg.conditions[condition]:g} noise)", "",
-                  *main_table(cfg, table, condition)]
+                  *main_table(cfg, table, condition, collapsed)]
         for direction, title in (("t2a", "text→audio"), ("a2t", "audio→text")):
             lines += ["", f"### {title} R@1 per language ({condition})", "",
                       *language_table(cfg, table, condition, direction, languages)]
@@ -258,6 +310,7 @@ def write_results(cfg: QualityConfig, jobs: list[Job], *, command: str, machine:
     (out / "results.json").write_text(json.dumps({
         "command": command, "conditions": cfg.conditions, "seeds": cfg.seeds, "claims": claims,
         "runs": {f"{c}/{m}": [r["metrics"] | {"seed": r["seed"]} for r in rs] for (c, m), rs in table.items()},
+        "collapsed": {f"{c}/{m}": [r["metrics"] | {"seed": r["seed"]} for r in rs] for (c, m), rs in collapsed.items()},
         "pair_weights": {f"{c}/{m}": [r["pair_weights"] | {"seed": r["seed"]} for r in rs if r.get("pair_weights")]
                          for (c, m), rs in table.items() if any(r.get("pair_weights") for r in rs)},
     }, indent=1, default=float) + "\n", encoding="utf-8")
@@ -266,7 +319,7 @@ def write_results(cfg: QualityConfig, jobs: list[Job], *, command: str, machine:
 
         plot_all(cfg, table, languages, out)
     if not smoke and cfg.results_dir == Path("docs/results"):
-        write_readme_section(cfg, table, claims, planned=len(jobs))
+        write_readme_section(cfg, table, claims, planned=len(jobs), collapsed=collapsed)
     return out
 
 
@@ -319,25 +372,34 @@ def budget_lines(cfg: QualityConfig, jobs: list[Job], table: dict) -> list[str]:
     ]
 
 
-def write_readme_section(cfg: QualityConfig, table: dict, claims: list[dict[str, Any]], *, planned: int = 0) -> None:
+def write_readme_section(cfg: QualityConfig, table: dict, claims: list[dict[str, Any]], *, planned: int = 0,
+                         collapsed: dict | None = None) -> None:
     """The README's results section: headline table and verdicts, generated from docs/results/."""
     conditions = list(cfg.conditions)
+    collapsed = collapsed or {}
     head = "| method | " + " | ".join(f"r1 {c}" for c in conditions) + " | " + " | ".join(
-        f"MRV t2a {c} ↓" for c in conditions) + " |"
+        f"MRV t2a {c} ↓" for c in conditions) + " | " + " | ".join(f"hubness {c} ↓" for c in conditions) + " |"
     lines = [README_START, "",
              "Generated from [docs/results/](docs/results/README.md) by `tonearm bench quality` "
              f"({', '.join(f'{c}: {p:g} noise' for c, p in cfg.conditions.items())}; {len(cfg.seeds)} seeds, "
              "mean ± std; r1 = mean of text→audio and audio→text R@1 over the 8 languages, in %):", "",
-             head, "|---|" + "---:|" * (2 * len(conditions))]
+             head, "|---|" + "---:|" * (3 * len(conditions))]
     for name, method in cfg.methods.items():
-        if not any(table.get((c, name)) for c in conditions):
+        if not any(table.get((c, name)) or collapsed.get((c, name)) for c in conditions):
             continue
-        r1 = [cell(*stats(table.get((c, name), []), "r1")[:2], percent=True) for c in conditions]
-        mrv = [cell(*stats(table.get((c, name), []), "mrv_t2a")[:2], percent=False) for c in conditions]
-        lines.append(f"| {method.label} | " + " | ".join(r1 + mrv) + " |")
-    counts = defaultdict(int)
+
+        def shown(c: str, key: str, percent: bool, name: str = name) -> str:
+            fallen = len(collapsed.get((c, name), []))
+            text = cell(*stats(table.get((c, name), []), key)[:2], percent=percent)
+            return text + (f" ({fallen} collapsed)" if fallen else "")
+
+        r1 = [shown(c, "r1", True) for c in conditions]
+        mrv = [shown(c, "mrv_t2a", False) for c in conditions]
+        hub = [shown(c, "hubness", False) for c in conditions]
+        lines.append(f"| {method.label} | " + " | ".join(r1 + mrv + hub) + " |")
+    counts: dict[str, int] = defaultdict(int)
     for row in claims:
-        counts[row["verdict"]] += 1
+        counts[NOT_SCORED if row["verdict"].startswith(NOT_SCORED) else row["verdict"]] += 1
     finished = sum(len(v) for v in table.values())
     if finished < planned:
         lines += ["", f"**Subset: {finished} of the {planned} planned runs are done** (docs/results/README.md says "
@@ -346,7 +408,7 @@ def write_readme_section(cfg: QualityConfig, table: dict, claims: list[dict[str,
     rerun = ("; the same runs trained again on another machine: docs/results/rerun.md"
              if (ROOT / cfg.results_dir / "rerun.md").is_file() else "")
     lines += ["", f"Paper claims: {verdicts} (per claim and condition, with margins, in docs/results/README.md; "
-              f"why SigLIP, DART and ASK trail: docs/results/laggards.md{rerun}). Every preset trained once for 12 "
+              f"the settings behind the methods that trailed and how they were fixed: docs/results/laggards.md{rerun}). Every preset trained once for 12 "
               "epochs: docs/BENCHMARKS.md (objectives_small).", "", README_END]
     readme = ROOT / "README.md"
     text = readme.read_text(encoding="utf-8")

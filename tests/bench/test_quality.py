@@ -68,6 +68,36 @@ def test_a_bad_config_names_the_key(tmp_path: Path) -> None:
         load_quality_config(bad)
 
 
+def test_a_claim_against_a_collapsed_run_is_not_scored_and_the_run_is_left_out(tmp_path: Path) -> None:
+    from bench.quality import Job
+    from bench.quality_report import NOT_SCORED, claim_rows, collapsed_lines, collect, main_table
+
+    cfg = load_quality_config(DEFAULT_CONFIG)
+    jobs = []
+    for method, r1s, spread in (("iot", (0.12, 0.11, 0.13), 0.2), ("triplet", (0.01, 0.01, 0.01), 0.0)):
+        for seed, r1 in enumerate(r1s):
+            out = tmp_path / "clean" / method / f"seed{seed}"
+            job = Job("clean", method, seed, out, [f"seed={seed}"], Path("configs/default.yaml"), tmp_path / "m.jsonl",
+                      noisy=False)
+            out.mkdir(parents=True)
+            collapsed = float(spread < 0.01)
+            metrics = {"t2a_R@1_mean": r1, "a2t_R@1_mean": r1, "similarity_spread": spread, "hubness": 2.0,
+                       "collapsed": collapsed}
+            job.result_path.write_text(json.dumps({"job": job.fingerprint(), "seed": seed, "metrics": metrics,
+                                                   "train_seconds": 60.0}), encoding="utf-8")
+            jobs.append(job)
+    fallen: dict = {}
+    table = collect(jobs, collapsed=fallen)
+    assert len(table[("clean", "iot")]) == 3 and ("clean", "triplet") not in table
+    assert len(fallen[("clean", "triplet")]) == 3
+    rows = {row["claim"]: row for row in claim_rows(cfg, table, fallen) if row["condition"] == "clean"}
+    assert rows["IOT > triplet"]["verdict"] == f"{NOT_SCORED}: triplet"
+    # without the collapse flag the same numbers would have "reproduced" the claim
+    assert verdict((0.12, 0.008, 3), (0.01, 0.0, 3), lower=False)[0] == "reproduced"
+    assert any("0 (+3 collapsed)" in line for line in main_table(cfg, table, "clean", fallen))
+    assert any("| clean | triplet (`triplet`) | 0 | 0.0000 |" in line for line in collapsed_lines(cfg, fallen))
+
+
 @pytest.mark.timeout(1500)  # 24 tiny jobs and a resume: ~4 min idle on 2 cores, far longer beside other work
 def test_smoke_runs_the_whole_pipeline_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["bench", "quality", "--smoke", "--workers", "2", "--runs", str(tmp_path / "runs"),
@@ -81,6 +111,11 @@ def test_smoke_runs_the_whole_pipeline_and_resumes(tmp_path: Path, capsys: pytes
     assert all(c["verdict"] in {"reproduced", "not reproduced", "inconclusive"} and c["seeds"] == 2
                for c in data["claims"])
     assert len(data["runs"]["noisy/distill_m1"]) == 2
+    # every run carries the collapse and hubness diagnostics of its test embeddings
+    for runs in data["runs"].values():
+        for run in runs:
+            assert {"similarity_spread", "hubness", "collapsed"} <= set(run), run
+    assert "## Collapsed runs and hubness" in report
     assert "noisy pairs fitted" in report and "| DART (RAM) |" in report
     # each method's own per-pair signal on the noisy pairs (bench/noise_weights.py); none for InfoNCE
     weights = data["pair_weights"]

@@ -15,6 +15,7 @@ length into the fixed-length windows the encoders see:
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +23,7 @@ import numpy as np
 import soundfile as sf
 import soxr
 
+from index.audio_formats import missing_bytes
 from index.errors import AudioDecodeError
 
 CropMode = Literal["center", "random", "start"]
@@ -29,6 +31,17 @@ CropMode = Literal["center", "random", "start"]
 
 class AudioTooLongError(AudioDecodeError):
     """Audio longer than the caller's ``max_seconds`` limit (the service answers 413)."""
+
+
+OBJECT_REPR = re.compile(r"Error opening <[^<>]*? at 0x[0-9a-fA-F]+>: |<[^<>]*? object at 0x[0-9a-fA-F]+>")
+MPEG_FRAME_SAMPLES = 1152
+"""Samples per MPEG-1 Layer III frame: how far an MP3's decoded length may fall short of its
+Xing/Info count (mpg123 drops a last partial frame) before it counts as truncated."""
+
+
+def libsndfile_message(err: Exception) -> str:
+    """libsndfile's message without the Python repr of the file object it was given."""
+    return OBJECT_REPR.sub("", str(err)).strip()
 
 
 def _describe(source: Path | str | bytes) -> str:
@@ -57,11 +70,32 @@ def _open(source: Path | str | bytes) -> sf.SoundFile:
         return sf.SoundFile(handle)
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as err:
         raise AudioDecodeError(
-            f"{name}: not a supported audio format or corrupt (WAV, FLAC, OGG, MP3 are read): {err}"
+            f"{name}: not a supported audio format or corrupt (WAV, FLAC, OGG, MP3 are read): {libsndfile_message(err)}"
         ) from None
 
 
-def _read_mono(source: Path | str | bytes, *, max_seconds: float | None) -> tuple[np.ndarray, int]:
+def _check_complete(source: Path | str | bytes, container: str, declared: int, decoded: int) -> None:
+    """Refuse a stream cut short: a WAV whose data chunk runs past the end, or fewer samples
+    decoded than the header declares (FLAC STREAMINFO, MP3 Xing/Info; index.audio_formats)."""
+    name = _describe(source)
+    if container == "WAV":
+        if isinstance(source, bytes | bytearray):
+            short = missing_bytes(io.BytesIO(bytes(source)), len(source))
+        else:
+            with Path(source).open("rb") as handle:
+                short = missing_bytes(handle, Path(source).stat().st_size)
+        if short:
+            raise AudioDecodeError(f"{name}: truncated WAV: its data chunk lacks the last {short} bytes")
+    slack = MPEG_FRAME_SAMPLES if container == "MPEG" else 0
+    if container != "WAV" and declared > 0 and decoded + slack < declared:
+        raise AudioDecodeError(
+            f"{name}: truncated or corrupt {container}: {decoded} of the {declared} samples its header declares decode"
+        )
+
+
+def _read_mono(
+    source: Path | str | bytes, *, max_seconds: float | None, complete: bool = False
+) -> tuple[np.ndarray, int]:
     """Decode to float32 mono at the file's own rate, enforcing ``max_seconds`` before decoding."""
     name = _describe(source)
     with _open(source) as f:
@@ -73,7 +107,9 @@ def _read_mono(source: Path | str | bytes, *, max_seconds: float | None) -> tupl
         try:
             data = f.read(dtype="float32", always_2d=True)
         except (sf.LibsndfileError, RuntimeError, ValueError) as err:
-            raise AudioDecodeError(f"{name}: corrupt audio data: {err}") from None
+            raise AudioDecodeError(f"{name}: corrupt audio data: {libsndfile_message(err)}") from None
+        if complete:
+            _check_complete(source, str(f.format), int(f.frames), int(data.shape[0]))
     if data.shape[0] == 0:
         raise AudioDecodeError(f"{name}: contains no audio samples")
     if max_seconds is not None and data.shape[0] / rate > max_seconds:
@@ -87,19 +123,22 @@ def _read_mono(source: Path | str | bytes, *, max_seconds: float | None) -> tupl
 
 
 def decode_audio(
-    source: Path | str | bytes, *, sample_rate: int = 16000, max_seconds: float | None = None
+    source: Path | str | bytes, *, sample_rate: int = 16000, max_seconds: float | None = None,
+    complete: bool = False,
 ) -> np.ndarray:
     """Decode a file path or raw bytes to float32 mono at ``sample_rate`` in [-1, 1].
 
     Channels are averaged; soxr (high quality) resamples when the file's rate
     differs. ``max_seconds`` rejects longer audio with :class:`AudioTooLongError`
     (checked from the header before decoding when the header knows the length).
+    ``complete`` (uploads, ``tonearm index``) also refuses a stream cut short
+    (index.audio_formats): libsndfile alone decodes whatever part of a truncated WAV is there.
 
     Raises:
         AudioDecodeError: missing, empty, unreadable, corrupt or non-audio input;
             the message names the file (or says "uploaded audio" for bytes).
     """
-    mono, rate = _read_mono(source, max_seconds=max_seconds)
+    mono, rate = _read_mono(source, max_seconds=max_seconds, complete=complete)
     if rate != sample_rate:
         mono = soxr.resample(mono, rate, sample_rate, quality="HQ").astype(np.float32, copy=False)
         if mono.size == 0:

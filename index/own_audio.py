@@ -1,8 +1,9 @@
 """`tonearm index AUDIO_DIR --bundle BUNDLE --out NEW_BUNDLE`: an index-only bundle of your own audio files.
 
 The new bundle reuses the source bundle's ONNX encoders and tokenizer (copied and
-re-checksummed) and indexes every file under ``AUDIO_DIR`` (recursively) that
-soundfile can decode; other files are reported and skipped. It has no captions,
+re-checksummed) and indexes every file under ``AUDIO_DIR`` (recursively) in one of the
+formats the service accepts as uploads (index.audio_formats: WAV, FLAC, OGG, MP3, recognised
+by content) whose whole stream decodes; other files are reported once and skipped. It has no captions,
 so it has no caption index and no held-out set (docs/bundle.md, "Index-only
 bundles"): text→audio search works, audio→text search does not. Clip ids and
 uris are the files' POSIX paths relative to ``AUDIO_DIR``, which the manifest
@@ -25,6 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from index import bundle as fmt
 from index.audio import decode_audio
+from index.audio_formats import SNIFF_BYTES, SUPPORTED, sniff_format
 from index.errors import AudioDecodeError, BundleError, TonearmError
 from index.faiss_index import build_index, save_index
 from index.loader import LoadedBundle
@@ -90,6 +92,15 @@ def index_folder(audio_dir: Path, source: Path, out: Path, *, progress: bool = F
     return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped)
 
 
+def decode_file(path: Path, sample_rate: int) -> np.ndarray:
+    """A file's waveform when it is in an accepted format and decodes whole; AudioDecodeError otherwise."""
+    with path.open("rb") as handle:
+        head = handle.read(SNIFF_BYTES)
+    if sniff_format(head) is None:
+        raise AudioDecodeError(f"{path}: not {SUPPORTED} audio (the formats the service takes as uploads)")
+    return decode_audio(path, sample_rate=sample_rate, complete=True)
+
+
 def _embed(
     bundle: LoadedBundle, audio_dir: Path, files: list[Path], *, progress: bool
 ) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
@@ -103,11 +114,10 @@ def _embed(
         for number, path in enumerate(files, 1):
             rel = path.relative_to(audio_dir).as_posix()
             try:
-                batch.append(decode_audio(path, sample_rate=bundle.sample_rate))
+                batch.append(decode_file(path, bundle.sample_rate))
                 clip_ids.append(rel)
-            except AudioDecodeError as err:
+            except AudioDecodeError as err:  # listed once, by cli_index (not logged as well)
                 skipped.append((rel, str(err)))
-                log.warning("skipped %s", err)
             if len(batch) == EMBED_BATCH or (number == len(files) and batch):
                 parts.append(bundle.encode_audio(batch))
                 batch = []

@@ -10,8 +10,12 @@ is shown as ``n/a``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
+from rich.text import Text
 
 from index.languages import ENGLISH
 from index.metrics import DIRECTIONS, RETRIEVAL_METRICS
@@ -107,16 +111,67 @@ def format_report_markdown(report: Mapping[str, float], languages: Sequence[str]
     return "\n".join([*table, "", *lines, "", f"_{METRIC_CONVENTION}_", ""])
 
 
-def format_report_rich(report: Mapping[str, float], languages: Sequence[str]) -> Table:
-    """The report as a ``rich`` table for the CLI; consistency lines and convention as caption."""
-    table = Table(
-        title="Retrieval (R@k, mAP@10 in %) and cross-language consistency",
-        caption="\n".join([*_rank_lines(report), METRIC_CONVENTION]),
-        caption_justify="left",
-    )
-    for index, column in enumerate(_header()):
-        table.add_column(column, justify="left" if index == 0 else "right")
-    body = _rows(report, languages)
+TITLE = "Retrieval (R@k, mAP@10 in %) and cross-language consistency"
+
+
+def _table(title: str, header: list[str], body: list[list[str]], caption: str | None = None) -> Table:
+    """Cells fold rather than end in '…' if the terminal is narrower still: a value is never cut."""
+    table = Table(title=title, caption=caption, caption_justify="left")
+    for index, column in enumerate(header):
+        table.add_column(column, justify="left" if index == 0 else "right", overflow="fold")
     for index, row in enumerate(body):
         table.add_row(*row, end_section=index == len(body) - 2)
     return table
+
+
+def _natural_width(header: list[str], body: list[list[str]]) -> int:
+    """Columns a table needs with every cell on one line (borders and padding included)."""
+    widths = [max(cell_len(cell) for cell in column) for column in zip(header, *body, strict=True)]
+    return sum(widths) + 3 * len(widths) + 1
+
+
+@dataclass
+class ReportView:
+    """A rich renderable: one table when the console is wide enough for every value on one
+    line, else one table per direction (each about 70 columns: it fits an 80-column terminal
+    or a pipe), so no value is ever cut to fit the width."""
+
+    header: list[str]
+    body: list[list[str]]
+    caption: str
+
+    @property
+    def table(self) -> Table:
+        return _table(TITLE, self.header, self.body, self.caption)
+
+    def parts(self, width: int) -> list[Table]:
+        if _natural_width(self.header, self.body) <= width:
+            return [self.table]
+        per_direction = len(RETRIEVAL_METRICS)
+        tables = []
+        for number, direction in enumerate(DIRECTIONS):
+            columns = [0, *range(1 + number * per_direction, 1 + (number + 1) * per_direction)]
+            if number == 0:
+                columns += [len(self.header) - 2, len(self.header) - 1]  # Gap, Dis
+            name = "text→audio" if direction == "t2a" else "audio→text"
+            tables.append(_table(
+                f"{name} retrieval (R@k, mAP@10 in %)" + (" and cross-language consistency" if number == 0 else ""),
+                [self.header[c].removeprefix(_DIRECTION_TITLES[direction] + " ") for c in columns],
+                [[row[c] for c in columns] for row in self.body],
+            ))
+        return tables
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        parts = self.parts(options.max_width)
+        yield from parts
+        if len(parts) > 1:  # the wide table carries it as its caption
+            yield Text(self.caption)
+
+
+def format_report_rich(report: Mapping[str, float], languages: Sequence[str]) -> ReportView:
+    """The report for the CLI (``Console().print(...)``): the table(s), consistency lines and convention."""
+    return ReportView(
+        header=_header(),
+        body=_rows(report, languages),
+        caption="\n".join([*_rank_lines(report), METRIC_CONVENTION]),
+    )

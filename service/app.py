@@ -90,6 +90,35 @@ def allowed_methods(app: FastAPI, path: str) -> list[str]:
     return allowed
 
 
+JSON_HINT = "send the body as JSON with the header `Content-Type: application/json`"
+
+
+def _is_json(content_type: str | None) -> bool:
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def body_problem(exc: RequestValidationError, content_type: str | None) -> tuple[str, str] | None:
+    """(slug, detail) when a JSON body could not be read at all, None for schema errors.
+
+    Invalid JSON is 400 ``malformed-body`` naming the position (FastAPI reports it as a
+    ``json_invalid`` error at ``("body", offset)``); a non-empty body that was not declared as
+    JSON reaches validation as raw bytes and is 415 ``unsupported-media-type`` with a hint.
+    """
+    for error in exc.errors():
+        if error.get("type") == "json_invalid":
+            offset = int(error["loc"][1]) if len(error.get("loc", ())) > 1 else 0
+            doc = exc.body if isinstance(exc.body, str) else ""
+            line = doc.count("\n", 0, offset) + 1
+            column = offset - (doc.rfind("\n", 0, offset) + 1) + 1
+            reason = str((error.get("ctx") or {}).get("error", "JSON decode error"))
+            return "malformed-body", f"invalid JSON at line {line}, column {column} (character {offset}): {reason}"
+    if isinstance(exc.body, bytes | bytearray) and exc.body and not _is_json(content_type):
+        declared = f"`{content_type}`" if content_type else "no content type"
+        return "unsupported-media-type", f"the body was sent with {declared}; {JSON_HINT}"
+    return None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """The one place where errors become HTTP responses."""
 
@@ -99,6 +128,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        unreadable = body_problem(exc, request.headers.get("content-type"))
+        if unreadable is not None:
+            return _problem(*unreadable, request)
         errors = [
             {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
             for e in exc.errors()
@@ -109,7 +141,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         slug = slug_for_status(exc.status_code)
-        body = problem_body(slug, str(exc.detail), status=exc.status_code, instance=request.url.path)
+        detail = str(exc.detail)
+        if detail == "There was an error parsing the body":  # FastAPI's words for a body json.loads refused
+            detail = f"the body cannot be read as JSON (not UTF-8?); {JSON_HINT}"
+        body = problem_body(slug, detail, status=exc.status_code, instance=request.url.path)
         headers = dict(exc.headers or {})
         if exc.status_code == 405:  # Starlette names only the first matching route's methods
             headers["Allow"] = ", ".join(allowed_methods(app, request.url.path))

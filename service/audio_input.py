@@ -1,10 +1,12 @@
 """Uploaded audio: content sniffing, header probe against the limits, decoding.
 
 The declared ``Content-Type`` and file name are ignored; the container is
-recognised from its magic bytes (RIFF/WAVE, fLaC, OggS, ID3 or an MPEG audio
-frame sync), then soundfile reads the header so sample rate, channels and
-duration are checked *before* the samples are decoded. Every failure is a
-:class:`service.errors.ServiceError` (4xx), never an unhandled exception.
+recognised from its magic bytes (:mod:`index.audio_formats`, the one list that
+``tonearm index`` uses too), then soundfile reads the header so sample rate,
+channels and duration are checked *before* the samples are decoded, and the whole
+stream is decoded (a truncated file is refused, not searched with what is left).
+Every failure is a :class:`service.errors.ServiceError` (4xx), never an unhandled
+exception, and no detail carries a Python repr.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 import soundfile as sf
 
-from index.audio import AudioTooLongError, decode_audio
+from index.audio import AudioTooLongError, decode_audio, libsndfile_message
+from index.audio_formats import SUPPORTED, sniff_format
 from service.errors import ServiceError
 from tonearm.errors import AudioDecodeError
 
-SUPPORTED = "WAV, FLAC, OGG (Vorbis/Opus) or MP3"
 MIN_SAMPLE_RATE = 1000
 
 
@@ -37,24 +39,11 @@ class DecodedAudio:
     duration_seconds: float
 
 
-def _is_mpeg_frame(head: bytes) -> bool:
-    """MPEG audio frame header: 11-bit sync, a defined version and layer, a valid bitrate index."""
-    if len(head) < 3 or head[0] != 0xFF or head[1] & 0xE0 != 0xE0:
-        return False
-    version, layer, bitrate = (head[1] >> 3) & 0b11, (head[1] >> 1) & 0b11, head[2] >> 4
-    return version != 0b01 and layer != 0b00 and bitrate != 0b1111
-
-
 def sniff(data: bytes) -> str:
     """Container name from the leading bytes; ``unsupported-audio`` for anything else."""
-    if len(data) >= 12 and data[:4] in (b"RIFF", b"RF64") and data[8:12] == b"WAVE":
-        return "wav"
-    if data[:4] == b"fLaC":
-        return "flac"
-    if data[:4] == b"OggS":
-        return "ogg"
-    if data[:3] == b"ID3" or _is_mpeg_frame(data[:3]):
-        return "mp3"
+    fmt = sniff_format(data[:12])
+    if fmt is not None:
+        return fmt
     if not data:
         raise ServiceError("unsupported-audio", "the upload is empty; send a " + SUPPORTED + " file")
     raise ServiceError(
@@ -67,7 +56,9 @@ def _probe(data: bytes, fmt: str) -> sf._SoundFileInfo:
     try:
         return sf.info(io.BytesIO(data))
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError, EOFError) as err:
-        raise ServiceError("audio-decode-failed", f"the {fmt} upload is corrupt or truncated: {err}") from None
+        raise ServiceError(
+            "audio-decode-failed", f"the {fmt} upload is corrupt or truncated: {libsndfile_message(err)}"
+        ) from None
 
 
 def check_header(info: sf._SoundFileInfo, limits: AudioLimits) -> None:
@@ -91,9 +82,9 @@ def decode_upload(data: bytes, *, sample_rate: int, limits: AudioLimits) -> Deco
     fmt = sniff(data)
     check_header(_probe(data, fmt), limits)
     try:
-        wave = decode_audio(data, sample_rate=sample_rate, max_seconds=limits.max_seconds)
+        wave = decode_audio(data, sample_rate=sample_rate, max_seconds=limits.max_seconds, complete=True)
     except AudioTooLongError as err:
         raise ServiceError("audio-limits", str(err)) from None
     except (AudioDecodeError, sf.LibsndfileError, RuntimeError, ValueError, EOFError) as err:
-        raise ServiceError("audio-decode-failed", f"the {fmt} upload cannot be decoded: {err}") from None
+        raise ServiceError("audio-decode-failed", f"the {fmt} upload cannot be decoded: {libsndfile_message(err)}") from None
     return DecodedAudio(waveform=wave, format=fmt, duration_seconds=wave.shape[0] / sample_rate)

@@ -8,6 +8,7 @@ with a problem slug and a detail message; the app turns it into
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +49,14 @@ PROBLEMS: dict[str, Problem] = {
     "range-not-satisfiable": Problem(416, "Requested byte range lies outside the file"),
     "method-not-allowed": Problem(405, "Method not allowed"),
     "malformed-body": Problem(400, "Request body cannot be parsed"),
+    "unsupported-media-type": Problem(415, "Request body is not sent as application/json"),
     "http-error": Problem(400, "Bad request"),
     "internal-error": Problem(500, "Internal error (a bug; the log has the traceback)"),
 }
+
+
+PYTHON_REPR = re.compile(r"<[^<>]*? (?:object )?at 0x[0-9a-fA-F]+>")
+"""A Python object's default repr (``<_io.BytesIO object at 0x…>``): never shown to a client."""
 
 
 class ServiceError(Exception):
@@ -82,7 +88,7 @@ def problem_body(
         "type": TYPE_PREFIX + slug,
         "title": problem.title,
         "status": status or problem.status,
-        "detail": detail,
+        "detail": PYTHON_REPR.sub("the input", detail),
     }
     if instance is not None:
         body["instance"] = instance

@@ -12,11 +12,29 @@ import argparse
 import importlib
 import logging
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from tonearm.errors import TonearmError
 
 log = logging.getLogger("tonearm")
+OWN_LOGGERS = frozenset({"tonearm", "training", "index", "service", "bench", "__main__"})
+"""Top-level logger names whose INFO lines a CLI user sees (libraries: warnings and errors only)."""
+BENCH_DIR = str(Path(__file__).resolve().parents[1] / "bench")
+
+
+class OwnInfoOnly(logging.Filter):
+    """Pass INFO from tonearm's own code (packages, benchmark scripts and their helpers); from
+    libraries (``INFO httpx: HTTP Request …``, faiss's loader, …) only warnings and errors."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (
+            record.levelno >= logging.WARNING
+            or record.name.split(".")[0] in OWN_LOGGERS
+            or record.pathname.startswith(BENCH_DIR)
+        )
+
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -165,12 +183,41 @@ def _add_bundle(sub: argparse._SubParsersAction) -> None:
         q.set_defaults(handler=_lazy(f"service.admin_client:cli_{name}", "service"))
 
 
+def _settings_epilog() -> str:
+    """Every ``TONEARM_*`` setting of the service with its default (service.settings.Settings)."""
+    try:
+        from service.settings import Settings
+    except ModuleNotFoundError:  # no service extra: `serve` says which extra it needs when run
+        return "environment: TONEARM_* variables (docs/service.md, 'Settings')"
+    names = []
+    for name, field in Settings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        shown = "-" if default is None else str(default).lower() if isinstance(default, bool) else default
+        names.append(f"TONEARM_{name.upper()}={shown}")
+    intro = textwrap.fill(
+        "Every setting is a TONEARM_* environment variable (the flags above override theirs); "
+        "what each means: docs/service.md, 'Settings'. Defaults:", 79
+    )
+    return intro + "\n  " + "\n  ".join(names)
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve search over a bundle (builds the demo bundle when none is set)")
-    p.add_argument("--bundle", help="bundle directory (default: settings / the embedded demo bundle)")
-    p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--workers", type=int, default=None)
+    p = sub.add_parser(
+        "serve", help="serve search over a bundle (builds the demo bundle when none is set)",
+        description=textwrap.fill(
+            "Serve the search API and demo page over a bundle. With no --bundle and no TONEARM_BUNDLE or "
+            "TONEARM_BUNDLES_DIR, the embedded demo bundle is built once and cached in TONEARM_HOME/demo.", 79
+        ),
+        epilog=_settings_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--bundle", metavar="DIR", help="bundle directory to serve (env TONEARM_BUNDLE, which also "
+                   "takes a bundle id inside TONEARM_BUNDLES_DIR; default: the embedded demo bundle)")
+    p.add_argument("--host", default=None, help="address to listen on (env TONEARM_HOST; default 127.0.0.1; "
+                   "0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=None, help="TCP port (env TONEARM_PORT; default 8000); "
+                   "a port already in use is refused with exit status 2")
+    p.add_argument("--workers", type=int, default=None, help="uvicorn worker processes (env TONEARM_WORKERS; "
+                   "default 1; more than 1 needs TONEARM_REDIS_URL)")
     p.set_defaults(handler=_lazy("tonearm.serve:cli_serve", "service"))
 
 
@@ -203,8 +250,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    # faiss announces its CPU-feature loader at INFO on every import; users need none of it.
-    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    if not args.verbose:  # -v shows every library's debug lines too
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(OwnInfoOnly())
     try:
         return int(args.handler(args) or 0)
     except TonearmError as err:

@@ -9,8 +9,10 @@ with one or several workers.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -58,6 +60,29 @@ def check_bundles_dir(path: Path) -> None:
         ) from None
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether binding ``host:port`` fails because something listens there (as uvicorn binds:
+    SO_REUSEADDR, so a closed connection in TIME_WAIT does not count)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror:
+        return False  # an unknown host name is uvicorn's to report
+    try:
+        socket.create_server((host, port), family=family).close()
+    except OSError as err:
+        return err.errno == errno.EADDRINUSE
+    return False
+
+
+def check_port(host: str, port: int) -> None:
+    """One line, exit status 2, when the port is taken (uvicorn would log ``[Errno 98]`` and exit 3)."""
+    if port and port_in_use(host, port):
+        raise TonearmError(
+            f"port {port} on {host} is already in use; stop what listens there, or pick another port "
+            "with --port or TONEARM_PORT"
+        )
+
+
 def cli_serve(args: argparse.Namespace) -> int:
     """Run the service until interrupted."""
     import uvicorn
@@ -66,6 +91,7 @@ def cli_serve(args: argparse.Namespace) -> int:
     settings = _settings()
     if settings.bundles_dir is not None:
         check_bundles_dir(settings.bundles_dir)
+    check_port(settings.host, settings.port)
     if settings.bundle is None and settings.bundles_dir is None:
         from tonearm.demo import build_log_path, cached_demo_bundle, ensure_demo_bundle
 
@@ -80,14 +106,20 @@ def cli_serve(args: argparse.Namespace) -> int:
             )
         os.environ["TONEARM_BUNDLE"] = str(bundle)
         settings = _settings()
+    check_port(settings.host, settings.port)  # again: a demo build takes minutes
     log.info("serving %s on http://%s:%d (%d worker(s))", settings.bundle, settings.host, settings.port, settings.workers)
-    uvicorn.run(
-        "service.app:app_from_env",
-        factory=True,
-        host=settings.host,
-        port=settings.port,
-        workers=settings.workers,
-        log_level="info",
-        access_log=settings.access_log,
-    )
+    try:
+        uvicorn.run(
+            "service.app:app_from_env",
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            log_level="info",
+            access_log=settings.access_log,
+        )
+    except SystemExit as exit_:  # uvicorn exits (status 1 or 3) when it cannot bind or start
+        if exit_.code and port_in_use(settings.host, settings.port):
+            check_port(settings.host, settings.port)
+        raise
     return 0

@@ -38,7 +38,7 @@ async def list_bundles(_: AdminDep, registry: RegistryDep, pool: PoolDep) -> Bun
     )
 
 
-@router.post("/activate", responses=problem_responses(400, 401, 404, 409, 422))
+@router.post("/activate", responses=problem_responses(400, 401, 404, 409, 415, 422))
 async def activate(body: ActivateRequest, _: AdminDep, registry: RegistryDep, pool: PoolDep) -> ActivationResponse:
     """Load beside the active bundle, verify, warm up, run the quality gate, swap atomically.
 

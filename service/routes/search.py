@@ -10,6 +10,7 @@ from fastapi import APIRouter, Query, Request
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
+from index.audio_formats import MEDIA_TYPES
 from service.audio_input import AudioLimits, DecodedAudio, decode_upload
 from service.batching import wait_for_disconnect
 from service.deps import BatchersDep, Pool, PoolDep, SearcherDep, SettingsDep
@@ -64,7 +65,7 @@ async def _text_hits(
     return searcher.hits_of(results, min_score=body.min_score, include_captions=body.include_captions)
 
 
-@router.post("/text", responses=problem_responses(400, 422, 503))
+@router.post("/text", responses=problem_responses(400, 415, 422, 503))
 async def search_text(
     body: TextSearchRequest, searcher: SearcherDep, pool: PoolDep, batchers: BatchersDep, request: Request
 ) -> TextSearchResponse:
@@ -75,7 +76,7 @@ async def search_text(
     )
 
 
-@router.post("/text:batch", responses=problem_responses(400, 422, 503))
+@router.post("/text:batch", responses=problem_responses(400, 415, 422, 503))
 async def search_text_batch(
     body: TextBatchRequest, searcher: SearcherDep, pool: PoolDep, batchers: BatchersDep, request: Request
 ) -> TextBatchResponse:
@@ -132,8 +133,8 @@ def _decode(searcher: Searcher, data: bytes, settings: Settings) -> DecodedAudio
     return decode_upload(data, sample_rate=searcher.bundle.sample_rate, limits=limits)
 
 
-AUDIO_MEDIA_TYPES = ("audio/wav", "audio/flac", "audio/ogg", "audio/mpeg")
-"""What an upload must be. The server recognises the container from the content (magic bytes)
+AUDIO_MEDIA_TYPES = MEDIA_TYPES
+"""What an upload must be (index.audio_formats, the list `tonearm index` uses too). The server recognises the container from the content (magic bytes)
 and ignores the declared type, so a raw body sent as e.g. application/octet-stream works too;
 anything that is not WAV/FLAC/OGG/MP3 audio is a 415 whatever its declared type."""
 BINARY = {"type": "string", "format": "binary"}

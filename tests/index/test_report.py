@@ -88,7 +88,7 @@ def test_missing_consistency_metrics_show_na() -> None:
 
 
 def test_rich_table_renders_every_language_and_the_mean() -> None:
-    table = format_report_rich(_report(), LANGUAGES)
+    table = format_report_rich(_report(), LANGUAGES).table
     assert isinstance(table, Table)
     assert len(table.columns) == 11
     assert table.row_count == len(LANGUAGES) + 1

@@ -37,6 +37,9 @@ def own_folder(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> P
         sf.write(folder / rel, wave.astype(np.float32), rate, format=kind)
     (folder / "birds" / "broken.wav").write_bytes(b"RIFF\x10\x00\x00\x00WAVEfmt garbage")
     (folder / "notes.txt").write_text("not audio\n")
+    sf.write(folder / "sun.au", np.zeros(rate // 4, np.float32), rate, format="AU")  # uploads refuse AU: so does index
+    whole = folder / "top.wav"
+    (folder / "cut.wav").write_bytes(whole.read_bytes()[:2000])  # truncated: only its header is intact
     return folder
 
 
@@ -56,11 +59,19 @@ def test_bundle_holds_every_audio_file_and_verifies(own_bundle: Path) -> None:
     assert manifest.source.audio_root and (Path(manifest.source.audio_root) / "birds/deep/night.ogg").is_file()
 
 
-def test_cli_reports_the_skipped_files(own_folder: Path, tiny_bundle: Path, tmp_path: Path, capsys) -> None:
+SKIPPED = ("birds/broken.wav", "notes.txt", "sun.au", "cut.wav")
+
+
+def test_cli_reports_each_skipped_file_once(own_folder: Path, tiny_bundle: Path, tmp_path: Path, capfd) -> None:
     assert tonearm_main(["index", str(own_folder), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "b")]) == 0
-    out = capsys.readouterr().out
-    assert "4 files indexed, 2 skipped" in out
-    assert "birds/broken.wav" in out and "notes.txt" in out
+    captured = capfd.readouterr()
+    out = captured.out + captured.err
+    assert "4 files indexed, 4 skipped" in out
+    for rel in SKIPPED:  # once: not a log warning as well as the summary line
+        assert sum(line.startswith(f"skipped {rel}:") for line in out.splitlines()) == 1, (rel, out)
+        assert out.count(f"/{rel}") <= 1, (rel, out)
+    assert "sun.au: " in out and "not WAV, FLAC, OGG (Vorbis/Opus) or MP3 audio" in out
+    assert "truncated WAV" in out
     assert tonearm_main(["index", str(own_folder), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "b")]) == 2
 
 

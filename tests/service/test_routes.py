@@ -61,9 +61,9 @@ def test_text_search_errors(fake_client, body, status, slug):
         assert "eng, fra, jpn" in problem["detail"]
 
 
-def test_malformed_json_is_a_4xx_problem(fake_client):
+def test_malformed_json_is_a_400_problem(fake_client):
     r = fake_client.post("/v1/search/text", content=b"{not json", headers={"content-type": "application/json"})
-    assert_problem(r, 422, "validation-error")
+    assert_problem(r, 400, "malformed-body")
 
 
 def test_batch_search(fake_client):

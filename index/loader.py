@@ -80,6 +80,38 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
     return (x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)).astype(np.float32)
 
 
+GraphOptimization = Literal["disable", "basic", "extended", "all"]
+_GRAPH_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """How an encoder session uses the CPU (docs/service.md, "Threads").
+
+    ``threads`` intra-op threads (None/0: ONNX Runtime's default, one per core); one inter-op
+    thread (the towers are sequential graphs); ``spinning`` off by default so idle ORT threads
+    sleep instead of busy-waiting on cores FAISS, the other encoder and the HTTP worker need."""
+
+    threads: int | None = 1
+    optimization: GraphOptimization = "all"
+    spinning: bool = False
+
+    def options(self) -> ort.SessionOptions:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = self.threads or 0
+        options.inter_op_num_threads = 1
+        options.graph_optimization_level = _GRAPH_LEVELS[self.optimization]
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
+        options.log_severity_level = 3
+        return options
+
+
 @dataclass(frozen=True)
 class OnnxEncoder:
     """One ONNX encoder session with a checked interface (inputs → ``embedding`` (batch, d))."""
@@ -89,17 +121,16 @@ class OnnxEncoder:
 
     @classmethod
     def load(
-        cls, path: Path, *, inputs: Sequence[str], embed_dim: int, providers: list[str], threads: int | None
+        cls, path: Path, *, inputs: Sequence[str], embed_dim: int, providers: list[str], threads: int | None,
+        session: SessionConfig | None = None,
     ) -> OnnxEncoder:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads or 0
-        options.inter_op_num_threads = 1
-        options.log_severity_level = 3
+        """``session`` (default: ``threads`` intra-op threads, full graph optimisation, no spinning)."""
+        config = session or SessionConfig(threads=threads)
         try:
-            session = ort.InferenceSession(str(path), options, providers=providers)
+            loaded = ort.InferenceSession(str(path), config.options(), providers=providers)
         except Exception as err:  # onnxruntime raises its own untyped errors for bad files
             raise BundleError(f"{path}: cannot load ONNX model ({str(err).splitlines()[0]})") from None
-        encoder = cls(session=session, path=path)
+        encoder = cls(session=loaded, path=path)
         encoder.check_interface(inputs, embed_dim)
         return encoder
 
@@ -123,12 +154,14 @@ class OnnxEncoder:
 
 
 def encode_texts(
-    encoder: OnnxEncoder, tokenizer: TextTokenizer, texts: Sequence[str], *, embed_dim: int
+    encoder: OnnxEncoder, tokenizer: TextTokenizer, texts: Sequence[str], *, embed_dim: int,
+    pad_to_longest: bool = True,
 ) -> np.ndarray:
-    """(n, d) L2-normalized caption embeddings."""
+    """(n, d) L2-normalized caption embeddings; each batch padded to its longest text (not
+    ``max_length``) unless ``pad_to_longest`` is False."""
     parts = []
     for start in range(0, len(texts), TEXT_BATCH):
-        ids, mask = tokenizer.encode(list(texts[start : start + TEXT_BATCH]))
+        ids, mask = tokenizer.encode(list(texts[start : start + TEXT_BATCH]), pad_to_longest=pad_to_longest)
         parts.append(encoder.run({"input_ids": ids, "attention_mask": mask}))
     return l2_normalize(np.concatenate(parts)) if parts else np.zeros((0, embed_dim), np.float32)
 
@@ -211,13 +244,15 @@ class LoadedBundle:
         mmap_threshold_bytes: int = DEFAULT_MMAP_THRESHOLD,
         providers: Sequence[str] | None = None,
         milvus: Any = None,
+        session: SessionConfig | None = None,
     ) -> LoadedBundle:
         """Load a bundle; ``verify`` checks every file's sha256 first (else only the manifest).
 
         Dimensions, ONNX interfaces, index sizes and id files are always checked.
         ``milvus`` (an :class:`index.milvus_index.MilvusTarget`) searches the bundle's vectors
         in Milvus instead of its FAISS files (:class:`index.milvus_index.BundleNotPublished`
-        when they are not there). Raises :class:`BundleError` naming the offending file.
+        when they are not there). ``session`` sets the encoders' ONNX Runtime options (it wins over
+        ``intra_op_threads``). Raises :class:`BundleError` naming the offending file.
         """
         root = Path(path)
         manifest = verify_files(root) if verify else read_manifest(root)
@@ -242,11 +277,11 @@ class LoadedBundle:
             tokenizer=_load_tokenizer(root / manifest.tokenizer.file),
             audio_encoder=OnnxEncoder.load(
                 root / manifest.audio_encoder.file, inputs=AUDIO_INPUTS, embed_dim=dim,
-                providers=providers, threads=intra_op_threads,
+                providers=providers, threads=intra_op_threads, session=session,
             ),
             text_encoder=OnnxEncoder.load(
                 root / manifest.text_encoder.file, inputs=TEXT_INPUTS, embed_dim=dim,
-                providers=providers, threads=intra_op_threads,
+                providers=providers, threads=intra_op_threads, session=session,
             ),
             audio_index=audio_index,
             text_index=text_index,

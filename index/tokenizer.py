@@ -81,12 +81,26 @@ class TextTokenizer:
         """The underlying ``tokenizers.Tokenizer`` (decode, token strings)."""
         return self._tokenizer
 
-    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Tokenize a batch; both arrays are int64 of shape (len(texts), max_length)."""
+    def encode(self, texts: Sequence[str], *, pad_to_longest: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Tokenize a batch; both arrays are int64 of shape (len(texts), max_length).
+
+        ``pad_to_longest`` cuts the trailing columns no text of the batch uses, so the arrays are
+        (len(texts), longest) instead: a batch of short queries costs the encoder its own length,
+        not ``max_length`` (the towers mask padding, so the embeddings do not change; right
+        padding only — a left-padded tokenizer keeps the full width)."""
         if isinstance(texts, str):
             raise TypeError("encode() takes a sequence of strings, not a single string")
         encodings = self._tokenizer.encode_batch(list(texts))
         n = len(encodings)
         ids = np.array([e.ids for e in encodings], dtype=np.int64).reshape(n, self.max_length)
-        mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
-        return ids, mask.reshape(n, self.max_length)
+        mask = np.array([e.attention_mask for e in encodings], dtype=np.int64).reshape(n, self.max_length)
+        if pad_to_longest and n and self.padding_side == "right":
+            longest = max(1, int(mask.sum(axis=1).max()))
+            ids, mask = np.ascontiguousarray(ids[:, :longest]), np.ascontiguousarray(mask[:, :longest])
+        return ids, mask
+
+    @property
+    def padding_side(self) -> str:
+        padding = self._tokenizer.padding
+        assert padding is not None  # checked in __init__
+        return str(padding.get("direction", "right"))

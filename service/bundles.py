@@ -84,15 +84,27 @@ def default_opener(settings: Settings) -> Opener:
     """``LoadedBundle.open`` with checksum verification and the configured ONNX threads and providers."""
 
     def open_bundle(path: Path) -> BundleLike:
+        import faiss
+
         from index.loader import LoadedBundle
 
+        faiss.omp_set_num_threads(settings.faiss_threads)  # process-wide; set before the first search
         providers = [name.strip() for name in settings.onnx_providers.split(",") if name.strip()]
         return LoadedBundle.open(
-            path, device="cpu", intra_op_threads=settings.onnx_threads, verify=True, providers=providers,
-            milvus=milvus_target(settings),
+            path, device="cpu", verify=True, providers=providers, milvus=milvus_target(settings),
+            session=session_config(settings),
         )
 
     return open_bundle
+
+
+def session_config(settings: Settings) -> Any:
+    """The encoders' ONNX Runtime options from the settings (:class:`index.loader.SessionConfig`)."""
+    from index.loader import SessionConfig
+
+    return SessionConfig(
+        threads=settings.onnx_threads, optimization=settings.onnx_graph_optimization, spinning=settings.onnx_spinning
+    )
 
 
 def milvus_target(settings: Settings) -> Any:

@@ -45,7 +45,18 @@ class Settings(BaseSettings):
     """Directory the clips' audio URIs are relative to (`GET /v1/audio/{clip_id}`); default: the
     directory of the bundle's data manifest. Nothing outside it is ever served."""
     onnx_threads: int = Field(default=1, ge=1, le=64)
-    """onnxruntime intra-op threads per session; parallelism comes from the request thread pool."""
+    """onnxruntime intra-op threads per encoder call; parallelism comes from the batch workers
+    (`batch_workers` per encoder), so workers × threads ≈ cores avoids oversubscription
+    (docs/service.md, "Threads"; measured in docs/BENCHMARKS.md, real_size)."""
+    onnx_graph_optimization: Literal["disable", "basic", "extended", "all"] = "all"
+    """onnxruntime graph optimisation level of the encoder sessions (`all`: layout and fused
+    attention/GELU kernels; lower levels only to debug an export)."""
+    onnx_spinning: bool = False
+    """Let idle onnxruntime intra-op threads busy-wait for work (lower latency on a dedicated
+    machine; off: the spinning threads take cores FAISS and the HTTP worker need)."""
+    faiss_threads: int = Field(default=1, ge=1, le=256)
+    """OpenMP threads of FAISS searches; a micro-batch is one search, and the batch workers already
+    run in parallel, so more threads only contend with the encoders on small machines."""
     onnx_providers: str = "CPUExecutionProvider"
     """Comma-separated onnxruntime execution providers, best first, e.g.
     ``CUDAExecutionProvider,CPUExecutionProvider`` (needs onnxruntime-gpu; a provider this

@@ -86,7 +86,8 @@ class EncoderInfo(_Frozen):
     opset: int
     inputs: list[str]
     outputs: list[str]
-    quantization: Literal["none", "dynamic-int8"] = "none"
+    quantization: Literal["none", "dynamic-int8", "fp16"] = "none"
+    """How this file's weights are stored; its agreement with fp32 is in ``manifest.quantization``."""
     parity_min_cosine: float
     """Lowest ONNX-vs-PyTorch cosine over the export check's items."""
 
@@ -131,9 +132,33 @@ class EvaluationInfo(_Frozen):
     report: dict[str, float]
     convention: str
     fp32_text_report: dict[str, float] | None = None
-    """With a quantized text encoder: the same report with the fp32 text encoder."""
+    """With quantized encoders (text and/or audio): the same report with the fp32 encoders."""
     quantization_delta: dict[str, float] | None = None
-    """With a quantized text encoder: int8 minus fp32, for every recall / mAP key."""
+    """With quantized encoders: quantized minus fp32, for every recall / mAP key (fractions)."""
+
+
+class QuantizationAgreement(_Frozen):
+    """Per-item cosine between a quantized encoder's and the fp32 encoder's embeddings (held-out items)."""
+
+    min_cosine: float
+    mean_cosine: float
+    items: int = Field(ge=0)
+
+
+class QuantizationInfo(_Frozen):
+    """Quantized encoders and what they cost against fp32 (training.quantize, docs/bundle.md)."""
+
+    precision: Literal["int8", "fp16"]
+    encoders: list[Literal["text", "audio"]]
+    agreement: dict[str, QuantizationAgreement]
+    """Per quantized encoder (``text``, ``audio``): cosine to fp32 over the held-out captions / clips."""
+    recall_drop_points: dict[str, float]
+    """fp32 minus quantized held-out R@1 / R@10 (means over languages), in points."""
+    max_r10_drop: float
+    """The export's limit on the R@10 drop (points)."""
+    on_loss: Literal["refuse", "warn"]
+    within_limit: bool
+    """False only when the export was told to warn instead of refusing."""
 
 
 class BundleManifest(_Frozen):
@@ -161,6 +186,8 @@ class BundleManifest(_Frozen):
     eval_set: EvalSetInfo | None = None
     """None in an index-only bundle: no held-out set (the quality gate cannot compare it)."""
     evaluation: EvaluationInfo | None = None
+    quantization: QuantizationInfo | None = None
+    """Quantized encoders and their measured agreement with fp32; None: both encoders fp32."""
     files: dict[str, FileEntry]
     manifest_sha256: str = _ZERO_HASH
     """sha256 of this file's bytes with this value replaced by 64 zeros."""

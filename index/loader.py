@@ -25,6 +25,7 @@ import onnxruntime as ort
 
 from index import bundle as fmt
 from index.audio import eval_chunks
+from index.audio_frontend import pad_short_clip
 from index.bundle import BundleManifest, read_manifest, verify_files
 from index.errors import BundleError, TonearmError
 from index.evalset import EvalSet, read_eval_set, read_jsonl
@@ -351,7 +352,13 @@ class LoadedBundle:
         return encode_texts(self._need(self._text_encoder), self.tokenizer, texts, embed_dim=self.embed_dim)
 
     def encode_audio(self, waveforms: Sequence[np.ndarray]) -> np.ndarray:
-        """(n, d) clip embeddings of mono float32 waveforms at ``sample_rate`` (chunk-and-average)."""
+        """(n, d) clip embeddings of mono float32 waveforms at ``sample_rate`` (chunk-and-average).
+
+        Clips shorter than ``clip_samples`` are zero-padded, or padded as the manifest's
+        ``audio_frontend`` says (a pretrained model's own padding, :mod:`index.audio_frontend`)."""
+        frontend = self.manifest.audio_frontend
+        if frontend is not None:
+            waveforms = [pad_short_clip(w, self.clip_samples, frontend.padding) for w in waveforms]
         return encode_waveforms(
             self._need(self._audio_encoder), waveforms, clip_samples=self.clip_samples, embed_dim=self.embed_dim
         )

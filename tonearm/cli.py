@@ -135,7 +135,17 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
         help="index only the clips of this split (repeatable, e.g. --split test); default: every split",
     )
     p.add_argument("--index", help="FAISS factory string (default: chosen by collection size)")
-    p.add_argument("--quantize-text", action="store_true", help="dynamic int8 text encoder")
+    p.add_argument(
+        "--quantize", choices=("none", "text", "audio", "both"), default=None,
+        help="quantize these encoders (dynamic int8), measured against fp32 on the held-out set (docs/bundle.md)",
+    )
+    p.add_argument("--quantize-text", action="store_true", help="same as --quantize text (older spelling)")
+    p.add_argument("--quantize-precision", choices=("int8", "fp16"), default="int8",
+                   help="int8: dynamic int8 for CPUs; fp16: for GPU providers (not measured on a GPU here)")
+    p.add_argument("--quantize-max-drop", type=float, default=1.0, metavar="POINTS",
+                   help="largest held-out R@10 drop against fp32 the quantized bundle may have (default 1 point)")
+    p.add_argument("--quantize-on-loss", choices=("refuse", "warn"), default="refuse",
+                   help="past --quantize-max-drop: refuse the export (exit status 2) or only warn")
     p.set_defaults(handler=_lazy("training.export:cli_export", "train"))
 
 

@@ -6,7 +6,9 @@ Steps (SPEC §6), all inside a staging directory published atomically at the end
    PyTorch, cosine >= 0.999 per item: captions of every language (shortest,
    longest, and one truncated at ``max_length``) and audio shorter than, equal
    to and longer than the clip length; the export fails otherwise;
-2. optionally quantize the text encoder (dynamic int8);
+2. optionally quantize the text and/or audio encoder (``--quantize``, dynamic int8;
+   :mod:`training.quantize`), measured against fp32 on the held-out set in step 4 —
+   past the configured R@10 loss the export refuses;
 3. embed the catalogue — every clip of the data manifest, or of the splits
    asked for (``tonearm export --split test``) — with
    the *ONNX* encoders (what the service will compute), build ``audio.faiss``
@@ -39,7 +41,7 @@ import torch
 
 from index import bundle as fmt
 from index.audio import decode_audio
-from index.bundle_eval import evaluate_eval_set, retrieval_delta
+from index.bundle_eval import evaluate_eval_set
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, prepare_waveform, read_eval_set, write_eval_set
 from index.faiss_index import BuiltIndex, build_index, parse_factory, save_index
 from index.loader import (
@@ -58,6 +60,7 @@ from training.config import TrainConfig
 from training.data.dataset import eval_captions
 from training.data.manifest import ClipRecord, load_manifest
 from training.onnx_export import MIN_COSINE, ExportError, export_audio_encoder, export_text_encoder
+from training.quantize import EncoderPair, QuantizeConfig, check_loss, measure, quantize_model
 
 log = logging.getLogger(__name__)
 
@@ -223,8 +226,9 @@ class _Encoders:
     text: OnnxEncoder
     audio_cosine: float
     text_cosine: float
+    audio_fp32: OnnxEncoder
     text_fp32: OnnxEncoder
-    quantized: bool
+    quantize: QuantizeConfig
 
 
 def _load_session(path: Path, inputs: Sequence[str], dim: int) -> OnnxEncoder:
@@ -232,35 +236,40 @@ def _load_session(path: Path, inputs: Sequence[str], dim: int) -> OnnxEncoder:
 
 
 def export_encoders(
-    ckpt: Checkpoint, staging: Path, scratch: Path, *, records: Sequence[ClipRecord], quantize_text: bool
+    ckpt: Checkpoint, staging: Path, scratch: Path, *, records: Sequence[ClipRecord], quantize: QuantizeConfig
 ) -> _Encoders:
-    """Write both ONNX encoders (+ tokenizer) into ``staging`` and check them against PyTorch."""
+    """Write both ONNX encoders (+ tokenizer) into ``staging`` and check them against PyTorch.
+
+    An encoder to quantize is exported in fp32 to ``scratch`` (checked there), and its quantized
+    copy goes into ``staging``; its parity cosine is then the quantized one's (not held to 0.999)."""
     cfg, model, dim = ckpt.config, ckpt.model, ckpt.config.model.embed_dim
     model.eval()
-    audio_path = export_audio_encoder(model.audio_module(), staging / fmt.AUDIO_ENCODER,
-                                      sample_rate=cfg.frontend.sample_rate, opset=OPSET)
-    text_fp32_path = scratch / "text_encoder.fp32.onnx"
-    export_text_encoder(model.text_module(), text_fp32_path, max_length=ckpt.tokenizer.max_length, opset=OPSET)
+    audio_dir = scratch if quantize.applies("audio") else staging
+    text_dir = scratch if quantize.applies("text") else staging
+    audio_fp32_path = export_audio_encoder(model.audio_module(), audio_dir / fmt.AUDIO_ENCODER,
+                                           sample_rate=cfg.frontend.sample_rate, opset=OPSET)
+    text_fp32_path = export_text_encoder(model.text_module(), text_dir / fmt.TEXT_ENCODER,
+                                         max_length=ckpt.tokenizer.max_length, opset=OPSET)
     ckpt.tokenizer.save(staging / fmt.TOKENIZER)
-    audio = _load_session(audio_path, AUDIO_INPUTS, dim)
+    audio_fp32 = _load_session(audio_fp32_path, AUDIO_INPUTS, dim)
     text_fp32 = _load_session(text_fp32_path, TEXT_INPUTS, dim)
     texts = parity_texts(records, cfg.data.languages)
     text_cos = _require(check_text_parity(model, ckpt.tokenizer, text_fp32, texts), "text encoder")
-    clip_samples = clip_samples_of(cfg)
     sample = decode_audio(records[0].audio, sample_rate=cfg.frontend.sample_rate)
-    audio_cos = _require(check_audio_parity(model, audio, parity_waveforms(sample, clip_samples)), "audio encoder")
-    text_path = staging / fmt.TEXT_ENCODER
-    if quantize_text:
-        from onnxruntime.quantization import QuantType, quantize_dynamic
-
-        quantize_dynamic(str(text_fp32_path), str(text_path), weight_type=QuantType.QInt8)
-        text = _load_session(text_path, TEXT_INPUTS, dim)
+    waves = parity_waveforms(sample, clip_samples_of(cfg))
+    audio_cos = _require(check_audio_parity(model, audio_fp32, waves), "audio encoder")
+    audio, text = audio_fp32, text_fp32
+    if quantize.applies("audio"):
+        audio = _load_session(quantize_model(audio_fp32_path, staging / fmt.AUDIO_ENCODER, precision=quantize.precision),
+                              AUDIO_INPUTS, dim)
+        audio_cos = check_audio_parity(model, audio, waves)
+        log.info("%s audio encoder: min cosine vs PyTorch %.6f", quantize.precision, audio_cos)
+    if quantize.applies("text"):
+        text = _load_session(quantize_model(text_fp32_path, staging / fmt.TEXT_ENCODER, precision=quantize.precision),
+                             TEXT_INPUTS, dim)
         text_cos = check_text_parity(model, ckpt.tokenizer, text, texts)
-        log.info("int8 text encoder: min cosine vs PyTorch %.6f", text_cos)
-    else:
-        text_path.write_bytes(text_fp32_path.read_bytes())
-        text = _load_session(text_path, TEXT_INPUTS, dim)
-    return _Encoders(audio, text, audio_cos, text_cos, text_fp32, quantize_text)
+        log.info("%s text encoder: min cosine vs PyTorch %.6f", quantize.precision, text_cos)
+    return _Encoders(audio, text, audio_cos, text_cos, audio_fp32, text_fp32, quantize)
 
 
 def embed_catalogue_audio(
@@ -317,27 +326,42 @@ def _index_info(built: BuiltIndex, *, file: str, ids_file: str, ranges: dict | N
     )
 
 
-def evaluate_staged(staging: Path, encoders: _Encoders, tokenizer: TextTokenizer, cfg: TrainConfig) -> fmt.EvaluationInfo:
-    """SPEC §5 report of the stored held-out set with the ONNX encoders (and the int8 delta)."""
+def evaluate_staged(
+    staging: Path, encoders: _Encoders, tokenizer: TextTokenizer, cfg: TrainConfig
+) -> tuple[fmt.EvaluationInfo, fmt.QuantizationInfo | None]:
+    """SPEC §5 report of the stored held-out set with the ONNX encoders; with quantized encoders
+    also the fp32 report, the per-item agreement and the loss check (:mod:`training.quantize`)."""
     eval_set = read_eval_set(staging / fmt.EVAL_DIR)
     clip_samples = clip_samples_of(cfg)
-    dim, languages = cfg.model.embed_dim, cfg.data.languages
+    dim, languages, quantize = cfg.model.embed_dim, cfg.data.languages, encoders.quantize
 
-    def audio(waves: Sequence[np.ndarray]) -> np.ndarray:
-        return encode_waveforms(encoders.audio, waves, clip_samples=clip_samples, embed_dim=dim)
+    def audio_with(encoder: OnnxEncoder) -> Callable[[Sequence[np.ndarray]], np.ndarray]:
+        return lambda waves: encode_waveforms(encoder, waves, clip_samples=clip_samples, embed_dim=dim)
 
     def text_with(encoder: OnnxEncoder) -> Callable[[Sequence[str]], np.ndarray]:
         return lambda texts: encode_texts(encoder, tokenizer, texts, embed_dim=dim)
 
-    report = evaluate_eval_set(eval_set, encode_audio=audio, encode_text=text_with(encoders.text), languages=languages)
-    if not encoders.quantized:
-        return fmt.EvaluationInfo(report=report, convention=METRIC_CONVENTION)
-    fp32 = evaluate_eval_set(eval_set, encode_audio=audio, encode_text=text_with(encoders.text_fp32), languages=languages)
-    delta = retrieval_delta(report, fp32)
-    log.info("int8 text encoder: t2a R@10 mean %+.2f points, a2t R@10 mean %+.2f points vs fp32",
-             100 * delta.get("t2a_R@10_mean", 0.0), 100 * delta.get("a2t_R@10_mean", 0.0))
-    return fmt.EvaluationInfo(report=report, convention=METRIC_CONVENTION, fp32_text_report=fp32,
-                              quantization_delta=delta)
+    if not quantize.encoders:
+        report = evaluate_eval_set(eval_set, encode_audio=audio_with(encoders.audio),
+                                   encode_text=text_with(encoders.text), languages=languages)
+        return fmt.EvaluationInfo(report=report, convention=METRIC_CONVENTION), None
+    found = measure(
+        eval_set, languages,
+        audio=EncoderPair(audio_with(encoders.audio), audio_with(encoders.audio_fp32), quantize.applies("audio")),
+        text=EncoderPair(text_with(encoders.text), text_with(encoders.text_fp32), quantize.applies("text")),
+    )
+    drops = found.drop_points()
+    log.info("%s %s: held-out drop vs fp32 (points) %s", quantize.precision, "+".join(quantize.encoders), drops)
+    within = check_loss(found, quantize)
+    info = fmt.QuantizationInfo(
+        precision=quantize.precision, encoders=list(quantize.encoders),
+        agreement={name: fmt.QuantizationAgreement(min_cosine=float(c.min()), mean_cosine=float(c.mean()),
+                                                   items=len(c)) for name, c in found.cosine.items()},
+        recall_drop_points=drops, max_r10_drop=quantize.max_r10_drop, on_loss=quantize.on_loss, within_limit=within,
+    )
+    evaluation = fmt.EvaluationInfo(report=found.report, convention=METRIC_CONVENTION,
+                                    fp32_text_report=found.fp32_report, quantization_delta=found.delta)
+    return evaluation, info
 
 
 # ----------------------------------------------------------------------------- orchestration
@@ -372,12 +396,14 @@ def export_bundle(
     out_dir: Path | str,
     index_factory: str | None = None,
     quantize_text: bool = False,
+    quantize: QuantizeConfig | None = None,
     progress: bool = True,
     splits: Sequence[str] | None = None,
 ) -> Path:
     """Export ``checkpoint_dir`` with the clips of ``manifest`` (only those of ``splits`` when
     given); returns ``out_dir/<bundle_id>``. The held-out set is chosen from every clip."""
     checkpoint_dir, manifest, out_dir = Path(checkpoint_dir), Path(manifest), Path(out_dir)
+    quantize = quantize or QuantizeConfig.from_choice(None, quantize_text=quantize_text)  # quantize_text: old alias
     ckpt, all_records = _load_inputs(checkpoint_dir, manifest)
     records = catalogue_records(all_records, splits, manifest)
     cfg = ckpt.config
@@ -387,13 +413,14 @@ def export_bundle(
     created = datetime.now(UTC).replace(microsecond=0)
     config_json = cfg.model_dump(mode="json")
     weights_sha = fmt.sha256_file(checkpoint_dir / "model.safetensors")
-    fingerprint = canonical_hash([weights_sha, config_json, str(manifest.resolve()), index_factory, quantize_text,
+    fingerprint = canonical_hash([weights_sha, config_json, str(manifest.resolve()), index_factory,
+                                  quantize.model_dump(mode="json") if quantize.encoders else False,
                                   *([sorted(splits)] if splits else [])])
     bundle_id = make_bundle_id(run_name(checkpoint_dir), created=created, fingerprint=fingerprint)
     with fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
         sections = _build_contents(
             ckpt, records, held_out, staging, Path(scratch), split=split, index_factory=index_factory,
-            quantize_text=quantize_text, progress=progress, source_manifest=manifest,
+            quantize=quantize, progress=progress, source_manifest=manifest,
         )
         manifest_model = fmt.BundleManifest(
             bundle_id=bundle_id,
@@ -426,13 +453,13 @@ def _build_contents(
     *,
     split: str,
     index_factory: str | None,
-    quantize_text: bool,
+    quantize: QuantizeConfig,
     progress: bool,
     source_manifest: Path,
 ) -> dict[str, Any]:
     """Write every bundle file except the manifest; return the manifest sections they determine."""
     cfg, tokenizer, dim = ckpt.config, ckpt.tokenizer, ckpt.config.model.embed_dim
-    encoders = export_encoders(ckpt, staging, scratch, records=records, quantize_text=quantize_text)
+    encoders = export_encoders(ckpt, staging, scratch, records=records, quantize=quantize)
     text_items, ranges = catalogue_texts(records, cfg.data.languages)
     with _progress(progress) as task:
         audio_emb = embed_catalogue_audio(encoders.audio, records, cfg, task("embedding clips", len(records)))
@@ -448,23 +475,33 @@ def _build_contents(
     _write_jsonl(staging / fmt.TEXT_IDS, text_items)
     eval_set = build_held_out(held_out, cfg)
     write_eval_set(staging / fmt.EVAL_DIR, eval_set)
-    evaluation = evaluate_staged(staging, encoders, tokenizer, cfg)
+    evaluation, quantization = evaluate_staged(staging, encoders, tokenizer, cfg)
     return {
         "eval_set": fmt.EvalSetInfo(
             split=split, n_clips=len(eval_set.clip_ids), n_captions=len(eval_set.captions),
             max_clips=MAX_EVAL_CLIPS, eval_crop=cfg.data.eval_crop,
         ),
         "audio_encoder": fmt.EncoderInfo(file=fmt.AUDIO_ENCODER, opset=OPSET, inputs=list(AUDIO_INPUTS),
-                                         outputs=list(OUTPUTS), parity_min_cosine=encoders.audio_cosine),
+                                         outputs=list(OUTPUTS), parity_min_cosine=encoders.audio_cosine,
+                                         quantization=quantize.label if quantize.applies("audio") else "none"),
         "text_encoder": fmt.EncoderInfo(file=fmt.TEXT_ENCODER, opset=OPSET, inputs=list(TEXT_INPUTS),
                                         outputs=list(OUTPUTS), parity_min_cosine=encoders.text_cosine,
-                                        quantization="dynamic-int8" if quantize_text else "none"),
+                                        quantization=quantize.label if quantize.applies("text") else "none"),
         "tokenizer": fmt.TokenizerInfo(file=fmt.TOKENIZER, max_length=tokenizer.max_length,
                                        vocab_size=tokenizer.vocab_size),
         "audio_index": _index_info(audio_built, file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS),
         "text_index": _index_info(text_built, file=fmt.TEXT_INDEX, ids_file=fmt.TEXT_IDS, ranges=ranges),
         "evaluation": evaluation,
+        "quantization": quantization,
     }
+
+
+def quantize_config(args: argparse.Namespace) -> QuantizeConfig:
+    """``--quantize``, ``--quantize-text`` (alias of ``--quantize text``), the precision and the loss policy."""
+    return QuantizeConfig.from_choice(
+        args.quantize, quantize_text=args.quantize_text, precision=args.quantize_precision,
+        max_r10_drop=args.quantize_max_drop, on_loss=args.quantize_on_loss,
+    )
 
 
 def cli_export(args: argparse.Namespace) -> int:
@@ -475,7 +512,7 @@ def cli_export(args: argparse.Namespace) -> int:
 
     path = export_bundle(
         args.checkpoint, manifest=args.data, out_dir=args.out, index_factory=args.index,
-        quantize_text=args.quantize_text, progress=True, splits=args.split,
+        quantize=quantize_config(args), progress=True, splits=args.split,
     )
     manifest = fmt.read_manifest(path)
     console = Console()

@@ -12,6 +12,11 @@ axes of these models reliably and quickly. Every export is checked with
 ``onnx.checker`` and by running onnxruntime against the module on a probe
 batch (cosine ≥ :data:`MIN_COSINE` per item) — a failed check raises
 :class:`ExportError`.
+
+A model whose weights exceed :data:`EXTERNAL_DATA_THRESHOLD` (protobuf's 2 GiB limit on one
+file, less a margin) is written as ``NAME.onnx`` + one ``NAME.onnx.data`` beside it (ONNX
+external data); onnxruntime and ``onnx.checker`` read the pair from the ``.onnx`` path, and
+a bundle's checksums cover both files.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
+import shutil
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +43,8 @@ log = logging.getLogger(__name__)
 
 MIN_COSINE = 0.999
 """ONNX vs torch agreement required per item (SPEC §6)."""
+EXTERNAL_DATA_THRESHOLD = 2 * 1024**3 - 64 * 1024**2
+"""Bytes of an exported model above which its weights go to an external data file."""
 
 
 class ExportError(TonearmError):
@@ -59,6 +69,38 @@ def _quiet() -> Iterator[None]:
                 logger.setLevel(level)
 
 
+def external_data_file(path: Path) -> Path:
+    """The weights file of ``path`` when it is stored with external data (may not exist)."""
+    return path.with_name(path.name + ".data")
+
+
+def _save_external(model: onnx.ModelProto, path: Path) -> None:
+    external_data_file(path).unlink(missing_ok=True)
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=external_data_file(path).name, size_threshold=1024)
+    log.info("%s: weights stored as external data in %s", path, external_data_file(path).name)
+
+
+def place_model(exported: Path, path: Path, *, threshold: int | None = None) -> None:
+    """Move an export (``exported`` and any tensor files the exporter wrote beside it) to
+    ``path``: one file, or ``path`` + :func:`external_data_file` when larger than ``threshold``
+    (default :data:`EXTERNAL_DATA_THRESHOLD`)."""
+    threshold = EXTERNAL_DATA_THRESHOLD if threshold is None else threshold
+    files = list(exported.parent.iterdir())
+    if files == [exported] and exported.stat().st_size <= threshold:
+        os.replace(exported, path)
+        return
+    _save_external(onnx.load(str(exported), load_external_data=True), path)
+
+
+def copy_model(source: Path, destination: Path) -> None:
+    """Copy an ONNX model, with its external data file renamed to match ``destination`` if it has one."""
+    if not external_data_file(source).exists():
+        shutil.copyfile(source, destination)
+        return
+    _save_external(onnx.load(str(source), load_external_data=True), destination)
+
+
 def _export(
     module: nn.Module,
     args: tuple[torch.Tensor, ...],
@@ -66,6 +108,7 @@ def _export(
     *,
     input_names: list[str],
     opset: int,
+    external_threshold: int | None = None,
 ) -> None:
     dynamic_axes = {
         name: {0: "batch", 1: "samples" if name == "waveform" else "tokens"} for name in input_names
@@ -74,12 +117,14 @@ def _export(
     path.parent.mkdir(parents=True, exist_ok=True)
     was_training = module.training
     module.eval()
+    scratch = tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.")
+    exported = Path(scratch.name) / path.name
     try:
         with _quiet(), torch.no_grad():
             torch.onnx.export(
                 module,
                 args,
-                str(path),
+                str(exported),
                 input_names=input_names,
                 output_names=["embedding"],
                 dynamic_axes=dynamic_axes,
@@ -87,10 +132,12 @@ def _export(
                 dynamo=False,
                 do_constant_folding=True,
             )
+        place_model(exported, path, threshold=external_threshold)
     except Exception as err:  # the exporter raises many unrelated types
         raise ExportError(f"ONNX export to {path} failed: {err}") from err
     finally:
         module.train(was_training)
+        scratch.cleanup()
     onnx.checker.check_model(str(path))
 
 
@@ -130,13 +177,14 @@ def verify_export(module: nn.Module, path: Path | str, inputs: dict[str, torch.T
 
 
 def export_audio_encoder(
-    module: nn.Module, path: Path | str, *, sample_rate: int, opset: int = 18
+    module: nn.Module, path: Path | str, *, sample_rate: int, opset: int = 18,
+    external_threshold: int | None = None,
 ) -> Path:
     """Export ``module(waveform) -> embedding`` to ``path`` and verify it; returns ``path``."""
     path = Path(path)
     generator = torch.Generator().manual_seed(0)
     trace = 0.1 * torch.randn(2, sample_rate, generator=generator)
-    _export(module, (trace,), path, input_names=["waveform"], opset=opset)
+    _export(module, (trace,), path, input_names=["waveform"], opset=opset, external_threshold=external_threshold)
     probe = 0.1 * torch.randn(3, sample_rate + sample_rate // 3, generator=generator)
     worst = verify_export(module, path, {"waveform": probe})
     log.info("exported audio encoder to %s (min cosine vs torch %.6f)", path, worst)
@@ -159,13 +207,15 @@ def _vocab_size(module: nn.Module) -> int:
 
 
 def export_text_encoder(
-    module: nn.Module, path: Path | str, *, max_length: int, opset: int = 18
+    module: nn.Module, path: Path | str, *, max_length: int, opset: int = 18,
+    external_threshold: int | None = None,
 ) -> Path:
     """Export ``module(input_ids, attention_mask) -> embedding`` to ``path`` and verify it."""
     path = Path(path)
     vocab = _vocab_size(module)
     ids, mask = _text_probe(max_length, vocab, batch=2)
-    _export(module, (ids, mask), path, input_names=["input_ids", "attention_mask"], opset=opset)
+    _export(module, (ids, mask), path, input_names=["input_ids", "attention_mask"], opset=opset,
+            external_threshold=external_threshold)
     ids, mask = _text_probe(max_length, vocab, batch=3)
     worst = verify_export(module, path, {"input_ids": ids, "attention_mask": mask})
     log.info("exported text encoder to %s (min cosine vs torch %.6f)", path, worst)

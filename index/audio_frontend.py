@@ -1,0 +1,39 @@
+"""Short-clip padding recorded in a bundle (``manifest.audio_frontend``; docs/models.md).
+
+Bundles exported from a checkpoint zero-pad clips shorter than ``clip_samples``
+(:func:`index.audio.eval_chunks`). A pretrained CLAP bundle pads as its
+``ClapFeatureExtractor`` does, before the waveform reaches the ONNX encoder:
+
+* ``repeatpad``: the clip tiled ``⌊N / len⌋`` times, then zero-padded to N samples;
+* ``repeat``: tiled ``⌊N / len⌋ + 1`` times and cut to N;
+* ``pad``: zero-padded to N (the checkpoint bundles' behaviour).
+
+Clips of N samples or more are returned unchanged (the loader's chunk-and-average
+handles them). numpy only: the service applies it to every upload, after decoding and
+resampling to the bundle's sample rate.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+Padding = Literal["repeatpad", "repeat", "pad"]
+
+
+def pad_short_clip(wave: np.ndarray, n: int, padding: Padding) -> np.ndarray:
+    """``wave`` (1-D float32) brought to ``n`` samples when shorter, as the extractor pads it."""
+    wave = np.asarray(wave, dtype=np.float32)
+    length = wave.shape[0]
+    if length >= n or length == 0 or padding == "pad":
+        return wave
+    if padding == "repeatpad":
+        wave = np.tile(wave, n // length)
+    elif padding == "repeat":
+        wave = np.tile(wave, n // length + 1)[:n]
+    else:
+        raise ValueError(f"unknown padding {padding!r}; use repeatpad, repeat or pad")
+    out = np.zeros(n, dtype=np.float32)
+    out[: wave.shape[0]] = wave
+    return out

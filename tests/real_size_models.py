@@ -1,0 +1,228 @@
+"""Real-size Hugging Face models with random weights, saved locally once per test session (SPEC §11).
+
+No weights can be downloaded here, so each architecture is built at its **full default
+size** from a config written here and saved with ``save_pretrained`` — the folder a
+user's real checkpoint would be, read by the same code:
+
+* ``clap``: ``ClapModel(ClapConfig())`` (HTS-AT 27.5 M + RoBERTa-base 124.6 M) and a
+  ``ClapProcessor``: ``ClapFeatureExtractor`` with laion/clap-htsat-unfused's settings
+  (48 kHz, 64 mels, ``rand_trunc``, ``repeatpad``) + a RoBERTa byte-level BPE trained here
+  (the model keeps RoBERTa's 50 265-row vocabulary; the tokenizer uses its first ids);
+* ``ast``: ``ASTModel(ASTConfig())`` — AST-base (86 M, 128 mels × 1024 frames);
+* ``xlmr``: ``XLMRobertaModel`` with xlm-roberta-base's config (278 M, vocab 250 002);
+* ``minilm``: ``BertModel`` with paraphrase-multilingual-MiniLM-L12-v2's config
+  (118 M: hidden 384, 12 layers, vocab 250 037).
+
+:func:`real_model_dir` builds a model at most once per session (a file lock and a done
+marker under the session's base temp dir), so every fixture that names it — in any
+conftest — shares the same folder. Import the fixtures into a conftest to use them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+CAPTIONS = [
+    "a dog barks twice", "un chien aboie", "ein Hund bellt laut", "el perro ladra", "de hond blaft",
+    "el gos borda", "犬が吠える", "狗在叫", "rain falls on a tin roof", "a siren passes by",
+    "birds sing in the morning", "a car engine starts", "people talk in a busy cafe",
+] * 8
+
+XLMR_BASE: dict[str, Any] = {
+    "vocab_size": 250002, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
+    "max_position_embeddings": 514, "type_vocab_size": 1, "layer_norm_eps": 1e-5, "pad_token_id": 1, "bos_token_id": 0,
+    "eos_token_id": 2,
+}
+"""xlm-roberta-base's config.json (architecture fields)."""
+MINILM_L12_MULTILINGUAL: dict[str, Any] = {
+    "vocab_size": 250037, "hidden_size": 384, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 1536,
+    "max_position_embeddings": 512, "type_vocab_size": 2, "layer_norm_eps": 1e-12, "pad_token_id": 0,
+}
+"""sentence-transformers/paraphrase-multilingual-MiniLM-L12-v2's config.json (architecture fields)."""
+
+
+def bpe_tokenizer(directory: Path, *, roberta_ids: bool, max_length: int) -> None:
+    """A byte-level BPE trained here on :data:`CAPTIONS`, saved as a fast tokenizer.
+
+    ``roberta_ids``: RoBERTa/XLM-R special ids (``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3);
+    else BERT-like (``<pad>`` 0).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"] if roberta_ids else ["<pad>", "<s>", "</s>", "<unk>", "<mask>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CAPTIONS, trainers.BpeTrainer(
+        vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    ))
+    tok.post_processor = processors.RobertaProcessing(("</s>", int(tok.token_to_id("</s>"))),
+                                                      ("<s>", int(tok.token_to_id("<s>"))))
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        cls_token="<s>", sep_token="</s>", mask_token="<mask>", model_max_length=max_length,
+    ).save_pretrained(directory)
+
+
+def save_clap(directory: Path) -> None:
+    from transformers import ClapConfig, ClapFeatureExtractor, ClapModel
+
+    ClapModel(ClapConfig()).save_pretrained(directory)
+    bpe_tokenizer(directory, roberta_ids=True, max_length=512)
+    # laion/clap-htsat-unfused's preprocessor settings (the extractor's defaults but rand_trunc).
+    ClapFeatureExtractor(truncation="rand_trunc", padding="repeatpad", frequency_min=50,
+                         frequency_max=14000).save_pretrained(directory)
+
+
+def save_ast(directory: Path) -> None:
+    from transformers import ASTConfig, ASTModel
+
+    ASTModel(ASTConfig()).save_pretrained(directory)
+
+
+def save_xlmr(directory: Path) -> None:
+    from transformers import XLMRobertaConfig, XLMRobertaModel
+
+    XLMRobertaModel(XLMRobertaConfig(**XLMR_BASE)).save_pretrained(directory)
+    bpe_tokenizer(directory, roberta_ids=True, max_length=512)
+
+
+def save_minilm(directory: Path) -> None:
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig(**MINILM_L12_MULTILINGUAL)).save_pretrained(directory)
+    bpe_tokenizer(directory, roberta_ids=False, max_length=128)
+
+
+BUILDERS: dict[str, Callable[[Path], None]] = {
+    "clap": save_clap, "ast": save_ast, "xlmr": save_xlmr, "minilm": save_minilm,
+}
+
+
+def real_model_dir(name: str, base: Path) -> Path:
+    """``base/real_models/NAME``, built by :data:`BUILDERS` on first use (seed 0), shared after."""
+    import torch
+    import transformers
+
+    root = base / "real_models"
+    root.mkdir(parents=True, exist_ok=True)
+    directory, done = root / name, root / f"{name}.done"
+    with (root / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            transformers.utils.logging.set_verbosity_error()
+            torch.manual_seed(0)
+            directory.mkdir(exist_ok=True)
+            BUILDERS[name](directory)
+            done.touch()
+    return directory
+
+
+def _fixture(name: str) -> Callable[[pytest.TempPathFactory], Path]:
+    def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return real_model_dir(name, tmp_path_factory.getbasetemp())
+
+    build.__name__ = f"real_{name}_dir"
+    build.__doc__ = f"Folder of the real-size random-weight {name!r} model (tests/real_size_models.py)."
+    return pytest.fixture(scope="session")(build)
+
+
+real_clap_dir = _fixture("clap")
+real_ast_dir = _fixture("ast")
+real_xlmr_dir = _fixture("xlmr")
+real_minilm_dir = _fixture("minilm")
+
+
+# ----------------------------------------------------------------------------- data and bundles
+
+PRESETS = Path(__file__).resolve().parents[1] / "configs" / "real"
+PRESET_MODELS: dict[str, dict[str, str]] = {
+    "clap": {"model.audio.path": "clap"},
+    "ast_xlmr": {"model.audio.path": "ast", "model.text.path": "xlmr"},
+    "minilm": {"model.text.path": "minilm"},
+}
+"""configs/real/NAME.yaml → the overrides naming the real-size model folders it needs."""
+
+
+def mini_manifest(corpus_manifest: Path, out: Path, per_split: int = 2) -> Path:
+    """The first ``per_split`` clips of each split of a corpus (real-size encoders cost ~1 s per clip)."""
+    from index.languages import DEFAULT_LANGUAGES
+    from training.data.manifest import load_manifest, write_manifest
+
+    records = load_manifest(corpus_manifest, languages=DEFAULT_LANGUAGES)
+    chosen = [r for split in ("train", "val", "test") for r in [x for x in records if x.split == split][:per_split]]
+    write_manifest(chosen, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def real_manifest(tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Six clips of the tiny corpus (2 train, 2 val, 2 test; 2–4 s at 16 kHz, 8 languages)."""
+    return mini_manifest(tiny_corpus, tmp_path_factory.mktemp("real_manifest") / "manifest.jsonl")
+
+
+@pytest.fixture(scope="session")
+def real_clap_pretrained_bundle(real_clap_dir: Path, real_manifest: Path,
+                                tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tonearm export --pretrained` of the real-size CLAP folder over :func:`real_manifest` (48 kHz)."""
+    from training.pretrained import export_pretrained_bundle
+
+    return export_pretrained_bundle(real_clap_dir, manifest=real_manifest, out_dir=tmp_path_factory.mktemp("bundles"),
+                                    progress=False)
+
+
+def train_preset(name: str, model_dirs: dict[str, Path], manifest: Path, out_dir: Path) -> Path:
+    """configs/real/NAME.yaml trained for two steps (batch 2, no weight decay, fp32) on CPU."""
+    from training.config import load_train_config
+    from training.loop import train
+
+    overrides = [f"{key}={model_dirs[model]}" for key, model in PRESET_MODELS[name].items()]
+    overrides += [
+        f"data.manifest={manifest}", f"out_dir={out_dir}", "device=cpu", "threads=2", "optim.epochs=2",
+        "optim.batch_size=2", "optim.warmup_steps=0", "optim.weight_decay=0.0", "optim.amp=false",
+        "eval.every_epochs=2", "eval.batch_size=2", "data.num_workers=0",
+    ]
+    return train(load_train_config(PRESETS / f"{name}.yaml", overrides))
+
+
+@dataclass(frozen=True)
+class PresetRun:
+    """A real-size preset trained two steps and exported (session fixtures ``real_<preset>_run``)."""
+
+    name: str
+    run_dir: Path
+    bundle: Path
+    model_dirs: dict[str, Path]
+
+
+def _preset_fixture(name: str) -> Callable[..., PresetRun]:
+    def build(request: pytest.FixtureRequest, real_manifest: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> PresetRun:
+        from training.export import export_bundle
+
+        dirs = {model: request.getfixturevalue(f"real_{model}_dir") for model in PRESET_MODELS[name].values()}
+        run = train_preset(name, dirs, real_manifest, tmp_path_factory.mktemp(f"run_{name}"))
+        checkpoint = run / "best" if (run / "best").is_dir() else run / "last"
+        bundle = export_bundle(checkpoint, manifest=real_manifest, out_dir=tmp_path_factory.mktemp(f"bundles_{name}"),
+                               progress=False)
+        return PresetRun(name=name, run_dir=run, bundle=bundle, model_dirs=dirs)
+
+    build.__name__ = f"real_{name}_run"
+    build.__doc__ = f"configs/real/{name}.yaml at real size: two training steps, then `tonearm export`."
+    return pytest.fixture(scope="session")(build)
+
+
+real_clap_run = _preset_fixture("clap")
+real_ast_xlmr_run = _preset_fixture("ast_xlmr")
+real_minilm_run = _preset_fixture("minilm")

@@ -1,0 +1,276 @@
+"""`tonearm export --pretrained MODEL_DIR`: a Hugging Face CLAP folder → bundle, no training (SPEC §11).
+
+Steps (the bundle is the one `tonearm export` writes from a checkpoint, SPEC §6):
+
+1. load and check the folder (:func:`training.models.pretrained_clap.load_pretrained_clap`);
+2. export the two encoders to ONNX — the audio graph takes a waveform at the
+   extractor's rate and computes the extractor's log-mel inside — and check them
+   against the **model's own** ``get_audio_features`` (on ``ClapFeatureExtractor``
+   features) and ``get_text_features`` (on its own tokenizer's ids): cosine ≥ 0.999
+   per item, through the same padding and chunking the service applies; the export
+   fails otherwise;
+3. embed the data manifest's clips and captions with the ONNX encoders, build the
+   FAISS indices, store the held-out set and its report;
+4. write the manifest: ``frontend`` = the extractor's settings, ``audio_frontend`` =
+   the padding the service applies to uploads (resampled to ``sample_rate`` first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from index import bundle as fmt
+from index.audio import decode_audio, eval_chunks
+from index.audio_frontend import pad_short_clip
+from index.bundle_eval import evaluate_eval_set
+from index.evalset import MAX_EVAL_CLIPS, EvalSet, write_eval_set
+from index.faiss_index import build_index, parse_factory, save_index
+from index.languages import DEFAULT_LANGUAGES
+from index.loader import (
+    AUDIO_INPUTS,
+    OUTPUTS,
+    TEXT_INPUTS,
+    encode_texts,
+    encode_waveforms,
+)
+from index.report import METRIC_CONVENTION
+from tonearm.errors import BundleError
+from training.data.dataset import eval_captions
+from training.data.manifest import ClipRecord, load_manifest
+from training.export import (
+    OPSET,
+    _index_info,
+    _load_session,
+    _progress,
+    _write_jsonl,
+    audio_uri,
+    canonical_hash,
+    catalogue_records,
+    catalogue_texts,
+    cosines,
+    held_out_records,
+    make_bundle_id,
+    parity_texts,
+)
+from training.models.pretrained_clap import (
+    PretrainedClap,
+    load_pretrained_clap,
+    reference_audio_features,
+    reference_text_features,
+)
+from training.onnx_export import MIN_COSINE, ExportError, export_audio_encoder, export_text_encoder
+
+log = logging.getLogger(__name__)
+
+
+class PretrainedEncoders:
+    """The staged ONNX encoders with the bundle's audio preparation (padding, then chunking)."""
+
+    def __init__(self, clap: PretrainedClap, staging: Path) -> None:
+        dim = int(clap.model.config.projection_dim)
+        self.clap, self.dim = clap, dim
+        self.audio = _load_session(staging / fmt.AUDIO_ENCODER, AUDIO_INPUTS, dim)
+        self.text = _load_session(staging / fmt.TEXT_ENCODER, TEXT_INPUTS, dim)
+
+    def prepare(self, wave: np.ndarray) -> np.ndarray:
+        s = self.clap.settings
+        return pad_short_clip(wave, s.clip_samples, s.padding)  # type: ignore[arg-type]
+
+    def encode_audio(self, waves: Sequence[np.ndarray]) -> np.ndarray:
+        prepared = [self.prepare(w) for w in waves]
+        return encode_waveforms(self.audio, prepared, clip_samples=self.clap.settings.clip_samples,
+                                embed_dim=self.dim)
+
+    def encode_text(self, texts: Sequence[str]) -> np.ndarray:
+        return encode_texts(self.text, self.clap.tokenizer, texts, embed_dim=self.dim)
+
+
+def reference_clip_features(clap: PretrainedClap, wave: np.ndarray) -> np.ndarray:
+    """What the model's own pipeline gives a clip under the bundle's policy: its features of
+    the clip (≤ ``max_length_s``) or the normalised mean over its chunk windows (longer)."""
+    n = clap.settings.clip_samples
+    windows = [wave] if wave.shape[0] <= n else list(eval_chunks(wave, n))
+    mean = torch.stack([reference_audio_features(clap, w) for w in windows]).mean(0)
+    return torch.nn.functional.normalize(mean, dim=-1).numpy()
+
+
+def parity_clips(wave: np.ndarray, n: int) -> list[np.ndarray]:
+    """A short clip (a third), one of exactly ``max_length_s`` and a long one (2.5x), from a real clip."""
+    tiled = np.resize(np.asarray(wave, dtype=np.float32), 3 * n)
+    return [tiled[: n // 3], tiled[:n], tiled[: 5 * n // 2]]
+
+
+def check_parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], texts: Sequence[str]) -> tuple[float, float]:
+    """Minimum per-item cosine of the bundle's encoders to ``get_audio_features`` / ``get_text_features``."""
+    clap = encoders.clap
+    expected_audio = np.stack([reference_clip_features(clap, w) for w in waves])
+    audio = float(cosines(encoders.encode_audio(waves), expected_audio).min())
+    expected_text = reference_text_features(clap, list(texts)).numpy()
+    text = float(cosines(encoders.encode_text(texts), expected_text).min())
+    for value, what in ((audio, "audio encoder vs get_audio_features"), (text, "text encoder vs get_text_features")):
+        if not value >= MIN_COSINE:
+            raise ExportError(f"{what}: min cosine {value:.6f} < {MIN_COSINE}")
+        log.info("%s: min cosine %.6f", what, value)
+    return audio, text
+
+
+def export_pretrained_encoders(clap: PretrainedClap, staging: Path) -> PretrainedEncoders:
+    """Write both ONNX encoders and the tokenizer into ``staging``."""
+    s = clap.settings
+    export_audio_encoder(clap.audio, staging / fmt.AUDIO_ENCODER, sample_rate=s.sample_rate, opset=OPSET)
+    export_text_encoder(clap.text, staging / fmt.TEXT_ENCODER, max_length=clap.tokenizer.max_length, opset=OPSET)
+    clap.tokenizer.save(staging / fmt.TOKENIZER)
+    return PretrainedEncoders(clap, staging)
+
+
+def _embed_audio(encoders: PretrainedEncoders, records: Sequence[ClipRecord], rate: int,
+                 advance: Callable[[int], None]) -> np.ndarray:
+    parts = []
+    for start in range(0, len(records), 8):
+        batch = records[start : start + 8]
+        parts.append(encoders.encode_audio([decode_audio(r.audio, sample_rate=rate) for r in batch]))
+        advance(len(batch))
+    return np.concatenate(parts)
+
+
+def _held_out(records: Sequence[ClipRecord], languages: Sequence[str], rate: int) -> EvalSet:
+    captions = eval_captions(records, languages)
+    return EvalSet(
+        clip_ids=[r.id for r in records],
+        waveforms=[decode_audio(r.audio, sample_rate=rate) for r in records],
+        captions=list(captions.texts),
+        clip=np.asarray(captions.clip, dtype=np.int64),
+        lang=np.asarray(captions.lang, dtype=str),
+        group=np.asarray(captions.group, dtype=np.int64),
+    )
+
+
+def _load_records(manifest: Path, languages: Sequence[str] | None) -> tuple[list[ClipRecord], list[str]]:
+    chosen = list(languages or DEFAULT_LANGUAGES)
+    records = load_manifest(manifest, languages=chosen, drop_other_languages=bool(languages))
+    if not records:
+        raise BundleError(f"{manifest}: no clips to index")
+    present = [lang for lang in chosen if any(r.captions.get(lang) for r in records)]
+    if not present:
+        raise BundleError(f"{manifest}: no captions in {', '.join(chosen)}")
+    return records, present
+
+
+def export_pretrained_bundle(
+    model_dir: Path | str,
+    *,
+    manifest: Path | str,
+    out_dir: Path | str,
+    languages: Sequence[str] | None = None,
+    index_factory: str | None = None,
+    splits: Sequence[str] | None = None,
+    progress: bool = True,
+) -> Path:
+    """Bundle of the CLAP folder ``model_dir`` over the clips of ``manifest``; returns its path."""
+    model_dir, manifest, out_dir = Path(model_dir), Path(manifest), Path(out_dir)
+    clap = load_pretrained_clap(model_dir)
+    all_records, langs = _load_records(manifest, languages)
+    records = catalogue_records(all_records, splits, manifest)
+    dim = int(clap.model.config.projection_dim)
+    if index_factory is not None:
+        parse_factory(index_factory, dim)
+    split, held_out = held_out_records(all_records)
+    created = datetime.now(UTC).replace(microsecond=0)
+    weights = next(p for p in (model_dir / "model.safetensors", model_dir / "pytorch_model.bin",
+                               model_dir / "model.safetensors.index.json") if p.is_file())
+    weights_sha = fmt.sha256_file(weights)
+    config_json = {"pretrained": str(model_dir.resolve()), "model": clap.model.config.to_dict()}
+    fingerprint = canonical_hash([weights_sha, clap.settings.extractor, str(manifest.resolve()), index_factory,
+                                  langs, *([sorted(splits)] if splits else [])])
+    name = "pretrained-" + model_dir.resolve().name
+    bundle_id = make_bundle_id(name, created=created, fingerprint=fingerprint)
+    with fmt.staged_bundle(out_dir, bundle_id) as staging:
+        sections = _build(clap, records, held_out, staging, split=split, languages=langs,
+                          index_factory=index_factory, progress=progress, source_manifest=manifest)
+        s = clap.settings
+        body = fmt.BundleManifest(
+            bundle_id=bundle_id,
+            created=created.isoformat().replace("+00:00", "Z"),
+            source=fmt.SourceInfo(checkpoint=str(model_dir.resolve()), run_name=name,
+                                  config_hash=canonical_hash(config_json), weights_sha256=weights_sha,
+                                  data_manifest=str(manifest.resolve())),
+            train_config=config_json,
+            objective={"name": "none", "pretrained": "laion-clap"},
+            frontend=s.extractor,
+            embed_dim=dim,
+            languages=langs,
+            sample_rate=s.sample_rate,
+            clip_seconds=s.max_length_s,
+            clip_samples=s.clip_samples,
+            audio_frontend=fmt.AudioFrontendInfo(padding=s.padding, model_truncation=s.truncation),  # type: ignore[arg-type]
+            files={},
+            **sections,
+        )
+        return fmt.publish(staging, body)
+
+
+def _build(
+    clap: PretrainedClap, records: list[ClipRecord], held_out: list[ClipRecord], staging: Path, *,
+    split: str, languages: list[str], index_factory: str | None, progress: bool, source_manifest: Path,
+) -> dict[str, Any]:
+    """Every bundle file except the manifest; the manifest sections they determine."""
+    rate = clap.settings.sample_rate
+    encoders = export_pretrained_encoders(clap, staging)
+    sample = decode_audio(records[0].audio, sample_rate=rate)
+    audio_cos, text_cos = check_parity(encoders, parity_clips(sample, clap.settings.clip_samples),
+                                       parity_texts(records, languages))
+    text_items, ranges = catalogue_texts(records, languages)
+    with _progress(progress) as task:
+        audio_emb = _embed_audio(encoders, records, rate, task("embedding clips", len(records)))
+        text_emb = encoders.encode_text([t["text"] for t in text_items])
+    audio_built = build_index(audio_emb, index_factory, queries=text_emb)
+    text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)
+    save_index(audio_built.index, staging / fmt.AUDIO_INDEX)
+    save_index(text_built.index, staging / fmt.TEXT_INDEX)
+    _write_jsonl(staging / fmt.AUDIO_IDS, [
+        {"id": r.id, "uri": audio_uri(r, source_manifest), "captions": r.captions} for r in records
+    ])
+    _write_jsonl(staging / fmt.TEXT_IDS, text_items)
+    eval_set = _held_out(held_out, languages, rate)
+    write_eval_set(staging / fmt.EVAL_DIR, eval_set)
+    report = evaluate_eval_set(eval_set, encode_audio=encoders.encode_audio, encode_text=encoders.encode_text,
+                               languages=languages)
+    tok = clap.tokenizer
+    return {
+        "eval_set": fmt.EvalSetInfo(split=split, n_clips=len(eval_set.clip_ids), n_captions=len(eval_set.captions),
+                                    max_clips=MAX_EVAL_CLIPS, eval_crop="chunk"),
+        "audio_encoder": fmt.EncoderInfo(file=fmt.AUDIO_ENCODER, opset=OPSET, inputs=list(AUDIO_INPUTS),
+                                         outputs=list(OUTPUTS), parity_min_cosine=audio_cos),
+        "text_encoder": fmt.EncoderInfo(file=fmt.TEXT_ENCODER, opset=OPSET, inputs=list(TEXT_INPUTS),
+                                        outputs=list(OUTPUTS), parity_min_cosine=text_cos),
+        "tokenizer": fmt.TokenizerInfo(file=fmt.TOKENIZER, max_length=tok.max_length, vocab_size=tok.vocab_size),
+        "audio_index": _index_info(audio_built, file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS),
+        "text_index": _index_info(text_built, file=fmt.TEXT_INDEX, ids_file=fmt.TEXT_IDS, ranges=ranges),
+        "evaluation": fmt.EvaluationInfo(report=report, convention=METRIC_CONVENTION),
+    }
+
+
+def cli_export_pretrained(args: argparse.Namespace) -> int:
+    """`tonearm export --pretrained MODEL_DIR --data MANIFEST --out BUNDLES_DIR [--languages L ...]`."""
+    from rich.console import Console
+
+    from index.report import format_report_rich
+
+    path = export_pretrained_bundle(
+        args.pretrained, manifest=args.data, out_dir=args.out, languages=getattr(args, "languages", None),
+        index_factory=args.index, splits=args.split, progress=True,
+    )
+    manifest = fmt.read_manifest(path)
+    console = Console()
+    if manifest.evaluation is not None:
+        console.print(format_report_rich(manifest.evaluation.report, manifest.languages))
+    console.print(f"bundle written: {path}")
+    return 0

@@ -147,10 +147,12 @@ def test_a_constant_added_to_every_cost_leaves_the_plan_unchanged() -> None:
     plan = sinkhorn_log(cost_t, torch.tensor(a), torch.tensor(b), eps=0.05, iters=2000)
     shifted = sinkhorn_log(cost_t + 7.5, torch.tensor(a), torch.tensor(b), eps=0.05, iters=2000)
     torch.testing.assert_close(shifted, plan, atol=1e-9, rtol=1e-6)
-    # and a per-row offset too (why balanced OT is blind to a caption's offset)
-    row_shift = sinkhorn_log(cost_t + torch.arange(6.0, dtype=cost_t.dtype)[:, None], torch.tensor(a),
-                             torch.tensor(b), eps=0.05, iters=2000)
-    torch.testing.assert_close(row_shift, plan, atol=1e-9, rtol=1e-6)
+    # and a per-row or per-column offset too: balanced OT is blind to one caption (a column of
+    # IOT's cost) moving closer to every audio at once — the hubness mechanism of laggards.md
+    offsets = torch.arange(6.0, dtype=cost_t.dtype)
+    for shift in (offsets[:, None], offsets[None, :]):
+        shifted = sinkhorn_log(cost_t + shift, torch.tensor(a), torch.tensor(b), eps=0.05, iters=2000)
+        torch.testing.assert_close(shifted, plan, atol=1e-9, rtol=1e-6)
 
 
 @pytest.mark.parametrize("c", [0.1, 3.0, 40.0])

@@ -161,6 +161,22 @@ class QuantizationInfo(_Frozen):
     """False only when the export was told to warn instead of refusing."""
 
 
+class AudioFrontendInfo(_Frozen):
+    """How a pretrained model's own feature extractor prepares audio (`tonearm export --pretrained`).
+
+    The loader pads clips shorter than ``clip_samples`` with ``padding``
+    (:mod:`index.audio_frontend`) before the audio encoder, whose graph computes the
+    extractor's features; clips longer than ``clip_samples`` are chunked and averaged
+    (``long_clips``) where the extractor would take a random crop (``model_truncation``).
+    """
+
+    source: Literal["clap_feature_extractor"] = "clap_feature_extractor"
+    padding: Literal["repeatpad", "repeat", "pad"]
+    long_clips: Literal["chunk"] = "chunk"
+    model_truncation: str
+    """The extractor's own setting for long clips, replaced by ``long_clips`` (deterministic)."""
+
+
 class BundleManifest(_Frozen):
     """Schema of ``manifest.json`` (docs/bundle.md)."""
 
@@ -188,6 +204,8 @@ class BundleManifest(_Frozen):
     evaluation: EvaluationInfo | None = None
     quantization: QuantizationInfo | None = None
     """Quantized encoders and their measured agreement with fp32; None: both encoders fp32."""
+    audio_frontend: AudioFrontendInfo | None = None
+    """Pretrained bundles only: the model's own short-clip padding; None: zero padding."""
     files: dict[str, FileEntry]
     manifest_sha256: str = _ZERO_HASH
     """sha256 of this file's bytes with this value replaced by 64 zeros."""

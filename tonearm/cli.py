@@ -124,8 +124,18 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="export a checkpoint to a bundle (ONNX + FAISS + manifest)")
-    p.add_argument("checkpoint")
+    p = sub.add_parser("export", help="export a checkpoint (or a pretrained CLAP folder) to a bundle (ONNX + FAISS + manifest)")
+    p.add_argument("checkpoint", nargs="?", help="checkpoint directory (runs/NAME/best); omit with --pretrained")
+    p.add_argument(
+        "--pretrained",
+        metavar="MODEL_DIR",
+        help="a Hugging Face ClapModel folder (config.json, weights, preprocessor_config.json, tokenizer): "
+        "bundle its own encoders without training (docs/models.md)",
+    )
+    p.add_argument(
+        "--languages", nargs="+", metavar="LANG",
+        help="with --pretrained: caption languages to index (default: those of the manifest)",
+    )
     p.add_argument("--data", required=True, help="JSONL manifest whose clips are indexed")
     p.add_argument("--out", required=True, help="bundles directory; the bundle is written inside it")
     p.add_argument(

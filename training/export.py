@@ -510,6 +510,12 @@ def cli_export(args: argparse.Namespace) -> int:
 
     from index.report import format_report_rich
 
+    if (args.checkpoint is None) == (getattr(args, "pretrained", None) is None):
+        raise BundleError("tonearm export: give a CHECKPOINT directory or --pretrained MODEL_DIR (one of them)")
+    if args.pretrained is not None:
+        from training.pretrained import cli_export_pretrained
+
+        return cli_export_pretrained(args)
     path = export_bundle(
         args.checkpoint, manifest=args.data, out_dir=args.out, index_factory=args.index,
         quantize=quantize_config(args), progress=True, splits=args.split,

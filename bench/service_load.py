@@ -238,10 +238,10 @@ def _text_body(kind: str, wid: int, i: int) -> bytes:
     return json.dumps({"query": query, "k": 10}).encode()
 
 
-async def _worker(url: str, kind: str, stop_at: float, out: list, errors: list, wid: int) -> None:
+async def _worker(url: str, kind: str, stop_at: float, out: list, errors: list, wid: int, clip: bytes | None = None) -> None:
     host, port = url.removeprefix("http://").split(":")
     connection = Connection(host, int(port))
-    audio = wav_clip() if kind == "audio" else b""
+    audio = (clip or wav_clip()) if kind == "audio" else b""
     i = 0
     try:
         while time.perf_counter() < stop_at:
@@ -263,7 +263,10 @@ async def _worker(url: str, kind: str, stop_at: float, out: list, errors: list, 
         connection.close()
 
 
-async def measure(url: str, *, server: str, target: str, kind: str, clients: int, seconds: float) -> Result:
+async def measure(
+    url: str, *, server: str, target: str, kind: str, clients: int, seconds: float, clip: bytes | None = None
+) -> Result:
+    """``clients`` closed-loop clients for ``seconds``; audio uploads ``clip`` (default: 5 s at 16 kHz)."""
     if kind == "text-warm":
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             for q in QUERIES:
@@ -272,7 +275,7 @@ async def measure(url: str, *, server: str, target: str, kind: str, clients: int
     errors: list[float] = []
     started = time.perf_counter()
     stop_at = started + seconds
-    await asyncio.gather(*(_worker(url, kind, stop_at, out, errors, w) for w in range(clients)))
+    await asyncio.gather(*(_worker(url, kind, stop_at, out, errors, w, clip) for w in range(clients)))
     elapsed = time.perf_counter() - started
     return Result(server, target, kind, clients, len(out), len(errors), elapsed, np.asarray(out))
 

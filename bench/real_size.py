@@ -1,0 +1,461 @@
+"""Benchmark: real-size encoders served on two cores, beside their peers (SPEC §11, issue 21).
+
+No pretrained weights can be downloaded here, so the models are built at their full default
+size with random weights (tests/real_size_models.py: CLAP = HTS-AT 27.5 M + RoBERTa-base
+124.6 M; AST-base 86 M + XLM-R-base 278 M), trained two steps with configs/real/*.yaml and
+exported with `tonearm export` — the code path real weights take. Speed does not depend on
+the weights' values; retrieval quality does, so quality numbers come from trained bundles
+(tests/training/test_quantize.py), not from these.
+
+Steps (each one call, under ``heavy`` / ``quiet-run``, ≤ 10 min):
+
+    python bench/real_size.py build clap          # model folder, 2 training steps, export
+    python bench/real_size.py build ast_xlmr
+    python bench/real_size.py encoders            # ORT fp32 vs int8 throughput + agreement, thread settings
+    python bench/real_size.py serve clap --servers tonearm,reference,infinity
+    python bench/real_size.py serve ast_xlmr --servers tonearm,reference,infinity
+    python bench/real_size.py tail                # demo bundle: cold text p99 at 16 clients, batching on/off
+
+Every step adds its rows to ``WORK/results.json`` (WORK: ``--work``, default
+``~/.cache/tonearm/real-bench``) and rewrites the ``real_size`` section of docs/BENCHMARKS.md
+from all rows, with command, machine, date and load of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import datetime as dt
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import soundfile as sf
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from service_load import Connection, Server, free_port, measure  # noqa: E402
+
+from benchlib import cpu_model, write_section  # noqa: E402
+
+START = "<!-- bench:real_size:start -->"
+END = "<!-- bench:real_size:end -->"
+INFINITY = Path(os.environ.get("INFINITY_VENV", "/root/infinity-venv")) / "bin" / "infinity_emb"
+MODELS = {"clap": ["clap"], "ast_xlmr": ["ast", "xlmr"]}
+QUERY = "a dog barks twice then a siren passes by in the rain"
+
+
+def work_dir(args: argparse.Namespace) -> Path:
+    path = Path(args.work).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_results(work: Path) -> list[dict[str, Any]]:
+    path = work / "results.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def add_results(work: Path, rows: list[dict[str, Any]]) -> None:
+    stamp = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "load": round(os.getloadavg()[0], 2),
+             "command": "python bench/real_size.py " + " ".join(sys.argv[1:])}
+    results = load_results(work) + [{**stamp, **row} for row in rows]
+    (work / "results.json").write_text(json.dumps(results, indent=1))
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process (VmRSS), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def cmd_build(args: argparse.Namespace) -> None:
+    """Model folders (random weights, full size), two training steps of the preset, `tonearm export`."""
+    from real_size_models import (  # tests/real_size_models.py
+        mini_manifest,
+        real_model_dir,
+        train_preset,
+    )
+
+    from training.data.synth import generate_corpus
+    from training.export import export_bundle
+
+    work = work_dir(args)
+    corpus = work / "corpus" / "manifest.jsonl"
+    if not corpus.exists():
+        generate_corpus(size="tiny", seed=0, out_dir=corpus.parent, progress=False)
+    manifest = mini_manifest(corpus, work / f"manifest-{args.preset}.jsonl", per_split=args.clips_per_split)
+    started = time.perf_counter()
+    dirs = {name: real_model_dir(name, work) for name in MODELS[args.preset]}
+    made = time.perf_counter()
+    run = train_preset(args.preset, dirs, manifest, work / "runs" / args.preset)
+    trained = time.perf_counter()
+    checkpoint = run / "best" if (run / "best").is_dir() else run / "last"
+    bundle = export_bundle(checkpoint, manifest=manifest, out_dir=work / "bundles" / args.preset, progress=False)
+    exported = time.perf_counter()
+    (work / f"{args.preset}.bundle").write_text(str(bundle))
+    sizes = {p.name: round(p.stat().st_size / 1e6, 1) for p in bundle.glob("*.onnx*")}
+    add_results(work, [{"kind": "build", "preset": args.preset, "bundle": bundle.name, "models_s": made - started,
+                        "train_s": trained - made, "export_s": exported - trained, "onnx_mb": sizes}])
+
+
+def bundle_of(work: Path, preset: str) -> Path:
+    marker = work / f"{preset}.bundle"
+    if not marker.exists():
+        raise SystemExit(f"no {preset} bundle yet: run `python bench/real_size.py build {preset}` first")
+    return Path(marker.read_text().strip())
+
+
+# ----------------------------------------------------------------------------- encoders
+
+
+def wav_bytes(seconds: float, rate: int, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    wave = 0.2 * np.sin(2 * np.pi * 440 * t) * (1 + np.sin(2 * np.pi * 2 * t)) + 0.02 * rng.standard_normal(t.size)
+    buffer = io.BytesIO()
+    sf.write(buffer, wave.astype(np.float32), rate, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+def _rate(run: Any, seconds: float) -> tuple[float, np.ndarray]:
+    """Calls per second of ``run()`` over about ``seconds`` (after one warm-up call) and its last output."""
+    out = run()
+    calls, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        out = run()
+        calls += 1
+    return calls / (time.perf_counter() - started), out
+
+
+def cmd_encoders(args: argparse.Namespace) -> None:
+    """ONNX Runtime encoder throughput, fp32 vs dynamic int8, and their per-item agreement."""
+    from index.audio import eval_chunks
+    from index.loader import AUDIO_INPUTS, TEXT_INPUTS, OnnxEncoder, SessionConfig
+    from index.tokenizer import TextTokenizer
+    from training.quantize import cosines, quantize_model
+
+    work = work_dir(args)
+    rows = []
+    texts = [f"{QUERY} {i}" for i in range(16)]
+    for preset in args.presets.split(","):
+        bundle = bundle_of(work, preset)
+        manifest = json.loads((bundle / "manifest.json").read_text())
+        dim, rate = manifest["embed_dim"], manifest["sample_rate"]
+        tokenizer = TextTokenizer.from_file(bundle / "tokenizer.json")
+        clip = eval_chunks(np.random.default_rng(0).standard_normal(10 * rate).astype(np.float32) * 0.1,
+                           manifest["clip_samples"])
+        with tempfile.TemporaryDirectory() as scratch:
+            for modality, inputs in (("text", TEXT_INPUTS), ("audio", AUDIO_INPUTS)):
+                fp32_path = bundle / f"{modality}_encoder.onnx"
+                int8_path = quantize_model(fp32_path, Path(scratch) / f"{modality}.int8.onnx")
+                for threads in (1, 2):
+                    session = SessionConfig(threads=threads)
+                    outputs = {}
+                    for precision, path in (("fp32", fp32_path), ("int8", int8_path)):
+                        encoder = OnnxEncoder.load(path, inputs=inputs, embed_dim=dim, providers=["CPUExecutionProvider"],
+                                                   threads=threads, session=session)
+                        for batch in (1, 8):
+                            if modality == "text":
+                                feeds = dict(zip(inputs, tokenizer.encode(texts[:batch], pad_to_longest=True), strict=True))
+                            else:
+                                feeds = {"waveform": np.repeat(clip[:1], batch, axis=0)}
+                            calls, out = _rate(lambda e=encoder, f=feeds: e.run(f), args.seconds)
+                            outputs[precision, batch] = out
+                            rows.append({"kind": "encoder", "preset": preset, "modality": modality, "threads": threads,
+                                         "precision": precision, "batch": batch, "items_per_s": calls * batch,
+                                         "mb": round(path.stat().st_size / 1e6, 1)})
+                            print(rows[-1], flush=True)
+                    agreement = cosines(outputs["int8", 8], outputs["fp32", 8])
+                    rows.append({"kind": "agreement", "preset": preset, "modality": modality, "threads": threads,
+                                 "min_cosine": float(agreement.min()), "mean_cosine": float(agreement.mean())})
+    add_results(work, rows)
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+class Infinity:
+    """`infinity_emb v2` (its own venv) serving a model folder on the CPU, ready when /health answers."""
+
+    def __init__(self, model: Path, *, log: Path, batch_size: int = 32) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.name = model.name
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
+               "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "2"}
+        cmd = [str(INFINITY), "v2", "--model-id", str(model), "--served-model-name", self.name, "--port", str(self.port),
+               "--engine", "torch", "--device", "cpu", "--batch-size", str(batch_size), "--no-bettertransformer",
+               "--no-model-warmup"]
+        self.log = log
+        with log.open("w") as sink:
+            self.process = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+
+    def __enter__(self) -> Infinity:
+        import httpx
+
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"infinity exited:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.__exit__()
+        raise RuntimeError(f"infinity not ready:\n{self.log.read_text()[-3000:]}")
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+async def _infinity_worker(server: Infinity, kind: str, clip: bytes, stop_at: float, out: list, errors: list,
+                           wid: int) -> None:
+    connection = Connection("127.0.0.1", server.port)
+    audio_uri = "data:audio/wav;base64," + base64.b64encode(clip).decode()
+    i = 0
+    try:
+        while time.perf_counter() < stop_at:
+            if kind == "audio":
+                path, item = "/embeddings_audio", audio_uri
+            else:
+                path, item = "/embeddings", f"{QUERY} {wid}-{i}-{time.perf_counter_ns()}"
+            body = json.dumps({"model": server.name, "input": [item]}).encode()
+            started = time.perf_counter()
+            try:
+                status, _ = await connection.request("POST", path, body, "application/json")
+                ok = status == 200
+            except (OSError, asyncio.IncompleteReadError, ValueError, IndexError):
+                ok, connection = False, Connection("127.0.0.1", server.port)
+            (out if ok else errors).append((time.perf_counter() - started) * 1000)
+            i += 1
+    finally:
+        connection.close()
+
+
+async def measure_infinity(server: Infinity, *, kind: str, clients: int, seconds: float, clip: bytes) -> dict:
+    out: list[float] = []
+    errors: list[float] = []
+    started = time.perf_counter()
+    await asyncio.gather(*(_infinity_worker(server, kind, clip, started + seconds, out, errors, w)
+                           for w in range(clients)))
+    elapsed = time.perf_counter() - started
+    lat = np.asarray(out)
+    p50, p99 = np.percentile(lat, [50, 99]) if len(lat) else (0.0, 0.0)
+    return {"requests": len(out), "errors": len(errors), "p50_ms": p50, "p99_ms": p99, "rps": len(out) / elapsed}
+
+
+def _row(preset: str, server: str, kind: str, clients: int, stats: dict, **extra: Any) -> dict[str, Any]:
+    return {"kind": "serve", "preset": preset, "server": server, "workload": kind, "clients": clients,
+            **{k: stats[k] for k in ("requests", "errors", "p50_ms", "p99_ms", "rps")}, **extra}
+
+
+def _result_stats(result: Any) -> dict:
+    row = result.row()
+    return {"requests": row["requests"], "errors": row["errors"], "p50_ms": row["p50_ms"], "p99_ms": row["p99_ms"],
+            "rps": row["rps"]}
+
+
+def serve_tonearm(bundle: Path, *, preset: str, label: str, env: dict[str, str], kinds: list[str],
+                  clients: list[int], seconds: float, clip: bytes, scratch: Path, reference: bool = False) -> list[dict]:
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        started = time.perf_counter()
+        server = Server(bundle, threads=4, redis_url=None, log=scratch / f"{label}.log", reference=reference)
+        with server:
+            ready_s = time.perf_counter() - started
+            rows = [{"kind": "startup", "preset": preset, "server": label, "ready_s": ready_s,
+                     "rss_mib": rss_mib(server.process.pid)}]
+            print(rows[-1], flush=True)
+            for kind in kinds:
+                for c in clients:
+                    result = asyncio.run(measure(server.url, server=label, target=preset, kind=kind, clients=c,
+                                                 seconds=seconds, clip=clip))
+                    rows.append(_row(preset, label, kind, c, _result_stats(result)))
+                    print(rows[-1], f"load {os.getloadavg()[0]:.1f}", flush=True)
+            rows[0]["rss_after_mib"] = rss_mib(server.process.pid)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return rows
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    """tonearm, the reference server and Infinity on the same bundle / model folder, same clients."""
+    work = work_dir(args)
+    bundle = bundle_of(work, args.preset)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    clip = wav_bytes(10.0, manifest["sample_rate"])
+    kinds, clients = args.kinds.split(","), [int(c) for c in args.clients.split(",")]
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as scratch_dir:
+        scratch = Path(scratch_dir)
+        for server in args.servers.split(","):
+            if server == "infinity":
+                rows += serve_infinity(args.preset, work, kinds, clients, args.seconds, clip, scratch)
+            elif server == "reference":
+                rows += serve_tonearm(bundle, preset=args.preset, label="reference", env={}, kinds=kinds,
+                                      clients=clients, seconds=args.seconds, clip=clip, scratch=scratch, reference=True)
+            else:  # tonearm[:NAME=VALUE;NAME=VALUE] — settings variants
+                name, _, spec = server.partition(":")
+                env = dict(item.split("=", 1) for item in spec.split(";") if item)
+                rows += serve_tonearm(bundle, preset=args.preset, label=server, env=env, kinds=kinds, clients=clients,
+                                      seconds=args.seconds, clip=clip, scratch=scratch)
+            add_results(work, rows)
+            rows = []
+    write_report(work)
+
+
+def serve_infinity(preset: str, work: Path, kinds: list[str], clients: list[int], seconds: float, clip: bytes,
+                   scratch: Path) -> list[dict]:
+    """Infinity on the preset's model folders: the text folder for text, the CLAP folder for audio too."""
+    rows: list[dict] = []
+    folders = {"clap": {"text-cold": "clap", "audio": "clap"}, "ast_xlmr": {"text-cold": "xlmr"}}[preset]
+    for folder in sorted(set(folders.values())):
+        wanted = [k for k in kinds if folders.get(k) == folder]
+        if not wanted:
+            continue
+        model = work / "real_models" / folder
+        started = time.perf_counter()
+        try:
+            server = Infinity(model, log=scratch / f"infinity-{folder}.log")
+            with server:
+                rows.append({"kind": "startup", "preset": preset, "server": f"infinity ({folder})",
+                             "ready_s": time.perf_counter() - started, "rss_mib": rss_mib(server.process.pid)})
+                for kind in wanted:
+                    for c in clients:
+                        stats = asyncio.run(measure_infinity(server, kind=kind, clients=c, seconds=seconds, clip=clip))
+                        rows.append(_row(preset, "infinity", kind, c, stats, model=folder))
+                        print(rows[-1], f"load {os.getloadavg()[0]:.1f}", flush=True)
+        except RuntimeError as err:
+            rows.append({"kind": "failed", "preset": preset, "server": f"infinity ({folder})",
+                         "why": str(err).strip().splitlines()[-1][:300]})
+            print(rows[-1], flush=True)
+    for kind in kinds:
+        if kind not in folders:
+            rows.append({"kind": "failed", "preset": preset, "server": "infinity", "workload": kind,
+                         "why": f"Infinity has no {kind} embedding for this model folder (AST is not one of its audio models)"})
+    return rows
+
+
+def cmd_tail(args: argparse.Namespace) -> None:
+    """Demo bundle, cold text at 16 clients: p99 with micro-batching on (default) and off (batch of one)."""
+    from service.settings import Settings
+    from tonearm.demo import ensure_demo_bundle
+
+    work = work_dir(args)
+    bundle = ensure_demo_bundle(Settings().home)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as scratch_dir:
+        for repeat in range(args.repeats):
+            for label, env in (("batching on", {}), ("batching off", {"TONEARM_BATCH_MAX_SIZE": "1"})):
+                rows += [dict(r, repeat=repeat) for r in serve_tonearm(
+                    bundle, preset="demo", label=label, env=env, kinds=["text-cold"], clients=[16],
+                    seconds=args.seconds, clip=b"", scratch=Path(scratch_dir))]
+    add_results(work, rows)
+    write_report(work)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+    return head + "".join("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |\n" for r in rows)
+
+
+def write_report(work: Path, *, write: bool = True) -> str:
+    results = load_results(work)
+    parts = [f"{START}\n## real_size — real-size encoders served on two cores (bench/real_size.py)\n",
+             f"- machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
+             f"Python {platform.python_version()}; **no GPU is lent to this project's sessions**: every number is "
+             "CPU-only (fp16 and CUDA serving are not measured)\n"
+             "- models: random weights at full default size (tests/real_size_models.py), trained two steps "
+             "(configs/real/*.yaml) and exported by `tonearm export`; speed does not depend on the weights' values\n"
+             "- each row carries its command, date and 1-min load average (`quiet-run` waits for load < 1.5 first; "
+             "the load generator shares the two cores with the server)\n"]
+    sections = [
+        ("build", "Build (model folders, 2 training steps, export)",
+         ["preset", "bundle", "models_s", "train_s", "export_s", "onnx_mb", "date", "load"]),
+        ("encoder", "Encoder throughput (ONNX Runtime, one process, items/s)",
+         ["preset", "modality", "threads", "precision", "batch", "items_per_s", "mb", "date", "load"]),
+        ("agreement", "int8 vs fp32 agreement on the benchmark inputs (per item)",
+         ["preset", "modality", "threads", "min_cosine", "mean_cosine"]),
+        ("startup", "Startup to /readyz 200 and resident memory",
+         ["preset", "server", "ready_s", "rss_mib", "rss_after_mib", "date", "load"]),
+        ("serve", "Search under load (closed-loop clients, 10-s clips for audio)",
+         ["preset", "server", "workload", "clients", "requests", "errors", "p50_ms", "p99_ms", "rps", "date", "load"]),
+        ("failed", "Peers that could not run", ["preset", "server", "workload", "why"]),
+    ]
+    for kind, title, columns in sections:
+        rows = [r for r in results if r.get("kind") == kind]
+        if rows:
+            parts.append(f"\n### {title}\n\n{_table(rows, columns)}")
+    commands = sorted({r["command"] for r in results})
+    parts.append("\nCommands: " + "; ".join(f"`{c}`" for c in commands) + "\n")
+    notes = work / "notes.md"
+    if notes.exists():
+        parts.append("\n" + notes.read_text())
+    section = "".join(parts) + f"{END}\n"
+    if write:
+        write_section(section, start=START, end=END)
+    return section
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", default="~/.cache/tonearm/real-bench")
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build")
+    build.add_argument("preset", choices=sorted(MODELS))
+    build.add_argument("--clips-per-split", type=int, default=2)
+    enc = sub.add_parser("encoders")
+    enc.add_argument("--presets", default="clap,ast_xlmr")
+    enc.add_argument("--seconds", type=float, default=3.0)
+    serve = sub.add_parser("serve")
+    serve.add_argument("preset", choices=sorted(MODELS))
+    serve.add_argument("--servers", default="tonearm,reference,infinity")
+    serve.add_argument("--kinds", default="text-cold,audio")
+    serve.add_argument("--clients", default="1,8,16")
+    serve.add_argument("--seconds", type=float, default=8.0)
+    tail = sub.add_parser("tail")
+    tail.add_argument("--seconds", type=float, default=10.0)
+    tail.add_argument("--repeats", type=int, default=2)
+    sub.add_parser("report")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "tests"))
+    {"build": cmd_build, "encoders": cmd_encoders, "serve": cmd_serve, "tail": cmd_tail,
+     "report": lambda a: write_report(work_dir(a))}[args.command](args)
+    if args.command in ("build", "encoders"):
+        write_report(work_dir(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -261,7 +261,6 @@ class LoadedBundle:
         dim = manifest.embed_dim
         audio_index: VectorIndex
         text_index: VectorIndex | None = None
-        client = None
         if milvus is None:
             audio_index = open_faiss_index(root, manifest.audio_index, embed_dim=dim, mmap_threshold_bytes=mmap_threshold_bytes)
             if manifest.text_index is not None:
@@ -271,7 +270,7 @@ class LoadedBundle:
         else:
             from index.milvus_index import open_bundle_indices
 
-            client, audio_index, text_index = open_bundle_indices(milvus, manifest)
+            audio_index, text_index = open_bundle_indices(milvus, manifest)
         bundle = cls(
             path=root,
             manifest=manifest,
@@ -294,8 +293,7 @@ class LoadedBundle:
                 expected=text_index.ntotal,
             ) if manifest.text_index is not None and text_index is not None else [],
         )
-        if client is not None:  # the process-wide Milvus client stays open for other bundles
-            bundle.milvus = milvus
+        bundle.milvus = milvus
         try:
             bundle._check_text_items()
         except BundleError:
@@ -327,7 +325,14 @@ class LoadedBundle:
             raise BundleError(f"{path}:{row + 1}: outside its language range or clip_row/clip_id mismatch")
 
     def close(self) -> None:
-        """Release sessions and indices; call only when no request uses the bundle any more."""
+        """Release sessions and indices; call only when no request uses the bundle any more.
+
+        A Milvus backend also releases the bundle's collections from Milvus memory (the service
+        closes a bundle once it is neither active nor the rollback target)."""
+        for index in (self._audio_index, self._text_index):
+            release = getattr(index, "release", None)
+            if callable(release):
+                release()
         self._audio_encoder = self._text_encoder = None
         self._audio_index = self._text_index = None
 
@@ -336,7 +341,7 @@ class LoadedBundle:
         if self.milvus is not None:
             from index.milvus_index import set_active
 
-            set_active(self.milvus, self.bundle_id)
+            set_active(self.milvus, self.bundle_id)  # both aliases or neither; a no-op when already right
 
     def _need(self, part: Any) -> Any:
         if part is None:

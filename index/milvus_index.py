@@ -1,24 +1,34 @@
 """Milvus backend: a bundle's vectors in Milvus collections, for collections beyond one node.
 
-The bundle directory keeps the encoders, id files and held-out set; only the
-vectors move. ``publish`` writes them into two collections named by bundle id
-(``<prefix>_<bundle>_audio``: ``row`` = row of ``audio_ids.jsonl``;
-``<prefix>_<bundle>_text``: ``row``, ``lang``, ``clip_row``), then records the
-bundle in ``<prefix>_published`` — last, so a half-written bundle never counts
-as published. The service (``TONEARM_INDEX_BACKEND=milvus``) searches the
-collections of the bundle a request leased, so in-flight requests finish on
-their bundle during a hot swap; activation then points the aliases
-``<prefix>_active_audio`` / ``<prefix>_active_text`` at the new bundle's
-collections (``alter_alias`` is atomic), which is what other consumers and
-replicas read.
+The bundle directory keeps the encoders, id files and held-out set; only the vectors move.
+``publish`` writes them into two collections named by bundle id (``<prefix>_<bundle>_audio``:
+``row`` = row of ``audio_ids.jsonl``; ``<prefix>_<bundle>_text``: ``row``, ``lang``,
+``clip_row``), measures the ANN recall@10 of each against the bundle's exact vectors, then
+records the bundle in ``<prefix>_published`` — last, so a half-written bundle never counts as
+published. The service (``TONEARM_INDEX_BACKEND=milvus``) searches the collections of the
+bundle a request leased, so in-flight requests finish on their bundle during a hot swap;
+activation points the aliases ``<prefix>_active_audio`` / ``<prefix>_active_text`` at the new
+bundle's collections, which is what other consumers and replicas read (docs/service.md,
+"Milvus backend").
 
-* Language filtering of audio→text search is a Milvus filter expression
-  (``lang in [...]``), not post-filtering.
-* Index type per collection: ``FLAT`` (exact; what the parity test uses) by
-  default, or any Milvus index type (``HNSW``, ``IVF_FLAT``, ``AUTOINDEX``) at publish.
-* Milvus Lite (a local ``*.db`` URI; the ``milvus-lite`` 2.x wheel embeds the
-  engine) answers ``UNIMPLEMENTED`` to alias calls: there the active pointer
-  is a row of ``<prefix>_active`` instead (same meaning, one upsert).
+* **Deadlines** — every call carries ``timeout`` (:attr:`MilvusTarget.timeout_s`, serving calls;
+  :attr:`MilvusTarget.bulk_timeout_s`, publish / load) and ``retry_times=0``: pymilvus would
+  otherwise retry an unreachable server 75 times (minutes), and it ignores a float ``timeout``
+  as a retry budget. Failures become :class:`index.errors.IndexUnavailable` (transient:
+  unreachable, deadline, collection not loaded yet) or :class:`index.errors.IndexBackendError`,
+  inside this module.
+* **Activation** switches both aliases or neither: an alias already right is left alone (a
+  follower replica rewrites nothing), and when the second switch fails the first is undone.
+  Alias errors are told apart by code: Milvus ``1600`` alias not found, ``1602`` alias exists
+  (a concurrent first activation: then it is altered); milvus-lite 3.x answers ``100`` / ``1``
+  with "alias ... does not exist / already exists".
+* **Registry reads** are ``Strong`` (a bundle just published is visible at once).
+* **Ties**: hits are ordered by score, then row; each search fetches ``k + TIE_MARGIN`` and
+  widens while the last fetched score still ties the k-th, so the cut at k is deterministic.
+* **Index types**: ``FLAT`` (exact; the parity tests), ``HNSW`` (``M``, ``efConstruction``;
+  search ``ef``), ``IVF_FLAT`` (``nlist``; search ``nprobe``), ``AUTOINDEX``.
+* Hits are read from the entity's ``row`` field (milvus-lite 3.x keys hits by the primary
+  field's name, the server by ``id``).
 
 pymilvus is imported lazily: only the ``milvus`` extra needs it.
 """
@@ -29,10 +39,14 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import os
+import random
 import re
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,45 +56,62 @@ from rich.console import Console
 
 from index import bundle as fmt
 from index.bundle import BundleManifest, IndexInfo, read_manifest
-from index.errors import BundleError, TonearmError
+from index.errors import (
+    BundleError,
+    BundleNotPublished,
+    IndexBackendError,
+    IndexUnavailable,
+    TonearmError,
+)
 from index.evalset import read_jsonl
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "tonearm"
+DEFAULT_TIMEOUT_S = 2.0
+DEFAULT_BULK_TIMEOUT_S = 120.0
 INSERT_CHUNK = 5000
 QUERY_CHUNK = 10_000
+MAX_LIMIT = 16_384  # Milvus's topk ceiling
+TIE_MARGIN = 8
 LANG_MAX = 32
-POINTER_KEY = "active"
+KINDS = ("audio", "text")
 INDEX_TYPES = ("FLAT", "IVF_FLAT", "HNSW", "AUTOINDEX")
+RECALL_QUERIES = 256
+ALIAS_NOT_FOUND = 1600  # Milvus merr.ErrAliasNotFound
+ALIAS_EXISTS = 1602  # Milvus merr.ErrAliasAlreadyExist
+NOT_LOADED = 101  # collection not loaded (yet: after a restart)
+ACTIVATION_ATTEMPTS = 4
 _NAME = re.compile(r"[^A-Za-z0-9_]")
 
-
-class MilvusError(TonearmError):
-    """Milvus unreachable, or answering an operation with an error."""
-
-
-class BundleNotPublished(BundleError):
-    """The bundle's vectors are not (completely) in Milvus yet."""
+__all__ = ["BundleNotPublished", "MilvusTarget", "active_bundle", "publish", "set_active"]
 
 
 @dataclass(frozen=True)
 class MilvusTarget:
-    """Where the vectors live: ``uri`` (``http://host:19530`` or a Milvus Lite ``*.db`` file)."""
+    """Where the vectors live: ``uri`` (``http://host:19530`` or a milvus-lite ``*.db`` file)."""
 
     uri: str
     token: str | None = None
     prefix: str = DEFAULT_PREFIX
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Deadline of every serving call (search, query, alias reads and switches)."""
+    bulk_timeout_s: float = DEFAULT_BULK_TIMEOUT_S
+    """Deadline of each bulk call (create, insert, flush, load) of publish and bundle loading."""
+    release_closed: bool = True
+    """Release a bundle's collections from Milvus memory when the service closes it (it is then
+    neither active nor the rollback target)."""
 
     def client(self) -> Any:
         """The process's one client for this URI and token (thread-safe, never closed here).
 
         pymilvus keys connections by URI and token: closing one client would close the
-        connection every other client of the same Milvus uses."""
+        connection every other client of the same Milvus uses. A failed connect is not cached:
+        the next call tries again (recovery without a restart)."""
         key = (self.uri, self.token)
         with _CLIENTS_LOCK:
             if key not in _CLIENTS:
-                _CLIENTS[key] = _connect(self.uri, self.token)
+                _CLIENTS[key] = _connect(self.uri, self.token, self.timeout_s)
             return _CLIENTS[key]
 
     def collection(self, bundle_id: str, kind: str) -> str:
@@ -92,37 +123,72 @@ class MilvusTarget:
     def registry(self) -> str:
         return f"{self.prefix}_published"
 
-    @property
-    def pointer(self) -> str:
-        return f"{self.prefix}_active"
-
     def alias(self, kind: str) -> str:
         return f"{self.prefix}_active_{kind}"
+
+    def call(self, method: str, *args: Any, bulk: bool = False, **kwargs: Any) -> Any:
+        """``client.<method>(*args, **kwargs)`` under this target's deadline, pymilvus retries off."""
+        client = self.client()
+        timeout = self.bulk_timeout_s if bulk else self.timeout_s
+        return getattr(client, method)(*args, timeout=timeout, retry_times=0, **kwargs)
 
 
 _CLIENTS: dict[tuple[str, str | None], Any] = {}
 _CLIENTS_LOCK = threading.Lock()
 
 
-def _connect(uri: str, token: str | None) -> Any:
+def _connect(uri: str, token: str | None, timeout_s: float) -> Any:
     try:
         from pymilvus import MilvusClient
     except ModuleNotFoundError as err:
-        raise MilvusError("the Milvus backend needs pymilvus: pip install 'tonearm[milvus]'") from err
+        raise TonearmError("the Milvus backend needs pymilvus: pip install 'tonearm[milvus]'") from err
     try:
-        return MilvusClient(uri=uri, token=token or "")
+        return MilvusClient(uri=uri, token=token or "", timeout=timeout_s)
     except Exception as err:  # pymilvus raises its own exception family, or grpc's
-        raise MilvusError(f"cannot connect to Milvus at {uri}: {_reason(err)}") from None
+        raise IndexUnavailable(f"cannot connect to Milvus at {uri}: {_reason(err)}") from None
+
+
+def _code(err: BaseException) -> Any:
+    code = getattr(err, "code", None)
+    return code() if callable(code) else code  # pymilvus stores grpc's bound code() method
 
 
 def _reason(err: BaseException) -> str:
-    return (getattr(err, "message", None) or str(err)).splitlines()[0] if str(err) else type(err).__name__
+    text = getattr(err, "message", None) or str(err) or type(err).__name__
+    return str(text).splitlines()[0][:300]
+
+
+def _transient(err: BaseException) -> bool:
+    """Unreachable, past its deadline, or not loaded yet: worth retrying later."""
+    import grpc
+
+    for cause in (err, err.__cause__):
+        if isinstance(cause, grpc.RpcError):
+            return True  # transport-level: connection refused, deadline, reset
+        code = _code(cause) if cause is not None else None
+        if isinstance(code, grpc.StatusCode) or code in (2, NOT_LOADED):  # 2: connect failed
+            return True
+    return False
+
+
+@contextmanager
+def _mapped(what: str, target: MilvusTarget) -> Iterator[None]:
+    """Turn pymilvus / grpc failures into :class:`IndexUnavailable` / :class:`IndexBackendError`."""
+    try:
+        yield
+    except TonearmError:
+        raise
+    except Exception as err:
+        message = f"{what} (Milvus at {target.uri}): {_reason(err)}"
+        if _transient(err):
+            raise IndexUnavailable(message) from None
+        raise IndexBackendError(message) from None
 
 
 # ----------------------------------------------------------------------------- publish
 
 
-def _schema(client: Any, dim: int, *, text: bool) -> Any:
+def _schema(dim: int, *, text: bool) -> Any:
     from pymilvus import DataType, MilvusClient
 
     schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
@@ -134,13 +200,32 @@ def _schema(client: Any, dim: int, *, text: bool) -> Any:
     return schema
 
 
-def _index_params(client: Any, index_type: str) -> Any:
-    params = client.prepare_index_params()
-    params.add_index(field_name="vector", index_type=index_type, metric_type="IP")
-    return params
+def build_params(index_type: str, n: int) -> dict[str, int]:
+    """Build parameters: HNSW ``M``/``efConstruction``; IVF_FLAT ``nlist`` ≈ 4√n (FAISS's rule of thumb)."""
+    if index_type == "HNSW":
+        return {"M": 16, "efConstruction": 200}
+    if index_type == "IVF_FLAT":
+        return {"nlist": int(min(65_536, max(1, round(4 * math.sqrt(max(n, 1))))))}
+    return {}
 
 
-def _registry_schema(client: Any) -> Any:
+def search_params(index_type: str, build: dict[str, int], k: int) -> dict[str, int]:
+    """Search parameters for top-``k``: HNSW ``ef`` ≥ k (64 at least); IVF ``nprobe`` = nlist/4 (≥ 16)."""
+    if index_type == "HNSW":
+        return {"ef": max(64, k)}
+    if index_type == "IVF_FLAT":
+        nlist = int(build.get("nlist", 1))
+        return {"nprobe": min(nlist, max(16, nlist // 4))}
+    return {}
+
+
+def _index_params(client: Any, index_type: str, params: dict[str, int]) -> Any:
+    index = client.prepare_index_params()
+    index.add_index(field_name="vector", index_type=index_type, metric_type="IP", params=params)
+    return index
+
+
+def _registry_schema() -> Any:
     from pymilvus import DataType, MilvusClient
 
     schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
@@ -151,18 +236,30 @@ def _registry_schema(client: Any) -> Any:
     return schema
 
 
-def _ensure_registry(client: Any, name: str) -> None:
-    if not client.has_collection(name):
-        client.create_collection(name, schema=_registry_schema(client), index_params=_index_params(client, "FLAT"))
-    client.load_collection(name)
+def _ensure_registry(target: MilvusTarget) -> None:
+    if not target.call("has_collection", target.registry):
+        target.call(
+            "create_collection", target.registry, schema=_registry_schema(),
+            index_params=_index_params(target.client(), "FLAT", {}), bulk=True,
+        )
+    target.call("load_collection", target.registry, bulk=True)
 
 
-def _lookup(client: Any, registry: str, key: str) -> dict[str, Any] | None:
-    if not client.has_collection(registry):
-        return None
-    client.load_collection(registry)
-    rows = client.query(registry, filter=f"key == {json.dumps(key)}", output_fields=["bundle_id", "info"])
-    return rows[0] if rows else None
+def _registry_rows(target: MilvusTarget, expression: str) -> list[dict[str, Any]]:
+    """Registry rows matching ``expression``, read with Strong consistency (a publish is visible at once)."""
+    if not target.call("has_collection", target.registry):
+        return []
+    target.call("load_collection", target.registry, bulk=True)  # a no-op when loaded
+    return list(target.call(
+        "query", target.registry, filter=expression, output_fields=["bundle_id", "info"], consistency_level="Strong",
+    ))
+
+
+def published_info(target: MilvusTarget, bundle_id: str) -> dict[str, Any] | None:
+    """What the registry recorded at publish (sizes, index type and parameters, recall), or None."""
+    with _mapped(f"reading the registry for {bundle_id}", target):
+        rows = _registry_rows(target, f"key == {json.dumps(bundle_id)}")
+    return json.loads(rows[0]["info"]) if rows else None
 
 
 def caption_index(manifest: BundleManifest) -> IndexInfo:
@@ -186,23 +283,39 @@ def bundle_vectors(root: Path, manifest: BundleManifest) -> tuple[np.ndarray, np
     return out[0], out[1]
 
 
+def exact_top(vectors: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
+    """Exact top-``k`` rows by inner product, ties by row (the bundle's exact index, in numpy)."""
+    scores = queries @ vectors.T
+    order = np.lexsort((np.broadcast_to(np.arange(vectors.shape[0]), scores.shape), -scores))
+    return order[:, :k]
+
+
 def publish(bundle_dir: Path, target: MilvusTarget, *, index_type: str = "FLAT") -> bool:
-    """Write a bundle's vectors to Milvus; False when it was already published (nothing written)."""
+    """Write a bundle's vectors to Milvus; False when it was already published (nothing written).
+
+    The recall@10 of each collection against the bundle's exact vectors is measured on up to
+    :data:`RECALL_QUERIES` queries (captions for the audio collection, clips for the text one)
+    and recorded with the build and search parameters in the registry."""
+    if index_type not in INDEX_TYPES:
+        raise TonearmError(f"unknown Milvus index type {index_type!r}; one of {', '.join(INDEX_TYPES)}")
     root = Path(bundle_dir)
     manifest = read_manifest(root)
-    client = target.client()
-    try:
-        if _lookup(client, target.registry, manifest.bundle_id) is not None:
-            return False
-        audio, text = bundle_vectors(root, manifest)
-        text_items = read_jsonl(root / caption_index(manifest).ids_file, required=("lang", "clip_row"))
-        for kind, vectors in (("audio", audio), ("text", text)):
+    if published_info(target, manifest.bundle_id) is not None:
+        return False
+    audio, text = bundle_vectors(root, manifest)
+    text_items = read_jsonl(root / caption_index(manifest).ids_file, required=("lang", "clip_row"))
+    info: dict[str, Any] = {"n_audio": len(audio), "n_text": len(text), "index_type": index_type,
+                            "dim": manifest.embed_dim, "build_params": {}, "recall_at_10": {}}
+    with _mapped(f"publishing {manifest.bundle_id}", target):
+        for kind, vectors, queries in (("audio", audio, text), ("text", text, audio)):
             name = target.collection(manifest.bundle_id, kind)
-            if client.has_collection(name):  # a publish interrupted before its registry row: start over
-                client.drop_collection(name)
-            client.create_collection(
-                name, schema=_schema(client, manifest.embed_dim, text=kind == "text"),
-                index_params=_index_params(client, index_type),
+            build = build_params(index_type, len(vectors))
+            info["build_params"][kind] = build
+            if target.call("has_collection", name):  # a publish interrupted before its registry row: start over
+                target.call("drop_collection", name, bulk=True)
+            target.call(
+                "create_collection", name, schema=_schema(manifest.embed_dim, text=kind == "text"),
+                index_params=_index_params(target.client(), index_type, build), bulk=True,
             )
             for start in range(0, len(vectors), INSERT_CHUNK):
                 rows = []
@@ -212,18 +325,34 @@ def publish(bundle_dir: Path, target: MilvusTarget, *, index_type: str = "FLAT")
                         record["lang"] = str(text_items[row]["lang"])
                         record["clip_row"] = int(text_items[row]["clip_row"])
                     rows.append(record)
-                client.insert(name, rows)
-            client.flush(name)
-        _ensure_registry(client, target.registry)
-        info = {"n_audio": len(audio), "n_text": len(text), "index_type": index_type, "dim": manifest.embed_dim}
-        client.upsert(target.registry, [
+                target.call("insert", name, rows, bulk=True)
+            target.call("flush", name, bulk=True)
+            info["recall_at_10"][kind] = _measure_recall(target, name, vectors, queries, index_type, build)
+        _ensure_registry(target)
+        target.call("upsert", target.registry, [
             {"key": manifest.bundle_id, "bundle_id": manifest.bundle_id, "info": json.dumps(info), "vector": [0.0, 0.0]}
-        ])
-        return True
-    except TonearmError:
-        raise
-    except Exception as err:
-        raise MilvusError(f"publishing {manifest.bundle_id} to {target.uri} failed: {_reason(err)}") from None
+        ], bulk=True)
+    return True
+
+
+def _measure_recall(
+    target: MilvusTarget, name: str, vectors: np.ndarray, queries: np.ndarray, index_type: str, build: dict[str, int]
+) -> float:
+    """Recall@10 of collection ``name`` against exact search over ``vectors``; released afterwards."""
+    k = min(10, len(vectors))
+    if k == 0 or len(queries) == 0:
+        return 1.0
+    sample = queries[np.linspace(0, len(queries) - 1, min(RECALL_QUERIES, len(queries))).astype(int)]
+    target.call("load_collection", name, bulk=True)
+    try:
+        index = MilvusVectorIndex(target, name, ntotal=len(vectors), dim=vectors.shape[1],
+                                  index_type=index_type, build=build)
+        _, found = index.search(sample, k)
+    finally:
+        target.call("release_collection", name, bulk=True)
+    exact = exact_top(vectors, sample, k)
+    hits = sum(len(set(f.tolist()) & set(e.tolist())) for f, e in zip(found, exact, strict=True))
+    return round(hits / exact.size, 4)
 
 
 # ----------------------------------------------------------------------------- search
@@ -232,127 +361,210 @@ def publish(bundle_dir: Path, target: MilvusTarget, *, index_type: str = "FLAT")
 class MilvusVectorIndex:
     """One collection searched by inner product; rows are the bundle's row numbers."""
 
-    def __init__(self, client: Any, collection: str, *, ntotal: int, dim: int) -> None:
-        self.client = client
+    def __init__(
+        self, target: MilvusTarget, collection: str, *, ntotal: int, dim: int,
+        index_type: str = "FLAT", build: dict[str, int] | None = None,
+    ) -> None:
+        self.target = target
         self.collection = collection
         self.ntotal = ntotal
         self.d = dim
+        self.index_type = index_type
+        self.build = dict(build or {})
 
     def search(
         self, queries: np.ndarray, k: int, languages: Sequence[str] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Top-``k`` (scores (n, k) float32, rows (n, k) int64; -1 / -inf where fewer hits)."""
+        """Top-``k`` (scores (n, k) float32, rows (n, k) int64; -1 / -inf where fewer hits), ties by row."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         matrix = np.ascontiguousarray(queries, dtype=np.float32)
         expression = f"lang in {json.dumps(sorted(languages))}" if languages else ""
-        try:
-            found = self.client.search(
-                self.collection, data=matrix.tolist(), limit=k, filter=expression,
-                search_params={"metric_type": "IP"}, output_fields=["row"],
-            )
-        except Exception as err:
-            raise MilvusError(f"Milvus search in {self.collection} failed: {_reason(err)}") from None
         scores = np.full((len(matrix), k), -np.inf, dtype=np.float32)
         rows = np.full((len(matrix), k), -1, dtype=np.int64)
-        for q, hits in enumerate(found):
-            for j, hit in enumerate(hits[:k]):
-                scores[q, j] = float(hit["distance"])
-                rows[q, j] = int(hit["id"])
+        if len(matrix) == 0 or self.ntotal == 0:
+            return scores, rows
+        hits = self._fetch(matrix, min(self.ntotal, k + TIE_MARGIN, MAX_LIMIT), expression)
+        for q, found in enumerate(hits):
+            # A tie at the cut may continue past what was fetched: widen this query until it does not.
+            limit = len(found)
+            while limit < min(self.ntotal, MAX_LIMIT) and len(found) == limit and len(found) > k \
+                    and found[-1][0] == found[k - 1][0]:
+                limit = min(self.ntotal, MAX_LIMIT, limit * 2)
+                found = self._fetch(matrix[q : q + 1], limit, expression)[0]
+            for j, (score, row) in enumerate(found[:k]):
+                scores[q, j] = score
+                rows[q, j] = row
         return scores, rows
+
+    def _fetch(self, matrix: np.ndarray, limit: int, expression: str) -> list[list[tuple[float, int]]]:
+        """Per query: (score, row) pairs ordered by score descending, then row ascending."""
+        with _mapped(f"searching {self.collection}", self.target):
+            found = self.target.call(
+                "search", self.collection, data=matrix.tolist(), limit=limit, filter=expression,
+                search_params={"metric_type": "IP", "params": search_params(self.index_type, self.build, limit)},
+                output_fields=["row"],
+            )
+        return [sorted(((float(hit["distance"]), _row(hit)) for hit in hits), key=lambda h: (-h[0], h[1]))
+                for hits in found]
 
     def vectors(self) -> np.ndarray:
         """Every vector (row order), for the consistency diagnostics' exact ranks."""
         out = np.zeros((self.ntotal, self.d), dtype=np.float32)
-        for start in range(0, self.ntotal, QUERY_CHUNK):
-            rows = self.client.query(
-                self.collection, filter=f"row >= {start} and row < {start + QUERY_CHUNK}",
-                output_fields=["row", "vector"],
-            )
-            for record in rows:
-                out[int(record["row"])] = np.asarray(record["vector"], dtype=np.float32)
+        with _mapped(f"reading the vectors of {self.collection}", self.target):
+            for start in range(0, self.ntotal, QUERY_CHUNK):
+                records = self.target.call(
+                    "query", self.collection, filter=f"row >= {start} and row < {start + QUERY_CHUNK}",
+                    output_fields=["row", "vector"], bulk=True,
+                )
+                for record in records:
+                    out[int(record["row"])] = np.asarray(record["vector"], dtype=np.float32)
         return out
+
+    def release(self) -> None:
+        """Free the collection's Milvus memory (the bundle is closed: neither active nor rollback target)."""
+        if not self.target.release_closed:
+            return
+        try:
+            with _mapped(f"releasing {self.collection}", self.target):
+                self.target.call("release_collection", self.collection)
+        except TonearmError as err:  # releasing must never break a swap; Milvus frees it on restart anyway
+            log.warning("%s", err)
+
+
+def _row(hit: Any) -> int:
+    """The hit's bundle row: the entity's ``row`` field (the server keys hits ``id``, milvus-lite 3.x ``row``)."""
+    entity = hit.get("entity") or {}
+    if "row" in entity:
+        return int(entity["row"])
+    return int(hit["row"] if "row" in hit else hit["id"])
 
 
 def open_bundle_indices(
     target: MilvusTarget, manifest: BundleManifest
-) -> tuple[Any, MilvusVectorIndex, MilvusVectorIndex]:
-    """(client, audio index, text index) of a published bundle; :class:`BundleNotPublished` otherwise."""
-    client = target.client()
-    try:
-        record = _lookup(client, target.registry, manifest.bundle_id)
-        if record is None:
-            raise BundleNotPublished(
-                f"bundle {manifest.bundle_id} is not published to Milvus at {target.uri}; "
-                f"run: tonearm bundle publish BUNDLE_DIR --milvus-uri {target.uri}"
-            )
-        info = json.loads(record["info"])
-        expected = {"n_audio": manifest.audio_index.ntotal, "n_text": caption_index(manifest).ntotal}
-        if any(info.get(key) != value for key, value in expected.items()):
-            raise BundleError(f"Milvus holds {info} for bundle {manifest.bundle_id}, its manifest {expected}")
-        indices = []
+) -> tuple[MilvusVectorIndex, MilvusVectorIndex]:
+    """(audio index, text index) of a published bundle, loaded; :class:`BundleNotPublished` otherwise."""
+    info = published_info(target, manifest.bundle_id)
+    if info is None:
+        raise BundleNotPublished(
+            f"bundle {manifest.bundle_id} is not published to Milvus at {target.uri}; "
+            f"run: tonearm bundle publish BUNDLE_DIR --milvus-uri {target.uri}"
+        )
+    expected = {"n_audio": manifest.audio_index.ntotal, "n_text": caption_index(manifest).ntotal}
+    if any(info.get(key) != value for key, value in expected.items()):
+        raise BundleError(f"Milvus holds {info} for bundle {manifest.bundle_id}, its manifest {expected}")
+    indices = []
+    with _mapped(f"loading bundle {manifest.bundle_id}", target):
         for kind, n in (("audio", expected["n_audio"]), ("text", expected["n_text"])):
             name = target.collection(manifest.bundle_id, kind)
-            client.load_collection(name)
-            indices.append(MilvusVectorIndex(client, name, ntotal=n, dim=manifest.embed_dim))
-        return client, indices[0], indices[1]
-    except TonearmError:
-        raise
-    except Exception as err:
-        raise MilvusError(f"opening bundle {manifest.bundle_id} in Milvus at {target.uri}: {_reason(err)}") from None
+            target.call("load_collection", name, bulk=True)
+            indices.append(MilvusVectorIndex(
+                target, name, ntotal=n, dim=manifest.embed_dim, index_type=str(info.get("index_type", "FLAT")),
+                build=dict(info.get("build_params", {}).get(kind, {})),
+            ))
+    return indices[0], indices[1]
 
 
-# ----------------------------------------------------------------------------- active pointer
+# ----------------------------------------------------------------------------- active aliases
 
 
-def set_active(target: MilvusTarget, bundle_id: str) -> None:
-    """Point the active aliases at ``bundle_id``'s collections (atomic per alias); Milvus Lite: the pointer row."""
-    client = target.client()
+def _alias_error(err: BaseException, which: str) -> bool:
+    """``which`` = "missing" | "exists": the alias error, by code (and milvus-lite 3.x's message)."""
+    code, text = _code(err), _reason(err).lower()  # pymilvus prefixes "[call] Retry run out of 0 retry times"
+    if which == "missing":
+        return code == ALIAS_NOT_FOUND or (code == 100 and "alias" in text and "does not exist" in text)
+    return code == ALIAS_EXISTS or (code == 1 and "alias" in text and "already exist" in text)
+
+
+def alias_target(target: MilvusTarget, kind: str) -> str | None:
+    """The collection the ``kind`` alias names, None when the alias does not exist."""
     try:
-        try:
-            for kind in ("audio", "text"):
-                _point_alias(client, target.alias(kind), target.collection(bundle_id, kind))
-        except _AliasesUnsupported:
-            _ensure_registry(client, target.pointer)
-            client.upsert(target.pointer, [
-                {"key": POINTER_KEY, "bundle_id": bundle_id, "info": "{}", "vector": [0.0, 0.0]}
-            ])
+        return str(target.call("describe_alias", target.alias(kind))["collection_name"])
     except Exception as err:
-        raise MilvusError(f"cannot mark {bundle_id} active in Milvus at {target.uri}: {_reason(err)}") from None
+        if _alias_error(err, "missing"):
+            return None
+        raise
+
+
+def _point(target: MilvusTarget, kind: str, collection: str, *, exists: bool) -> None:
+    alias = target.alias(kind)
+    if exists:
+        target.call("alter_alias", collection_name=collection, alias=alias)
+        return
+    try:
+        target.call("create_alias", collection_name=collection, alias=alias)
+    except Exception as err:
+        if not _alias_error(err, "exists"):
+            raise
+        target.call("alter_alias", collection_name=collection, alias=alias)  # a concurrent first activation won
+
+
+def set_active(target: MilvusTarget, bundle_id: str) -> bool:
+    """Point both active aliases at ``bundle_id``'s collections, or neither; True when one changed.
+
+    An alias already right is not rewritten. When a switch fails, those already switched are
+    pointed back (or dropped, where there was none), so audio and text never name different
+    bundles after a failed activation. Both are read back after switching: a concurrent
+    activation (another replica's first one) that switched one of them meanwhile is overwritten,
+    so the last activation to finish owns both."""
+    wanted = {kind: target.collection(bundle_id, kind) for kind in KINDS}
+    changed = False
+    with _mapped(f"activating {bundle_id}", target):
+        for attempt in range(ACTIVATION_ATTEMPTS):
+            if attempt:
+                time.sleep(random.uniform(0.0, 0.05))  # break the symmetry of two racing activations
+            before = {kind: alias_target(target, kind) for kind in KINDS}
+            if before == wanted:
+                return changed
+            if attempt and _same_bundle(before):
+                log.warning("activation of %s overtaken by a concurrent one (%s)", bundle_id, before["audio"])
+                return changed
+            switched: list[str] = []
+            try:
+                for kind in KINDS:
+                    if before[kind] != wanted[kind]:
+                        _point(target, kind, wanted[kind], exists=before[kind] is not None)
+                        switched.append(kind)
+            except Exception:
+                _undo(target, before, switched)
+                raise
+            changed = True  # read back: a concurrent activation may have switched one alias meanwhile
+    raise IndexBackendError(f"activating {bundle_id}: another activation kept switching the aliases; retry")
+
+
+def _same_bundle(names: dict[str, str | None]) -> bool:
+    """Both aliases name the collections of one bundle (``<prefix>_<bundle>_<hash>_<kind>``)."""
+    audio, text = names["audio"], names["text"]
+    return audio is not None and text is not None and audio.removesuffix("_audio") == text.removesuffix("_text")
+
+
+def _undo(target: MilvusTarget, before: dict[str, str | None], switched: list[str]) -> None:
+    for kind in reversed(switched):
+        try:
+            previous = before[kind]
+            if previous is None:
+                target.call("drop_alias", target.alias(kind))
+            else:
+                target.call("alter_alias", collection_name=previous, alias=target.alias(kind))
+        except Exception as err:  # the original failure is what the caller must see
+            log.error("could not undo the %s alias switch (%s); re-run the activation", kind, _reason(err))
 
 
 def active_bundle(target: MilvusTarget) -> str | None:
-    """The bundle id the active aliases (or, on Milvus Lite, the pointer row) name; None when unset."""
-    client = target.client()
-    try:
-        collection = client.describe_alias(target.alias("audio")).get("collection_name")
-    except Exception as err:
-        if not _unimplemented(err):
+    """The bundle id both active aliases name; None when unset; :class:`IndexBackendError` when
+    they disagree; :class:`IndexUnavailable` when Milvus cannot be asked."""
+    with _mapped("reading the active aliases", target):
+        names = {kind: alias_target(target, kind) for kind in KINDS}
+        if names["audio"] is None and names["text"] is None:
             return None
-        record = _lookup(client, target.pointer, POINTER_KEY)
-        return str(record["bundle_id"]) if record else None
-    for row in client.query(target.registry, filter="key != ''", output_fields=["bundle_id"]):
-        if target.collection(str(row["bundle_id"]), "audio") == collection:
-            return str(row["bundle_id"])
-    return None
-
-
-class _AliasesUnsupported(Exception):
-    pass
-
-
-def _unimplemented(err: BaseException) -> bool:
-    text = f"{err!r} {getattr(err, 'code', '')}"
-    return "UNIMPLEMENTED" in text.upper()
-
-
-def _point_alias(client: Any, alias: str, collection: str) -> None:
-    try:
-        client.alter_alias(collection_name=collection, alias=alias)
-    except Exception as err:
-        if _unimplemented(err):
-            raise _AliasesUnsupported from None
-        client.create_alias(collection_name=collection, alias=alias)  # first activation: no alias yet
+        by_collection = {
+            target.collection(str(row["bundle_id"]), kind): str(row["bundle_id"])
+            for row in _registry_rows(target, "key != ''") for kind in KINDS
+        }
+    bundles = {kind: by_collection.get(name or "") for kind, name in names.items()}
+    if bundles["audio"] != bundles["text"] or bundles["audio"] is None:
+        raise IndexBackendError(f"the active aliases disagree ({names}); activate a bundle again")
+    return bundles["audio"]
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -375,10 +587,13 @@ def cli_publish(args: argparse.Namespace) -> int:
     target = target_from_args(args.milvus_uri, args.milvus_token_env)
     manifest = read_manifest(root)
     written = publish(root, target, index_type=args.milvus_index)
+    info = published_info(target, manifest.bundle_id) or {}
     state = "published" if written else "already published (nothing written)"
     Console().print(
         f"{manifest.bundle_id}: {state} to {target.uri} as {target.collection(manifest.bundle_id, 'audio')} "
         f"({manifest.audio_index.ntotal} clips) and {target.collection(manifest.bundle_id, 'text')} "
-        f"({caption_index(manifest).ntotal} captions)", highlight=False, soft_wrap=True,
+        f"({caption_index(manifest).ntotal} captions); {info.get('index_type', '?')} "
+        f"recall@10 {info.get('recall_at_10', {})}", highlight=False, soft_wrap=True,
     )
     return 0
+

@@ -9,7 +9,8 @@ that arrived while the encoder was busy share the next call.
 
 * **Order and isolation** — results go back to their own request, in the order
   the batch function returns them. When a batch fails as a whole, each of its
-  requests is retried alone, so one bad request only fails itself.
+  requests is retried alone, so one bad request only fails itself — unless it failed with a
+  503 (the index backend unreachable): then every request gets that answer at once.
 * **Disconnects** — a request whose client has gone (or whose task was
   cancelled) is marked; workers skip marked requests, so a disconnected client
   costs no encode.
@@ -208,8 +209,8 @@ class MicroBatcher(Generic[I, O]):
                 raise RuntimeError(f"batch function returned {len(results)} results for {len(batch)} items")
             return results
         except Exception as err:
-            if len(batch) == 1:
-                return [err]
+            if len(batch) == 1 or _not_the_requests_fault(err):
+                return [err] * len(batch)
             log.warning("%s micro-batch of %d failed (%s); retrying each request alone", self.name, len(batch), err)
         outcomes: list[Any] = []
         for job in batch:
@@ -232,6 +233,12 @@ class MicroBatcher(Generic[I, O]):
             job.loop.call_soon_threadsafe(_resolve, job.future, error)
         for thread in self._threads:
             thread.join(timeout=10)
+
+
+def _not_the_requests_fault(err: BaseException) -> bool:
+    """A 503 (the index backend unreachable, ...) fails every request of the batch alike: retrying
+    them one by one would only multiply the backend's deadline while the worker stalls."""
+    return isinstance(err, ServiceError) and err.status == 503
 
 
 def _resolve(future: asyncio.Future[Any], outcome: Any) -> None:

@@ -28,12 +28,13 @@ from typing import Any
 import numpy as np
 
 from index.bundle import read_manifest
+from index.errors import BundleNotPublished, IndexBackendError
 from service.cache import QueryCache
 from service.errors import ServiceError
 from service.gate import GateThresholds, GateVerdict, run_gate
 from service.limits import QUERY_MAX_CHARS
 from service.metrics import ServiceMetrics
-from service.searcher import BundleLike, Searcher
+from service.searcher import BundleLike, Searcher, index_unavailable
 from service.settings import Settings
 from tonearm.errors import BundleError
 
@@ -114,7 +115,10 @@ def milvus_target(settings: Settings) -> Any:
     from index.milvus_index import MilvusTarget
 
     token = settings.milvus_token.get_secret_value() if settings.milvus_token else None
-    return MilvusTarget(uri=settings.milvus_uri, token=token)
+    return MilvusTarget(
+        uri=settings.milvus_uri, token=token, timeout_s=settings.milvus_timeout_s,
+        bulk_timeout_s=settings.milvus_bulk_timeout_s, release_closed=settings.milvus_release_closed,
+    )
 
 
 def thresholds_from(settings: Settings) -> GateThresholds:
@@ -239,15 +243,20 @@ class BundleRegistry:
         """Open (verifying checksums), check dimensions and warm up; ``bundle-invalid`` on failure."""
         try:
             bundle = self.opener(Path(path))
+        except BundleNotPublished as err:
+            raise ServiceError("bundle-not-published", str(err)) from None
         except BundleError as err:
-            if type(err).__name__ == "BundleNotPublished":  # index.milvus_index, imported only with Milvus
-                raise ServiceError("bundle-not-published", str(err)) from None
             raise ServiceError("bundle-invalid", str(err)) from None
+        except IndexBackendError as err:  # Milvus unreachable: nothing wrong with the bundle
+            raise index_unavailable(err) from None
         except Exception as err:  # a bundle that cannot load must never take the service down
             log.exception("loading bundle %s failed", path)
             raise ServiceError("bundle-invalid", f"{path}: cannot be loaded: {err}") from None
         try:
             _check_and_warm(bundle)
+        except IndexBackendError as err:
+            bundle.close()
+            raise index_unavailable(err) from None
         except Exception as err:
             bundle.close()
             raise ServiceError("bundle-invalid", f"{path}: failed its warm-up check: {err}") from None
@@ -350,23 +359,24 @@ class BundleRegistry:
                 return
             previous = self._previous
             if previous is not None and previous.bundle_id == bundle_id:
-                self._swap(previous)
+                self._swap(previous, mark=False)
             else:
-                self._swap(self.load_id(self.find(bundle_id), bundle_id))
+                self._swap(self.load_id(self.find(bundle_id), bundle_id), mark=False)
         self.metrics.activations.labels(outcome="remote").inc()
         log.info("followed activation of bundle %s from another replica", bundle_id)
 
-    def _swap(self, new: _Entry) -> None:
+    def _swap(self, new: _Entry, *, mark: bool = True) -> None:
         """Make ``new`` active; the old active becomes previous; the bundle pushed out is retired.
 
-        Where the vectors live in Milvus, its active aliases are switched first: a failure
-        there leaves this replica on its current bundle."""
-        mark_active = getattr(new.bundle, "mark_active", None)
+        Where the vectors live in Milvus, its active aliases are switched first (both or neither):
+        a failure there leaves this replica on its current bundle. A follower (``mark=False``)
+        swaps only: the replica that activated already switched them."""
+        mark_active = getattr(new.bundle, "mark_active", None) if mark else None  # a follower: already marked
         if callable(mark_active):
             try:
                 mark_active()
             except Exception as err:
-                raise ServiceError("index-unavailable", f"cannot activate {new.bundle_id}: {err}") from None
+                raise index_unavailable(f"cannot activate {new.bundle_id}: {err}") from None
         with self._ref_lock:
             old_active, old_previous = self._active, self._previous
             self._active = new

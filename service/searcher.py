@@ -9,13 +9,15 @@ it never mutates the bundle's index state.
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from index.errors import IndexBackendError
 from index.languages import ENGLISH
 from index.metrics import dis, gap, mean_rank_std, mean_rank_variance, t2a_ranks_from_embeddings
 from index.report import METRIC_CONVENTION
@@ -30,6 +32,25 @@ from service.cache import (
 )
 from service.errors import ServiceError
 from service.gate import eval_data, evaluate
+
+INDEX_RETRY_AFTER_S = 1
+"""Retry-After of ``index-unavailable``: Milvus outages are retried by clients, not by workers."""
+
+
+def index_unavailable(err: BaseException | str) -> ServiceError:
+    """The 503 ``index-unavailable`` problem (with Retry-After) for an index backend failure."""
+    return ServiceError(
+        "index-unavailable", f"{err}; retry after {INDEX_RETRY_AFTER_S} s", retry_after=INDEX_RETRY_AFTER_S
+    )
+
+
+@contextmanager
+def index_calls() -> Iterator[None]:
+    """Index backend failures (Milvus unreachable, past its deadline) become ``index-unavailable``."""
+    try:
+        yield
+    except IndexBackendError as err:
+        raise index_unavailable(err) from None
 
 
 class BundleLike(Protocol):
@@ -231,7 +252,10 @@ class Searcher:
             row_of = {text: row for row, text in enumerate(texts)}
             for k in sorted({lookups[r].k for r, _ in missing}):
                 group = [(r, i) for r, i in missing if lookups[r].k == k]
-                scores, rows = self.bundle.search_audio(embeddings[[row_of[lookups[r].texts[i]] for r, i in group]], k)
+                with index_calls():
+                    scores, rows = self.bundle.search_audio(
+                        embeddings[[row_of[lookups[r].texts[i]] for r, i in group]], k
+                    )
                 for j, (r, i) in enumerate(group):
                     results[r][i] = (scores[j], rows[j])
                     self.cache.set(self._key(f"t2a-k{k}", lookups[r].texts[i]), encode_hits(scores[j], rows[j]))
@@ -295,7 +319,8 @@ class Searcher:
         per_language: dict[tuple[int, str], list[CaptionHit]] = {}
         for lang, k in sorted({(lang, q.k) for q, langs in zip(queries, requested, strict=True) for lang in langs}):
             group = [j for j, q in enumerate(queries) if q.k == k and lang in requested[j]]
-            scores, rows = self.bundle.search_text(embeddings[group], k, languages=[lang])
+            with index_calls():
+                scores, rows = self.bundle.search_text(embeddings[group], k, languages=[lang])
             for g, j in enumerate(group):
                 per_language[j, lang] = self._caption_hits(scores[g], rows[g], min_score=queries[j].min_score)
         return [[hit for lang in langs for hit in per_language[j, lang]] for j, langs in enumerate(requested)]
@@ -324,7 +349,8 @@ class Searcher:
         """(N, d) clip embeddings when the bundle exposes them (``audio_embeddings()``), else None."""
         with self._gallery_lock:
             if self._gallery is None:
-                self._gallery = clip_embeddings(self.bundle)
+                with index_calls():
+                    self._gallery = clip_embeddings(self.bundle)
             return self._gallery
 
     def consistency(
@@ -338,8 +364,9 @@ class Searcher:
         langs = list(captions)
         texts = [self.normalized(captions[lang]) for lang in langs]
         embeddings = self.embed_texts(texts)
-        scores, rows = self.bundle.search_audio(embeddings, k)
-        ranks = self._target_ranks(embeddings, target_id)
+        with index_calls():
+            scores, rows = self.bundle.search_audio(embeddings, k)
+            ranks = self._target_ranks(embeddings, target_id)
         per_language = {
             lang: LanguageDiagnosis(
                 hits=self._audio_hits(scores[i], rows[i], min_score=None, include_captions=False),
@@ -372,7 +399,8 @@ class Searcher:
             if self._heldout is None:
                 data = eval_data(self.bundle)
                 langs = [lang for lang in self.bundle.languages if np.any(data.lang == lang)]
-                report = evaluate(self.bundle, data, langs)
+                with index_calls():
+                    report = evaluate(self.bundle, data, langs)
                 self._heldout = HeldoutReport(report, METRIC_CONVENTION, "computed")
             return self._heldout
 

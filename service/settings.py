@@ -77,6 +77,13 @@ class Settings(BaseSettings):
     """e.g. http://milvus:19530 (a local *.db path uses Milvus Lite); needed with index_backend=milvus."""
     milvus_token: SecretStr | None = None
     """Milvus credentials (`user:password` or an API key); mount from a secret."""
+    milvus_timeout_s: float = Field(default=2.0, gt=0, le=60)
+    """Deadline of every Milvus call on the request path (search, alias reads and switches); past it, or
+    with Milvus unreachable, searches answer 503 `index-unavailable` with Retry-After. No pymilvus retries."""
+    milvus_bulk_timeout_s: float = Field(default=120.0, gt=0)
+    """Deadline of each bulk Milvus call when a bundle is loaded (load_collection, reading all vectors)."""
+    milvus_release_closed: bool = True
+    """Release a bundle's collections from Milvus memory once it is neither active nor the rollback target."""
 
     # --- server ---
     host: str = "127.0.0.1"

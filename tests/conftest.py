@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.milvus_server import milvus_server, milvus_uri  # noqa: F401  (session Milvus server; both engines)
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
 

@@ -61,18 +61,17 @@ def _problem_message(response: httpx.Response, args: argparse.Namespace) -> str:
     return f"{response.request.url} answered {response.status_code}: {detail}"
 
 
-def _verdict_title(verdict: dict[str, Any]) -> str:
-    where = ", ".join(verdict.get("languages") or [])
+def _set_line(verdict: dict[str, Any]) -> str:
+    where = ", ".join(verdict.get("languages") or []) or "-"
     gate_set = verdict.get("set")
-    if gate_set:
-        return (f"quality gate vs {verdict.get('compared_to')} on the {gate_set['name']} "
-                f"({gate_set['n_clips']} clips, {gate_set['n_queries']} queries; {where})")
-    return f"quality gate vs {verdict.get('compared_to')} on {where}"
+    if not gate_set:
+        return f"compared on: {where}"
+    return f"gate set: {gate_set['name']} — {gate_set['n_clips']} clips, {gate_set['n_queries']} queries ({where})"
 
 
 def _verdict_table(verdict: dict[str, Any]) -> Table:
     """Each metric for both bundles and their difference; values never cut (the metric column folds)."""
-    table = Table(title=_verdict_title(verdict))
+    table = Table(title=f"quality gate: candidate vs {verdict.get('compared_to')}")
     table.add_column("metric", overflow="fold")
     for column in ("candidate", "active", "difference"):
         table.add_column(column, justify="right", no_wrap=True)
@@ -87,7 +86,7 @@ def _interval_line(interval: dict[str, Any]) -> str:
     return (
         f"{interval['metric']}: candidate − active = {interval['delta']:+.4f}, "
         f"{100 * interval['confidence']:g} % interval [{interval['low']:+.4f}, {interval['high']:+.4f}] "
-        f"(paired bootstrap, {interval['samples']} draws of the {interval['unit']}s, seed {interval['seed']})"
+        f"(paired bootstrap, {interval['samples']} resamples of the {interval['unit']}s, seed {interval['seed']})"
     )
 
 
@@ -96,6 +95,7 @@ def _print_verdict(console: Console, verdict: dict[str, Any] | None) -> None:
         return
     if verdict.get("candidate") or verdict.get("active"):  # a refusal before any evaluation has no numbers
         console.print(_verdict_table(verdict))
+        console.print(_set_line(verdict), highlight=False, soft_wrap=True)
     if verdict.get("interval"):
         console.print(_interval_line(verdict["interval"]), highlight=False, soft_wrap=True)
     if not verdict["passed"]:

@@ -77,7 +77,7 @@ def external_data_file(path: Path) -> Path:
 def _save_external(model: onnx.ModelProto, path: Path) -> None:
     external_data_file(path).unlink(missing_ok=True)
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=external_data_file(path).name, size_threshold=1024)
+                    location=external_data_file(path).name, size_threshold=1024, convert_attribute=True)
     log.info("%s: weights stored as external data in %s", path, external_data_file(path).name)
 
 

@@ -1,0 +1,34 @@
+"""Milvus killed and restarted under load, through the real service (uvicorn) on the real server.
+
+While Milvus is down every search answers 503 `index-unavailable` with Retry-After, each within
+the Milvus deadline (plus the encoder's time); no request hangs (bounded client timeouts), no
+other 5xx; once Milvus answers again the service does too, without a restart. The scenario is
+bench/milvus_outage.py's; the bench times it, this test checks what must hold.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.milvus_outage import run_outage
+from tests.milvus_server import require_milvus
+
+require_milvus()
+
+pytestmark = pytest.mark.timeout(600)
+
+DEADLINE_S = 1.0
+SLACK_S = 3.0  # encoding the query and the HTTP round trip, on a loaded 2-core machine
+
+
+def test_searches_answer_503_while_milvus_is_down_and_recover_when_it_returns(milvus_server, tiny_bundle):
+    run = run_outage(milvus_server, tiny_bundle, clients=4, deadline_s=DEADLINE_S, client_timeout_s=15.0,
+                     before_s=1.5, down_s=2.0, after_s=2.0)
+    s = run.summary()
+    assert s["hung"] == 0, s
+    assert s["other_5xx"] == 0 and s["other_errors"] == 0, s
+    assert s["index_unavailable"] > 0 and s["without_retry_after"] == 0, s
+    assert s["503_latency_max_s"] <= DEADLINE_S + SLACK_S, s
+    assert run.service_ok is not None, f"the service never answered again after Milvus came back: {s}"
+    assert s["failed_after_recovery"] == 0, s
+    assert any(r.status == 200 for r in run.requests if r.sent < run.killed), "no search succeeded before the kill"

@@ -1,0 +1,13 @@
+"""Fixtures of the training tests: the real-size models, presets and bundles (tests/real_size_models.py)."""
+
+from tests.real_size_models import (  # noqa: F401  (pytest fixtures, used by name)
+    real_ast_dir,
+    real_ast_xlmr_run,
+    real_clap_dir,
+    real_clap_pretrained_bundle,
+    real_clap_run,
+    real_manifest,
+    real_minilm_dir,
+    real_minilm_run,
+    real_xlmr_dir,
+)

@@ -117,7 +117,7 @@ def _embed(
                 batch.append(decode_file(path, bundle.sample_rate))
                 clip_ids.append(rel)
             except AudioDecodeError as err:  # listed once, by cli_index (not logged as well)
-                skipped.append((rel, str(err)))
+                skipped.append((rel, str(err).removeprefix(f"{path}: ")))
             if len(batch) == EMBED_BATCH or (number == len(files) and batch):
                 parts.append(bundle.encode_audio(batch))
                 batch = []

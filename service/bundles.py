@@ -40,6 +40,7 @@ from tonearm.errors import BundleError
 
 log = logging.getLogger(__name__)
 
+STARTUP_RETRY_MAX_S = 30.0
 BUNDLE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 Opener = Callable[[Path], BundleLike]
@@ -159,6 +160,7 @@ class BundleRegistry:
         self._known_paths: dict[str, Path] = {}
         self._ref_lock = threading.Lock()
         self._activation_lock = threading.Lock()
+        self._closing = threading.Event()
 
     # ------------------------------------------------------------------ state
 
@@ -270,9 +272,24 @@ class BundleRegistry:
     # ------------------------------------------------------------------ activation
 
     def start(self, path: Path) -> None:
-        """Load and activate the first bundle without a gate (startup)."""
-        with self._activation_lock:
-            self._swap(self.load(path))
+        """Load and activate the first bundle without a gate (startup).
+
+        While the index backend cannot be reached (Milvus down, ``index-unavailable``) it tries
+        again, 1 s then doubling up to 30 s, until the registry is closed: the service becomes
+        ready when Milvus does, without a restart."""
+        delay = 1.0
+        while True:
+            try:
+                with self._activation_lock:
+                    self._swap(self.load(path))
+                break
+            except ServiceError as err:
+                if err.slug != "index-unavailable":
+                    raise
+                log.warning("initial bundle not loaded yet (%s); retrying in %.0f s", err.detail, delay)
+                if self._closing.wait(delay):
+                    raise
+                delay = min(2 * delay, STARTUP_RETRY_MAX_S)
         self.metrics.activations.labels(outcome="startup").inc()
         log.info("serving bundle %s", self.active_id)
 
@@ -398,6 +415,7 @@ class BundleRegistry:
             self.publisher(bundle_id)
 
     def close(self) -> None:
+        self._closing.set()
         with self._ref_lock:
             entries = [e for e in (self._active, self._previous) if e is not None]
             self._active = self._previous = None

@@ -32,3 +32,27 @@ def test_searches_answer_503_while_milvus_is_down_and_recover_when_it_returns(mi
     assert run.service_ok is not None, f"the service never answered again after Milvus came back: {s}"
     assert s["failed_after_recovery"] == 0, s
     assert any(r.status == 200 for r in run.requests if r.sent < run.killed), "no search succeeded before the kill"
+
+
+def test_a_service_started_while_milvus_is_down_becomes_ready_when_it_returns(milvus_server, tiny_bundle):
+    """Startup used to give up on the first failure (log line, never ready): now it retries."""
+    import httpx
+
+    from index.milvus_index import MilvusTarget, publish
+    from service.app import create_app
+    from tests.service.conftest import UvicornServer, make_settings
+
+    publish(tiny_bundle, MilvusTarget(uri=milvus_server.uri))
+    settings = make_settings(bundles_dir=tiny_bundle.parent, bundle=tiny_bundle.name, index_backend="milvus",
+                             milvus_uri=milvus_server.uri, milvus_timeout_s=DEADLINE_S)
+    milvus_server.kill()
+    try:
+        with UvicornServer(create_app(settings)) as server:
+            assert httpx.get(server.url + "/readyz", timeout=5).status_code == 503
+            milvus_server.start()
+            server.wait_ready(timeout=180)
+            found = httpx.post(server.url + "/v1/search/text", json={"query": "a dog barks", "k": 3}, timeout=15)
+            assert found.status_code == 200, found.text
+    finally:
+        if milvus_server.pid is None:
+            milvus_server.start()

@@ -144,7 +144,8 @@ def _connect(uri: str, token: str | None, timeout_s: float) -> Any:
         raise TonearmError("the Milvus backend needs pymilvus: pip install 'tonearm[milvus]'") from err
     # pymilvus logs every failed call at ERROR, expected ones too (the first activation's "alias
     # not found"); the errors this module raises carry the reason, once, where it is handled.
-    logging.getLogger("pymilvus.decorators").setLevel(logging.CRITICAL)
+    for name in ("pymilvus.decorators", "pymilvus.milvus_client.milvus_client"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         return MilvusClient(uri=uri, token=token or "", timeout=timeout_s)
     except Exception as err:  # pymilvus raises its own exception family, or grpc's

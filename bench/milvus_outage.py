@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -53,6 +54,8 @@ class Request:
 @dataclass
 class OutageRun:
     requests: list[Request] = field(default_factory=list)
+    frozen: float = 0.0
+    thawed: float = 0.0
     killed: float = 0.0
     restarted: float = 0.0
     server_up: float = 0.0
@@ -69,6 +72,7 @@ class OutageRun:
         seen = {id(r) for r in unavailable}
         after_kill = [r for r in unavailable if r.sent >= self.killed]
         latencies = sorted(r.done - r.sent for r in unavailable)
+        frozen = sorted(r.done - r.sent for r in unavailable if self.frozen <= r.sent < self.thawed)
         return {
             "requests": len(self.requests),
             "ok": sum(r.status == 200 for r in self.requests),
@@ -80,6 +84,8 @@ class OutageRun:
             "first_503_s": min((r.done for r in after_kill), default=float("nan")) - self.killed,
             "503_latency_p50_s": latencies[len(latencies) // 2] if latencies else float("nan"),
             "503_latency_max_s": latencies[-1] if latencies else float("nan"),
+            "frozen_503": len(frozen),
+            "frozen_503_max_s": frozen[-1] if frozen else float("nan"),
             "server_restart_s": self.server_up - self.restarted,
             "milvus_recovery_s": self.milvus_answers - self.server_up,
             "recovery_after_milvus_s": (self.service_ok - self.milvus_answers) if self.service_ok else float("nan"),
@@ -141,10 +147,12 @@ def _probe(uri: str, collection: str, dim: int) -> bool:
 
 def run_outage(
     server: Any, bundle: Path, *, clients: int = 4, deadline_s: float = 1.0, client_timeout_s: float = 10.0,
-    before_s: float = 2.0, down_s: float = 3.0, after_s: float = 3.0, recovery_limit_s: float = 120.0,
+    before_s: float = 2.0, freeze_s: float = 3.0, down_s: float = 3.0, after_s: float = 3.0,
+    recovery_limit_s: float = 120.0,
 ) -> OutageRun:
     """Serve ``bundle`` from ``server`` (a started :class:`tests.milvus_server.MilvusStandalone`),
-    load it with ``clients`` threads, kill the server, restart it, and record every request."""
+    load it with ``clients`` threads, freeze the server (SIGSTOP: it accepts connections but never
+    answers, the case only deadlines bound), then kill it, restart it, and record every request."""
     import httpx
 
     from index.bundle import read_manifest
@@ -188,6 +196,12 @@ def run_outage(
         for thread in threads:
             thread.start()
         time.sleep(before_s)
+        if freeze_s > 0 and server.pid is not None:
+            run.frozen = time.monotonic()
+            os.kill(server.pid, signal.SIGSTOP)
+            time.sleep(freeze_s)  # shorter than the session TTL (5 s): the server survives its freeze
+            run.thawed = time.monotonic()
+            os.kill(server.pid, signal.SIGCONT)
         run.killed = time.monotonic()
         server.kill()
         time.sleep(down_s)
@@ -225,7 +239,8 @@ def section(run: OutageRun, *, command: str, clients: int, load_before: float, l
         f"- date: {now}; 1-min load average before / after: {load_before:.1f} / {load_after:.1f}",
         f"- load: {clients} client threads sending unique text searches (k=5) back to back, client timeout "
         f"{run.client_timeout_s:.0f} s; Milvus deadline `TONEARM_MILVUS_TIMEOUT_S={run.deadline_s:g}`; the server is "
-        "SIGKILLed, left down 3 s, and started again on its data (session TTL 5 s).",
+        "frozen (SIGSTOP) 3 s, then SIGKILLed, left down 3 s, and started again on its data (session TTL 5 s); "
+        "after a failure to answer, Milvus calls fail at once for 1 s, then one call probes it.",
         "- targets: first 503 within the deadline, 0 hung requests, recovery ≤ 5 s after Milvus is back.",
         "",
         "| measure | value |",
@@ -235,6 +250,7 @@ def section(run: OutageRun, *, command: str, clients: int, load_before: float, l
         f"| 503s without Retry-After | {s['without_retry_after']} |",
         f"| first 503 after the kill | {s['first_503_s']:.3f} s |",
         f"| 503 latency p50 / max | {s['503_latency_p50_s']:.3f} / {s['503_latency_max_s']:.3f} s |",
+        f"| while frozen (SIGSTOP, 3 s): 503s, max latency | {s['frozen_503']}, {s['frozen_503_max_s']:.3f} s |",
         f"| server restart (process start → health check) | {s['server_restart_s']:.1f} s |",
         f"| Milvus's own recovery (health check → a fresh client's search answers) | {s['milvus_recovery_s']:.1f} s |",
         f"| **service recovery after Milvus answers again** | **{_recovery(s['recovery_after_milvus_s'])}** |",

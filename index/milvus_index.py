@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PREFIX = "tonearm"
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_BULK_TIMEOUT_S = 120.0
+DEFAULT_HOLD_OFF_S = 1.0
 INSERT_CHUNK = 5000
 QUERY_CHUNK = 10_000
 MAX_LIMIT = 16_384  # Milvus's topk ceiling
@@ -101,6 +102,10 @@ class MilvusTarget:
     release_closed: bool = True
     """Release a bundle's collections from Milvus memory when the service closes it (it is then
     neither active nor the rollback target)."""
+    hold_off_s: float = DEFAULT_HOLD_OFF_S
+    """After Milvus failed to answer (unreachable, past the deadline), calls fail at once for this
+    long, then one call probes it (the others keep failing at once until it answers): a frozen
+    Milvus costs one deadline, not one per queued request."""
 
     def client(self) -> Any:
         """The process's one client for this URI and token (thread-safe, never closed here).
@@ -127,14 +132,34 @@ class MilvusTarget:
         return f"{self.prefix}_active_{kind}"
 
     def call(self, method: str, *args: Any, bulk: bool = False, **kwargs: Any) -> Any:
-        """``client.<method>(*args, **kwargs)`` under this target's deadline, pymilvus retries off."""
-        client = self.client()
+        """``client.<method>(*args, **kwargs)`` under this target's deadline, pymilvus retries off,
+        failing at once while Milvus is held off (:attr:`hold_off_s`)."""
+        key = (self.uri, self.token)
         timeout = self.bulk_timeout_s if bulk else self.timeout_s
-        return getattr(client, method)(*args, timeout=timeout, retry_times=0, **kwargs)
+        with _CLIENTS_LOCK:
+            down = _DOWN.get(key)
+            if down is not None:
+                now = time.monotonic()
+                if now < down[0]:
+                    raise IndexUnavailable(f"Milvus at {self.uri} is not answering ({down[1]}); retry later")
+                _DOWN[key] = (now + timeout + self.hold_off_s, down[1])  # this call probes; others wait
+        try:
+            result = getattr(self.client(), method)(*args, timeout=timeout, retry_times=0, **kwargs)
+        except Exception as err:
+            if _unreachable(err):
+                with _CLIENTS_LOCK:
+                    _DOWN[key] = (time.monotonic() + self.hold_off_s, _reason(err))
+            raise
+        if down is not None:
+            with _CLIENTS_LOCK:
+                _DOWN.pop(key, None)
+        return result
 
 
 _CLIENTS: dict[tuple[str, str | None], Any] = {}
 _CLIENTS_LOCK = threading.Lock()
+_DOWN: dict[tuple[str, str | None], tuple[float, str]] = {}
+"""(uri, token) -> (monotonic time until which calls fail at once, the failure's reason)."""
 
 
 def _connect(uri: str, token: str | None, timeout_s: float) -> Any:
@@ -160,6 +185,18 @@ def _code(err: BaseException) -> Any:
 def _reason(err: BaseException) -> str:
     text = getattr(err, "message", None) or str(err) or type(err).__name__
     return str(text).splitlines()[0][:300]
+
+
+def _unreachable(err: BaseException) -> bool:
+    """No answer at all: the connection failed or the deadline passed (not an error Milvus sent)."""
+    import grpc
+
+    if isinstance(err, IndexUnavailable):
+        return True  # from connecting
+    for cause in (err, err.__cause__):
+        if isinstance(cause, grpc.RpcError) or isinstance(_code(cause) if cause is not None else None, grpc.StatusCode):
+            return True
+    return False
 
 
 def _transient(err: BaseException) -> bool:

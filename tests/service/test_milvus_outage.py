@@ -1,4 +1,4 @@
-"""Milvus killed and restarted under load, through the real service (uvicorn) on the real server.
+"""Milvus frozen, killed and restarted under load, through the real service (uvicorn) on the real server.
 
 While Milvus is down every search answers 503 `index-unavailable` with Retry-After, each within
 the Milvus deadline (plus the encoder's time); no request hangs (bounded client timeouts), no
@@ -23,12 +23,12 @@ SLACK_S = 3.0  # encoding the query and the HTTP round trip, on a loaded 2-core 
 
 def test_searches_answer_503_while_milvus_is_down_and_recover_when_it_returns(milvus_server, tiny_bundle):
     run = run_outage(milvus_server, tiny_bundle, clients=4, deadline_s=DEADLINE_S, client_timeout_s=15.0,
-                     before_s=1.5, down_s=2.0, after_s=2.0)
+                     before_s=1.5, freeze_s=2.5, down_s=2.0, after_s=2.0)
     s = run.summary()
     assert s["hung"] == 0, s
     assert s["other_5xx"] == 0 and s["other_errors"] == 0, s
     assert s["index_unavailable"] > 0 and s["without_retry_after"] == 0, s
-    assert s["503_latency_max_s"] <= DEADLINE_S + SLACK_S, s
+    assert s["frozen_503"] > 0 and s["503_latency_max_s"] <= DEADLINE_S + SLACK_S, s  # frozen: the deadline bounds it
     assert run.service_ok is not None, f"the service never answered again after Milvus came back: {s}"
     assert s["failed_after_recovery"] == 0, s
     assert any(r.status == 200 for r in run.requests if r.sent < run.killed), "no search succeeded before the kill"

@@ -51,13 +51,14 @@ def test_iot_value_is_the_diagonal_log_plan() -> None:
     torch.testing.assert_close(error, (plan.sum(1) - 1 / 6).abs().sum())
 
 
-def test_iot_gradient_matches_finite_differences() -> None:
+@pytest.mark.parametrize("normalization", ["none", "max"])
+def test_iot_gradient_matches_finite_differences(normalization: str) -> None:
     gen = torch.Generator().manual_seed(3)
     u = torch.randn(4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     v = torch.randn(4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
 
     def loss(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-        return iot_loss(left, right, eps=0.5, iters=30, tol=None)[0]
+        return iot_loss(left, right, eps=0.5, iters=30, tol=None, cost_normalization=normalization)[0]  # type: ignore[arg-type]
 
     assert torch.autograd.gradcheck(loss, (u, v), eps=1e-6, atol=1e-6)
 

@@ -8,6 +8,9 @@ so it has no caption index and no held-out set (docs/bundle.md, "Index-only
 bundles"): text→audio search works, audio→text search does not. Clip ids and
 uris are the files' POSIX paths relative to ``AUDIO_DIR``, which the manifest
 records as the audio root. Torch-free: needs only the service extra.
+
+With ``ray`` (`tonearm index --ray [ADDRESS]`) the decoding and embedding run as a Ray
+Data job (:mod:`index.ray_embed`); the bundle written is the same.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from index.audio_formats import SNIFF_BYTES, SUPPORTED, sniff_format
 from index.errors import AudioDecodeError, BundleError, TonearmError
 from index.faiss_index import build_index, save_index
 from index.loader import LoadedBundle
+from index.ray_embed import RayOptions
 
 log = logging.getLogger(__name__)
 EMBED_BATCH = 16
@@ -53,15 +57,22 @@ def audio_files(audio_dir: Path) -> list[Path]:
     )
 
 
-def index_folder(audio_dir: Path, source: Path, out: Path, *, progress: bool = False) -> IndexedFolder:
-    """Embed every decodable file under ``audio_dir`` with ``source``'s audio encoder; publish ``out`` atomically."""
+def index_folder(
+    audio_dir: Path, source: Path, out: Path, *, progress: bool = False, ray: RayOptions | None = None
+) -> IndexedFolder:
+    """Embed every decodable file under ``audio_dir`` with ``source``'s audio encoder; publish ``out`` atomically.
+
+    ``ray``: embed on a Ray cluster instead of in this process (same vectors to float tolerance)."""
     audio_dir, out = Path(audio_dir).resolve(), Path(out)
     if not audio_dir.is_dir():
         raise TonearmError(f"{audio_dir}: audio directory not found")
     files = audio_files(audio_dir)
     bundle = LoadedBundle.open(source, verify=True)
     try:
-        clip_ids, embeddings, skipped = _embed(bundle, audio_dir, files, progress=progress)
+        if ray is None:
+            clip_ids, embeddings, skipped = _embed(bundle, audio_dir, files, progress=progress)
+        else:
+            clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, audio_dir, files, ray)
     finally:
         bundle.close()
     if not clip_ids:
@@ -128,12 +139,30 @@ def _embed(
     return clip_ids, embeddings, skipped
 
 
+def _embed_on_ray(
+    bundle: LoadedBundle, source: Path, audio_dir: Path, files: list[Path], options: RayOptions
+) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
+    from index.ray_embed import embed_audio_files
+
+    model = (source / bundle.manifest.audio_encoder.file).read_bytes()
+    done = embed_audio_files(files, model, decode=decode_file, embed_dim=bundle.embed_dim,
+                             sample_rate=bundle.sample_rate, clip_samples=bundle.clip_samples, policy="chunk",
+                             options=options)
+    rels = [path.relative_to(audio_dir).as_posix() for path in files]
+    kept = [i for i, error in enumerate(done.errors) if not error]
+    skipped = [(rels[i], error) for i, error in enumerate(done.errors) if error]
+    return [rels[i] for i in kept], done.embeddings[kept], skipped
+
+
 def cli_index(args: argparse.Namespace) -> int:
     """`tonearm index AUDIO_DIR --bundle BUNDLE --out NEW_BUNDLE`; exit 2 when nothing could be indexed."""
     out = Path(args.out)
     if out.exists():
         raise BundleError(f"{out}: already exists; bundles are never overwritten")
-    result = index_folder(Path(args.audio_dir), Path(args.bundle), out, progress=True)
+    ray = None
+    if args.ray is not None:
+        ray = RayOptions(address=args.ray or None, workers=args.ray_workers, progress=True)
+    result = index_folder(Path(args.audio_dir), Path(args.bundle), out, progress=True, ray=ray)
     console = Console()
     for rel, reason in result.skipped:
         console.print(f"[yellow]skipped[/yellow] {rel}: {reason}", highlight=False, soft_wrap=True)

@@ -156,6 +156,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
                    help="largest held-out R@10 drop against fp32 the quantized bundle may have (default 1 point)")
     p.add_argument("--quantize-on-loss", choices=("refuse", "warn"), default="refuse",
                    help="past --quantize-max-drop: refuse the export (exit status 2) or only warn")
+    _add_ray_options(p)
     p.set_defaults(handler=_lazy("training.export:cli_export", "train"))
 
 
@@ -166,7 +167,29 @@ def _add_index(sub: argparse._SubParsersAction) -> None:
     p.add_argument("audio_dir", help="folder searched recursively; files soundfile cannot read are skipped")
     p.add_argument("--bundle", required=True, help="source bundle whose ONNX encoders and tokenizer are reused")
     p.add_argument("--out", required=True, help="new bundle directory (its name is the bundle id; must not exist)")
+    _add_ray_options(p)
     p.set_defaults(handler=_lazy("index.own_audio:cli_index", "service"))
+
+
+def _add_ray_options(p: argparse.ArgumentParser) -> None:
+    """`--ray [ADDRESS]` and `--ray-workers N`: the embedding pass as a Ray Data job (docs/deploy.md, Ray)."""
+    p.add_argument(
+        "--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+        help="embed on a Ray cluster: ADDRESS is auto, HOST:PORT or ray://HEAD:10001; without one, "
+        "RAY_ADDRESS, else the cluster started on this machine, else a new local Ray (needs tonearm[ray])",
+    )
+    p.add_argument("--ray-workers", type=_positive_int, default=None, metavar="N",
+                   help="embedding actors (one ONNX session each; default: one per CPU of the cluster)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def _add_bundle(sub: argparse._SubParsersAction) -> None:

@@ -12,7 +12,8 @@ Steps (SPEC §6), all inside a staging directory published atomically at the end
 3. embed the catalogue — every clip of the data manifest, or of the splits
    asked for (``tonearm export --split test``) — with
    the *ONNX* encoders (what the service will compute), build ``audio.faiss``
-   and ``text.faiss`` (captions grouped by language) and measure ANN recall@10;
+   and ``text.faiss`` (captions grouped by language) and measure ANN recall@10
+   (``--ray``: both embedding passes run as Ray Data jobs, :mod:`index.ray_embed`);
 4. store the held-out set (``test`` split, else ``val``; at most
    :data:`index.evalset.MAX_EVAL_CLIPS` clips) and its SPEC §5 report;
 5. write ``manifest.json`` with checksums; fsync; rename into ``out_dir``.
@@ -52,6 +53,7 @@ from index.loader import (
     encode_texts,
     encode_waveforms,
 )
+from index.ray_embed import RayOptions, decode_whole, embed_audio_files, embed_captions
 from index.report import METRIC_CONVENTION
 from index.tokenizer import TextTokenizer
 from tonearm.errors import BundleError
@@ -59,7 +61,12 @@ from training.checkpoint import Checkpoint, load_checkpoint
 from training.config import TrainConfig
 from training.data.dataset import eval_captions
 from training.data.manifest import ClipRecord, load_manifest
-from training.onnx_export import MIN_COSINE, ExportError, export_audio_encoder, export_text_encoder
+from training.onnx_export import (
+    MIN_COSINE,
+    ExportError,
+    export_audio_encoder,
+    export_text_encoder,
+)
 from training.quantize import EncoderPair, QuantizeConfig, check_loss, measure, quantize_model
 
 log = logging.getLogger(__name__)
@@ -301,6 +308,24 @@ def embed_catalogue_texts(
     return np.concatenate(parts) if parts else np.zeros((0, dim), np.float32)
 
 
+def embed_catalogue_on_ray(
+    encoders: _Encoders, tokenizer: TextTokenizer, records: Sequence[ClipRecord], texts: Sequence[str],
+    cfg: TrainConfig, options: RayOptions,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The catalogue's (audio, caption) embeddings as two Ray Data jobs (same vectors as above)."""
+    dim = cfg.model.embed_dim
+    audio = embed_audio_files(
+        [r.audio for r in records], encoders.audio.path.read_bytes(), decode=decode_whole, embed_dim=dim,
+        sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples_of(cfg), policy=cfg.data.eval_crop,
+        options=options,
+    )
+    failed = [(r.audio, e) for r, e in zip(records, audio.errors, strict=True) if e]
+    if failed:
+        raise BundleError(f"{len(failed)} catalogue clips could not be decoded, e.g. {failed[0][1]}")
+    text = embed_captions(texts, encoders.text.path.read_bytes(), tokenizer, embed_dim=dim, options=options)
+    return audio.embeddings, text.embeddings
+
+
 def build_held_out(records: Sequence[ClipRecord], cfg: TrainConfig) -> EvalSet:
     """The held-out clips' prepared waveforms and caption queries (query groups as `tonearm evaluate`)."""
     clip_samples = clip_samples_of(cfg)
@@ -399,9 +424,11 @@ def export_bundle(
     quantize: QuantizeConfig | None = None,
     progress: bool = True,
     splits: Sequence[str] | None = None,
+    ray: RayOptions | None = None,
 ) -> Path:
     """Export ``checkpoint_dir`` with the clips of ``manifest`` (only those of ``splits`` when
-    given); returns ``out_dir/<bundle_id>``. The held-out set is chosen from every clip."""
+    given); returns ``out_dir/<bundle_id>``. The held-out set is chosen from every clip.
+    ``ray``: the catalogue's embedding pass runs on a Ray cluster (same bundle)."""
     checkpoint_dir, manifest, out_dir = Path(checkpoint_dir), Path(manifest), Path(out_dir)
     quantize = quantize or QuantizeConfig.from_choice(None, quantize_text=quantize_text)  # quantize_text: old alias
     ckpt, all_records = _load_inputs(checkpoint_dir, manifest)
@@ -420,7 +447,7 @@ def export_bundle(
     with fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
         sections = _build_contents(
             ckpt, records, held_out, staging, Path(scratch), split=split, index_factory=index_factory,
-            quantize=quantize, progress=progress, source_manifest=manifest,
+            quantize=quantize, progress=progress, source_manifest=manifest, ray=ray,
         )
         manifest_model = fmt.BundleManifest(
             bundle_id=bundle_id,
@@ -456,15 +483,20 @@ def _build_contents(
     quantize: QuantizeConfig,
     progress: bool,
     source_manifest: Path,
+    ray: RayOptions | None = None,
 ) -> dict[str, Any]:
     """Write every bundle file except the manifest; return the manifest sections they determine."""
     cfg, tokenizer, dim = ckpt.config, ckpt.tokenizer, ckpt.config.model.embed_dim
     encoders = export_encoders(ckpt, staging, scratch, records=records, quantize=quantize)
     text_items, ranges = catalogue_texts(records, cfg.data.languages)
-    with _progress(progress) as task:
-        audio_emb = embed_catalogue_audio(encoders.audio, records, cfg, task("embedding clips", len(records)))
-        text_emb = embed_catalogue_texts(encoders.text, tokenizer, [t["text"] for t in text_items], dim,
-                                         task("embedding captions", len(text_items)))
+    if ray is not None:
+        audio_emb, text_emb = embed_catalogue_on_ray(encoders, tokenizer, records, [t["text"] for t in text_items],
+                                                     cfg, ray)
+    else:
+        with _progress(progress) as task:
+            audio_emb = embed_catalogue_audio(encoders.audio, records, cfg, task("embedding clips", len(records)))
+            text_emb = embed_catalogue_texts(encoders.text, tokenizer, [t["text"] for t in text_items], dim,
+                                             task("embedding captions", len(text_items)))
     audio_built = build_index(audio_emb, index_factory, queries=text_emb)
     text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)
     save_index(audio_built.index, staging / fmt.AUDIO_INDEX)
@@ -505,7 +537,8 @@ def quantize_config(args: argparse.Namespace) -> QuantizeConfig:
 
 
 def cli_export(args: argparse.Namespace) -> int:
-    """`tonearm export CHECKPOINT --data MANIFEST --out BUNDLES_DIR [--split S ...] [--index F] [--quantize-text]`."""
+    """`tonearm export CHECKPOINT --data MANIFEST --out BUNDLES_DIR [--split S ...] [--index F] [--quantize-text]`,
+    or `tonearm export --pretrained MODEL_DIR ...` (training.pretrained)."""
     from rich.console import Console
 
     from index.report import format_report_rich
@@ -519,6 +552,8 @@ def cli_export(args: argparse.Namespace) -> int:
     path = export_bundle(
         args.checkpoint, manifest=args.data, out_dir=args.out, index_factory=args.index,
         quantize=quantize_config(args), progress=True, splits=args.split,
+        ray=None if args.ray is None else RayOptions(address=args.ray or None, workers=args.ray_workers,
+                                                    progress=True),
     )
     manifest = fmt.read_manifest(path)
     console = Console()

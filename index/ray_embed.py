@@ -1,0 +1,230 @@
+"""Embedding passes as Ray Data jobs: `tonearm index --ray` and `tonearm export --ray` (SPEC §12).
+
+A pass over files (or captions) becomes one Ray Data pipeline::
+
+    from_items(rows)  ->  map_batches(AudioEmbedder | TextEmbedder, actor pool)  ->  driver
+
+* The rows (``row`` number + file path, or ``row`` + caption) are split into blocks,
+  several per worker, so the files are sharded across the pool and a slow worker
+  takes fewer blocks.
+* Each worker is a Ray actor holding **one** ONNX Runtime session, created once from
+  the encoder's bytes (shipped through the object store, so workers need no copy of
+  the bundle); ``intra_op_num_threads`` equals the CPUs the actor reserves, so N
+  actors on N cores do not oversubscribe.
+* Actors decode and embed exactly as the single-process path does (the caller's own
+  ``decode`` function, then :func:`index.evalset.prepare_waveform` and
+  :func:`index.loader.encode_waveforms` / :func:`index.loader.encode_texts`), so the
+  vectors match it to float tolerance (ONNX batch composition differs). A file that
+  cannot be decoded comes back with its error message instead of a vector.
+* The driver puts the rows back in input order; the bundle, ids and index are
+  then written by the same code as the single-process path.
+
+Addresses (``--ray [ADDRESS]``): none — ``RAY_ADDRESS``, else the cluster last started on
+this machine, else a new local Ray instance; ``auto`` — an existing cluster only;
+``HOST:PORT`` — the cluster's GCS; ``ray://HEAD:10001`` — Ray Client (KubeRay's head
+service). Audio paths must be readable at the same path on every worker (a shared
+volume); docs/deploy.md, "Ray".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import onnxruntime as ort
+
+from index.audio import decode_audio
+from index.errors import AudioDecodeError, TonearmError
+from index.evalset import prepare_waveform
+from index.loader import AUDIO_INPUTS, TEXT_INPUTS, OnnxEncoder, encode_texts, encode_waveforms
+from index.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+Policy = Literal["center", "chunk"]
+Decode = Callable[[Path, int], np.ndarray]
+"""(path, sample rate) -> mono float32 waveform, or :class:`AudioDecodeError`; a module-level
+function (Ray pickles it by reference)."""
+AUDIO_BATCH_FILES = 16
+"""Files per actor call (the single-process `tonearm index` embeds 16 at a time too)."""
+TEXT_BATCH = 256
+BLOCKS_PER_WORKER = 4
+CONNECT_TIMEOUT_S = 5
+ACTOR_START_TIMEOUT_S = 600
+"""Every actor of the pool must start within this; then the blocks are shared among all of them
+(else the first actor up takes every block of a small job)."""
+
+
+def decode_whole(path: Path, sample_rate: int) -> np.ndarray:
+    """The export's decoding (:func:`index.audio.decode_audio`), as a :data:`Decode`."""
+    return decode_audio(path, sample_rate=sample_rate)
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """Where and how wide an embedding pass runs on Ray."""
+
+    address: str | None = None
+    """None: RAY_ADDRESS / the local cluster / a new local instance; else ``auto``, ``HOST:PORT``, ``ray://…``."""
+    workers: int | None = None
+    """Actors in the pool (one ONNX session each); None: the cluster's CPUs // ``cpus_per_worker``."""
+    cpus_per_worker: int = 1
+    """CPUs each actor reserves; also its ONNX Runtime intra-op threads."""
+    progress: bool = False
+
+
+def connect(address: str | None) -> Any:
+    """``ray.init`` for ``address`` (module docstring); raises :class:`TonearmError` when unreachable."""
+    try:
+        import ray
+    except ModuleNotFoundError:
+        raise TonearmError("--ray needs Ray Data; install it with: pip install 'tonearm[ray]'") from None
+    if ray.is_initialized():
+        return ray
+    _check_reachable(address)
+    kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        kwargs["include_dashboard"] = False
+    try:
+        ray.init(address=address, **kwargs)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        raise TonearmError(f"cannot reach the Ray cluster at {address or 'RAY_ADDRESS/local'}: {err}") from None
+    return ray
+
+
+def _check_reachable(address: str | None) -> None:
+    """Fail fast on a ``HOST:PORT`` nobody listens on (``ray.init`` would retry for minutes)."""
+    if not address or "://" in address or address in ("auto", "local") or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError) as err:
+        raise TonearmError(f"cannot reach the Ray cluster at {address}: {err}") from None
+
+
+def _session(model: Any, inputs: Sequence[str], embed_dim: int, threads: int) -> OnnxEncoder:
+    """One ONNX session from the encoder bytes (an object-store ref is resolved by Ray)."""
+    import ray
+
+    data = ray.get(model) if isinstance(model, ray.ObjectRef) else model
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    encoder = OnnxEncoder(session=session, path=Path("<ray actor>"))
+    encoder.check_interface(inputs, embed_dim)
+    return encoder
+
+
+class AudioEmbedder:
+    """Ray Data actor: decodes a batch of files and embeds them with its own ONNX session."""
+
+    def __init__(self, model: Any, *, decode: Decode, embed_dim: int, sample_rate: int, clip_samples: int,
+                 policy: Policy, threads: int) -> None:
+        self.encoder = _session(model, AUDIO_INPUTS, embed_dim, threads)
+        self.decode = decode
+        self.embed_dim, self.sample_rate, self.clip_samples, self.policy = embed_dim, sample_rate, clip_samples, policy
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        waves, errors = [], []
+        for path in batch["path"]:
+            try:
+                wave = self.decode(Path(str(path)), self.sample_rate)
+                waves.append(prepare_waveform(wave, clip_samples=self.clip_samples, policy=self.policy))
+                errors.append("")
+            except AudioDecodeError as err:
+                errors.append(str(err))
+        ok = np.array([not e for e in errors])
+        out = np.zeros((len(errors), self.embed_dim), np.float32)
+        out[ok] = encode_waveforms(self.encoder, waves, clip_samples=self.clip_samples, embed_dim=self.embed_dim)
+        return {"row": batch["row"], "embedding": out, "error": np.array(errors, dtype=object),
+                "worker": np.full(len(errors), os.getpid())}
+
+
+class TextEmbedder:
+    """Ray Data actor: tokenizes and embeds a batch of captions with its own ONNX session."""
+
+    def __init__(self, model: Any, *, tokenizer_json: str, embed_dim: int, threads: int) -> None:
+        from tokenizers import Tokenizer
+
+        self.encoder = _session(model, TEXT_INPUTS, embed_dim, threads)
+        self.tokenizer = TextTokenizer(Tokenizer.from_str(tokenizer_json))
+        self.embed_dim = embed_dim
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        texts = [str(t) for t in batch["text"]]
+        out = encode_texts(self.encoder, self.tokenizer, texts, embed_dim=self.embed_dim)
+        return {"row": batch["row"], "embedding": out, "worker": np.full(len(texts), os.getpid())}
+
+
+@dataclass(frozen=True)
+class RayEmbedded:
+    """Vectors in input order; ``errors[i]`` is "" for an embedded row, else why it was not."""
+
+    embeddings: np.ndarray
+    errors: list[str]
+    workers: int
+    """Distinct worker processes that embedded rows (what the sharding reached)."""
+
+
+def _run(rows: list[dict[str, Any]], actor: type, constructor: dict[str, Any], *, batch_size: int,
+         options: RayOptions, dim: int, advance: Callable[[int], None] | None) -> RayEmbedded:
+    ray = connect(options.address)
+    from ray import data as ray_data
+
+    context = ray_data.DataContext.get_current()
+    context.enable_progress_bars = options.progress
+    context.wait_for_min_actors_s = ACTOR_START_TIMEOUT_S  # the whole pool up before blocks are handed out
+    workers = options.workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // options.cpus_per_worker)
+    blocks = max(1, min(len(rows), workers * BLOCKS_PER_WORKER))
+    dataset = ray_data.from_items(rows, override_num_blocks=blocks).map_batches(
+        actor, fn_constructor_kwargs=constructor | {"threads": options.cpus_per_worker},
+        batch_size=batch_size, concurrency=workers, num_cpus=options.cpus_per_worker, batch_format="numpy",
+    )
+    embeddings = np.zeros((len(rows), dim), np.float32)
+    errors = [""] * len(rows)
+    seen: set[int] = set()
+    for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
+        order = batch["row"].astype(np.int64)
+        embeddings[order] = batch["embedding"]
+        for row, error in zip(order, batch.get("error", [""] * len(order)), strict=True):
+            errors[int(row)] = str(error)
+        seen.update(int(w) for w in batch["worker"])
+        if advance is not None:
+            advance(len(order))
+    log.info("Ray pass: %d rows on %d worker processes (pool of %d)", len(rows), len(seen), workers)
+    return RayEmbedded(embeddings=embeddings, errors=errors, workers=len(seen))
+
+
+def embed_audio_files(paths: Sequence[Path | str], model: bytes, *, decode: Decode, embed_dim: int, sample_rate: int,
+                      clip_samples: int, policy: Policy, options: RayOptions,
+                      advance: Callable[[int], None] | None = None) -> RayEmbedded:
+    """Clip embeddings of ``paths`` (decoded, prepared with ``policy``, chunk-averaged) on Ray."""
+    if not paths:
+        return RayEmbedded(np.zeros((0, embed_dim), np.float32), [], 0)
+    ray = connect(options.address)
+    constructor = {"model": ray.put(model), "decode": decode, "embed_dim": embed_dim, "sample_rate": sample_rate,
+                   "clip_samples": clip_samples, "policy": policy}
+    rows = [{"row": i, "path": str(p)} for i, p in enumerate(paths)]
+    return _run(rows, AudioEmbedder, constructor, batch_size=AUDIO_BATCH_FILES, options=options,
+                dim=embed_dim, advance=advance)
+
+
+def embed_captions(texts: Sequence[str], model: bytes, tokenizer: TextTokenizer, *, embed_dim: int,
+                   options: RayOptions, advance: Callable[[int], None] | None = None) -> RayEmbedded:
+    """Caption embeddings of ``texts`` on Ray (tokenizer shipped as its JSON)."""
+    if not texts:
+        return RayEmbedded(np.zeros((0, embed_dim), np.float32), [], 0)
+    ray = connect(options.address)
+    constructor = {"model": ray.put(model), "tokenizer_json": tokenizer.to_str(), "embed_dim": embed_dim}
+    rows = [{"row": i, "text": t} for i, t in enumerate(texts)]
+    return _run(rows, TextEmbedder, constructor, batch_size=TEXT_BATCH, options=options, dim=embed_dim,
+                advance=advance)

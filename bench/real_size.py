@@ -362,11 +362,14 @@ def serve_infinity(preset: str, work: Path, kinds: list[str], clients: list[int]
 
 def cmd_tail(args: argparse.Namespace) -> None:
     """Demo bundle, cold text at 16 clients: p99 with micro-batching on (default) and off (batch of one)."""
-    from service.settings import Settings
-    from tonearm.demo import ensure_demo_bundle
-
     work = work_dir(args)
-    bundle = ensure_demo_bundle(Settings().home)
+    if args.bundle:
+        bundle = Path(args.bundle)
+    else:
+        from service.settings import Settings
+        from tonearm.demo import ensure_demo_bundle
+
+        bundle = ensure_demo_bundle(Settings().home)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as scratch_dir:
         for repeat in range(args.repeats):
@@ -447,6 +450,7 @@ def main() -> int:
     tail = sub.add_parser("tail")
     tail.add_argument("--seconds", type=float, default=10.0)
     tail.add_argument("--repeats", type=int, default=2)
+    tail.add_argument("--bundle", help="demo bundle directory (default: the cached demo, built if needed)")
     sub.add_parser("report")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))

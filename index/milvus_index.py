@@ -142,11 +142,11 @@ class MilvusTarget:
                 now = time.monotonic()
                 if now < down[0]:
                     raise IndexUnavailable(f"Milvus at {self.uri} is not answering ({down[1]}); retry later")
-                _DOWN[key] = (now + timeout + self.hold_off_s, down[1])  # this call probes; others wait
+                _DOWN[key] = (now + self.timeout_s + self.hold_off_s, down[1])  # this call probes; others wait
         try:
             result = getattr(self.client(), method)(*args, timeout=timeout, retry_times=0, **kwargs)
         except Exception as err:
-            if _unreachable(err):
+            if _unreachable(err) and not bulk:  # a slow bulk call (load, release) is not an outage
                 with _CLIENTS_LOCK:
                     _DOWN[key] = (time.monotonic() + self.hold_off_s, _reason(err))
             raise
@@ -468,7 +468,7 @@ class MilvusVectorIndex:
             return
         try:
             with _mapped(f"releasing {self.collection}", self.target):
-                self.target.call("release_collection", self.collection)
+                self.target.call("release_collection", self.collection, bulk=True)
         except TonearmError as err:  # releasing must never break a swap; Milvus frees it on restart anyway
             log.warning("%s", err)
 

@@ -5,8 +5,6 @@ The backend's own defects are covered in tests/index/test_milvus_backend.py."""
 
 from __future__ import annotations
 
-import pytest
-
 from index.loader import LoadedBundle
 from tests.milvus_server import require_milvus
 from tests.service.conftest import ADMIN, running_client
@@ -17,8 +15,6 @@ from tonearm.cli import main as tonearm_main
 require_milvus()
 
 from index.milvus_index import MilvusTarget, active_bundle  # noqa: E402
-
-pytestmark = pytest.mark.timeout(600)
 
 
 def test_publish_activate_gate_rollback_through_milvus(real_bundles, milvus_uri, monkeypatch):

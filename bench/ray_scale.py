@@ -1,0 +1,194 @@
+"""Benchmark: `tonearm index --ray` throughput with 1 and 2 embedding workers (SPEC §12, issue 22).
+
+A Ray head is started on this machine (loopback, ``--num-cpus`` = the cores, its own temp
+dir) and the demo bundle's audio encoder embeds the demo corpus's clips (``--files`` of
+them, 5 s WAV) through :func:`index.ray_embed.embed_audio_files` — the pass
+`tonearm index --ray` runs — once with a pool of 1 actor and once with 2 (one CPU and one
+ONNX Runtime thread each). The single-process path (`tonearm index` without ``--ray``, one
+ONNX thread) is measured too, as the baseline a worker competes with.
+
+Reported per run: wall time of the whole pass (actor start included) and the steady rate,
+clips/s from the first batch the driver receives to the last (what a long job sees; actor
+start is a fixed few seconds). The cluster is stopped (its process group killed) at the end.
+
+    quiet-run .venv/bin/python bench/ray_scale.py            # ~3 min, writes docs/BENCHMARKS.md
+    python bench/ray_scale.py --bundle B --audio DIR --files 300 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # one-machine cluster on loopback
+
+from index.bundle import read_manifest  # noqa: E402
+from index.faiss_index import available_cores  # noqa: E402
+from index.loader import AUDIO_INPUTS, OnnxEncoder, encode_waveforms  # noqa: E402
+from index.own_audio import decode_file  # noqa: E402
+from index.ray_embed import RayOptions, embed_audio_files  # noqa: E402
+
+from benchlib import cpu_model, publish_section  # noqa: E402
+
+START, END = "<!-- bench:ray_scale:start -->", "<!-- bench:ray_scale:end -->"
+TARGET = "2 workers ≥ 1.6× one worker's clips/s"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def local_cluster(cpus: int) -> Iterator[str]:
+    """A Ray head on 127.0.0.1 with ``cpus`` CPUs; killed (process group) on exit."""
+    port, temp = _free_port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    ray = Path(sys.executable).with_name("ray")
+    head = subprocess.Popen(
+        [str(ray), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+         f"--num-cpus={cpus}", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}",
+         f"--ray-client-server-port={_free_port()}"],
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+            if head.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("ray start failed")
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+class Clock:
+    """Driver-side arrival times of the embedded rows."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.arrivals: list[tuple[float, int]] = []
+
+    def __call__(self, rows: int) -> None:
+        self.arrivals.append((time.perf_counter(), rows))
+
+    def rates(self, n: int) -> tuple[float, float]:
+        """(wall seconds of the pass, steady clips/s after the first batch)."""
+        first, first_rows = self.arrivals[0]
+        last = self.arrivals[-1][0]
+        steady = (n - first_rows) / (last - first) if last > first else float("nan")
+        return last - self.start, steady
+
+
+def single_process(files: list[Path], model: Path, manifest) -> tuple[float, float]:
+    """`tonearm index` without --ray: decode + embed 16 files at a time on one ONNX thread."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = 1, 1
+    encoder = OnnxEncoder(ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"]), model)
+    encoder.check_interface(AUDIO_INPUTS, manifest.embed_dim)
+    start = time.perf_counter()
+    for i in range(0, len(files), 16):
+        waves = [decode_file(f, manifest.sample_rate) for f in files[i : i + 16]]
+        encode_waveforms(encoder, waves, clip_samples=manifest.clip_samples, embed_dim=manifest.embed_dim)
+    seconds = time.perf_counter() - start
+    return seconds, len(files) / seconds
+
+
+def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    manifest = read_manifest(args.bundle)
+    files = sorted(Path(args.audio).rglob("*.wav"))[: args.files]
+    model = args.bundle / manifest.audio_encoder.file
+    rows = []
+    seconds, rate = single_process(files, model, manifest)
+    rows.append({"setup": "single process (no Ray), 1 ONNX thread", "wall": seconds, "steady": rate})
+    print(rows[-1], flush=True)
+    with local_cluster(args.cpus) as address:
+        for workers in (1, 2):
+            clock = Clock()
+            done = embed_audio_files(
+                files, model.read_bytes(), decode=decode_file, embed_dim=manifest.embed_dim,
+                sample_rate=manifest.sample_rate, clip_samples=manifest.clip_samples, policy="chunk",
+                options=RayOptions(address=address, workers=workers), advance=clock,
+            )
+            assert not any(done.errors) and done.workers == workers, (done.workers, workers)
+            wall, steady = clock.rates(len(files))
+            rows.append({"setup": f"Ray, {workers} worker{'s' * (workers > 1)}", "wall": wall, "steady": steady,
+                         "workers": workers})
+            print(rows[-1], flush=True)
+        import ray
+
+        ray.shutdown()
+    return rows, {"n": len(files), "seconds": manifest.clip_seconds, "model_mb": model.stat().st_size / 1e6}
+
+
+def markdown(rows: list[dict], info: dict, *, command: str, load: tuple[float, float], cpus: int) -> str:
+    one = next(r for r in rows if r.get("workers") == 1)
+    lines = [
+        START,
+        "## ray_scale — `tonearm index --ray`: clips/s with 1 and 2 workers (bench/ray_scale.py)",
+        "",
+        f"- command: `{command}`",
+        f"- machine: {cpu_model()}, {available_cores()} cores; Ray head on loopback with {cpus} CPUs "
+        "(one node; each worker = one actor, 1 CPU, one ONNX Runtime thread)",
+        f"- date: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC; 1-min load average before / after: "
+        f"{load[0]:.1f} / {load[1]:.1f}",
+        f"- work: {info['n']} WAV clips of the demo corpus ({info['seconds']:g} s, 16 kHz), the demo bundle's "
+        f"audio encoder ({info['model_mb']:.1f} MB ONNX); decode + embed, 16 files per actor call. "
+        f"Target: {TARGET}.",
+        "",
+        "| setup | wall of the pass (s) | steady clips/s | × 1 worker |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['setup']} | {r['wall']:.1f} | {r['steady']:.1f} | {r['steady'] / one['steady']:.2f} |")
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", type=Path,
+                        help="bundle whose audio encoder embeds (default: the newest built demo bundle; "
+                        "`make serve` builds one)")
+    parser.add_argument("--audio", type=Path, help="folder of WAV clips (default: the demo corpus)")
+    parser.add_argument("--files", type=int, default=1200)
+    parser.add_argument("--cpus", type=int, default=2, help="CPUs of the Ray head")
+    parser.add_argument("--no-write", action="store_true", help="print only; do not update docs/BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    if args.bundle is None or args.audio is None:
+        from service.settings import Settings
+        from tonearm.demo import demo_root
+
+        root = demo_root(Settings().home)
+        built = sorted((root / "bundles").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime)
+        if args.bundle is None and not built:
+            parser.error(f"no demo bundle under {root}/bundles: build one with `make serve`, or pass --bundle")
+        args.bundle = args.bundle or built[-1].parent
+        args.audio = args.audio or root / "corpus" / "audio"
+    before = os.getloadavg()[0]
+    rows, info = run(args)
+    command = "quiet-run .venv/bin/python bench/ray_scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    section = markdown(rows, info, command=command.strip(), load=(before, os.getloadavg()[0]), cpus=args.cpus)
+    publish_section(section, start=START, end=END, write=not args.no_write)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -541,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         " --smoke" if args.smoke else "") + (f" --manifest {args.manifest}" if args.manifest else "") + (
         f" --workers {args.workers}") + "".join(f" --only {m}" for m in args.only or []) + (
         f" --conditions {' '.join(args.conditions)}" if args.conditions else "") + (
-        f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else "")
+        f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else "") + (
+        f" --runs {args.runs}" if args.runs else "")
     manifests = prepare_manifests(cfg, workers=workers)
     if cfg.manifest is not None:
         languages = manifest_languages(manifests[next(iter(cfg.conditions))])

@@ -429,8 +429,11 @@ def load_index(
     """Read an index (memory-mapped above the threshold) and fix its search parameters."""
     path = Path(path)
     mmap = path.stat().st_size > mmap_threshold_bytes
+    flags = _mmap_flags(spec) if mmap else 0
+    if path.with_suffix(".ivfdata").exists():  # on-disk inverted lists (index.faiss_ondisk), found beside it
+        flags = faiss.IO_FLAG_ONDISK_SAME_DIR
     try:
-        index = faiss.read_index(str(path), _mmap_flags(spec) if mmap else 0)
+        index = faiss.read_index(str(path), flags)
     except RuntimeError as err:
         raise BundleError(f"{path}: cannot read FAISS index ({str(err).splitlines()[-1]})") from None
     if index.metric_type != faiss.METRIC_INNER_PRODUCT:

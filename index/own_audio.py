@@ -31,7 +31,7 @@ from index import bundle as fmt
 from index.audio import decode_audio
 from index.audio_formats import SNIFF_BYTES, SUPPORTED, sniff_format
 from index.errors import AudioDecodeError, BundleError, TonearmError
-from index.faiss_index import build_index, save_index
+from index.faiss_ondisk import build_and_save
 from index.loader import LoadedBundle
 from index.ray_embed import RayOptions
 
@@ -78,11 +78,10 @@ def index_folder(
     if not clip_ids:
         raise TonearmError(f"{audio_dir}: no decodable audio file among {len(files)} files")
     manifest = bundle.manifest
-    built = build_index(embeddings)
     with fmt.staged_bundle(out.parent, out.name) as staging:
+        built = build_and_save(embeddings, staging / fmt.AUDIO_INDEX)  # lists on disk when large
         for name in {manifest.audio_encoder.file, manifest.text_encoder.file, manifest.tokenizer.file}:
             shutil.copyfile(source / name, staging / name)
-        save_index(built.index, staging / fmt.AUDIO_INDEX)
         with (staging / fmt.AUDIO_IDS).open("w", encoding="utf-8") as handle:
             for clip_id in clip_ids:  # uri = id: both are the path relative to the audio root
                 handle.write(json.dumps({"id": clip_id, "uri": clip_id, "captions": {}}, ensure_ascii=False) + "\n")

@@ -45,6 +45,7 @@ from index.audio import decode_audio
 from index.bundle_eval import evaluate_eval_set
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, prepare_waveform, read_eval_set, write_eval_set
 from index.faiss_index import BuiltIndex, build_index, parse_factory, save_index
+from index.faiss_ondisk import build_and_save
 from index.loader import (
     AUDIO_INPUTS,
     OUTPUTS,
@@ -497,9 +498,8 @@ def _build_contents(
             audio_emb = embed_catalogue_audio(encoders.audio, records, cfg, task("embedding clips", len(records)))
             text_emb = embed_catalogue_texts(encoders.text, tokenizer, [t["text"] for t in text_items], dim,
                                              task("embedding captions", len(text_items)))
-    audio_built = build_index(audio_emb, index_factory, queries=text_emb)
+    audio_built = build_and_save(audio_emb, staging / fmt.AUDIO_INDEX, index_factory, queries=text_emb)
     text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)
-    save_index(audio_built.index, staging / fmt.AUDIO_INDEX)
     save_index(text_built.index, staging / fmt.TEXT_INDEX)
     _write_jsonl(staging / fmt.AUDIO_IDS, [
         {"id": r.id, "uri": audio_uri(r, source_manifest), "captions": r.captions} for r in records

@@ -46,7 +46,8 @@ from index.faiss_ondisk import build_sharded, exact_top_k_streamed, recall_strea
 
 from benchlib import cpu_model, publish_section  # noqa: E402
 
-START, END = "<!-- bench:index_ondisk:start -->", "<!-- bench:index_ondisk:end -->"
+MARKERS = "<!-- bench:index_ondisk_{size}:start -->", "<!-- bench:index_ondisk_{size}:end -->"
+"""One section per size (1M, 10M), so validating at 1 M keeps the 10 M result."""
 TARGETS = "build ≤ 30 min, recall@10 ≥ 0.90, memory ≤ 8 GB"
 SLICE = 100_000
 
@@ -144,13 +145,14 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def markdown(result: dict, timings: dict, *, work: Path, n: int, dim: int, command: str, load: str) -> str:
+    start, end = (m.format(size=f"{n / 1e6:g}M") for m in MARKERS)
     build_s = timings["build"]["seconds"]
     peak = max(t["peak_rss_gb"] for t in timings.values())
     mem = result["memory"]
     ivfdata = sum(p.stat().st_size for p in (work / "index").glob("*"))
     params = ", ".join(f"{k}={v}" for k, v in result["params"].items())
     return "\n".join([
-        START,
+        start,
         f"## index_ondisk — FAISS at {n / 1e6:g} M × {dim}: sharded build, lists on disk (bench/index_ondisk.py)",
         "",
         f"- command: `{command}` (run until complete; {timings['build']['calls']} build calls)",
@@ -167,7 +169,7 @@ def markdown(result: dict, timings: dict, *, work: Path, n: int, dim: int, comma
         f"| {result['near']:.3f} | {result['fresh']:.3f} | {ivfdata / 1e9:.2f} | {peak:.2f} "
         f"| {mem.get('RssAnon', 0):.2f} / {mem.get('RssFile', 0):.2f} | {result['open_s']:.2f} "
         f"| {result['single']:,.0f} | {result['batch']:,.0f} |",
-        END,
+        end,
     ]) + "\n"
 
 
@@ -197,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "quiet-run .venv/bin/python bench/index_ondisk.py " + " ".join(argv if argv is not None else sys.argv[1:])
     section = markdown(result, timings, work=args.work, n=args.n, dim=args.dim, command=command.strip(),
                        load=", ".join(loads.read_text().split()))
-    publish_section(section, start=START, end=END, write=not args.no_write)
+    start, end = (m.format(size=f"{args.n / 1e6:g}M") for m in MARKERS)
+    publish_section(section, start=start, end=end, write=not args.no_write)
     return 0
 
 

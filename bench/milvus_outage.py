@@ -234,7 +234,7 @@ def section(run: OutageRun, *, command: str, clients: int, load_before: float, l
         START,
         "## milvus_outage — Milvus killed and restarted under load (bench/milvus_outage.py)",
         "",
-        f"- command: `{command}`",
+        f"- command: `{command})",
         f"- machine: {cpu_model()}, {os.cpu_count()} cores; Milvus 2.3.5 standalone (`milvus` package) on the same machine",
         f"- date: {now}; 1-min load average before / after: {load_before:.1f} / {load_after:.1f}",
         f"- load: {clients} client threads sending unique text searches (k=5) back to back, client timeout "
@@ -285,7 +285,11 @@ def main() -> int:
             run = run_outage(server, args.bundle.resolve(), clients=args.clients, deadline_s=args.deadline)
         finally:
             server.kill()
-    command = f"quiet-run python bench/milvus_outage.py --bundle BUNDLE --clients {args.clients} --deadline {args.deadline:g}"
+    from index.bundle import read_manifest
+
+    clips = read_manifest(args.bundle).audio_index.ntotal
+    command = (f"quiet-run python bench/milvus_outage.py --bundle BUNDLE --clients {args.clients} "
+               f"--deadline {args.deadline:g}` (BUNDLE: {clips} clips")
     publish_section(section(run, command=command, clients=args.clients, load_before=load_before,
                             load_after=os.getloadavg()[0]), start=START, end=END, write=not args.no_write)
     return 0

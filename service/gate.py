@@ -26,6 +26,8 @@ returned to the caller whether the bundle was activated or not.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -165,14 +167,33 @@ def evaluate(bundle: Any, data: EvalData, languages: Sequence[str]) -> dict[str,
     return _report(*_embed(bundle, data, languages), data, languages)
 
 
+_MEMO: OrderedDict[tuple[Any, ...], tuple[dict[str, float], QueryTable]] = OrderedDict()
+_MEMO_SIZE = 4
+_MEMO_LOCK = threading.Lock()
+
+
 def evaluate_with_table(
-    bundle: Any, data: EvalData, languages: Sequence[str], metric: str
+    bundle: Any, data: EvalData, languages: Sequence[str], metric: str, *, set_name: str | None = None
 ) -> tuple[dict[str, float], QueryTable]:
-    """:func:`evaluate` plus the per-query table of ``metric`` for the paired comparison."""
+    """:func:`evaluate` plus the per-query table of ``metric`` for the paired comparison.
+
+    With ``set_name`` the result is remembered per (bundle id, set, languages, metric) — bundles
+    are immutable once published — so a retried activation does not re-encode the active bundle."""
+    key = (bundle.bundle_id, set_name, tuple(languages), metric) if set_name else None
+    with _MEMO_LOCK:
+        if key is not None and key in _MEMO:
+            _MEMO.move_to_end(key)
+            return _MEMO[key]
     audio, text, keep = _embed(bundle, data, languages)
     table = query_table(metric, audio_emb=audio, text_emb=text, caption_clip=data.clip[keep],
                         caption_lang=data.lang[keep], languages=languages)
-    return _report(audio, text, keep, data, languages), table
+    result = _report(audio, text, keep, data, languages), table
+    if key is not None:
+        with _MEMO_LOCK:
+            _MEMO[key] = result
+            while len(_MEMO) > _MEMO_SIZE:
+                _MEMO.popitem(last=False)
+    return result
 
 
 def judge(
@@ -237,7 +258,7 @@ def run_gate(candidate: Any, active: Any | None, thresholds: GateThresholds, *, 
         return refuse(f"the gate set ({found.name}) has no caption in a language both bundles serve",
                       set=found.describe([]))
     cand_report, cand_table = evaluate_with_table(candidate, data, languages, thresholds.metric)
-    act_report, act_table = evaluate_with_table(active, data, languages, thresholds.metric)
+    act_report, act_table = evaluate_with_table(active, data, languages, thresholds.metric, set_name=found.name)
     interval = paired_bootstrap(cand_table, act_table, samples=thresholds.bootstrap_samples,
                                 confidence=thresholds.confidence, seed=thresholds.seed)
     reasons = []

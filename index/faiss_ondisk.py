@@ -19,8 +19,8 @@ Which path a collection takes is chosen by size (:func:`use_ondisk`): above
 :func:`index.faiss_index.choose_factory`'s (:func:`build_and_save` is what `tonearm index` and
 the export call). The bundle keeps both files; :func:`index.faiss_index.load_index` opens the
 ``.ivfdata`` from the index file's own directory (``IO_FLAG_ONDISK_SAME_DIR``), so a bundle can
-be moved or copied. Not supported on such an index: reading every vector back
-(:func:`index.faiss_index.all_vectors`, which `tonearm bundle publish` uses for Milvus).
+be moved or copied. Such an index cannot be cloned, so
+:func:`index.faiss_index.all_vectors` reads it back list by list.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from index.faiss_index import (
+    all_vectors,
     apply_search_params,
     build_index,
     choose_factory,
@@ -71,6 +72,8 @@ def test_sharded_build_matches_the_in_memory_index_and_resumes(vectors: np.ndarr
     want_scores, want_rows = search(memory.index, queries, 10, params=params)
     assert (got_rows == want_rows).all()
     np.testing.assert_allclose(got_scores, want_scores, atol=1e-6)
+    # the vectors read back (consistency diagnostic, Milvus publish) are the in-memory index's
+    np.testing.assert_array_equal(all_vectors(loaded), all_vectors(memory.index))
 
 
 def test_streamed_exact_search_is_exact(vectors: np.ndarray) -> None:

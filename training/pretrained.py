@@ -264,6 +264,11 @@ def cli_export_pretrained(args: argparse.Namespace) -> int:
 
     from index.report import format_report_rich
 
+    if getattr(args, "quantize", None) not in (None, "none") or getattr(args, "quantize_text", False):
+        raise BundleError("tonearm export --pretrained: --quantize is not available for pretrained bundles yet "
+                          "(export fp32, or fine-tune with configs/real/clap.yaml and quantize that checkpoint)")
+    if getattr(args, "ray", None) is not None:
+        raise BundleError("tonearm export --pretrained: --ray is not available for pretrained bundles")
     path = export_pretrained_bundle(
         args.pretrained, manifest=args.data, out_dir=args.out, languages=getattr(args, "languages", None),
         index_factory=args.index, splits=args.split, progress=True,

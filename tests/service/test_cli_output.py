@@ -139,3 +139,22 @@ def test_serve_help_from_the_command_line():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
     assert "TONEARM_PORT" in done.stdout and "--port" in done.stdout and "docs/service.md" in done.stdout
+
+
+# ------------------------------------------------------------------ the gate's refusal
+
+
+def test_a_refusal_before_any_evaluation_names_the_flag_and_prints_no_empty_table():
+    """An index-only candidate is refused before the gate evaluates anything: no table "on -",
+    and the way out is the CLI's ``--force`` flag (service/gate.py words it; the CLI prints it)."""
+    from service.admin_client import _print_verdict
+    from service.gate import FORCE_HINT
+
+    verdict = {"passed": False, "forced": False, "compared_to": "run-a", "languages": [],
+               "candidate": {}, "active": {}, "reasons": [f"the candidate has no held-out set; {FORCE_HINT}"]}
+    out = io.StringIO()
+    _print_verdict(Console(file=out, width=80, color_system=None), verdict)
+    text = out.getvalue()
+    assert "--force" in text and "force=true" not in text
+    assert "on -" not in text and "┏" not in text and "metric" not in text
+    assert "gate: rejected" in text

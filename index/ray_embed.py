@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +135,7 @@ class AudioEmbedder:
         self.embed_dim, self.sample_rate, self.clip_samples, self.policy = embed_dim, sample_rate, clip_samples, policy
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        began = time.time()
         waves, errors = [], []
         for path in batch["path"]:
             try:
@@ -146,7 +148,7 @@ class AudioEmbedder:
         out = np.zeros((len(errors), self.embed_dim), np.float32)
         out[ok] = encode_waveforms(self.encoder, waves, clip_samples=self.clip_samples, embed_dim=self.embed_dim)
         return {"row": batch["row"], "embedding": out, "error": np.array(errors, dtype=object),
-                "worker": np.full(len(errors), os.getpid())}
+                **_stamps(len(errors), began)}
 
 
 class TextEmbedder:
@@ -160,9 +162,15 @@ class TextEmbedder:
         self.embed_dim = embed_dim
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        began = time.time()
         texts = [str(t) for t in batch["text"]]
         out = encode_texts(self.encoder, self.tokenizer, texts, embed_dim=self.embed_dim)
-        return {"row": batch["row"], "embedding": out, "worker": np.full(len(texts), os.getpid())}
+        return {"row": batch["row"], "embedding": out, **_stamps(len(texts), began)}
+
+
+def _stamps(n: int, began: float) -> dict[str, np.ndarray]:
+    """Which worker embedded the rows, and when its call began and ended (wall clock)."""
+    return {"worker": np.full(n, os.getpid()), "began": np.full(n, began), "ended": np.full(n, time.time())}
 
 
 @dataclass(frozen=True)
@@ -173,6 +181,9 @@ class RayEmbedded:
     errors: list[str]
     workers: int
     """Distinct worker processes that embedded rows (what the sharding reached)."""
+    busy_s: float = 0.0
+    """From the first actor call's start to the last one's end: the pool's working span, without
+    the pass's fixed costs (actor start, session creation) — rows / busy_s is its throughput."""
 
 
 def _run(rows: list[dict[str, Any]], actor: type, constructor: dict[str, Any], *, batch_size: int,
@@ -192,7 +203,9 @@ def _run(rows: list[dict[str, Any]], actor: type, constructor: dict[str, Any], *
     embeddings = np.zeros((len(rows), dim), np.float32)
     errors = [""] * len(rows)
     seen: set[int] = set()
+    first, last = float("inf"), 0.0
     for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
+        first, last = min(first, float(batch["began"].min())), max(last, float(batch["ended"].max()))
         order = batch["row"].astype(np.int64)
         embeddings[order] = batch["embedding"]
         for row, error in zip(order, batch.get("error", [""] * len(order)), strict=True):
@@ -201,7 +214,7 @@ def _run(rows: list[dict[str, Any]], actor: type, constructor: dict[str, Any], *
         if advance is not None:
             advance(len(order))
     log.info("Ray pass: %d rows on %d worker processes (pool of %d)", len(rows), len(seen), workers)
-    return RayEmbedded(embeddings=embeddings, errors=errors, workers=len(seen))
+    return RayEmbedded(embeddings=embeddings, errors=errors, workers=len(seen), busy_s=max(0.0, last - first))
 
 
 def embed_audio_files(paths: Sequence[Path | str], model: bytes, *, decode: Decode, embed_dim: int, sample_rate: int,

@@ -283,7 +283,11 @@ def serve_tonearm(bundle: Path, *, preset: str, label: str, env: dict[str, str],
     os.environ.update(env)
     try:
         started = time.perf_counter()
-        server = Server(bundle, threads=4, redis_url=None, log=scratch / f"{label}.log", reference=reference)
+        checkpoint = json.loads((bundle / "manifest.json").read_text())["source"]["checkpoint"]
+        if not Path(checkpoint).is_dir():  # a bundle copied from elsewhere: its checkpoint copied beside it
+            checkpoint = str(bundle.parent / "checkpoint")
+        server = Server(bundle, threads=4, redis_url=None, log=scratch / f"{label}.log", reference=reference,
+                        checkpoint=Path(checkpoint) if reference else None)
         with server:
             ready_s = time.perf_counter() - started
             rows = [{"kind": "startup", "preset": preset, "server": label, "ready_s": ready_s,

@@ -1,7 +1,7 @@
 """The quality gate on real bundles through the real admin route (uvicorn HTTP + `tonearm bundle activate`).
 
 Fast half (tiny bundles): the minimum set size, the verdict's set / interval, a better candidate
-passing. Slow half (tests/test_demo_gate.py): the near-random tiny bundle refused over the
+passing. Slow half (tests/service/test_demo_gate.py): the near-random tiny bundle refused over the
 real demo, an equal one passing.
 """
 

@@ -288,6 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]  # overrides after a flag: train CFG --overwrite a=1
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(args, "ray_workers", None) is not None and args.ray is None:
+        parser.error("--ray-workers needs --ray [ADDRESS]")
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # re-launched by `train --nproc-per-node`
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

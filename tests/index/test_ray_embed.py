@@ -167,3 +167,6 @@ def test_unreachable_cluster_is_a_user_error(tiny_bundle: Path, tmp_path: Path) 
                   "--ray", f"127.0.0.1:{_free_port()}")
     assert run.returncode == 2
     assert "cannot reach the Ray cluster" in run.stderr
+    run = tonearm("index", str(tmp_path), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "x"),
+                  "--ray-workers", "2")
+    assert run.returncode == 2 and "--ray-workers needs --ray" in run.stderr

@@ -399,7 +399,7 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 
 def write_report(work: Path, *, write: bool = True) -> str:
     results = load_results(work)
-    parts = [f"{START}\n## real_size — real-size encoders served on two cores (bench/real_size.py)\n",
+    parts = [f"{START}\n## real_size — real-size encoders served on two cores (bench/real_size.py)\n\n",
              f"- machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
              f"Python {platform.python_version()}; **no GPU is lent to this project's sessions**: every number is "
              "CPU-only (fp16 and CUDA serving are not measured)\n"

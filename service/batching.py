@@ -1,8 +1,9 @@
 """Micro-batching of encoder calls and their index searches (as Hugging Face TEI does).
 
 One :class:`MicroBatcher` per encoder (text, audio). Requests wait in a bounded
-queue; each worker thread, whenever it is free, takes *whatever is waiting* — up
-to ``max_batch`` items — and runs them as one batch: one encoder call and one
+queue; each worker thread, whenever it is free, takes *what is waiting* — up to
+``max_batch`` items and at most its share of the queue (waiting / workers) — and runs
+them as one batch: one encoder call and one
 index search per micro-batch. It never waits for a batch to fill: under light
 load a request is a batch of one and pays no extra latency; under load requests
 that arrived while the encoder was busy share the next call.
@@ -176,7 +177,8 @@ class MicroBatcher(Generic[I, O]):
                 return None
             batch: list[_Job[I, O]] = []
             total = 0
-            while self._queue and (not batch or total + self._queue[0].size <= self.max_batch):
+            limit = min(self.max_batch, self._fair_share())
+            while self._queue and (not batch or total + self._queue[0].size <= limit):
                 job = self._queue.popleft()
                 self._waiting -= job.size
                 if job.cancelled:
@@ -186,6 +188,15 @@ class MicroBatcher(Generic[I, O]):
                 total += job.size
             self.metrics.queue_depth.labels(encoder=self.name).set(self._waiting)
             return batch
+
+    def _fair_share(self) -> int:
+        """At most the waiting work divided among the workers (rounded up).
+
+        With several workers, one worker taking *everything* that waits leaves the others idle
+        and makes every request of that big batch wait for its last item: on a CPU, where a
+        batch of n costs about n single calls, that doubled p99 (docs/BENCHMARKS.md, real_size
+        tail). Half the queue each keeps both cores busy and the batches short."""
+        return max(1, -(-self._waiting // len(self._threads)))
 
     def _work(self) -> None:
         while True:

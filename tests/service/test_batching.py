@@ -79,6 +79,37 @@ def test_a_lone_request_is_not_held_back_and_waiting_ones_share_the_next_batch()
     assert fn.batches == [[3], [1], list(range(2, 10)), [10, 11]]  # what waited, up to max_batch 8
 
 
+def test_with_two_workers_each_takes_at_most_half_of_what_waits():
+    """One worker taking the whole queue leaves the other idle and makes the big batch's requests
+    wait for its last item (p99 doubled on the demo bundle); each take is at most its share."""
+    fn = HeldSquares()
+    b = batcher(fn, workers=2, max_batch=16)
+
+    async def scenario():
+        fn.hold()
+        busy = [asyncio.ensure_future(b.submit(i)) for i in (100, 101)]
+        deadline = asyncio.get_running_loop().time() + 10
+        while len(fn.batches) < 2 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.001)
+        if fn.batches != [[100], [101]]:  # one worker took both: the other stays idle
+            fn.release.set()
+            return fn.batches, None
+        rest = [asyncio.ensure_future(b.submit(i)) for i in range(12)]
+        await _queued(b, 12)
+        fn.release.set()
+        return await asyncio.gather(*busy), await asyncio.gather(*rest)
+
+    try:
+        busy, rest = asyncio.run(scenario())
+    finally:
+        b.close()
+    assert rest is not None, f"both workers should hold a batch of one, got {busy}"
+    assert busy == [10000, 10201] and rest == [i * i for i in range(12)]
+    later = fn.batches[2:]
+    assert sorted(i for batch in later for i in batch) == list(range(12))
+    assert max(len(batch) for batch in later) <= 6, later  # 12 waiting, 2 workers
+
+
 def test_sizes_count_toward_the_batch_limit():
     fn = HeldSquares()
     b = batcher(fn, max_batch=4)

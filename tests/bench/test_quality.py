@@ -95,7 +95,8 @@ def test_a_claim_against_a_collapsed_run_is_not_scored_and_the_run_is_left_out(t
     # without the collapse flag the same numbers would have "reproduced" the claim
     assert verdict((0.12, 0.008, 3), (0.01, 0.0, 3), lower=False)[0] == "reproduced"
     assert any("0 (+3 collapsed)" in line for line in main_table(cfg, table, "clean", fallen))
-    assert any("| clean | triplet (`triplet`) | 0 | 0.0000 |" in line for line in collapsed_lines(cfg, fallen))
+    label = cfg.methods["triplet"].label
+    assert any(f"| clean | {label} (`triplet`) | 0 | 0.0000 |" in line for line in collapsed_lines(cfg, fallen))
 
 
 @pytest.mark.timeout(1500)  # 24 tiny jobs and a resume: ~4 min idle on 2 cores, far longer beside other work

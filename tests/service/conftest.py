@@ -189,6 +189,18 @@ class UvicornServer:
         self.thread.join(timeout=30)
 
 
+@contextlib.contextmanager
+def fake_bundles_server(bundles: Path) -> Iterator[UvicornServer]:
+    """A ready uvicorn server over two fake bundles in ``bundles`` (``fake-a`` active, ``fake-b`` to swap to)."""
+    for name in ("fake-a", "fake-b"):
+        (bundles / name).mkdir()
+        (bundles / name / "manifest.json").write_text("{}")
+    app = create_app(make_settings(bundles_dir=bundles, bundle="fake-a"), opener=fake_opener)
+    with UvicornServer(app) as server:
+        server.wait_ready()
+        yield server
+
+
 @pytest.fixture
 def uvicorn_runner():
     """Factory: ``with uvicorn_runner(app) as server: server.url``."""

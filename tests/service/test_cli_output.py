@@ -15,10 +15,9 @@ import pytest
 from rich.console import Console
 
 from index.report import format_report_rich
-from service.app import create_app
 from service.settings import Settings
 from tests.conftest import ROOT
-from tests.service.conftest import UvicornServer, fake_opener, make_settings
+from tests.service.conftest import fake_bundles_server
 from tonearm.cli import OwnInfoOnly, build_parser
 
 LANGUAGES = ["eng", "fra", "deu", "spa", "nld", "cat", "jpn", "zho"]
@@ -86,13 +85,7 @@ def test_library_info_lines_are_dropped_and_ours_kept():
 
 @pytest.fixture(scope="module")
 def admin_server(tmp_path_factory):
-    bundles = tmp_path_factory.mktemp("bundles")
-    for name in ("fake-a", "fake-b"):
-        (bundles / name).mkdir()
-        (bundles / name / "manifest.json").write_text("{}")
-    app = create_app(make_settings(bundles_dir=bundles, bundle="fake-a"), opener=fake_opener)
-    with UvicornServer(app) as server:
-        server.wait_ready()
+    with fake_bundles_server(tmp_path_factory.mktemp("bundles")) as server:
         yield server
 
 

@@ -22,11 +22,10 @@ import soundfile as sf
 
 from index.audio_formats import FORMATS
 from index.own_audio import decode_file
-from service.app import create_app
 from service.audio_input import AudioLimits, decode_upload
 from service.errors import PYTHON_REPR, TYPE_PREFIX, ServiceError, problem_body
 from tests.conftest import ROOT
-from tests.service.conftest import ADMIN, UvicornServer, fake_opener, make_settings
+from tests.service.conftest import ADMIN, fake_bundles_server
 from tests.service.fakes import SAMPLE_RATE, tone, wav_bytes
 from tonearm.errors import AudioDecodeError
 
@@ -41,13 +40,7 @@ VALID = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    bundles = tmp_path_factory.mktemp("bundles")
-    for name in ("fake-a", "fake-b"):
-        (bundles / name).mkdir()
-        (bundles / name / "manifest.json").write_text("{}")
-    app = create_app(make_settings(bundles_dir=bundles, bundle="fake-a"), opener=fake_opener)
-    with UvicornServer(app) as running:
-        running.wait_ready()
+    with fake_bundles_server(tmp_path_factory.mktemp("bundles")) as running:
         yield running
 
 

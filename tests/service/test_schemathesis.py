@@ -21,9 +21,8 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import CHECKS
 
-from service.app import create_app
 from service.routes.search import AUDIO_MEDIA_TYPES
-from tests.service.conftest import ADMIN, UvicornServer, fake_opener, make_settings
+from tests.service.conftest import ADMIN, fake_bundles_server
 from tests.service.fakes import CONCEPTS, tone, wav_bytes
 
 SOUNDFILE_FORMATS = {"audio/wav": "WAV", "audio/flac": "FLAC", "audio/ogg": "OGG", "audio/mpeg": "MP3"}
@@ -36,13 +35,7 @@ MAX_EXAMPLES = 15
 
 @pytest.fixture(scope="module")
 def api_server(tmp_path_factory):
-    bundles = tmp_path_factory.mktemp("bundles")
-    for name in ("fake-a", "fake-b"):
-        (bundles / name).mkdir()
-        (bundles / name / "manifest.json").write_text("{}")
-    app = create_app(make_settings(bundles_dir=bundles, bundle="fake-a"), opener=fake_opener)
-    with UvicornServer(app) as server:
-        server.wait_ready()
+    with fake_bundles_server(tmp_path_factory.mktemp("bundles")) as server:
         yield server
 
 

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import base64
 import datetime as dt
-import io
 import json
 import os
 import platform
@@ -39,12 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import soundfile as sf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from service_load import Connection, Server, free_port, measure  # noqa: E402
+from service_load import Connection, Server, free_port, measure, wav_clip  # noqa: E402
 
 from benchlib import cpu_model, write_section  # noqa: E402
 
@@ -122,15 +120,6 @@ def bundle_of(work: Path, preset: str) -> Path:
 
 
 # ----------------------------------------------------------------------------- encoders
-
-
-def wav_bytes(seconds: float, rate: int, seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * rate)) / rate
-    wave = 0.2 * np.sin(2 * np.pi * 440 * t) * (1 + np.sin(2 * np.pi * 2 * t)) + 0.02 * rng.standard_normal(t.size)
-    buffer = io.BytesIO()
-    sf.write(buffer, wave.astype(np.float32), rate, format="WAV", subtype="PCM_16")
-    return buffer.getvalue()
 
 
 def _rate(run: Any, seconds: float) -> tuple[float, np.ndarray]:
@@ -311,7 +300,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     work = work_dir(args)
     bundle = bundle_of(work, args.preset)
     manifest = json.loads((bundle / "manifest.json").read_text())
-    clip = wav_bytes(10.0, manifest["sample_rate"])
+    clip = wav_clip(10.0, manifest["sample_rate"])
     kinds, clients = args.kinds.split(","), [int(c) for c in args.clients.split(",")]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as scratch_dir:

@@ -177,6 +177,21 @@ class AudioFrontendInfo(_Frozen):
     """The extractor's own setting for long clips, replaced by ``long_clips`` (deterministic)."""
 
 
+class MilvusOnlyInfo(_Frozen):
+    """An index-only bundle whose vectors went straight to Milvus (`tonearm index --ray --milvus-uri`).
+
+    The bundle holds no FAISS file (``audio_index.file`` is empty): it is served only with the
+    Milvus backend. Its ids, encoders and tokenizer are local as in any bundle."""
+
+    uri: str
+    """Where it was published (the service reads the Milvus its own settings name)."""
+    index_type: str
+    """Milvus index type of the collection (``FLAT``, ``HNSW``, ``IVF_FLAT``, ``AUTOINDEX``)."""
+    gaps: list[int] = Field(default_factory=list)
+    """Collection keys with no vector: files that passed the format check but did not decode
+    (normally none). Bundle row ``r`` is the ``r``-th key not listed here."""
+
+
 class BundleManifest(_Frozen):
     """Schema of ``manifest.json`` (docs/bundle.md)."""
 
@@ -206,6 +221,8 @@ class BundleManifest(_Frozen):
     """Quantized encoders and their measured agreement with fp32; None: both encoders fp32."""
     audio_frontend: AudioFrontendInfo | None = None
     """Pretrained bundles only: the model's own short-clip padding; None: zero padding."""
+    milvus_only: MilvusOnlyInfo | None = None
+    """Set when the vectors live only in Milvus (no FAISS file); None: the bundle's own index."""
     files: dict[str, FileEntry]
     manifest_sha256: str = _ZERO_HASH
     """sha256 of this file's bytes with this value replaced by 64 zeros."""

@@ -261,6 +261,11 @@ class LoadedBundle:
         dim = manifest.embed_dim
         audio_index: VectorIndex
         text_index: VectorIndex | None = None
+        if milvus is None and manifest.milvus_only is not None:
+            raise BundleError(
+                f"bundle {manifest.bundle_id} keeps its vectors only in Milvus ({manifest.milvus_only.uri}; "
+                "built by `tonearm index --milvus-uri`): serve it with TONEARM_INDEX_BACKEND=milvus"
+            )
         if milvus is None:
             audio_index = open_faiss_index(root, manifest.audio_index, embed_dim=dim, mmap_threshold_bytes=mmap_threshold_bytes)
             if manifest.text_index is not None:

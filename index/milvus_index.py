@@ -29,6 +29,14 @@ bundle's collections, which is what other consumers and replicas read (docs/serv
   search ``ef``), ``IVF_FLAT`` (``nlist``; search ``nprobe``), ``AUTOINDEX``.
 * Hits are read from the entity's ``row`` field (milvus-lite 3.x keys hits by the primary
   field's name, the server by ``id``).
+* **Index-only bundles** (`tonearm index`, no captions) publish an audio collection and an
+  empty text one (the aliases always name both collections of one bundle).
+* **Many writers** (`tonearm index --ray --milvus-uri`): :func:`begin_audio_publish` creates the
+  collections, each Ray actor writes its vectors through a :class:`CollectionSink` (the same
+  :func:`write_rows` as :func:`publish`, by upsert), and :func:`finish_audio_publish` checks the
+  count, measures recall against exact search streamed out of the collection and writes the
+  same registry row. Such a bundle has no FAISS file (``manifest.milvus_only``; its ``gaps``
+  are collection rows with no vector, mapped away by :class:`MilvusVectorIndex`).
 
 pymilvus is imported lazily: only the ``milvus`` extra needs it.
 """
@@ -45,7 +53,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,22 +311,26 @@ def published_info(target: MilvusTarget, bundle_id: str) -> dict[str, Any] | Non
     return json.loads(rows[0]["info"]) if rows else None
 
 
-def caption_index(manifest: BundleManifest) -> IndexInfo:
-    """The caption index; index-only bundles (`tonearm index`) are served from their FAISS files only."""
-    if manifest.text_index is None:
-        raise BundleError(
-            f"bundle {manifest.bundle_id} has no caption index (built by `tonearm index`); "
-            "the Milvus backend serves only bundles from `tonearm export` — serve it with the FAISS backend"
-        )
+def caption_index(manifest: BundleManifest) -> IndexInfo | None:
+    """The caption index; None for an index-only bundle (`tonearm index`): no captions."""
     return manifest.text_index
 
 
 def bundle_vectors(root: Path, manifest: BundleManifest) -> tuple[np.ndarray, np.ndarray]:
-    """(audio, text) vectors of a bundle, read back from its FAISS indices (exact for Flat/HNSW)."""
+    """(audio, text) vectors of a bundle, read back from its FAISS indices (exact for Flat/HNSW);
+    text is (0, d) for an index-only bundle."""
     from index.faiss_index import all_vectors, load_index, parse_factory
 
+    if manifest.milvus_only is not None:
+        raise BundleError(
+            f"bundle {manifest.bundle_id} has no vectors of its own: they were published straight to "
+            f"Milvus at {manifest.milvus_only.uri} (`tonearm index --milvus-uri`); index the audio again to publish elsewhere"
+        )
     out = []
     for info in (manifest.audio_index, caption_index(manifest)):
+        if info is None:
+            out.append(np.zeros((0, manifest.embed_dim), np.float32))
+            continue
         index = load_index(root / info.file, spec=parse_factory(info.factory, info.dim), search_params={})
         out.append(all_vectors(index))
     return out[0], out[1]
@@ -326,85 +338,219 @@ def bundle_vectors(root: Path, manifest: BundleManifest) -> tuple[np.ndarray, np
 
 def exact_top(vectors: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
     """Exact top-``k`` rows by inner product, ties by row (the bundle's exact index, in numpy)."""
-    scores = queries @ vectors.T
-    order = np.lexsort((np.broadcast_to(np.arange(vectors.shape[0]), scores.shape), -scores))
-    return order[:, :k]
+    return exact_top_chunks([(np.arange(vectors.shape[0]), vectors)], queries, k)
+
+
+def exact_top_chunks(chunks: Iterable[tuple[np.ndarray, np.ndarray]], queries: np.ndarray, k: int) -> np.ndarray:
+    """Exact top-``k`` rows over ``(rows, vectors)`` chunks, ties by row, holding one chunk at a time
+    (a collection streamed out of Milvus, or one array)."""
+    best_scores = np.zeros((len(queries), 0), np.float32)
+    best_rows = np.zeros((len(queries), 0), np.int64)
+    for rows, vectors in chunks:
+        scores = np.concatenate([best_scores, queries @ vectors.T], axis=1)
+        ids = np.concatenate([best_rows, np.broadcast_to(np.asarray(rows, np.int64), (len(queries), len(rows)))], axis=1)
+        order = np.lexsort((ids, -scores))[:, :k]
+        best_scores, best_rows = np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
+    return best_rows
+
+
+def _check_index_type(index_type: str) -> None:
+    if index_type not in INDEX_TYPES:
+        raise TonearmError(f"unknown Milvus index type {index_type!r}; one of {', '.join(INDEX_TYPES)}")
+
+
+def create_collection(target: MilvusTarget, name: str, *, dim: int, text: bool, index_type: str,
+                      n: int) -> dict[str, int]:
+    """(Re)create collection ``name`` for about ``n`` vectors; its build parameters. A collection
+    left by a publish interrupted before its registry row is dropped first (start over)."""
+    build = build_params(index_type, n)
+    if target.call("has_collection", name):
+        target.call("drop_collection", name, bulk=True)
+    target.call(
+        "create_collection", name, schema=_schema(dim, text=text),
+        index_params=_index_params(target.client(), index_type, build), bulk=True,
+    )
+    return build
+
+
+def write_rows(target: MilvusTarget, name: str, keys: Sequence[int] | np.ndarray, vectors: np.ndarray,
+               text_items: Sequence[dict[str, Any]] | None = None, *, upsert: bool = False) -> None:
+    """The one write path of vectors into a collection: ``keys[i]`` is the ``row`` field of
+    ``vectors[i]`` (and ``text_items[i]`` its ``lang`` / ``clip_row``), in chunks of
+    :data:`INSERT_CHUNK`. ``upsert``: a batch written twice (a Ray task retried) leaves one copy."""
+    method = "upsert" if upsert else "insert"
+    for start in range(0, len(vectors), INSERT_CHUNK):
+        rows = []
+        for i in range(start, min(start + INSERT_CHUNK, len(vectors))):
+            record: dict[str, Any] = {"row": int(keys[i]), "vector": vectors[i].tolist()}
+            if text_items is not None:
+                record["lang"] = str(text_items[i]["lang"])
+                record["clip_row"] = int(text_items[i]["clip_row"])
+            rows.append(record)
+        target.call(method, name, rows, bulk=True)
+
+
+def _register(target: MilvusTarget, bundle_id: str, info: dict[str, Any]) -> None:
+    """Record ``bundle_id`` as published — the last write of a publish."""
+    _ensure_registry(target)
+    target.call("upsert", target.registry, [
+        {"key": bundle_id, "bundle_id": bundle_id, "info": json.dumps(info), "vector": [0.0, 0.0]}
+    ], bulk=True)
 
 
 def publish(bundle_dir: Path, target: MilvusTarget, *, index_type: str = "FLAT") -> bool:
     """Write a bundle's vectors to Milvus; False when it was already published (nothing written).
 
     The recall@10 of each collection against the bundle's exact vectors is measured on up to
-    :data:`RECALL_QUERIES` queries (captions for the audio collection, clips for the text one)
-    and recorded with the build and search parameters in the registry."""
-    if index_type not in INDEX_TYPES:
-        raise TonearmError(f"unknown Milvus index type {index_type!r}; one of {', '.join(INDEX_TYPES)}")
+    :data:`RECALL_QUERIES` queries (captions for the audio collection, clips for the text one;
+    an index-only bundle, which has no captions and an empty text collection: clips for the
+    audio one) and recorded with the build and search parameters in the registry."""
+    _check_index_type(index_type)
     root = Path(bundle_dir)
     manifest = read_manifest(root)
     if published_info(target, manifest.bundle_id) is not None:
         return False
     audio, text = bundle_vectors(root, manifest)
-    text_items = read_jsonl(root / caption_index(manifest).ids_file, required=("lang", "clip_row"))
+    captions = caption_index(manifest)
+    text_items = read_jsonl(root / captions.ids_file, required=("lang", "clip_row")) if captions else []
     info: dict[str, Any] = {"n_audio": len(audio), "n_text": len(text), "index_type": index_type,
                             "dim": manifest.embed_dim, "build_params": {}, "recall_at_10": {}}
     with _mapped(f"publishing {manifest.bundle_id}", target):
-        for kind, vectors, queries in (("audio", audio, text), ("text", text, audio)):
+        for kind, vectors, queries in (("audio", audio, text if len(text) else audio), ("text", text, audio)):
             name = target.collection(manifest.bundle_id, kind)
-            build = build_params(index_type, len(vectors))
+            build = create_collection(target, name, dim=manifest.embed_dim, text=kind == "text",
+                                      index_type=index_type, n=len(vectors))
             info["build_params"][kind] = build
-            if target.call("has_collection", name):  # a publish interrupted before its registry row: start over
-                target.call("drop_collection", name, bulk=True)
-            target.call(
-                "create_collection", name, schema=_schema(manifest.embed_dim, text=kind == "text"),
-                index_params=_index_params(target.client(), index_type, build), bulk=True,
-            )
-            for start in range(0, len(vectors), INSERT_CHUNK):
-                rows = []
-                for row in range(start, min(start + INSERT_CHUNK, len(vectors))):
-                    record: dict[str, Any] = {"row": row, "vector": vectors[row].tolist()}
-                    if kind == "text":
-                        record["lang"] = str(text_items[row]["lang"])
-                        record["clip_row"] = int(text_items[row]["clip_row"])
-                    rows.append(record)
-                target.call("insert", name, rows, bulk=True)
+            write_rows(target, name, np.arange(len(vectors)), vectors, text_items if kind == "text" else None)
             target.call("flush", name, bulk=True)
-            info["recall_at_10"][kind] = _measure_recall(target, name, vectors, queries, index_type, build)
-        _ensure_registry(target)
-        target.call("upsert", target.registry, [
-            {"key": manifest.bundle_id, "bundle_id": manifest.bundle_id, "info": json.dumps(info), "vector": [0.0, 0.0]}
-        ], bulk=True)
+            index = MilvusVectorIndex(target, name, ntotal=len(vectors), dim=manifest.embed_dim,
+                                      index_type=index_type, build=build)
+            sample = _recall_sample(queries)
+            info["recall_at_10"][kind] = _measure_recall(index, sample, exact_top(vectors, sample, 10))
+        _register(target, manifest.bundle_id, info)
     return True
 
 
-def _measure_recall(
-    target: MilvusTarget, name: str, vectors: np.ndarray, queries: np.ndarray, index_type: str, build: dict[str, int]
-) -> float:
-    """Recall@10 of collection ``name`` against exact search over ``vectors``; released afterwards."""
-    k = min(10, len(vectors))
+def _recall_sample(queries: np.ndarray) -> np.ndarray:
+    """Up to :data:`RECALL_QUERIES` rows of ``queries``, evenly spaced."""
+    return queries[_sample_rows(len(queries))]
+
+
+def _sample_rows(n: int) -> np.ndarray:
+    return np.unique(np.linspace(0, n - 1, min(RECALL_QUERIES, n)).astype(int)) if n else np.zeros(0, int)
+
+
+def _measure_recall(index: MilvusVectorIndex, queries: np.ndarray, exact: np.ndarray) -> float:
+    """Recall@10 of ``index`` (loaded for it, released afterwards) against the ``exact`` top rows."""
+    k = min(10, index.ntotal)
     if k == 0 or len(queries) == 0:
         return 1.0
-    sample = queries[np.linspace(0, len(queries) - 1, min(RECALL_QUERIES, len(queries))).astype(int)]
-    target.call("load_collection", name, bulk=True)
+    index.target.call("load_collection", index.collection, bulk=True)
     try:
-        index = MilvusVectorIndex(target, name, ntotal=len(vectors), dim=vectors.shape[1],
-                                  index_type=index_type, build=build)
-        _, found = index.search(sample, k)
+        _, found = index.search(queries, k)
     finally:
-        target.call("release_collection", name, bulk=True)
-    exact = exact_top(vectors, sample, k)
+        index.target.call("release_collection", index.collection, bulk=True)
+    exact = exact[:, :k]
     hits = sum(len(set(f.tolist()) & set(e.tolist())) for f, e in zip(found, exact, strict=True))
     return round(hits / exact.size, 4)
+
+
+# ----------------------------------------------------------------------------- publish from many writers
+
+
+def is_lite(uri: str) -> bool:
+    """A Milvus Lite file (``*.db`` or a path): one process may open it, never several."""
+    return "://" not in uri or uri.endswith(".db")
+
+
+@dataclass(frozen=True)
+class CollectionSink:
+    """Writes vectors into one collection from any process (a Ray actor): picklable, connects on
+    first use, writes through :func:`write_rows` with upsert (a retried batch leaves one copy)."""
+
+    target: MilvusTarget
+    collection: str
+
+    def __call__(self, keys: np.ndarray, vectors: np.ndarray) -> None:
+        with _mapped(f"writing vectors into {self.collection}", self.target):
+            write_rows(self.target, self.collection, keys, vectors, upsert=True)
+
+
+def check_new_bundle(target: MilvusTarget, bundle_id: str, index_type: str) -> None:
+    """What :func:`begin_audio_publish` refuses, checked before any work: an unknown index type, a
+    Milvus Lite file (the writers are other processes), pymilvus missing or Milvus unreachable, and
+    a bundle id already published."""
+    _check_index_type(index_type)
+    if is_lite(target.uri):
+        raise TonearmError(
+            f"--milvus-uri {target.uri}: a Milvus Lite file can be opened by one process only, and the Ray "
+            "workers are other processes; publish to a Milvus server (http://HOST:19530), or drop --milvus-uri "
+            "and run `tonearm bundle publish` on the bundle written"
+        )
+    if published_info(target, bundle_id) is not None:
+        raise BundleError(f"bundle {bundle_id} is already published to Milvus at {target.uri}; "
+                          "bundles are never overwritten: choose another --out name")
+
+
+def begin_audio_publish(target: MilvusTarget, bundle_id: str, *, dim: int, index_type: str,
+                        n: int) -> CollectionSink:
+    """Start publishing an index-only bundle whose vectors other processes write (`tonearm index
+    --ray --milvus-uri`): refuses a bundle id already published, (re)creates its audio collection
+    (``n``: at most this many vectors, for the build parameters) and its empty text collection
+    (the active aliases always name both), and returns the sink the writers use."""
+    check_new_bundle(target, bundle_id, index_type)
+    with _mapped(f"publishing {bundle_id}", target):
+        for kind in KINDS:
+            create_collection(target, target.collection(bundle_id, kind), dim=dim, text=kind == "text",
+                              index_type=index_type, n=n if kind == "audio" else 0)
+    return CollectionSink(target, target.collection(bundle_id, "audio"))
+
+
+def finish_audio_publish(target: MilvusTarget, bundle_id: str, *, dim: int, index_type: str, n_max: int,
+                         n: int, gaps: Sequence[int]) -> dict[str, Any]:
+    """After the writers of :func:`begin_audio_publish`: flush, check the collection holds exactly the
+    ``n`` vectors expected (keys ``0 .. n + len(gaps)`` but ``gaps``), measure recall@10 on a sample of
+    its own vectors against exact search streamed out of it (the driver never holds them all), and
+    record the bundle in the registry. Returns the registry info."""
+    audio, text = target.collection(bundle_id, "audio"), target.collection(bundle_id, "text")
+    build = build_params(index_type, n_max)
+    with _mapped(f"publishing {bundle_id}", target):
+        for name in (audio, text):
+            target.call("flush", name, bulk=True)
+        held = target.call("query", audio, filter="", output_fields=["count(*)"], consistency_level="Strong",
+                           bulk=True)[0]["count(*)"]
+        if int(held) != n:
+            raise IndexBackendError(f"{audio} holds {held} vectors after the writers finished, expected {n}; "
+                                    "index the audio again")
+        index = MilvusVectorIndex(target, audio, ntotal=n, dim=dim, index_type=index_type, build=build, gaps=gaps)
+        target.call("load_collection", audio, bulk=True)
+        try:
+            queries = index.rows(_sample_rows(n))
+            exact = exact_top_chunks(index.chunks(), queries, 10)
+        finally:
+            target.call("release_collection", audio, bulk=True)
+        info: dict[str, Any] = {
+            "n_audio": n, "n_text": 0, "index_type": index_type, "dim": dim,
+            "build_params": {"audio": build, "text": build_params(index_type, 0)},
+            "recall_at_10": {"audio": _measure_recall(index, queries, exact), "text": 1.0},
+        }
+        _register(target, bundle_id, info)
+    return info
 
 
 # ----------------------------------------------------------------------------- search
 
 
 class MilvusVectorIndex:
-    """One collection searched by inner product; rows are the bundle's row numbers."""
+    """One collection searched by inner product; rows are the bundle's row numbers.
+
+    The collection's ``row`` field is the bundle row, except in a bundle published straight from
+    Ray workers with ``gaps`` (keys no vector was written for): there bundle row ``r`` is the
+    ``r``-th key not in ``gaps`` (the order, and so the tie order, is the same)."""
 
     def __init__(
         self, target: MilvusTarget, collection: str, *, ntotal: int, dim: int,
-        index_type: str = "FLAT", build: dict[str, int] | None = None,
+        index_type: str = "FLAT", build: dict[str, int] | None = None, gaps: Sequence[int] = (),
     ) -> None:
         self.target = target
         self.collection = collection
@@ -412,6 +558,15 @@ class MilvusVectorIndex:
         self.d = dim
         self.index_type = index_type
         self.build = dict(build or {})
+        self._gaps = np.unique(np.asarray(gaps, dtype=np.int64))
+
+    def _rows_of(self, keys: np.ndarray) -> np.ndarray:
+        return keys - np.searchsorted(self._gaps, keys) if len(self._gaps) else keys
+
+    def _keys_of(self, rows: np.ndarray) -> np.ndarray:
+        if not len(self._gaps):
+            return rows
+        return rows + np.searchsorted(self._gaps - np.arange(len(self._gaps)), rows, side="right")
 
     def search(
         self, queries: np.ndarray, k: int, languages: Sequence[str] | None = None
@@ -446,21 +601,43 @@ class MilvusVectorIndex:
                 search_params={"metric_type": "IP", "params": search_params(self.index_type, self.build, limit)},
                 output_fields=["row"],
             )
-        return [sorted(((float(hit["distance"]), _row(hit)) for hit in hits), key=lambda h: (-h[0], h[1]))
-                for hits in found]
+        out = []
+        for hits in found:
+            pairs = [(float(hit["distance"]), _row(hit)) for hit in hits]
+            rows = self._rows_of(np.array([row for _, row in pairs], dtype=np.int64)).tolist()
+            out.append(sorted(((score, row) for (score, _), row in zip(pairs, rows, strict=True)),
+                              key=lambda h: (-h[0], h[1])))
+        return out
 
     def vectors(self) -> np.ndarray:
         """Every vector (row order), for the consistency diagnostics' exact ranks."""
         out = np.zeros((self.ntotal, self.d), dtype=np.float32)
-        with _mapped(f"reading the vectors of {self.collection}", self.target):
-            for start in range(0, self.ntotal, QUERY_CHUNK):
-                records = self.target.call(
-                    "query", self.collection, filter=f"row >= {start} and row < {start + QUERY_CHUNK}",
-                    output_fields=["row", "vector"], bulk=True,
-                )
-                for record in records:
-                    out[int(record["row"])] = np.asarray(record["vector"], dtype=np.float32)
+        for rows, vectors in self.chunks():
+            out[rows] = vectors
         return out
+
+    def chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every (rows, vectors), :data:`QUERY_CHUNK` keys at a time (one chunk in memory)."""
+        for start in range(0, self.ntotal + len(self._gaps), QUERY_CHUNK):
+            yield self._read(f"row >= {start} and row < {start + QUERY_CHUNK}")
+
+    def rows(self, rows: np.ndarray) -> np.ndarray:
+        """The vectors of bundle ``rows`` (in that order)."""
+        out = np.zeros((len(rows), self.d), dtype=np.float32)
+        if len(rows):
+            got, vectors = self._read(f"row in {json.dumps(self._keys_of(np.asarray(rows, np.int64)).tolist())}")
+            position = {int(row): i for i, row in enumerate(rows)}
+            for row, vector in zip(got.tolist(), vectors, strict=True):
+                out[position[row]] = vector
+        return out
+
+    def _read(self, expression: str) -> tuple[np.ndarray, np.ndarray]:
+        with _mapped(f"reading the vectors of {self.collection}", self.target):
+            records = self.target.call("query", self.collection, filter=expression, output_fields=["row", "vector"],
+                                       consistency_level="Strong", bulk=True)
+        keys = np.array([int(record["row"]) for record in records], dtype=np.int64)
+        vectors = np.array([record["vector"] for record in records], dtype=np.float32).reshape(len(records), self.d)
+        return self._rows_of(keys), vectors
 
     def release(self) -> None:
         """Free the collection's Milvus memory (the bundle is closed: neither active nor rollback target)."""
@@ -483,27 +660,34 @@ def _row(hit: Any) -> int:
 
 def open_bundle_indices(
     target: MilvusTarget, manifest: BundleManifest
-) -> tuple[MilvusVectorIndex, MilvusVectorIndex]:
-    """(audio index, text index) of a published bundle, loaded; :class:`BundleNotPublished` otherwise."""
+) -> tuple[MilvusVectorIndex, MilvusVectorIndex | None]:
+    """(audio index, text index or None for an index-only bundle) of a published bundle, loaded;
+    :class:`BundleNotPublished` otherwise."""
     info = published_info(target, manifest.bundle_id)
     if info is None:
-        raise BundleNotPublished(
-            f"bundle {manifest.bundle_id} is not published to Milvus at {target.uri}; "
-            f"run: tonearm bundle publish BUNDLE_DIR --milvus-uri {target.uri}"
-        )
-    expected = {"n_audio": manifest.audio_index.ntotal, "n_text": caption_index(manifest).ntotal}
+        how = ("run `tonearm index --ray --milvus-uri` again" if manifest.milvus_only is not None
+               else f"run: tonearm bundle publish BUNDLE_DIR --milvus-uri {target.uri}")
+        raise BundleNotPublished(f"bundle {manifest.bundle_id} is not published to Milvus at {target.uri}; {how}")
+    captions = caption_index(manifest)
+    expected = {"n_audio": manifest.audio_index.ntotal, "n_text": captions.ntotal if captions else 0}
     if any(info.get(key) != value for key, value in expected.items()):
         raise BundleError(f"Milvus holds {info} for bundle {manifest.bundle_id}, its manifest {expected}")
-    indices = []
+    gaps = manifest.milvus_only.gaps if manifest.milvus_only is not None else []
+    indices: list[MilvusVectorIndex | None] = []
     with _mapped(f"loading bundle {manifest.bundle_id}", target):
         for kind, n in (("audio", expected["n_audio"]), ("text", expected["n_text"])):
+            if kind == "text" and captions is None:  # an empty collection: only for the aliases
+                indices.append(None)
+                continue
             name = target.collection(manifest.bundle_id, kind)
             target.call("load_collection", name, bulk=True)
             indices.append(MilvusVectorIndex(
                 target, name, ntotal=n, dim=manifest.embed_dim, index_type=str(info.get("index_type", "FLAT")),
-                build=dict(info.get("build_params", {}).get(kind, {})),
+                build=dict(info.get("build_params", {}).get(kind, {})), gaps=gaps if kind == "audio" else (),
             ))
-    return indices[0], indices[1]
+    audio, text = indices
+    assert audio is not None
+    return audio, text
 
 
 # ----------------------------------------------------------------------------- active aliases
@@ -633,7 +817,7 @@ def cli_publish(args: argparse.Namespace) -> int:
     Console().print(
         f"{manifest.bundle_id}: {state} to {target.uri} as {target.collection(manifest.bundle_id, 'audio')} "
         f"({manifest.audio_index.ntotal} clips) and {target.collection(manifest.bundle_id, 'text')} "
-        f"({caption_index(manifest).ntotal} captions); {info.get('index_type', '?')} "
+        f"({info.get('n_text', '?')} captions); {info.get('index_type', '?')} "
         f"recall@10 {info.get('recall_at_10', {})}", highlight=False, soft_wrap=True,
     )
     return 0

@@ -11,6 +11,13 @@ records as the audio root. Torch-free: needs only the service extra.
 
 With ``ray`` (`tonearm index --ray [ADDRESS]`) the decoding and embedding run as a Ray
 Data job (:mod:`index.ray_embed`); the bundle written is the same.
+
+With ``milvus`` as well (`tonearm index --ray --milvus-uri URI`) each Ray actor writes its own
+vectors into the bundle's Milvus collection and the driver never holds them: the collection
+is then indexed, its recall measured and the bundle registered exactly as `tonearm bundle
+publish` does (:mod:`index.milvus_index`), and the bundle written locally has the ids,
+encoders and tokenizer but no FAISS file (``manifest.milvus_only``): it is served with
+``TONEARM_INDEX_BACKEND=milvus`` only (docs/deploy.md, "Publishing straight to Milvus").
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import shutil
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -47,6 +55,17 @@ class IndexedFolder:
     clip_ids: list[str]
     skipped: list[tuple[str, str]]
     """(relative path, reason) of every file that could not be decoded."""
+    published: dict[str, Any] | None = None
+    """With ``milvus``: what the Milvus registry recorded (sizes, index type, recall@10)."""
+
+
+@dataclass(frozen=True)
+class MilvusPublish:
+    """`--milvus-uri`: the Ray workers publish the vectors straight to this Milvus."""
+
+    target: Any
+    """An :class:`index.milvus_index.MilvusTarget` (a Milvus server: workers in other processes write to it)."""
+    index_type: str = "FLAT"
 
 
 def audio_files(audio_dir: Path) -> list[Path]:
@@ -58,15 +77,21 @@ def audio_files(audio_dir: Path) -> list[Path]:
 
 
 def index_folder(
-    audio_dir: Path, source: Path, out: Path, *, progress: bool = False, ray: RayOptions | None = None
+    audio_dir: Path, source: Path, out: Path, *, progress: bool = False, ray: RayOptions | None = None,
+    milvus: MilvusPublish | None = None,
 ) -> IndexedFolder:
     """Embed every decodable file under ``audio_dir`` with ``source``'s audio encoder; publish ``out`` atomically.
 
-    ``ray``: embed on a Ray cluster instead of in this process (same vectors to float tolerance)."""
+    ``ray``: embed on a Ray cluster instead of in this process (same vectors to float tolerance).
+    ``milvus`` (with ``ray``): the workers write the vectors into Milvus; ``out`` gets no FAISS file."""
     audio_dir, out = Path(audio_dir).resolve(), Path(out)
     if not audio_dir.is_dir():
         raise TonearmError(f"{audio_dir}: audio directory not found")
+    if milvus is not None and ray is None:
+        raise TonearmError("--milvus-uri needs --ray: without Ray, build the bundle and run `tonearm bundle publish`")
     files = audio_files(audio_dir)
+    if milvus is not None and ray is not None:
+        return _index_into_milvus(audio_dir, source, out, files, ray, milvus)
     bundle = LoadedBundle.open(source, verify=True)
     try:
         if ray is None:
@@ -80,34 +105,98 @@ def index_folder(
     manifest = bundle.manifest
     with fmt.staged_bundle(out.parent, out.name) as staging:
         built = build_and_save(embeddings, staging / fmt.AUDIO_INDEX)  # lists on disk when large
-        for name in {manifest.audio_encoder.file, manifest.text_encoder.file, manifest.tokenizer.file}:
-            shutil.copyfile(source / name, staging / name)
-        with (staging / fmt.AUDIO_IDS).open("w", encoding="utf-8") as handle:
-            for clip_id in clip_ids:  # uri = id: both are the path relative to the audio root
-                handle.write(json.dumps({"id": clip_id, "uri": clip_id, "captions": {}}, ensure_ascii=False) + "\n")
-        new = manifest.model_copy(update={
-            "bundle_id": out.name,
-            "created": datetime.now(UTC).isoformat(timespec="seconds"),
-            "source": manifest.source.model_copy(update={"data_manifest": str(audio_dir), "audio_root": str(audio_dir)}),
-            "audio_index": fmt.IndexInfo(
-                file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS, factory=built.spec.factory, dim=built.index.d,
-                ntotal=built.index.ntotal, search_params=built.search_params,
-                ann_recall_at_10=built.ann_recall_at_10,
-            ),
-            "text_index": None,
-            "eval_set": None,
-            "evaluation": None,
-        })
-        path = fmt.publish(staging, fmt.BundleManifest.model_validate(new.model_dump()))
+        audio_index = fmt.IndexInfo(
+            file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS, factory=built.spec.factory, dim=built.index.d,
+            ntotal=built.index.ntotal, search_params=built.search_params, ann_recall_at_10=built.ann_recall_at_10,
+        )
+        path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index)
     return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped)
 
 
-def decode_file(path: Path, sample_rate: int) -> np.ndarray:
-    """A file's waveform when it is in an accepted format and decodes whole; AudioDecodeError otherwise."""
+def _write_bundle(
+    staging: Path, source: Path, manifest: fmt.BundleManifest, audio_dir: Path, bundle_id: str,
+    clip_ids: list[str], audio_index: fmt.IndexInfo, milvus_only: fmt.MilvusOnlyInfo | None = None,
+) -> Path:
+    """Encoders, tokenizer, ids and manifest of the index-only bundle into ``staging``; publish it."""
+    for name in {manifest.audio_encoder.file, manifest.text_encoder.file, manifest.tokenizer.file}:
+        shutil.copyfile(source / name, staging / name)
+    with (staging / fmt.AUDIO_IDS).open("w", encoding="utf-8") as handle:
+        for clip_id in clip_ids:  # uri = id: both are the path relative to the audio root
+            handle.write(json.dumps({"id": clip_id, "uri": clip_id, "captions": {}}, ensure_ascii=False) + "\n")
+    new = manifest.model_copy(update={
+        "bundle_id": bundle_id,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "source": manifest.source.model_copy(update={"data_manifest": str(audio_dir), "audio_root": str(audio_dir)}),
+        "audio_index": audio_index,
+        "text_index": None,
+        "eval_set": None,
+        "evaluation": None,
+        "milvus_only": milvus_only,
+    })
+    return fmt.publish(staging, fmt.BundleManifest.model_validate(new.model_dump()))
+
+
+def _index_into_milvus(
+    audio_dir: Path, source: Path, out: Path, files: list[Path], ray: RayOptions, milvus: MilvusPublish
+) -> IndexedFolder:
+    """The Ray pass with each actor writing its vectors into Milvus (module docstring).
+
+    The format check runs here first, so a file it refuses takes no collection key; a file that
+    passes it but fails to decode on a worker leaves a gap (``manifest.milvus_only.gaps``)."""
+    from index import milvus_index
+    from index.ray_embed import connect, embed_audio_files
+
+    milvus_index.check_new_bundle(milvus.target, out.name, milvus.index_type)
+    candidates: list[Path] = []
+    skipped: list[tuple[str, str]] = []
+    for path in files:
+        try:
+            check_format(path)
+            candidates.append(path)
+        except AudioDecodeError as err:
+            skipped.append((path.relative_to(audio_dir).as_posix(), str(err).removeprefix(f"{path}: ")))
+    if not candidates:
+        raise TonearmError(f"{audio_dir}: no decodable audio file among {len(files)} files")
+    manifest = fmt.verify_files(source)
+    LoadedBundle.open(source, verify=False).close()  # the encoders load here before any worker starts
+    connect(ray.address)  # the cluster is reachable before anything is created in Milvus
+    target, index_type, dim = milvus.target, milvus.index_type, manifest.embed_dim
+    sink = milvus_index.begin_audio_publish(target, out.name, dim=dim, index_type=index_type, n=len(candidates))
+    done = embed_audio_files(
+        candidates, (source / manifest.audio_encoder.file).read_bytes(), decode=decode_file, embed_dim=dim,
+        sample_rate=manifest.sample_rate, clip_samples=manifest.clip_samples, policy="chunk", options=ray, sink=sink,
+    )
+    rels = [path.relative_to(audio_dir).as_posix() for path in candidates]
+    gaps = [i for i, error in enumerate(done.errors) if error]
+    position = {path.relative_to(audio_dir).as_posix(): i for i, path in enumerate(files)}
+    skipped = sorted(skipped + [(rels[i], done.errors[i].removeprefix(f"{candidates[i]}: ")) for i in gaps],
+                     key=lambda item: position[item[0]])  # in file order, as the single-process path lists them
+    clip_ids = [rel for rel, error in zip(rels, done.errors, strict=True) if not error]
+    if not clip_ids:
+        raise TonearmError(f"{audio_dir}: no decodable audio file among {len(files)} files")
+    with fmt.staged_bundle(out.parent, out.name) as staging:
+        info = milvus_index.finish_audio_publish(target, out.name, dim=dim, index_type=index_type,
+                                                 n_max=len(candidates), n=len(clip_ids), gaps=gaps)
+        audio_index = fmt.IndexInfo(
+            file="", ids_file=fmt.AUDIO_IDS, factory=f"milvus:{index_type}", dim=dim, ntotal=len(clip_ids),
+            ann_recall_at_10=float(info["recall_at_10"]["audio"]),
+        )
+        only = fmt.MilvusOnlyInfo(uri=target.uri, index_type=index_type, gaps=gaps)
+        path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index, only)
+    return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped, published=info)
+
+
+def check_format(path: Path) -> None:
+    """AudioDecodeError unless the file's first bytes are one of the formats the service takes as uploads."""
     with path.open("rb") as handle:
         head = handle.read(SNIFF_BYTES)
     if sniff_format(head) is None:
         raise AudioDecodeError(f"{path}: not {SUPPORTED} audio (the formats the service takes as uploads)")
+
+
+def decode_file(path: Path, sample_rate: int) -> np.ndarray:
+    """A file's waveform when it is in an accepted format and decodes whole; AudioDecodeError otherwise."""
+    check_format(path)
     return decode_audio(path, sample_rate=sample_rate, complete=True)
 
 
@@ -161,7 +250,13 @@ def cli_index(args: argparse.Namespace) -> int:
     ray = None
     if args.ray is not None:
         ray = RayOptions(address=args.ray or None, workers=args.ray_workers, progress=True)
-    result = index_folder(Path(args.audio_dir), Path(args.bundle), out, progress=True, ray=ray)
+    milvus = None
+    if getattr(args, "milvus_uri", None):
+        from index.milvus_index import target_from_args
+
+        milvus = MilvusPublish(target_from_args(args.milvus_uri, args.milvus_token_env),
+                               index_type=args.milvus_index or "FLAT")
+    result = index_folder(Path(args.audio_dir), Path(args.bundle), out, progress=True, ray=ray, milvus=milvus)
     console = Console()
     for rel, reason in result.skipped:
         console.print(f"[yellow]skipped[/yellow] {rel}: {reason}", highlight=False, soft_wrap=True)
@@ -169,4 +264,10 @@ def cli_index(args: argparse.Namespace) -> int:
         f"[green]OK[/green] {result.path}: {len(result.clip_ids)} files indexed, {len(result.skipped)} skipped "
         "(no captions: text→audio search only)", highlight=False, soft_wrap=True,
     )
+    if milvus is not None and result.published is not None:
+        console.print(
+            f"vectors published to {milvus.target.uri} as {milvus.target.collection(result.path.name, 'audio')} "
+            f"({result.published['index_type']}, recall@10 {result.published['recall_at_10']['audio']}); the bundle "
+            "holds no FAISS file: serve it with TONEARM_INDEX_BACKEND=milvus", highlight=False, soft_wrap=True,
+        )
     return 0

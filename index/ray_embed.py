@@ -18,6 +18,9 @@ A pass over files (or captions) becomes one Ray Data pipeline::
   cannot be decoded comes back with its error message instead of a vector.
 * The driver puts the rows back in input order; the bundle, ids and index are
   then written by the same code as the single-process path.
+* With a *sink* (`tonearm index --ray --milvus-uri`) each actor writes its own vectors into the
+  Milvus collection (:class:`index.milvus_index.CollectionSink`, row = the file's position) and
+  returns only row numbers and errors: the driver never holds the vectors.
 
 Addresses (``--ray [ADDRESS]``): none — ``RAY_ADDRESS``, else the cluster last started on
 this machine, else a new local Ray instance; ``auto`` — an existing cluster only;
@@ -52,6 +55,9 @@ Policy = Literal["center", "chunk"]
 Decode = Callable[[Path, int], np.ndarray]
 """(path, sample rate) -> mono float32 waveform, or :class:`AudioDecodeError`; a module-level
 function (Ray pickles it by reference)."""
+Sink = Callable[[np.ndarray, np.ndarray], None]
+"""(row numbers, vectors) -> None: where an actor writes its vectors itself instead of returning
+them to the driver (:class:`index.milvus_index.CollectionSink`); picklable."""
 AUDIO_BATCH_FILES = 16
 """Files per actor call (the single-process `tonearm index` embeds 16 at a time too)."""
 TEXT_BATCH = 256
@@ -129,9 +135,10 @@ class AudioEmbedder:
     """Ray Data actor: decodes a batch of files and embeds them with its own ONNX session."""
 
     def __init__(self, model: Any, *, decode: Decode, embed_dim: int, sample_rate: int, clip_samples: int,
-                 policy: Policy, threads: int) -> None:
+                 policy: Policy, threads: int, sink: Sink | None = None) -> None:
         self.encoder = _session(model, AUDIO_INPUTS, embed_dim, threads)
         self.decode = decode
+        self.sink = sink
         self.embed_dim, self.sample_rate, self.clip_samples, self.policy = embed_dim, sample_rate, clip_samples, policy
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -147,6 +154,9 @@ class AudioEmbedder:
         ok = np.array([not e for e in errors])
         out = np.zeros((len(errors), self.embed_dim), np.float32)
         out[ok] = encode_waveforms(self.encoder, waves, clip_samples=self.clip_samples, embed_dim=self.embed_dim)
+        if self.sink is not None:  # written from here: only row numbers and errors go back to the driver
+            self.sink(batch["row"][ok].astype(np.int64), out[ok])
+            out = out[:, :0]
         return {"row": batch["row"], "embedding": out, "error": np.array(errors, dtype=object),
                 **_stamps(len(errors), began)}
 
@@ -178,6 +188,7 @@ class RayEmbedded:
     """Vectors in input order; ``errors[i]`` is "" for an embedded row, else why it was not."""
 
     embeddings: np.ndarray
+    """(n, d); (n, 0) when the actors wrote the vectors to a sink."""
     errors: list[str]
     workers: int
     """Distinct worker processes that embedded rows (what the sharding reached)."""
@@ -200,32 +211,52 @@ def _run(rows: list[dict[str, Any]], actor: type, constructor: dict[str, Any], *
         actor, fn_constructor_kwargs=constructor | {"threads": options.cpus_per_worker},
         batch_size=batch_size, concurrency=workers, num_cpus=options.cpus_per_worker, batch_format="numpy",
     )
-    embeddings = np.zeros((len(rows), dim), np.float32)
+    embeddings = np.zeros((len(rows), 0 if constructor.get("sink") is not None else dim), np.float32)
     errors = [""] * len(rows)
     seen: set[int] = set()
     first, last = float("inf"), 0.0
-    for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
-        first, last = min(first, float(batch["began"].min())), max(last, float(batch["ended"].max()))
-        order = batch["row"].astype(np.int64)
-        embeddings[order] = batch["embedding"]
-        for row, error in zip(order, batch.get("error", [""] * len(order)), strict=True):
-            errors[int(row)] = str(error)
-        seen.update(int(w) for w in batch["worker"])
-        if advance is not None:
-            advance(len(order))
+    try:
+        for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
+            first, last = min(first, float(batch["began"].min())), max(last, float(batch["ended"].max()))
+            order = batch["row"].astype(np.int64)
+            embeddings[order] = batch["embedding"]
+            for row, error in zip(order, batch.get("error", [""] * len(order)), strict=True):
+                errors[int(row)] = str(error)
+            seen.update(int(w) for w in batch["worker"])
+            if advance is not None:
+                advance(len(order))
+    except ray.exceptions.RayError as err:
+        raise _worker_error(err) from None
     log.info("Ray pass: %d rows on %d worker processes (pool of %d)", len(rows), len(seen), workers)
     return RayEmbedded(embeddings=embeddings, errors=errors, workers=len(seen), busy_s=max(0.0, last - first))
 
 
+def _worker_error(err: BaseException) -> TonearmError:
+    """A failure inside an actor, as the one-line error the CLI prints (the actor's own
+    :class:`TonearmError` when it raised one, e.g. Milvus unreachable from a worker)."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, TonearmError):
+            return cause
+        cause = getattr(cause, "cause", None) or cause.__cause__
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return TonearmError(f"the Ray embedding pass failed: {lines[-1] if lines else type(err).__name__}")
+
+
 def embed_audio_files(paths: Sequence[Path | str], model: bytes, *, decode: Decode, embed_dim: int, sample_rate: int,
                       clip_samples: int, policy: Policy, options: RayOptions,
-                      advance: Callable[[int], None] | None = None) -> RayEmbedded:
-    """Clip embeddings of ``paths`` (decoded, prepared with ``policy``, chunk-averaged) on Ray."""
+                      advance: Callable[[int], None] | None = None, sink: Sink | None = None) -> RayEmbedded:
+    """Clip embeddings of ``paths`` (decoded, prepared with ``policy``, chunk-averaged) on Ray.
+
+    ``sink``: each actor writes its vectors there (row = position in ``paths``) and the driver
+    gets none back (``embeddings`` is (n, 0)): a collection larger than the driver's memory."""
     if not paths:
-        return RayEmbedded(np.zeros((0, embed_dim), np.float32), [], 0)
+        return RayEmbedded(np.zeros((0, 0 if sink is not None else embed_dim), np.float32), [], 0)
     ray = connect(options.address)
     constructor = {"model": ray.put(model), "decode": decode, "embed_dim": embed_dim, "sample_rate": sample_rate,
-                   "clip_samples": clip_samples, "policy": policy}
+                   "clip_samples": clip_samples, "policy": policy, "sink": sink}
     rows = [{"row": i, "path": str(p)} for i, p in enumerate(paths)]
     return _run(rows, AudioEmbedder, constructor, batch_size=AUDIO_BATCH_FILES, options=options,
                 dim=embed_dim, advance=advance)

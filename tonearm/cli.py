@@ -168,6 +168,16 @@ def _add_index(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bundle", required=True, help="source bundle whose ONNX encoders and tokenizer are reused")
     p.add_argument("--out", required=True, help="new bundle directory (its name is the bundle id; must not exist)")
     _add_ray_options(p)
+    milvus = p.add_argument_group(
+        "publishing straight to Milvus (with --ray)",
+        "each Ray worker writes its vectors into the bundle's Milvus collection, which is then registered as "
+        "`tonearm bundle publish` does; --out gets the ids and encoders but no FAISS file (docs/deploy.md)",
+    )
+    milvus.add_argument("--milvus-uri", metavar="URI", help="a Milvus server, e.g. http://milvus:19530 "
+                        "(not a Milvus Lite file: the workers are other processes)")
+    milvus.add_argument("--milvus-token-env", metavar="VAR", help="environment variable holding the Milvus token")
+    milvus.add_argument("--milvus-index", choices=("FLAT", "IVF_FLAT", "HNSW", "AUTOINDEX"), default=None,
+                        help="Milvus index type of the collection (default FLAT = exact)")
     p.set_defaults(handler=_lazy("index.own_audio:cli_index", "service"))
 
 
@@ -290,6 +300,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "ray_workers", None) is not None and args.ray is None:
         parser.error("--ray-workers needs --ray [ADDRESS]")
+    if args.command == "index":
+        if args.milvus_uri and args.ray is None:
+            parser.error("--milvus-uri needs --ray [ADDRESS] (without Ray: build the bundle, then run "
+                         "`tonearm bundle publish BUNDLE --milvus-uri URI`)")
+        if not args.milvus_uri and (args.milvus_token_env or args.milvus_index):
+            parser.error("--milvus-token-env and --milvus-index need --milvus-uri")
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # re-launched by `train --nproc-per-node`
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -1,0 +1,127 @@
+"""`tonearm index --ray --milvus-uri` (issue 22 item 4): Ray workers publish straight to a real
+Milvus server, and the result is what `tonearm index` + `tonearm bundle publish` give.
+
+The Ray cluster (2 CPUs, a pool of two embedding actors, loopback only) and the sound folder
+are those of tests/index/test_ray_embed.py; the Milvus server is the session's standalone
+server (tests/milvus_server.py). Each actor writes its own files' vectors into the collection;
+the driver gets back only row numbers and errors. Compared with the single-process path:
+the same clip ids row by row, the same vectors (float tolerance), the same top-k through the
+Milvus backend, and a bundle the service serves and activates with TONEARM_INDEX_BACKEND=milvus.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from index.bundle import AUDIO_IDS, read_manifest
+from index.errors import BundleError
+from index.loader import LoadedBundle
+from index.own_audio import index_folder
+from tests.index.test_ray_embed import N_FILES, ray_address, sound_folder, tonearm  # noqa: F401 (fixtures)
+from tests.milvus_server import require_milvus
+
+require_milvus()
+
+from index.milvus_index import MilvusTarget, active_bundle, publish, published_info  # noqa: E402
+
+pytestmark = pytest.mark.slow
+QUERIES = ["a short noise burst", "white noise", "a quiet hiss", "static"]
+
+
+def test_ray_workers_publish_what_index_and_bundle_publish_give(
+    ray_address: str, sound_folder: Path, tiny_bundle: Path, milvus_server, tmp_path: Path  # noqa: F811
+) -> None:
+    target = MilvusTarget(uri=milvus_server.uri)
+    tag = uuid.uuid4().hex[:8]
+    local = index_folder(sound_folder, tiny_bundle, tmp_path / f"local-{tag}")  # the single-process path
+    assert publish(local.path, target) is True
+    out = tmp_path / f"ray-{tag}"
+    run = tonearm("-v", "index", str(sound_folder), "--bundle", str(tiny_bundle), "--out", str(out),
+                  "--ray", ray_address, "--ray-workers", "2", "--milvus-uri", target.uri)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"{N_FILES} files indexed, 2 skipped" in run.stdout
+    assert "set1/broken.wav" in run.stdout and "readme.txt" in run.stdout
+    assert "TONEARM_INDEX_BACKEND=milvus" in run.stdout
+    # readme.txt fails the format check on the driver (no key); broken.wav passes it and fails to
+    # decode on a worker: one gap in the collection's keys.
+    assert f"Ray pass: {N_FILES + 1} rows on 2 worker processes (pool of 2)" in run.stderr
+
+    manifest = read_manifest(out)
+    assert manifest.milvus_only is not None and len(manifest.milvus_only.gaps) == 1
+    assert manifest.audio_index.file == "" and not list(out.glob("*.faiss"))
+    assert (out / AUDIO_IDS).read_text() == (local.path / AUDIO_IDS).read_text()  # same ids, same rows
+    mine, theirs = published_info(target, out.name), published_info(target, local.path.name)
+    assert mine is not None and theirs is not None
+    assert {k: mine[k] for k in ("n_audio", "n_text", "index_type", "dim")} == {
+        k: theirs[k] for k in ("n_audio", "n_text", "index_type", "dim")}
+    assert mine["recall_at_10"]["audio"] == 1.0
+
+    with pytest.raises(BundleError, match="TONEARM_INDEX_BACKEND=milvus"):
+        LoadedBundle.open(out)  # no FAISS file to fall back on
+    on_ray, single, faiss = (LoadedBundle.open(out, milvus=target), LoadedBundle.open(local.path, milvus=target),
+                             LoadedBundle.open(local.path))
+    try:
+        vectors = on_ray.audio_embeddings()
+        np.testing.assert_allclose(vectors, single.audio_embeddings(), atol=2e-5)
+        np.testing.assert_allclose(vectors, faiss.audio_embeddings(), atol=2e-5)
+        queries = np.concatenate([single.encode_text(QUERIES), vectors[:4]])
+        got, expected = on_ray.search_audio(queries, 10), single.search_audio(queries, 10)
+        np.testing.assert_array_equal(got[1], expected[1])
+        np.testing.assert_allclose(got[0], expected[0], atol=1e-4)
+        np.testing.assert_array_equal(got[1], faiss.search_audio(queries, 10)[1])
+
+        on_ray.mark_active()  # the active aliases name its (audio, empty text) collections
+        assert active_bundle(target) == out.name
+    finally:
+        for bundle in (on_ray, single, faiss):
+            bundle.close()
+    _serve_and_activate(tmp_path, out.name, local.path.name, target.uri)
+
+
+def _serve_and_activate(bundles_dir: Path, ray_id: str, local_id: str, uri: str) -> None:
+    """The service on the Milvus backend serves the Ray-published bundle, then activates the other."""
+    from service.app import create_app
+    from tests.service.conftest import ADMIN, make_settings, running_client
+
+    settings = make_settings(bundles_dir=bundles_dir, bundle=ray_id, index_backend="milvus", milvus_uri=uri)
+    with running_client(create_app(settings)) as client:
+        answers = {}
+        for bundle_id in (ray_id, local_id):
+            if bundle_id == local_id:
+                r = client.post("/v1/bundles/activate", json={"bundle_id": local_id, "force": True}, headers=ADMIN)
+                assert r.status_code == 200, r.text
+            body = client.post("/v1/search/text", json={"query": QUERIES[0], "k": 5}).json()
+            assert body["bundle_id"] == bundle_id, body
+            answers[bundle_id] = [(hit["id"], round(hit["score"], 4)) for hit in body["hits"]]
+        assert answers[ray_id] == answers[local_id] and len(answers[ray_id]) == 5
+        assert json.loads(json.dumps(answers))  # plain data
+
+
+def test_refusals_are_one_line_errors(sound_folder: Path, tiny_bundle: Path, milvus_server, tmp_path: Path) -> None:  # noqa: F811
+    lite = tonearm("index", str(sound_folder), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "x"),
+                   "--ray", "--milvus-uri", str(tmp_path / "milvus.db"))
+    assert lite.returncode == 2 and "Milvus Lite file can be opened by one process only" in lite.stderr
+    assert len(lite.stderr.strip().splitlines()) == 1, lite.stderr
+    no_ray = tonearm("index", str(sound_folder), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "x"),
+                     "--milvus-uri", milvus_server.uri)
+    assert no_ray.returncode == 2 and "--milvus-uri needs --ray" in no_ray.stderr
+    no_uri = tonearm("index", str(sound_folder), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "x"),
+                     "--ray", "--milvus-index", "HNSW")
+    assert no_uri.returncode == 2 and "need --milvus-uri" in no_uri.stderr
+    target = MilvusTarget(uri=milvus_server.uri)
+    taken = tmp_path / f"taken-{uuid.uuid4().hex[:8]}"
+    assert publish(index_folder(sound_folder, tiny_bundle, taken).path, target)
+    again = tonearm("index", str(sound_folder), "--bundle", str(tiny_bundle), "--out", str(tmp_path / taken.name),
+                    "--ray", "--milvus-uri", milvus_server.uri)
+    assert again.returncode == 2 and "already exists" in again.stderr  # the directory: checked first
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    again = tonearm("index", str(sound_folder), "--bundle", str(tiny_bundle), "--out", str(elsewhere / taken.name),
+                    "--ray", "--milvus-uri", milvus_server.uri)
+    assert again.returncode == 2 and "already published to Milvus" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1, again.stderr

@@ -12,7 +12,8 @@ Steps (each one call, under ``heavy`` / ``quiet-run``, ≤ 10 min):
     python bench/real_size.py build clap          # model folder, 2 training steps, export
     python bench/real_size.py build ast_xlmr
     python bench/real_size.py encoders            # ORT fp32 vs int8 throughput + agreement, thread settings
-    python bench/real_size.py serve clap --servers tonearm,reference,infinity
+    python bench/real_size.py build clap --quantize text   # the same run exported with an int8 text tower
+    python bench/real_size.py serve clap --servers tonearm,tonearm+int8-text,reference,infinity
     python bench/real_size.py serve ast_xlmr --servers tonearm,reference,infinity
     python bench/real_size.py tail                # demo bundle: cold text p99 at 16 clients, batching on/off
 
@@ -64,9 +65,25 @@ def load_results(work: Path) -> list[dict[str, Any]]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
+def cpu_tag() -> str:
+    """Which CPU a row was measured on: the VM's model name hides the generation, and int8 speed
+    depends on it (VNNI / AVX-512 vs AVX2 only), so family, model and the widest vector ISA go with it."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return cpu_model()
+    flags = set(fields.get("flags", "").split())
+    isa = ("AVX-512 VNNI" if "avx512_vnni" in flags else "AVX-512, no VNNI" if "avx512f" in flags
+           else "AVX2, no AVX-512" if "avx2" in flags else "no AVX2")
+    return f"{cpu_model()} family {fields.get('cpu family', '?')} model {fields.get('model', '?')} ({isa})"
+
+
 def add_results(work: Path, rows: list[dict[str, Any]]) -> None:
     stamp = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "load": round(os.getloadavg()[0], 2),
-             "command": "python bench/real_size.py " + " ".join(sys.argv[1:])}
+             "cpu": cpu_tag(), "command": "python bench/real_size.py " + " ".join(sys.argv[1:])}
     results = load_results(work) + [{**stamp, **row} for row in rows]
     (work / "results.json").write_text(json.dumps(results, indent=1))
 
@@ -92,6 +109,7 @@ def cmd_build(args: argparse.Namespace) -> None:
 
     from training.data.synth import generate_corpus
     from training.export import export_bundle
+    from training.quantize import QuantizeConfig
 
     work = work_dir(args)
     corpus = work / "corpus" / "manifest.jsonl"
@@ -101,21 +119,36 @@ def cmd_build(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     dirs = {name: real_model_dir(name, work) for name in MODELS[args.preset]}
     made = time.perf_counter()
-    run = train_preset(args.preset, dirs, manifest, work / "runs" / args.preset)
+    run_marker = work / f"{args.preset}.run"
+    if args.quantize != "none" and run_marker.exists():  # the int8 variant of an already trained preset
+        run = Path(run_marker.read_text().strip())
+    else:
+        run = train_preset(args.preset, dirs, manifest, work / "runs" / args.preset)
+        run_marker.write_text(str(run))
     trained = time.perf_counter()
     checkpoint = run / "best" if (run / "best").is_dir() else run / "last"
-    bundle = export_bundle(checkpoint, manifest=manifest, out_dir=work / "bundles" / args.preset, progress=False)
+    # random weights: the held-out R@10 of a two-step model means nothing, so a drop only warns here
+    quantize = QuantizeConfig.from_choice(args.quantize, on_loss="warn")
+    bundle = export_bundle(checkpoint, manifest=manifest, out_dir=work / "bundles" / args.preset, progress=False,
+                           quantize=quantize)
     exported = time.perf_counter()
-    (work / f"{args.preset}.bundle").write_text(str(bundle))
+    (work / f"{bundle_key(args.preset, args.quantize)}.bundle").write_text(str(bundle))
     sizes = {p.name: round(p.stat().st_size / 1e6, 1) for p in bundle.glob("*.onnx*")}
-    add_results(work, [{"kind": "build", "preset": args.preset, "bundle": bundle.name, "models_s": made - started,
-                        "train_s": trained - made, "export_s": exported - trained, "onnx_mb": sizes}])
+    add_results(work, [{"kind": "build", "preset": bundle_key(args.preset, args.quantize), "bundle": bundle.name,
+                        "models_s": made - started, "train_s": trained - made, "export_s": exported - trained,
+                        "onnx_mb": sizes}])
 
 
-def bundle_of(work: Path, preset: str) -> Path:
-    marker = work / f"{preset}.bundle"
+def bundle_key(preset: str, quantize: str = "none") -> str:
+    """``clap`` (fp32) or ``clap+int8-text`` (exported with ``--quantize text``)."""
+    return preset if quantize == "none" else f"{preset}+int8-{quantize}"
+
+
+def bundle_of(work: Path, preset: str, quantize: str = "none") -> Path:
+    marker = work / f"{bundle_key(preset, quantize)}.bundle"
     if not marker.exists():
-        raise SystemExit(f"no {preset} bundle yet: run `python bench/real_size.py build {preset}` first")
+        raise SystemExit(f"no {bundle_key(preset, quantize)} bundle yet: run "
+                         f"`python bench/real_size.py build {preset} --quantize {quantize}` first")
     return Path(marker.read_text().strip())
 
 
@@ -311,11 +344,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
             elif server == "reference":
                 rows += serve_tonearm(bundle, preset=args.preset, label="reference", env={}, kinds=kinds,
                                       clients=clients, seconds=args.seconds, clip=clip, scratch=scratch, reference=True)
-            else:  # tonearm[:NAME=VALUE;NAME=VALUE] — settings variants
+            else:  # tonearm[+int8-text][:NAME=VALUE;NAME=VALUE] — bundle and settings variants
                 name, _, spec = server.partition(":")
-                env = dict(item.split("=", 1) for item in spec.split(";") if item)
-                rows += serve_tonearm(bundle, preset=args.preset, label=server, env=env, kinds=kinds, clients=clients,
-                                      seconds=args.seconds, clip=clip, scratch=scratch)
+                quantize = name.partition("+int8-")[2] or "none"  # tonearm+int8-text: the `build --quantize text` bundle
+                env = {("" if k.startswith("TONEARM_") else "TONEARM_") + k: v
+                       for k, v in (item.split("=", 1) for item in spec.split(";") if item)}
+                rows += serve_tonearm(bundle_of(work, args.preset, quantize), preset=args.preset, label=server,
+                                      env=env, kinds=kinds, clients=clients, seconds=args.seconds, clip=clip,
+                                      scratch=scratch)
             add_results(work, rows)
             rows = []
     write_report(work)
@@ -389,7 +425,7 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 def write_report(work: Path, *, write: bool = True) -> str:
     results = load_results(work)
     parts = [f"{START}\n## real_size — real-size encoders served on two cores (bench/real_size.py)\n\n",
-             f"- machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
+             f"- machine: {cpu_tag()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
              f"Python {platform.python_version()}; **no GPU is lent to this project's sessions**: every number is "
              "CPU-only (fp16 and CUDA serving are not measured)\n"
              "- models: random weights at full default size (tests/real_size_models.py), trained two steps "
@@ -398,15 +434,16 @@ def write_report(work: Path, *, write: bool = True) -> str:
              "the load generator shares the two cores with the server)\n"]
     sections = [
         ("build", "Build (model folders, 2 training steps, export)",
-         ["preset", "bundle", "models_s", "train_s", "export_s", "onnx_mb", "date", "load"]),
+         ["preset", "bundle", "models_s", "train_s", "export_s", "onnx_mb", "date", "load", "cpu"]),
         ("encoder", "Encoder throughput (ONNX Runtime, one process, items/s)",
-         ["preset", "modality", "threads", "precision", "batch", "items_per_s", "mb", "date", "load"]),
+         ["preset", "modality", "threads", "precision", "batch", "items_per_s", "mb", "date", "load", "cpu"]),
         ("agreement", "int8 vs fp32 agreement on the benchmark inputs (per item)",
-         ["preset", "modality", "threads", "min_cosine", "mean_cosine"]),
+         ["preset", "modality", "threads", "min_cosine", "mean_cosine", "cpu"]),
         ("startup", "Startup to /readyz 200 and resident memory",
-         ["preset", "server", "ready_s", "rss_mib", "rss_after_mib", "date", "load"]),
+         ["preset", "server", "ready_s", "rss_mib", "rss_after_mib", "date", "load", "cpu"]),
         ("serve", "Search under load (closed-loop clients, 10-s clips for audio)",
-         ["preset", "server", "workload", "clients", "requests", "errors", "p50_ms", "p99_ms", "rps", "date", "load"]),
+         ["preset", "server", "workload", "clients", "requests", "errors", "p50_ms", "p99_ms", "rps", "date", "load",
+          "cpu"]),
         ("failed", "Peers that could not run", ["preset", "server", "workload", "why"]),
     ]
     for kind, title, columns in sections:
@@ -431,12 +468,16 @@ def main() -> int:
     build = sub.add_parser("build")
     build.add_argument("preset", choices=sorted(MODELS))
     build.add_argument("--clips-per-split", type=int, default=2)
+    build.add_argument("--quantize", choices=["none", "text", "audio", "both"], default="none",
+                       help="export the preset's trained run again with these encoders int8 (bundle clap+int8-text, ...)")
     enc = sub.add_parser("encoders")
     enc.add_argument("--presets", default="clap,ast_xlmr")
     enc.add_argument("--seconds", type=float, default=3.0)
     serve = sub.add_parser("serve")
     serve.add_argument("preset", choices=sorted(MODELS))
-    serve.add_argument("--servers", default="tonearm,reference,infinity")
+    serve.add_argument("--servers", default="tonearm,reference,infinity",
+                       help="comma-separated: reference, infinity, tonearm[+int8-text][:NAME=VALUE;...] (a bundle "
+                            "built with `build --quantize text`; TONEARM_NAME settings for that server)")
     serve.add_argument("--kinds", default="text-cold,audio")
     serve.add_argument("--clients", default="1,8,16")
     serve.add_argument("--seconds", type=float, default=8.0)
@@ -446,7 +487,7 @@ def main() -> int:
     tail.add_argument("--bundle", help="demo bundle directory (default: the cached demo, built if needed)")
     sub.add_parser("report")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.append(str(ROOT / "tests"))  # after ROOT: tests/training must not shadow training/
     {"build": cmd_build, "encoders": cmd_encoders, "serve": cmd_serve, "tail": cmd_tail,
      "report": lambda a: write_report(work_dir(a))}[args.command](args)
     if args.command in ("build", "encoders"):

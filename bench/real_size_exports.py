@@ -26,8 +26,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-HEADER = ("| target | audio tower (M params) | text tower (M params) | audio_encoder.onnx (MB) | "
-          "text_encoder.onnx (MB) | export (s) | load at start |\n|---|---|---|---|---|---|---|")
+HEADER = ("| target | audio tower (M params) | text tower (M params) | audio_encoder.onnx fp32 / int8 (MB) | "
+          "text_encoder.onnx fp32 / int8 (MB) | export (s) | load at start |\n|---|---|---|---|---|---|---|")
 
 
 def tower_params(bundle: Path) -> tuple[float, float]:
@@ -71,17 +71,33 @@ def measure(target: str, work: Path) -> dict[str, Any]:
         bundle = export_bundle(run / "last", manifest=manifest, out_dir=work / "bundles" / target, progress=False)
     export_s = time.perf_counter() - started
     audio_m, text_m = tower_params(bundle)
+    int8 = int8_sizes(bundle)
     return {
         "target": target, "audio_m": round(audio_m, 1), "text_m": round(text_m, 1),
         "audio_mb": round(onnx_mb(bundle, "audio_encoder.onnx"), 1),
         "text_mb": round(onnx_mb(bundle, "text_encoder.onnx"), 1), "export_s": round(export_s, 1),
+        "audio_int8_mb": int8["audio"], "text_int8_mb": int8["text"],
         "load": round(load, 2), "date": dt.date.today().isoformat(),
     }
 
 
+def int8_sizes(bundle: Path) -> dict[str, float]:
+    """MB of each encoder after `--quantize`'s dynamic int8 (training.quantize.quantize_model), after the timing."""
+    import tempfile
+
+    from training.quantize import quantize_model
+
+    sizes = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for modality in ("audio", "text"):
+            out = quantize_model(bundle / f"{modality}_encoder.onnx", Path(scratch) / f"{modality}.onnx")
+            sizes[modality] = round(onnx_mb(out.parent, out.name), 1)
+    return sizes
+
+
 def row(r: dict[str, Any]) -> str:
-    return (f"| {r['target']} | {r['audio_m']} | {r['text_m']} | {r['audio_mb']} | {r['text_mb']} | "
-            f"{r['export_s']} | {r['load']} |")
+    return (f"| {r['target']} | {r['audio_m']} | {r['text_m']} | {r['audio_mb']} / {r.get('audio_int8_mb', '?')} | "
+            f"{r['text_mb']} / {r.get('text_int8_mb', '?')} | {r['export_s']} | {r['load']} |")
 
 
 def main() -> None:

@@ -12,7 +12,9 @@ The path `tonearm index` / `tonearm export` take when a collection's IVF codes e
    cache is left as it is): recall@10 on 1000 fresh draws
    from the mixture against exact search (streamed), single-query searches/s on one thread
    and a 1000-query batch on every core, and the process's resident memory (anonymous and
-   file-backed pages separately: the mapped lists count as file pages).
+   file-backed pages separately: the mapped lists count as file pages). The build's peak
+   anonymous and file-backed RSS are sampled separately too (``RssSampler``): its kernel peak
+   (VmHWM) counts the memory-mapped input vectors and list files, which the kernel can drop.
 
 ``--budget S`` stops between shards after S seconds so each ``quiet-run`` hold stays short;
 run the same command again to go on. Seconds and peak RSS of every call are summed in
@@ -30,6 +32,7 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,13 +81,43 @@ def rss() -> dict[str, float]:
     return {k: v / 1e6 for k, v in kb.items()}
 
 
-def record(work: Path, step: str, seconds: float, **extra: object) -> dict:
+class RssSampler:
+    """Peak anonymous and file-backed resident memory (GB) while the block runs, sampled from
+    /proc/self/status every ``every_s`` (VmHWM, the kernel's peak, does not split the two: the
+    mapped input vectors and list files are file pages the kernel can drop, anonymous ones not)."""
+
+    def __init__(self, every_s: float = 0.2) -> None:
+        self.every_s = every_s
+        self.peak = {"RssAnon": 0.0, "RssFile": 0.0, "VmRSS": 0.0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = rss()
+            for key in self.peak:
+                self.peak[key] = max(self.peak[key], now.get(key, 0.0))
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def record(work: Path, step: str, seconds: float, *, sampled: RssSampler | None = None, **extra: object) -> dict:
     path = work / "timings.json"
     timings = json.loads(path.read_text()) if path.exists() else {}
     entry = timings.setdefault(step, {"seconds": 0.0, "calls": 0, "peak_rss_gb": 0.0})
     entry["seconds"] += seconds
     entry["calls"] += 1
     entry["peak_rss_gb"] = max(entry["peak_rss_gb"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)
+    if sampled is not None:  # peaks over every call (a resumed build is several)
+        for key, name in (("RssAnon", "peak_anon_gb"), ("RssFile", "peak_file_gb")):
+            entry[name] = max(float(entry.get(name, 0.0)), sampled.peak[key])
     entry.update(extra)
     path.write_text(json.dumps(timings, indent=1))
     return timings
@@ -104,14 +137,15 @@ def build(args: argparse.Namespace) -> bool:
     if (args.work / "built.json").exists():
         return True
     began = time.perf_counter()
-    result = build_sharded(vectors, out, args.factory, work=args.work / "shards",
-                           queries=np.load(args.work / "near.npy"), budget_s=args.budget)
+    with RssSampler() as sampled:
+        result = build_sharded(vectors, out, args.factory, work=args.work / "shards",
+                               queries=np.load(args.work / "near.npy"), budget_s=args.budget)
     print(f"shards {result.shards_done}/{result.shards_total}", flush=True)
     if result.built is None:
-        record(args.work, "build", time.perf_counter() - began)
+        record(args.work, "build", time.perf_counter() - began, sampled=sampled)
         return False
     built = result.built
-    record(args.work, "build", time.perf_counter() - began)
+    record(args.work, "build", time.perf_counter() - began, sampled=sampled)
     (args.work / "built.json").write_text(json.dumps({
         "factory": built.spec.factory, "params": built.search_params, "near": built.ann_recall_at_10,
     }))
@@ -148,6 +182,8 @@ def markdown(result: dict, timings: dict, *, work: Path, n: int, dim: int, comma
     start, end = (m.format(size=f"{n / 1e6:g}M") for m in MARKERS)
     build_s = timings["build"]["seconds"]
     peak = max(t["peak_rss_gb"] for t in timings.values())
+    anon, file = (timings["build"].get(k) for k in ("peak_anon_gb", "peak_file_gb"))
+    split = f"{anon:.2f} / {file:.2f}" if anon is not None and file is not None else "not sampled"
     mem = result["memory"]
     ivfdata = sum(p.stat().st_size for p in (work / "index").glob("*"))
     params = ", ".join(f"{k}={v}" for k, v in result["params"].items())
@@ -162,11 +198,11 @@ def markdown(result: dict, timings: dict, *, work: Path, n: int, dim: int, comma
         f"perturbed rows (near, what nprobe is tuned on) and 1000 fresh draws (fresh). Targets: {TARGETS}.",
         "",
         "| factory | build (s) | vectors (s) | search params | recall@10 near | recall@10 fresh | index files (GB) "
-        "| peak RSS, build (GB) | RSS after searches: anon / file (GB) | open (s) | single q/s (cold, 1 thread) "
-        "| batch q/s |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak RSS, build (GB) | build peaks: anon / file (GB) | RSS after searches: anon / file (GB) | open (s) "
+        "| single q/s (cold, 1 thread) | batch q/s |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {result['factory']} | {build_s:.0f} | {timings.get('vectors', {}).get('seconds', 0):.0f} | {params} "
-        f"| {result['near']:.3f} | {result['fresh']:.3f} | {ivfdata / 1e9:.2f} | {peak:.2f} "
+        f"| {result['near']:.3f} | {result['fresh']:.3f} | {ivfdata / 1e9:.2f} | {peak:.2f} | {split} "
         f"| {mem.get('RssAnon', 0):.2f} / {mem.get('RssFile', 0):.2f} | {result['open_s']:.2f} "
         f"| {result['single']:,.0f} | {result['batch']:,.0f} |",
         end,

@@ -83,29 +83,104 @@ class ActivationResult:
 
 
 def default_opener(settings: Settings) -> Opener:
-    """``LoadedBundle.open`` with checksum verification and the configured ONNX threads and providers."""
+    """``LoadedBundle.open`` with checksum verification and the configured ONNX threads and providers;
+    its encoder calls hold one of the process's encoder slots (:func:`encoder_slots`)."""
 
     def open_bundle(path: Path) -> BundleLike:
         import faiss
 
+        from index.faiss_index import available_cores
         from index.loader import LoadedBundle
 
         faiss.omp_set_num_threads(settings.faiss_threads)  # process-wide; set before the first search
         providers = [name.strip() for name in settings.onnx_providers.split(",") if name.strip()]
-        return LoadedBundle.open(
+        cores = available_cores()
+        threads = onnx_threads_for(settings, encoder_bytes(Path(path)), cores)
+        bundle = LoadedBundle.open(
             path, device="cpu", verify=True, providers=providers, milvus=milvus_target(settings),
-            session=session_config(settings),
+            session=session_config(settings, threads=threads),
         )
+        calls = encoder_calls_for(settings, threads, cores)
+        log.info("bundle %s: %d ONNX Runtime thread(s) per encoder call, %s encoder call(s) at once",
+                 Path(path).name, threads, calls or "any number of")
+        return GatedBundle(bundle, encoder_slots(calls)) if calls else bundle
 
     return open_bundle
 
 
-def session_config(settings: Settings) -> Any:
-    """The encoders' ONNX Runtime options from the settings (:class:`index.loader.SessionConfig`)."""
+LARGE_ENCODER_BYTES = 16 * 2**20
+"""An encoder file at least this big (the demo's are ~3 MB, the smallest real-size one, int8 HTS-AT,
+37 MB) runs long enough per call for intra-op threads to pay (``TONEARM_ONNX_THREADS=0``)."""
+
+
+def encoder_bytes(bundle: Path) -> int:
+    """Size of the bundle's largest encoder (``NAME.onnx`` plus its external ``NAME.onnx.data``)."""
+    sizes = [sum(f.stat().st_size for f in (bundle / name, bundle / f"{name}.data") if f.exists())
+             for name in ("text_encoder.onnx", "audio_encoder.onnx")]
+    return max(sizes)
+
+
+def onnx_threads_for(settings: Settings, largest_encoder_bytes: int, cores: int) -> int:
+    """Intra-op threads per encoder call: ``TONEARM_ONNX_THREADS``, or with 0 (auto) every core for a
+    bundle with a large encoder (one call spans the cores) and 1 for small ones (the batch workers
+    give the parallelism; per-call thread hand-offs would cost more than they save)."""
+    if settings.onnx_threads:
+        return settings.onnx_threads
+    return max(1, cores) if largest_encoder_bytes >= LARGE_ENCODER_BYTES else 1
+
+
+def encoder_calls_for(settings: Settings, threads: int, cores: int) -> int | None:
+    """Encoder calls allowed at once in the process (text and audio together): ``TONEARM_ENCODER_CALLS``;
+    with 0, and threads chosen automatically (``TONEARM_ONNX_THREADS=0``) at several per call,
+    ``cores // threads`` so calls × threads never exceeds the cores; otherwise None (no limit: the
+    batch workers bound the calls, as before the auto mode existed)."""
+    if settings.encoder_calls:
+        return settings.encoder_calls
+    return max(1, cores // threads) if settings.onnx_threads == 0 and threads > 1 else None
+
+
+_SLOTS: dict[int, threading.BoundedSemaphore] = {}
+_SLOTS_LOCK = threading.Lock()
+
+
+def encoder_slots(calls: int) -> threading.BoundedSemaphore:
+    """The process-wide semaphore of ``calls`` encoder slots (shared by every bundle loaded, so two
+    bundles during a hot swap do not double the threads)."""
+    with _SLOTS_LOCK:
+        return _SLOTS.setdefault(calls, threading.BoundedSemaphore(calls))
+
+
+class GatedBundle:
+    """A loaded bundle whose encoder calls wait for an encoder slot; everything else passes through.
+
+    With several batch workers and multi-threaded ONNX Runtime sessions, two calls at once would put
+    2 × threads on the cores; the slot keeps the encoders to the cores while a worker's tokenizing,
+    FAISS search and answering overlap the other worker's encoder call."""
+
+    def __init__(self, bundle: Any, slots: threading.BoundedSemaphore) -> None:
+        self._bundle = bundle
+        self._slots = slots
+
+    def encode_text(self, texts: Any) -> np.ndarray:
+        with self._slots:
+            return self._bundle.encode_text(texts)  # type: ignore[no-any-return]
+
+    def encode_audio(self, waveforms: Any) -> np.ndarray:
+        with self._slots:
+            return self._bundle.encode_audio(waveforms)  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bundle, name)
+
+
+def session_config(settings: Settings, *, threads: int | None = None) -> Any:
+    """The encoders' ONNX Runtime options from the settings (:class:`index.loader.SessionConfig`);
+    ``threads`` overrides ``onnx_threads`` (the resolved value when that is 0, auto)."""
     from index.loader import SessionConfig
 
     return SessionConfig(
-        threads=settings.onnx_threads, optimization=settings.onnx_graph_optimization, spinning=settings.onnx_spinning
+        threads=threads if threads is not None else settings.onnx_threads or None,
+        optimization=settings.onnx_graph_optimization, spinning=settings.onnx_spinning,
     )
 
 

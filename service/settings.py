@@ -44,10 +44,12 @@ class Settings(BaseSettings):
     audio_root: Path | None = None
     """Directory the clips' audio URIs are relative to (`GET /v1/audio/{clip_id}`); default: the
     directory of the bundle's data manifest. Nothing outside it is ever served."""
-    onnx_threads: int = Field(default=1, ge=1, le=64)
-    """onnxruntime intra-op threads per encoder call; parallelism comes from the batch workers
-    (`batch_workers` per encoder), so workers × threads ≈ cores avoids oversubscription
-    (docs/service.md, "Threads"; measured in docs/BENCHMARKS.md, real_size)."""
+    onnx_threads: int = Field(default=1, ge=0, le=64)
+    """onnxruntime intra-op threads per encoder call; 0 = auto: every core for a bundle whose largest
+    encoder file is ≥ 16 MiB, else 1 (docs/service.md, "Threads"; measured in docs/BENCHMARKS.md, real_size)."""
+    encoder_calls: int = Field(default=0, ge=0, le=64)
+    """Most encoder calls (text and audio together) running at once; 0: with `onnx_threads=0` (auto) at
+    several threads per call, cores // threads (calls × threads ≤ cores), otherwise no limit."""
     onnx_graph_optimization: Literal["disable", "basic", "extended", "all"] = "all"
     """onnxruntime graph optimisation level of the encoder sessions (`all`: layout and fused
     attention/GELU kernels; lower levels only to debug an export)."""

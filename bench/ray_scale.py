@@ -14,6 +14,12 @@ long job sees). Every file is read once before timing (warm page cache for all s
 warm-up pass absorbs the driver's first connection. The cluster is stopped (its process group killed) at
 the end.
 
+Two more things say what limits 2 workers on 2 cores: the same work split across **two plain
+processes** (no Ray, half the files each, started together: the machine's own two-core
+ceiling), and **where the CPU went** during each Ray pass — CPU seconds (utime + stime from
+/proc) of the driver (this process), the actors (``ray::`` worker processes), the raylet, the
+GCS, Ray's other processes and everything else on the machine, over the pass's wall time.
+
     quiet-run .venv/bin/python bench/ray_scale.py            # ~4 min, writes docs/BENCHMARKS.md
     python bench/ray_scale.py --bundle B --audio DIR --files 300 --no-write
 """
@@ -32,6 +38,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from multiprocessing import get_context
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,8 +64,8 @@ def _free_port() -> int:
 
 
 @contextmanager
-def local_cluster(cpus: int) -> Iterator[str]:
-    """A Ray head on 127.0.0.1 with ``cpus`` CPUs; killed (process group) on exit."""
+def local_cluster(cpus: int) -> Iterator[tuple[str, str]]:
+    """A Ray head on 127.0.0.1 with ``cpus`` CPUs: (address, temp dir); killed (process group) on exit."""
     port, temp = _free_port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")
     ray = Path(sys.executable).with_name("ray")
     head = subprocess.Popen(
@@ -73,7 +80,7 @@ def local_cluster(cpus: int) -> Iterator[str]:
             if head.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("ray start failed")
             time.sleep(0.2)
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", temp
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
@@ -95,6 +102,79 @@ def single_process(files: list[Path], model: Path, manifest) -> tuple[float, flo
         encode_waveforms(encoder, waves, clip_samples=manifest.clip_samples, embed_dim=manifest.embed_dim)
     end = time.perf_counter()
     return end - start, end - busy
+
+
+def _plain_worker(files: list[Path], model: Path, bundle: Path) -> tuple[float, float]:
+    """One of the two plain processes: wall-clock (start, end) of its decode + embed span."""
+    manifest = read_manifest(bundle)
+    began = time.time()
+    single_process(files, model, manifest)
+    return began, time.time()
+
+
+def two_plain_processes(files: list[Path], model: Path, bundle: Path) -> tuple[float, float]:
+    """The machine's two-core ceiling: two processes (no Ray), half the files each, started together.
+    Busy = first process's span start to last one's end (each includes its session creation)."""
+    halves = [files[: len(files) // 2], files[len(files) // 2 :]]
+    start = time.perf_counter()
+    with get_context("spawn").Pool(2) as pool:
+        spans = pool.starmap(_plain_worker, [(half, model, bundle) for half in halves])
+    wall = time.perf_counter() - start
+    return wall, max(end for _, end in spans) - min(began for began, _ in spans)
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+CPU_GROUPS = ("driver", "actors", "raylet", "gcs", "other Ray", "rest of machine")
+
+
+def _process_ticks() -> dict[int, tuple[str, int]]:
+    """pid -> (cmdline, utime + stime ticks) of every process."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        out[int(entry.name)] = (cmd, int(fields[11]) + int(fields[12]))
+    return out
+
+
+def _machine_ticks() -> int:
+    """Busy ticks of all CPUs (/proc/stat: everything but idle and iowait)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return sum(values) - values[3] - values[4]
+
+
+def _group(pid: int, cmd: str, ray_temp: str) -> str:
+    if pid == os.getpid():
+        return "driver"
+    if cmd.startswith("ray::"):
+        return "actors"
+    if "raylet" in cmd.split(" ")[0]:
+        return "raylet"
+    if "gcs_server" in cmd.split(" ")[0]:
+        return "gcs"
+    return "other Ray" if ray_temp in cmd else ""
+
+
+@contextmanager
+def cpu_split(ray_temp: str) -> Iterator[dict[str, float]]:
+    """CPU seconds by :data:`CPU_GROUPS` while the block runs (filled in on exit)."""
+    before, machine = _process_ticks(), _machine_ticks()
+    split: dict[str, float] = {}
+    yield split
+    after, machine = _process_ticks(), _machine_ticks() - machine
+    ticks = dict.fromkeys(CPU_GROUPS, 0)
+    for pid, (cmd, now) in after.items():
+        group = _group(pid, cmd, ray_temp)
+        if group:
+            ticks[group] += now - before.get(pid, (cmd, 0))[1]
+    ticks["rest of machine"] = max(0, machine - sum(ticks.values()))
+    split.update({group: value / CLK_TCK for group, value in ticks.items()})
 
 
 def on_ray(files: list[Path], model: Path, manifest, address: str, workers: int) -> tuple[float, float]:
@@ -124,11 +204,13 @@ def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
         print(rows[-1], flush=True)
 
     row("single process (no Ray), 1 ONNX thread", single_process(files, model, manifest))
-    with local_cluster(args.cpus) as address:
+    row("two plain processes (no Ray), half the files each", two_plain_processes(files, model, args.bundle))
+    with local_cluster(args.cpus) as (address, temp):
         on_ray(files[:64], model, manifest, address, 2)  # warm-up: driver connect, first worker processes
         for workers in (1, 2):
-            row(f"Ray, {workers} worker{'s' * (workers > 1)}", on_ray(files, model, manifest, address, workers),
-                workers=workers)
+            with cpu_split(temp) as split:
+                seconds = on_ray(files, model, manifest, address, workers)
+            row(f"Ray, {workers} worker{'s' * (workers > 1)}", seconds, workers=workers, cpu=split)
         import ray
 
         ray.shutdown()
@@ -156,6 +238,22 @@ def markdown(rows: list[dict], info: dict, *, command: str, load: tuple[float, f
     for r in rows:
         lines.append(f"| {r['setup']} | {r['wall']:.1f} | {r['busy']:.1f} | {r['rate']:.1f} "
                      f"| {r['rate'] / one['rate']:.2f} |")
+    plain = next(r for r in rows if r["setup"].startswith("two plain"))
+    two = next(r for r in rows if r.get("workers") == 2)
+    lines += [
+        "",
+        f"Two workers reach {two['rate'] / plain['rate']:.2f}× the two-plain-process ceiling of this machine "
+        f"(which is itself {plain['rate'] / rows[0]['rate']:.2f}× one plain process).",
+        "",
+        f"Where the CPU went during each Ray pass (CPU seconds; wall × {cpus} cores is the capacity):",
+        "",
+        "| pass | wall (s) | capacity (CPU s) | " + " | ".join(CPU_GROUPS) + " |",
+        "|---|---:|---:|" + "---:|" * len(CPU_GROUPS),
+    ]
+    for r in rows:
+        if "cpu" in r:
+            lines.append(f"| {r['setup']} | {r['wall']:.1f} | {r['wall'] * cpus:.1f} | "
+                         + " | ".join(f"{r['cpu'][g]:.1f}" for g in CPU_GROUPS) + " |")
     lines.append(END)
     return "\n".join(lines) + "\n"
 

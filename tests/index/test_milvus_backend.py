@@ -138,6 +138,38 @@ def test_ann_collections_publish_with_parameters_and_record_recall(tiny_bundle, 
         remote.close()
 
 
+def test_index_only_bundles_publish_and_serve_text_to_audio(tiny_bundle, engine, tmp_path):
+    """`tonearm index` bundles (no captions) were refused by `bundle publish`; now: an audio
+    collection, an empty caption one (the aliases name both), recall measured with clips as queries."""
+    import soundfile as sf
+
+    from index.bundle import read_manifest
+    from index.loader import NoCaptionIndex
+    from index.own_audio import index_folder
+
+    rate = read_manifest(tiny_bundle).sample_rate
+    rng = np.random.default_rng(3)
+    (tmp_path / "sounds").mkdir()
+    for i in range(12):
+        sf.write(tmp_path / "sounds" / f"c{i:02d}.wav", rng.uniform(-0.5, 0.5, rate // 2 + 700 * i).astype(np.float32), rate)
+    built = index_folder(tmp_path / "sounds", tiny_bundle, tmp_path / f"own-{uuid.uuid4().hex[:6]}").path
+    target = fresh(engine)
+    assert publish(built, target, index_type="HNSW") is True
+    info = published_info(target, built.name)
+    assert info is not None and (info["n_audio"], info["n_text"]) == (12, 0) and info["recall_at_10"]["audio"] >= 0.9
+    local, remote = LoadedBundle.open(built), LoadedBundle.open(built, milvus=target)
+    try:
+        queries = local.encode_text(["noise", "a hiss"])
+        np.testing.assert_array_equal(remote.search_audio(queries, 5)[1], local.search_audio(queries, 5)[1])
+        with pytest.raises(NoCaptionIndex):
+            remote.search_text(local.audio_embeddings()[:1], 3)
+        remote.mark_active()
+        assert active_bundle(target) == built.name
+    finally:
+        local.close()
+        remote.close()
+
+
 def test_publish_then_read_back_at_once(tiny_bundle, engine):
     """Bounded-consistency registry reads hid a fresh publish for 0.2–0.4 s: republish recreated it."""
     target = fresh(engine)

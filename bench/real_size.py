@@ -17,9 +17,11 @@ Steps (each one call, under ``heavy`` / ``quiet-run``, ≤ 10 min):
     python bench/real_size.py serve ast_xlmr --servers tonearm,reference,infinity
     python bench/real_size.py tail                # demo bundle: cold text p99 at 16 clients, batching on/off
 
-Every step adds its rows to ``WORK/results.json`` (WORK: ``--work``, default
-``~/.cache/tonearm/real-bench``) and rewrites the ``real_size`` section of docs/BENCHMARKS.md
-from all rows, with command, machine, date and load of each.
+Models, runs and bundles live in WORK (``--work``, default ``~/.cache/tonearm/real-bench``). Every
+step adds its rows to ``bench/results/real_size.json`` (in the repository, so that measurements
+outlive the machine they were taken on) and rewrites the ``real_size`` section of
+docs/BENCHMARKS.md from all rows, with command, machine, date and load of each, followed by
+``bench/results/real_size_notes.md`` (the hand-written analysis).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from benchlib import cpu_model, write_section  # noqa: E402
 
 START = "<!-- bench:real_size:start -->"
 END = "<!-- bench:real_size:end -->"
+RESULTS = ROOT / "bench" / "results" / "real_size.json"
+NOTES = ROOT / "bench" / "results" / "real_size_notes.md"
 INFINITY = Path(os.environ.get("INFINITY_VENV", "/root/infinity-venv")) / "bin" / "infinity_emb"
 MODELS = {"clap": ["clap"], "ast_xlmr": ["ast", "xlmr"]}
 QUERY = "a dog barks twice then a siren passes by in the rain"
@@ -60,9 +64,8 @@ def work_dir(args: argparse.Namespace) -> Path:
     return path
 
 
-def load_results(work: Path) -> list[dict[str, Any]]:
-    path = work / "results.json"
-    return json.loads(path.read_text()) if path.exists() else []
+def load_results() -> list[dict[str, Any]]:
+    return json.loads(RESULTS.read_text()) if RESULTS.exists() else []
 
 
 def cpu_tag() -> str:
@@ -81,11 +84,11 @@ def cpu_tag() -> str:
     return f"{cpu_model()} family {fields.get('cpu family', '?')} model {fields.get('model', '?')} ({isa})"
 
 
-def add_results(work: Path, rows: list[dict[str, Any]]) -> None:
+def add_results(rows: list[dict[str, Any]]) -> None:
     stamp = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "load": round(os.getloadavg()[0], 2),
              "cpu": cpu_tag(), "command": "python bench/real_size.py " + " ".join(sys.argv[1:])}
-    results = load_results(work) + [{**stamp, **row} for row in rows]
-    (work / "results.json").write_text(json.dumps(results, indent=1))
+    results = load_results() + [{**stamp, **row} for row in rows]
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
 
 def rss_mib(pid: int) -> float:
@@ -134,7 +137,7 @@ def cmd_build(args: argparse.Namespace) -> None:
     exported = time.perf_counter()
     (work / f"{bundle_key(args.preset, args.quantize)}.bundle").write_text(str(bundle))
     sizes = {p.name: round(p.stat().st_size / 1e6, 1) for p in bundle.glob("*.onnx*")}
-    add_results(work, [{"kind": "build", "preset": bundle_key(args.preset, args.quantize), "bundle": bundle.name,
+    add_results([{"kind": "build", "preset": bundle_key(args.preset, args.quantize), "bundle": bundle.name,
                         "models_s": made - started, "train_s": trained - made, "export_s": exported - trained,
                         "onnx_mb": sizes}])
 
@@ -206,7 +209,7 @@ def cmd_encoders(args: argparse.Namespace) -> None:
                     agreement = cosines(outputs["int8", 8], outputs["fp32", 8])
                     rows.append({"kind": "agreement", "preset": preset, "modality": modality, "threads": threads,
                                  "min_cosine": float(agreement.min()), "mean_cosine": float(agreement.mean())})
-    add_results(work, rows)
+    add_results(rows)
 
 
 # ----------------------------------------------------------------------------- serving
@@ -352,9 +355,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 rows += serve_tonearm(bundle_of(work, args.preset, quantize), preset=args.preset, label=server,
                                       env=env, kinds=kinds, clients=clients, seconds=args.seconds, clip=clip,
                                       scratch=scratch)
-            add_results(work, rows)
+            add_results(rows)
             rows = []
-    write_report(work)
+    write_report()
 
 
 def serve_infinity(preset: str, work: Path, kinds: list[str], clients: list[int], seconds: float, clip: bytes,
@@ -391,7 +394,6 @@ def serve_infinity(preset: str, work: Path, kinds: list[str], clients: list[int]
 
 def cmd_tail(args: argparse.Namespace) -> None:
     """Demo bundle, cold text at 16 clients: p99 with micro-batching on (default) and off (batch of one)."""
-    work = work_dir(args)
     if args.bundle:
         bundle = Path(args.bundle)
     else:
@@ -406,8 +408,8 @@ def cmd_tail(args: argparse.Namespace) -> None:
                 rows += [dict(r, repeat=repeat) for r in serve_tonearm(
                     bundle, preset="demo", label=label, env=env, kinds=["text-cold"], clients=[16],
                     seconds=args.seconds, clip=b"", scratch=Path(scratch_dir))]
-    add_results(work, rows)
-    write_report(work)
+    add_results(rows)
+    write_report()
 
 
 # ----------------------------------------------------------------------------- report
@@ -422,8 +424,8 @@ def _table(rows: list[dict], columns: list[str]) -> str:
     return head + "".join("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |\n" for r in rows)
 
 
-def write_report(work: Path, *, write: bool = True) -> str:
-    results = load_results(work)
+def write_report(*, write: bool = True) -> str:
+    results = load_results()
     parts = [f"{START}\n## real_size — real-size encoders served on two cores (bench/real_size.py)\n\n",
              f"- machine: {cpu_tag()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
              f"Python {platform.python_version()}; **no GPU is lent to this project's sessions**: every number is "
@@ -452,9 +454,8 @@ def write_report(work: Path, *, write: bool = True) -> str:
             parts.append(f"\n### {title}\n\n{_table(rows, columns)}")
     commands = sorted({r["command"] for r in results})
     parts.append("\nCommands: " + "; ".join(f"`{c}`" for c in commands) + "\n")
-    notes = work / "notes.md"
-    if notes.exists():
-        parts.append("\n" + notes.read_text())
+    if NOTES.exists():
+        parts.append("\n" + NOTES.read_text())
     section = "".join(parts) + f"{END}\n"
     if write:
         write_section(section, start=START, end=END)
@@ -489,9 +490,9 @@ def main() -> int:
     args = parser.parse_args()
     sys.path.append(str(ROOT / "tests"))  # after ROOT: tests/training must not shadow training/
     {"build": cmd_build, "encoders": cmd_encoders, "serve": cmd_serve, "tail": cmd_tail,
-     "report": lambda a: write_report(work_dir(a))}[args.command](args)
+     "report": lambda a: write_report()}[args.command](args)
     if args.command in ("build", "encoders"):
-        write_report(work_dir(args))
+        write_report()
     return 0
 
 

@@ -14,7 +14,7 @@ test:
 	@scripts/ensure-chromium.sh
 	.venv/bin/ruff check .
 	.venv/bin/mypy
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=30
 
 lint:
 	.venv/bin/ruff check .

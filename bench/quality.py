@@ -409,12 +409,18 @@ def backfill_pair_weights(jobs: list[Job]) -> int:
     """
     from bench.noise_weights import pair_weight_audit
 
-    todo = []
+    todo, no_checkpoint = [], []
     for job in jobs:
         if job.noisy and job.is_done():
             result = json.loads(job.result_path.read_text(encoding="utf-8"))
-            if "pair_weights" not in result:
-                todo.append((job, result))
+            if "pair_weights" in result:
+                continue
+            # a result.json copied without its checkpoints (docs/results/runs): the audit needs the model
+            (todo if (job.out_dir / "best").is_dir() else no_checkpoint).append((job, result))
+    if no_checkpoint:
+        print(f"   pair weights not audited for {len(no_checkpoint)} job(s) without a best/ checkpoint "
+              f"(delete their result.json to retrain them): {', '.join(job.key for job, _ in no_checkpoint)}",
+              flush=True)
     for count, (job, result) in enumerate(todo, 1):
         result["pair_weights"] = pair_weight_audit(job.out_dir / "best", job.manifest)
         job.result_path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")

@@ -257,3 +257,19 @@ def test_a_manifest_without_a_test_split_is_refused_by_name(tiny_corpus: Path, t
     write_manifest(records, partial)
     with pytest.raises(TonearmError, match="no test split"):
         manifest_languages(partial)
+
+
+def test_the_pair_weight_audit_skips_a_result_copied_without_its_checkpoint(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # docs/results/runs keeps result.json files but no checkpoints: resuming from them must not crash
+    from bench.quality import Job, backfill_pair_weights
+
+    job = Job(condition="noisy", method="dart_ram", seed=0, out_dir=tmp_path / "noisy" / "dart_ram" / "seed0",
+              overrides=["seed=0"], preset=Path("configs/dart/dart_ram.yaml"), manifest=tmp_path / "m.jsonl",
+              noisy=True)
+    job.out_dir.mkdir(parents=True)
+    job.result_path.write_text(json.dumps({"job": job.fingerprint(), "r1": 0.1}), encoding="utf-8")
+    assert job.is_done()
+    assert backfill_pair_weights([job]) == 0
+    assert "not audited for 1 job(s) without a best/ checkpoint" in capsys.readouterr().out
+    assert "pair_weights" not in json.loads(job.result_path.read_text(encoding="utf-8"))

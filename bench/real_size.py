@@ -432,8 +432,10 @@ def write_report(*, write: bool = True) -> str:
              "CPU-only (fp16 and CUDA serving are not measured)\n"
              "- models: random weights at full default size (tests/real_size_models.py), trained two steps "
              "(configs/real/*.yaml) and exported by `tonearm export`; speed does not depend on the weights' values\n"
-             "- each row carries its command, date and 1-min load average (`quiet-run` waits for load < 1.5 first; "
-             "the load generator shares the two cores with the server)\n"]
+             "- each row carries its command, date and the 1-min load average **when the row was recorded, i.e. right "
+             "after its measurement**: for startup/serve rows that load is the benchmark's own (the load generator and "
+             "the server share the two cores; the reference server's thread pool alone reaches 5–14). Each command "
+             "started quiet: `quiet-run` waits for load < 1.5 and the notes below give the load at start\n"]
     sections = [
         ("build", "Build (model folders, 2 training steps, export)",
          ["preset", "bundle", "models_s", "train_s", "export_s", "onnx_mb", "date", "load", "cpu"]),

@@ -138,8 +138,8 @@ def cmd_build(args: argparse.Namespace) -> None:
     (work / f"{bundle_key(args.preset, args.quantize)}.bundle").write_text(str(bundle))
     sizes = {p.name: round(p.stat().st_size / 1e6, 1) for p in bundle.glob("*.onnx*")}
     add_results([{"kind": "build", "preset": bundle_key(args.preset, args.quantize), "bundle": bundle.name,
-                        "models_s": made - started, "train_s": trained - made, "export_s": exported - trained,
-                        "onnx_mb": sizes}])
+                  "models_s": made - started, "train_s": trained - made, "export_s": exported - trained,
+                  "onnx_mb": sizes}])
 
 
 def bundle_key(preset: str, quantize: str = "none") -> str:

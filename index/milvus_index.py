@@ -191,6 +191,16 @@ def _code(err: BaseException) -> Any:
 
 
 def _reason(err: BaseException) -> str:
+    """One line saying why: a gRPC error's status and details (its ``str`` is a multi-line
+    repr whose first line says nothing), else pymilvus's message or the exception's text."""
+    code, details = getattr(err, "code", None), getattr(err, "details", None)
+    if callable(code) and callable(details):  # grpc.RpcError (a grpc.Call)
+        try:
+            status, detail = code(), details()
+        except Exception:  # noqa: BLE001 - an RpcError that is not a Call: fall back to its text
+            status, detail = None, None
+        if status is not None:
+            return f"gRPC {getattr(status, 'name', status)}: {str(detail or '').splitlines()[0] if detail else ''}"[:300]
     text = getattr(err, "message", None) or str(err) or type(err).__name__
     return str(text).splitlines()[0][:300]
 

@@ -30,6 +30,7 @@ from index.bundle import BundleManifest, read_manifest, verify_files
 from index.errors import BundleError, TonearmError
 from index.evalset import EvalSet, read_eval_set, read_jsonl
 from index.faiss_index import DEFAULT_MMAP_THRESHOLD
+from index.length_groups import length_groups
 from index.tokenizer import TextTokenizer
 from index.vector_index import FaissVectorIndex as FaissVectorIndex  # re-exported
 from index.vector_index import VectorIndex, open_faiss_index
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 
 Device = Literal["cpu", "cuda", "auto"]
 TEXT_BATCH = 64
+"""Most texts in one encoder call."""
+TOKENIZE_CHUNK = 1024
+"""Texts tokenized (and length-sorted) together: a bundle's captions are grouped within such chunks."""
 AUDIO_BATCH = 16
 AUDIO_INPUTS = ("waveform",)
 TEXT_INPUTS = ("input_ids", "attention_mask")
@@ -158,13 +162,31 @@ def encode_texts(
     encoder: OnnxEncoder, tokenizer: TextTokenizer, texts: Sequence[str], *, embed_dim: int,
     pad_to_longest: bool = True,
 ) -> np.ndarray:
-    """(n, d) L2-normalized caption embeddings; each batch padded to its longest text (not
-    ``max_length``) unless ``pad_to_longest`` is False."""
-    parts = []
-    for start in range(0, len(texts), TEXT_BATCH):
-        ids, mask = tokenizer.encode(list(texts[start : start + TEXT_BATCH]), pad_to_longest=pad_to_longest)
-        parts.append(encoder.run({"input_ids": ids, "attention_mask": mask}))
-    return l2_normalize(np.concatenate(parts)) if parts else np.zeros((0, embed_dim), np.float32)
+    """(n, d) L2-normalized caption embeddings, in the order of ``texts``.
+
+    With ``pad_to_longest`` (the default) the texts are run in calls of similar token length
+    (:func:`index.length_groups.length_groups`: sorted, cut where the padding saved outweighs a
+    call's fixed cost), each padded to its own longest text — never to ``max_length``; the towers
+    mask padding, so the embeddings are those of each text alone. ``pad_to_longest=False`` runs
+    chunks of :data:`TEXT_BATCH` in order at the full ``max_length`` (and so does a left-padded
+    tokenizer, whose columns cannot be cut)."""
+    n = len(texts)
+    out = np.zeros((n, embed_dim), np.float32)
+    for first in range(0, n, TOKENIZE_CHUNK):
+        chunk = list(texts[first : first + TOKENIZE_CHUNK])
+        ids, mask = tokenizer.encode(chunk)
+        if pad_to_longest and tokenizer.padding_side == "right":
+            lengths = np.maximum(mask.sum(axis=1), 1)
+            groups = length_groups(lengths, max_group=TEXT_BATCH)
+        else:
+            lengths = np.full(len(chunk), ids.shape[1])
+            groups = [np.arange(s, min(s + TEXT_BATCH, len(chunk))) for s in range(0, len(chunk), TEXT_BATCH)]
+        for group in groups:
+            width = int(lengths[group].max())
+            feeds = {"input_ids": np.ascontiguousarray(ids[group, :width]),
+                     "attention_mask": np.ascontiguousarray(mask[group, :width])}
+            out[first + group] = encoder.run(feeds)
+    return l2_normalize(out) if n else out
 
 
 def encode_waveforms(

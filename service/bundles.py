@@ -41,6 +41,8 @@ from tonearm.errors import BundleError
 log = logging.getLogger(__name__)
 
 STARTUP_RETRY_MAX_S = 30.0
+STARTUP_RETRIED = ("index-unavailable", "bundle-not-published")
+"""Problems the first bundle's load waits out at startup (anything else fails at once)."""
 BUNDLE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 Opener = Callable[[Path], BundleLike]
@@ -349,9 +351,12 @@ class BundleRegistry:
     def start(self, path: Path) -> None:
         """Load and activate the first bundle without a gate (startup).
 
-        While the index backend cannot be reached (Milvus down, ``index-unavailable``) it tries
-        again, 1 s then doubling up to 30 s, until the registry is closed: the service becomes
-        ready when Milvus does, without a restart."""
+        While the index backend cannot be reached (Milvus down, ``index-unavailable``) or does not
+        hold the bundle yet (``bundle-not-published``: a publish job still running beside the
+        deployment, or a Milvus just restarted that answers before it has recovered its registry —
+        seen in CI) it tries again, 1 s then doubling up to 30 s, until the registry is closed:
+        the service becomes ready when Milvus and the bundle are there, without a restart. Every
+        retry logs why, so an unpublished bundle reads as such in the log."""
         delay = 1.0
         while True:
             try:
@@ -359,7 +364,7 @@ class BundleRegistry:
                     self._swap(self.load(path))
                 break
             except ServiceError as err:
-                if err.slug != "index-unavailable":
+                if err.slug not in STARTUP_RETRIED:
                     raise
                 log.warning("initial bundle not loaded yet (%s); retrying in %.0f s", err.detail, delay)
                 if self._closing.wait(delay):

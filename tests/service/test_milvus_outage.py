@@ -8,6 +8,7 @@ bench/milvus_outage.py's; the bench times it, this test checks what must hold.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -36,27 +37,58 @@ def test_searches_answer_503_while_milvus_is_down_and_recover_when_it_returns(mi
     assert any(r.status == 200 for r in run.requests if r.sent < run.killed), "no search succeeded before the kill"
 
 
+def _publish_when_up(bundle, target) -> bool:
+    """Publish, waiting up to 120 s for a server that was just (re)started to answer."""
+    from index.errors import IndexUnavailable
+    from index.milvus_index import publish
+
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            return publish(bundle, target)
+        except IndexUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def test_a_publish_survives_the_server_killed_right_after_it(milvus_server, tiny_bundle):
+    """A publish is durable once it returns: Milvus SIGKILLed at once comes back with the registry
+    record (a service starting then must not find the bundle "not published")."""
+    from index.bundle import read_manifest
+    from index.errors import IndexUnavailable
+    from index.milvus_index import MilvusTarget, published_info
+
+    target = MilvusTarget(uri=milvus_server.uri, prefix=f"durable{os.getpid()}", timeout_s=10.0)
+    assert _publish_when_up(tiny_bundle, target), "a fresh prefix: the bundle must not be published there yet"
+    milvus_server.kill()
+    milvus_server.start()
+    bundle_id = read_manifest(tiny_bundle).bundle_id
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            info = published_info(target, bundle_id)
+            break
+        except IndexUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+    assert info is not None, "the registry lost the publish when the server was killed right after it"
+    assert info["n_audio"] > 0
+
+
 def test_a_service_started_while_milvus_is_down_becomes_ready_when_it_returns(milvus_server, tiny_bundle):
     """Startup used to give up on the first failure (log line, never ready): now it retries."""
     import httpx
 
-    from index.errors import IndexUnavailable
-    from index.milvus_index import MilvusTarget, publish
+    from index.milvus_index import MilvusTarget
     from service.app import create_app
     from tests.service.conftest import UvicornServer, make_settings
 
     # The test before this one killed and restarted the server: its proxy accepts before the
     # registry collection is loaded again, so the setup's publish waits for it (what is under
     # test here is the service's startup, not this publish).
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            publish(tiny_bundle, MilvusTarget(uri=milvus_server.uri, timeout_s=10.0))
-            break
-        except IndexUnavailable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1.0)
+    _publish_when_up(tiny_bundle, MilvusTarget(uri=milvus_server.uri, timeout_s=10.0))
     settings = make_settings(bundles_dir=tiny_bundle.parent, bundle=tiny_bundle.name, index_backend="milvus",
                              milvus_uri=milvus_server.uri, milvus_timeout_s=DEADLINE_S)
     milvus_server.kill()
@@ -70,3 +102,26 @@ def test_a_service_started_while_milvus_is_down_becomes_ready_when_it_returns(mi
     finally:
         if milvus_server.pid is None:
             milvus_server.start()
+
+
+def test_a_service_started_before_its_bundle_is_published_becomes_ready_once_it_is(milvus_server, tiny_bundle,
+                                                                                     tmp_path):
+    """A deployment may start before its publish job has finished (and a Milvus just restarted may
+    answer before its registry is back): startup waits for the bundle instead of giving up."""
+    import httpx
+
+    from index.milvus_index import MilvusTarget
+    from service.app import create_app
+    from tests.service.bundle_factory import renamed_copy
+    from tests.service.conftest import UvicornServer, make_settings
+
+    bundle = renamed_copy(tiny_bundle, tmp_path, f"unpublished-{os.getpid()}-{time.time_ns()}")
+    settings = make_settings(bundles_dir=bundle.parent, bundle=bundle.name, index_backend="milvus",
+                             milvus_uri=milvus_server.uri, milvus_timeout_s=DEADLINE_S)
+    with UvicornServer(create_app(settings)) as server:
+        time.sleep(2.0)  # the startup thread has found it unpublished at least once
+        assert httpx.get(server.url + "/readyz", timeout=5).status_code == 503
+        assert _publish_when_up(bundle, MilvusTarget(uri=milvus_server.uri, timeout_s=10.0))
+        server.wait_ready(timeout=120)
+        found = httpx.post(server.url + "/v1/search/text", json={"query": "a dog barks", "k": 3}, timeout=15)
+        assert found.status_code == 200, found.text

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -203,8 +204,20 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def two_process_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    """Both ranks' results. A rank killed by a *signal* (not a Python error) gets one more run:
+    once in CI (2026-11-24) rank 1 died of SIGABRT ("terminate called without an active
+    exception", inside gloo) right after its first DDP backward, and 12 runs since — 5 of them
+    with both cores busy — did not reproduce it. A second crash, or any Python error, fails."""
+    for attempt in (1, 2):
+        out = tmp_path_factory.mktemp("ddp")
+        try:
+            mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+            break
+        except mp.ProcessExitedException as err:
+            if err.signal_name is None or attempt == 2:
+                raise
+            warnings.warn(f"two-process run: rank {err.error_index} died of {err.signal_name}; running it once more",
+                          stacklevel=1)
     return torch.load(out / "distributed.pt")
 
 

@@ -209,7 +209,51 @@ def cmd_encoders(args: argparse.Namespace) -> None:
                     agreement = cosines(outputs["int8", 8], outputs["fp32", 8])
                     rows.append({"kind": "agreement", "preset": preset, "modality": modality, "threads": threads,
                                  "min_cosine": float(agreement.min()), "mean_cosine": float(agreement.mean())})
+            for precision, path in (("fp32", bundle / "text_encoder.onnx"), ("int8", Path(scratch) / "text.int8.onnx")):
+                for batch in (4, 8):
+                    texts_per_s = served_mix_ceiling(path, tokenizer, dim=dim, batch=batch, seconds=args.seconds)
+                    rows.append({"kind": "encoder", "preset": preset, "modality": "text", "threads": "2 × 1",
+                                 "precision": precision, "batch": batch, "items_per_s": texts_per_s,
+                                 "mb": round(path.stat().st_size / 1e6, 1), "queries": "served mix"})
+                    print(rows[-1], flush=True)
     add_results(rows)
+
+
+def served_mix_ceiling(path: Path, tokenizer: Any, *, dim: int, batch: int, seconds: float) -> float:
+    """Texts/s of what `tonearm serve` runs for cold text at its defaults, without HTTP, search or
+    clients: two 1-thread sessions side by side, each encoding batches of ``batch`` queries drawn
+    from the serving benchmark's mix (bench/service_load.py QUERIES with a unique suffix, 32–57
+    tokens) through ``encode_texts`` (length-grouped calls). The ceiling the served rate can reach."""
+    import threading
+
+    from service_load import QUERIES
+
+    from index.loader import TEXT_INPUTS, OnnxEncoder, SessionConfig, encode_texts
+
+    rng = np.random.default_rng(0)
+    batches = [[f"{QUERIES[q]} {i}-{q}-{time.perf_counter_ns()}" for q in rng.integers(0, len(QUERIES), batch)]
+               for i in range(64)]
+    encoders = [OnnxEncoder.load(path, inputs=TEXT_INPUTS, embed_dim=dim, providers=["CPUExecutionProvider"],
+                                 threads=1, session=SessionConfig(threads=1)) for _ in range(2)]
+    for encoder in encoders:  # warm-up
+        encode_texts(encoder, tokenizer, batches[0], embed_dim=dim)
+    done = [0, 0]
+    stop_at = time.perf_counter() + seconds
+
+    def run(worker: int) -> None:
+        i = worker
+        while time.perf_counter() < stop_at:
+            encode_texts(encoders[worker], tokenizer, batches[i % len(batches)], embed_dim=dim)
+            done[worker] += batch
+            i += 2
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(done) / (time.perf_counter() - started)
 
 
 # ----------------------------------------------------------------------------- serving
@@ -440,7 +484,8 @@ def write_report(*, write: bool = True) -> str:
         ("build", "Build (model folders, 2 training steps, export)",
          ["preset", "bundle", "models_s", "train_s", "export_s", "onnx_mb", "date", "load", "cpu"]),
         ("encoder", "Encoder throughput (ONNX Runtime, one process, items/s)",
-         ["preset", "modality", "threads", "precision", "batch", "items_per_s", "mb", "date", "load", "cpu"]),
+         ["preset", "modality", "threads", "precision", "batch", "queries", "items_per_s", "mb", "date", "load",
+          "cpu"]),
         ("agreement", "int8 vs fp32 agreement on the benchmark inputs (per item)",
          ["preset", "modality", "threads", "min_cosine", "mean_cosine", "cpu"]),
         ("startup", "Startup to /readyz 200 and resident memory",

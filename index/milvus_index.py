@@ -200,7 +200,8 @@ def _reason(err: BaseException) -> str:
         except Exception:  # noqa: BLE001 - an RpcError that is not a Call: fall back to its text
             status, detail = None, None
         if status is not None:
-            return f"gRPC {getattr(status, 'name', status)}: {str(detail or '').splitlines()[0] if detail else ''}"[:300]
+            first = str(detail).splitlines()[0] if detail else ""
+            return f"gRPC {getattr(status, 'name', status)}: {first}"[:300]
     text = getattr(err, "message", None) or str(err) or type(err).__name__
     return str(text).splitlines()[0][:300]
 

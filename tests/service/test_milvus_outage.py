@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 
@@ -19,6 +21,8 @@ from tests.milvus_server import require_milvus
 require_milvus()
 
 pytestmark = pytest.mark.timeout(600)
+
+T = TypeVar("T")
 
 DEADLINE_S = 1.0
 SLACK_S = 3.0  # encoding the query and the HTTP round trip, on a loaded 2-core machine
@@ -37,26 +41,30 @@ def test_searches_answer_503_while_milvus_is_down_and_recover_when_it_returns(mi
     assert any(r.status == 200 for r in run.requests if r.sent < run.killed), "no search succeeded before the kill"
 
 
-def _publish_when_up(bundle, target) -> bool:
-    """Publish, waiting up to 120 s for a server that was just (re)started to answer."""
+def _when_up(call: Callable[[], T]) -> T:
+    """``call()``, retried for up to 120 s while a server that was just (re)started is unavailable."""
     from index.errors import IndexUnavailable
-    from index.milvus_index import publish
 
     deadline = time.monotonic() + 120
     while True:
         try:
-            return publish(bundle, target)
+            return call()
         except IndexUnavailable:
             if time.monotonic() > deadline:
                 raise
             time.sleep(1.0)
 
 
+def _publish_when_up(bundle, target) -> bool:
+    from index.milvus_index import publish
+
+    return _when_up(lambda: publish(bundle, target))
+
+
 def test_a_publish_survives_the_server_killed_right_after_it(milvus_server, tiny_bundle):
     """A publish is durable once it returns: Milvus SIGKILLed at once comes back with the registry
     record (a service starting then must not find the bundle "not published")."""
     from index.bundle import read_manifest
-    from index.errors import IndexUnavailable
     from index.milvus_index import MilvusTarget, published_info
 
     target = MilvusTarget(uri=milvus_server.uri, prefix=f"durable{os.getpid()}", timeout_s=10.0)
@@ -64,15 +72,7 @@ def test_a_publish_survives_the_server_killed_right_after_it(milvus_server, tiny
     milvus_server.kill()
     milvus_server.start()
     bundle_id = read_manifest(tiny_bundle).bundle_id
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            info = published_info(target, bundle_id)
-            break
-        except IndexUnavailable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1.0)
+    info = _when_up(lambda: published_info(target, bundle_id))
     assert info is not None, "the registry lost the publish when the server was killed right after it"
     assert info["n_audio"] > 0
 

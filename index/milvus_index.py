@@ -402,11 +402,17 @@ def write_rows(target: MilvusTarget, name: str, keys: Sequence[int] | np.ndarray
 
 
 def _register(target: MilvusTarget, bundle_id: str, info: dict[str, Any]) -> None:
-    """Record ``bundle_id`` as published — the last write of a publish."""
+    """Record ``bundle_id`` as published — the last write of a publish — and flush it.
+
+    Unflushed rows live only in Milvus's write-ahead log until a segment seals, and a Milvus
+    killed and restarted can come back without them (seen in CI: a bundle published before a
+    SIGKILL stayed "not published" for minutes after the restart; milvus-io/milvus#38284 is the
+    same class). A publish returns only once its registry row is in a flushed segment."""
     _ensure_registry(target)
     target.call("upsert", target.registry, [
         {"key": bundle_id, "bundle_id": bundle_id, "info": json.dumps(info), "vector": [0.0, 0.0]}
     ], bulk=True)
+    target.call("flush", target.registry, bulk=True)
 
 
 def publish(bundle_dir: Path, target: MilvusTarget, *, index_type: str = "FLAT") -> bool:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,6 +40,7 @@ from typing import Any, Literal
 import faiss
 import numpy as np
 
+from index.cpus import available_cores
 from index.errors import BundleError, TonearmError
 
 log = logging.getLogger(__name__)
@@ -147,14 +147,6 @@ def default_search_params(spec: FactorySpec) -> dict[str, int]:
     if spec.is_ivf:
         return {"nprobe": min(spec.nlist, max(8, spec.nlist // 64))}
     return {}
-
-
-def available_cores() -> int:
-    """CPUs this process may run on (affinity-aware)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 @contextmanager

@@ -91,7 +91,7 @@ def default_opener(settings: Settings) -> Opener:
     def open_bundle(path: Path) -> BundleLike:
         import faiss
 
-        from index.faiss_index import available_cores
+        from index.cpus import available_cores
         from index.loader import LoadedBundle
 
         faiss.omp_set_num_threads(settings.faiss_threads)  # process-wide; set before the first search

@@ -7,15 +7,19 @@ answered by the bundle it started with.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
+from index.cpus import available_cores
 from service.batching import BatchMetrics, MicroBatcher
 from service.searcher import AudioQuery, CaptionHit, Searcher, TextLookup
 from service.settings import Settings
+
+log = logging.getLogger(__name__)
 
 Q = TypeVar("Q")
 R = TypeVar("R")
@@ -44,6 +48,19 @@ def per_searcher(
     return run_items
 
 
+AUTO_BATCH_WORKERS_MIN, AUTO_BATCH_WORKERS_MAX = 2, 64
+
+
+def batch_workers_for(settings: Settings, cores: int) -> int:
+    """Threads per encoder queue: ``TONEARM_BATCH_WORKERS``, or with 0 (auto) one per usable core,
+    2 to 64. Each worker runs one single-threaded encoder call at a time, so a queue uses as many
+    cores as it has workers: 2 on the 2-core machines the defaults were tuned on, and all 16 on a
+    16-core host, where a fixed 2 served a fifth of the text load (docs/BENCHMARKS.md, real_size)."""
+    if settings.batch_workers:
+        return settings.batch_workers
+    return min(AUTO_BATCH_WORKERS_MAX, max(AUTO_BATCH_WORKERS_MIN, cores))
+
+
 @dataclass
 class Batchers:
     text: MicroBatcher[TextItem, TextResult]
@@ -51,10 +68,12 @@ class Batchers:
 
     @classmethod
     def start(cls, settings: Settings, metrics: BatchMetrics) -> Batchers:
+        workers = batch_workers_for(settings, available_cores())
+        log.info("%d batch worker(s) per encoder queue", workers)
         options = {
             "max_batch": settings.batch_max_size,
             "max_queue": settings.batch_max_queue,
-            "workers": settings.batch_workers,
+            "workers": workers,
             "metrics": metrics,
         }
         return cls(

@@ -69,8 +69,9 @@ class Settings(BaseSettings):
     """Most queries (texts or clips) one micro-batch encodes together (docs/service.md, batching)."""
     batch_max_queue: int = Field(default=256, ge=1)
     """Queries waiting per encoder beyond which requests get 503 + Retry-After (backpressure)."""
-    batch_workers: int = Field(default=2, ge=1, le=64)
-    """Threads per encoder queue, each running one micro-batch at a time (about the core count)."""
+    batch_workers: int = Field(default=0, ge=0, le=64)
+    """Threads per encoder queue, each running one micro-batch at a time; 0 = auto: the cores this
+    process may use (affinity and cgroup quota), at least 2 and at most 64 (docs/service.md, "Threads")."""
 
     # --- index backend (docs/service.md, "Index backends") ---
     index_backend: Literal["faiss", "milvus"] = "faiss"

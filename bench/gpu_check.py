@@ -112,7 +112,12 @@ class RandomKnowledge:
         return self.audio, self.text, self.clip
 
 
-def amp_step(objective_spec: dict[str, Any], amp_dtype: str, batch: int) -> dict[str, Any]:
+def amp_step(objective_spec: dict[str, Any], amp_dtype: str, batch: int, *, cfg: Any = None, vocab: int = 8000,
+             views: int = len(LANGUAGES), seconds: float = 4.0, text_length: int = 24,
+             timed_steps: int = 5) -> dict[str, Any]:
+    """One optimizer step of ``objective_spec`` under AMP: median time over ``timed_steps`` after two
+    warm-ups, peak memory, last loss. ``cfg`` (a TrainConfig; default: the default model) picks the
+    model — bench/gpu_real_size.py passes the real-size presets; token ids are drawn below ``vocab``."""
     import torch
 
     from training.config import ObjectiveConfig, TrainConfig
@@ -123,9 +128,9 @@ def amp_step(objective_spec: dict[str, Any], amp_dtype: str, batch: int) -> dict
     from training.runtime import Runtime, amp_dtype_for, autocast, make_grad_scaler
 
     device = torch.device(DEVICE)
-    cfg = TrainConfig()
+    cfg = cfg or TrainConfig()
     torch.manual_seed(0)
-    model = build_dual_encoder(cfg.model, cfg.frontend, vocab_size=8000).to(device).train()
+    model = build_dual_encoder(cfg.model, cfg.frontend, vocab_size=vocab).to(device).train()
     objective = build_objective(
         ObjectiveConfig(**objective_spec), BuildEnv(languages=LANGUAGES, embed_dim=model.embed_dim)
     ).to(device)
@@ -134,7 +139,8 @@ def amp_step(objective_spec: dict[str, Any], amp_dtype: str, batch: int) -> dict
     optimizer = torch.optim.AdamW(step.parameters(), lr=1e-4)
     scaler = make_grad_scaler(runtime)
     inputs = random_train_inputs(
-        batch, views=len(LANGUAGES), seconds=4, sample_rate=cfg.frontend.sample_rate, vocab=8000, device=device
+        batch, views=views, seconds=seconds, sample_rate=cfg.frontend.sample_rate, vocab=vocab, device=device,
+        length=text_length,
     )
 
     context = RandomKnowledge(device, model.embed_dim)
@@ -157,7 +163,7 @@ def amp_step(objective_spec: dict[str, Any], amp_dtype: str, batch: int) -> dict
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, loss = [], math.nan
-    for _ in range(5):
+    for _ in range(timed_steps):
         start = time.perf_counter()
         loss = one_step()
         sync()
@@ -168,7 +174,10 @@ def amp_step(objective_spec: dict[str, Any], amp_dtype: str, batch: int) -> dict
         "autocast": str(runtime.amp_dtype).removeprefix("torch."),
         "grad_scaler": scaler.is_enabled(),
         "batch": batch,
+        "views": views,
+        "parameters": sum(p.numel() for p in model.parameters()),
         "step_ms": 1000 * statistics.median(times),
+        "samples_per_s": batch / statistics.median(times),
         "peak_mib": peak_mib(),
         "loss": loss,
     }

@@ -84,9 +84,19 @@ def cpu_tag() -> str:
     return f"{cpu_model()} family {fields.get('cpu family', '?')} model {fields.get('model', '?')} ({isa})"
 
 
+def gpu_name() -> str:
+    """The GPU a ``reference-cuda`` row ran on (nvidia-smi's name)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown GPU"
+    return out.strip().splitlines()[0] if out.strip() else "unknown GPU"
+
+
 def add_results(rows: list[dict[str, Any]]) -> None:
     stamp = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "load": round(os.getloadavg()[0], 2),
-             "cpu": cpu_tag(), "command": "python bench/real_size.py " + " ".join(sys.argv[1:])}
+             "cpu": cpu_tag() + ("" if os.cpu_count() == 2 else f", {os.cpu_count()} cores"), "command": "python bench/real_size.py " + " ".join(sys.argv[1:])}
     results = load_results() + [{**stamp, **row} for row in rows]
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
@@ -388,9 +398,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
         for server in args.servers.split(","):
             if server == "infinity":
                 rows += serve_infinity(args.preset, work, kinds, clients, args.seconds, clip, scratch)
-            elif server == "reference":
-                rows += serve_tonearm(bundle, preset=args.preset, label="reference", env={}, kinds=kinds,
-                                      clients=clients, seconds=args.seconds, clip=clip, scratch=scratch, reference=True)
+            elif server in ("reference", "reference-cuda"):  # reference-cuda: its encoders on the GPU
+                env = {"TONEARM_REFERENCE_DEVICE": "cuda"} if server == "reference-cuda" else {}
+                served = serve_tonearm(bundle, preset=args.preset, label=server, env=env, kinds=kinds,
+                                       clients=clients, seconds=args.seconds, clip=clip, scratch=scratch, reference=True)
+                rows += [{**row, "gpu": gpu_name()} for row in served] if env else served
             else:  # tonearm[+int8-text][:NAME=VALUE;NAME=VALUE] — bundle and settings variants
                 name, _, spec = server.partition(":")
                 quantize = name.partition("+int8-")[2] or "none"  # tonearm+int8-text: the `build --quantize text` bundle
@@ -471,9 +483,10 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 def write_report(*, write: bool = True) -> str:
     results = load_results()
     parts = [f"{START}\n## real_size — real-size encoders served on two cores (bench/real_size.py)\n\n",
-             f"- machine: {cpu_tag()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
-             f"Python {platform.python_version()}; **no GPU is lent to this project's sessions**: every number is "
-             "CPU-only (fp16 and CUDA serving are not measured)\n"
+             f"- machine: each row names its CPU (`cpu`: 2 cores unless a core count follows) and, for "
+             "`reference-cuda` (the reference server's encoders on the GPU), its GPU (`gpu`); tonearm itself always "
+             "serves on the CPU. GPU training steps and encoder throughput: section \"GPU at real size\". Rendered "
+             f"on {cpu_tag()}, {platform.system()} {platform.release()}, Python {platform.python_version()}\n"
              "- models: random weights at full default size (tests/real_size_models.py), trained two steps "
              "(configs/real/*.yaml) and exported by `tonearm export`; speed does not depend on the weights' values\n"
              "- each row carries its command, date and the 1-min load average **when the row was recorded, i.e. right "
@@ -489,10 +502,10 @@ def write_report(*, write: bool = True) -> str:
         ("agreement", "int8 vs fp32 agreement on the benchmark inputs (per item)",
          ["preset", "modality", "threads", "min_cosine", "mean_cosine", "cpu"]),
         ("startup", "Startup to /readyz 200 and resident memory",
-         ["preset", "server", "ready_s", "rss_mib", "rss_after_mib", "date", "load", "cpu"]),
+         ["preset", "server", "ready_s", "rss_mib", "rss_after_mib", "date", "load", "cpu", "gpu"]),
         ("serve", "Search under load (closed-loop clients, 10-s clips for audio)",
          ["preset", "server", "workload", "clients", "requests", "errors", "p50_ms", "p99_ms", "rps", "date", "load",
-          "cpu"]),
+          "cpu", "gpu"]),
         ("failed", "Peers that could not run", ["preset", "server", "workload", "why"]),
     ]
     for kind, title, columns in sections:
@@ -524,8 +537,9 @@ def main() -> int:
     serve = sub.add_parser("serve")
     serve.add_argument("preset", choices=sorted(MODELS))
     serve.add_argument("--servers", default="tonearm,reference,infinity",
-                       help="comma-separated: reference, infinity, tonearm[+int8-text][:NAME=VALUE;...] (a bundle "
-                            "built with `build --quantize text`; TONEARM_NAME settings for that server)")
+                       help="comma-separated: reference, reference-cuda (its encoders on the GPU), infinity, "
+                            "tonearm[+int8-text][:NAME=VALUE;...] (a bundle built with `build --quantize text`; "
+                            "TONEARM_NAME settings for that server)")
     serve.add_argument("--kinds", default="text-cold,audio")
     serve.add_argument("--clients", default="1,8,16")
     serve.add_argument("--seconds", type=float, default=8.0)

@@ -5,7 +5,10 @@ the bundle's source checkpoint in eager mode, the bundle's FAISS indices searche
 one request at a time; no cache, no micro-batching, no ONNX. Same routes and
 request shapes as tonearm's search API, so the same load generator drives both.
 
-    python bench/reference_server.py --bundle BUNDLE_DIR [--checkpoint DIR] --port 8001
+    python bench/reference_server.py --bundle BUNDLE_DIR [--checkpoint DIR] --port 8001 [--device cuda]
+
+``--device cuda`` (default: ``TONEARM_REFERENCE_DEVICE``, else cpu) runs the encoders on the GPU:
+what the same hand-written server does where one is lent (bench/real_size.py ``reference-cuda``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,10 +43,10 @@ class TextQuery(BaseModel):
     k: int = 10
 
 
-def create_reference_app(bundle: Path, checkpoint: Path) -> FastAPI:
+def create_reference_app(bundle: Path, checkpoint: Path, device: str = "cpu") -> FastAPI:
     manifest = read_manifest(bundle)
     ckpt = load_checkpoint(checkpoint)
-    model, tokenizer = ckpt.model.eval(), ckpt.tokenizer
+    model, tokenizer = ckpt.model.eval().to(device), ckpt.tokenizer
     audio_index = faiss.read_index(str(bundle / manifest.audio_index.file))
     text_index = faiss.read_index(str(bundle / manifest.text_index.file))
     for index, info in ((audio_index, manifest.audio_index), (text_index, manifest.text_index)):
@@ -54,13 +58,13 @@ def create_reference_app(bundle: Path, checkpoint: Path) -> FastAPI:
     app = FastAPI()
 
     def normalized(x: torch.Tensor) -> np.ndarray:
-        return torch.nn.functional.normalize(x, dim=-1).numpy().astype(np.float32)
+        return torch.nn.functional.normalize(x, dim=-1).cpu().numpy().astype(np.float32)
 
     @app.post("/v1/search/text")
     def search_text(body: TextQuery) -> dict[str, Any]:
         ids, mask = tokenizer.encode([body.query])
         with torch.no_grad():
-            query = normalized(model.encode_text(torch.from_numpy(ids), torch.from_numpy(mask)))
+            query = normalized(model.encode_text(torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)))
         scores, rows = audio_index.search(query, body.k)
         hits = [{"id": audio_ids[r], "score": float(s)} for s, r in zip(scores[0], rows[0], strict=True) if r >= 0]
         return {"bundle_id": manifest.bundle_id, "hits": hits}
@@ -75,7 +79,7 @@ def create_reference_app(bundle: Path, checkpoint: Path) -> FastAPI:
         if rate != manifest.sample_rate:
             raise ValueError(f"expected {manifest.sample_rate} Hz audio, got {rate}")
         with torch.no_grad():
-            chunks = torch.from_numpy(eval_chunks(wave.mean(axis=1), clip_samples))
+            chunks = torch.from_numpy(eval_chunks(wave.mean(axis=1), clip_samples)).to(device)
             query = normalized(model.encode_audio(chunks).mean(dim=0, keepdim=True))
         scores, rows = text_index.search(query, k)
         hits = [
@@ -103,11 +107,13 @@ def main() -> int:
     parser.add_argument("--checkpoint", help="default: the source checkpoint recorded in the bundle's manifest")
     parser.add_argument("--port", type=int, default=8001)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--device", default=os.environ.get("TONEARM_REFERENCE_DEVICE", "cpu"),
+                        help="torch device of the encoders (cpu, cuda)")
     args = parser.parse_args()
     bundle = Path(args.bundle)
     checkpoint = Path(args.checkpoint or json.loads((bundle / "manifest.json").read_text())["source"]["checkpoint"])
     torch.set_num_threads(args.threads)
-    uvicorn.run(create_reference_app(bundle, checkpoint), host="127.0.0.1", port=args.port, log_level="warning",
+    uvicorn.run(create_reference_app(bundle, checkpoint, args.device), host="127.0.0.1", port=args.port, log_level="warning",
                 access_log=False)
     return 0
 

@@ -355,12 +355,15 @@ def markdown(results: dict[str, Any]) -> str:
             if kb["ran"] else f"not run: {kb['why']}"
         )
     )
-    for what, why in results.get("not_run", {}).items():
-        lines.append(f"- Not run — {what}: {why}.")
+    return "\n".join(lines + closing_lines(results, END)) + "\n"
+
+
+def closing_lines(results: dict[str, Any], end: str) -> list[str]:
+    """What could not run and why, then the section's end marker (this script's and gpu_real_size's)."""
+    lines = [f"- Not run — {what}: {why}." for what, why in results.get("not_run", {}).items()]
     if "skipped" in results:
         lines.append(f"- {results['skipped']}")
-    lines.append(END)
-    return "\n".join(lines) + "\n"
+    return [*lines, end]
 
 
 def main() -> None:

@@ -237,12 +237,7 @@ def markdown(results: dict[str, Any]) -> str:
         if "encoders_error" in results[preset]:
             lines.append(f"| {preset} | not run: {results[preset]['encoders_error']} | | " + "| " * len(ENCODER_BATCHES))
     lines.append("")
-    for what, why in results.get("not_run", {}).items():
-        lines.append(f"- Not run — {what}: {why}.")
-    if "skipped" in results:
-        lines.append(f"- {results['skipped']}")
-    lines.append(END)
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + gpu_check.closing_lines(results, END)) + "\n"
 
 
 def main() -> None:

@@ -96,7 +96,8 @@ def gpu_name() -> str:
 
 def add_results(rows: list[dict[str, Any]]) -> None:
     stamp = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "load": round(os.getloadavg()[0], 2),
-             "cpu": cpu_tag() + ("" if os.cpu_count() == 2 else f", {os.cpu_count()} cores"), "command": "python bench/real_size.py " + " ".join(sys.argv[1:])}
+             "cpu": cpu_tag() + ("" if os.cpu_count() == 2 else f", {os.cpu_count()} cores"),
+             "command": "python bench/real_size.py " + " ".join(sys.argv[1:])}
     results = load_results() + [{**stamp, **row} for row in rows]
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
@@ -482,7 +483,7 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 
 def write_report(*, write: bool = True) -> str:
     results = load_results()
-    parts = [f"{START}\n## real_size — real-size encoders served on two cores (bench/real_size.py)\n\n",
+    parts = [f"{START}\n## real_size — real-size encoders served on CPU cores, two unless a row says more (bench/real_size.py)\n\n",
              f"- machine: each row names its CPU (`cpu`: 2 cores unless a core count follows) and, for "
              "`reference-cuda` (the reference server's encoders on the GPU), its GPU (`gpu`); tonearm itself always "
              "serves on the CPU. GPU training steps and encoder throughput: section \"GPU at real size\". Rendered "

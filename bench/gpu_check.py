@@ -26,6 +26,7 @@ import argparse
 import datetime as dt
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -74,6 +75,8 @@ def environment() -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {
+        "load_1min": round(os.getloadavg()[0], 2),  # at the start: the GPU machine runs nothing else
+        "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -377,16 +380,25 @@ def main() -> None:
     global DEVICE
     DEVICE = args.device
     if args.record:
-        results = json.loads(args.record.read_text())
-        write_section(markdown(results), start=START, end=END)
-        print(markdown(results))
+        record(args.record, markdown, start=START, end=END)
         return
     results = run_checks(args)
-    text = json.dumps(results, indent=2)
-    print(text)
+    print(json.dumps(results, indent=2))
     if args.out:
-        args.out.write_text(text + "\n")
-        (args.out.with_suffix(".md")).write_text(markdown(results))
+        write_results(results, args.out, markdown)
+
+
+def record(path: Path, render: Callable[[dict[str, Any]], str], *, start: str, end: str) -> None:
+    """docs/BENCHMARKS.md's section between ``start`` and ``end``, rendered from a results JSON."""
+    text = render(json.loads(path.read_text()))
+    write_section(text, start=start, end=end)
+    print(text)
+
+
+def write_results(results: dict[str, Any], out: Path, render: Callable[[dict[str, Any]], str]) -> None:
+    """The results JSON at ``out`` and its rendered section beside it (``.md``)."""
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    out.with_suffix(".md").write_text(render(results))
 
 
 if __name__ == "__main__":

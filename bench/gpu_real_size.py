@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
-import json
+import os
 import statistics
 import sys
 import tempfile
@@ -41,8 +41,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 sys.path.append(str(ROOT / "tests"))  # after ROOT: tests/training must not shadow training/
 
 import gpu_check  # noqa: E402
-
-from benchlib import write_section  # noqa: E402
 
 START, END = "<!-- bench/gpu_real_size.py -->", "<!-- /bench/gpu_real_size.py -->"
 OBJECTIVES: dict[str, dict[str, Any]] = {
@@ -175,7 +173,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 entry["encoders_error"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
             results[preset] = entry
             if args.out:  # each preset's numbers survive a later one running out of time
-                write_results(results, args.out)
+                gpu_check.write_results(results, args.out, markdown)
+    results["load_1min_end"] = round(os.getloadavg()[0], 2)
     env = results.get("environment", {})
     if "CUDAExecutionProvider" not in env.get("ort_providers", []):
         results["not_run"] = {
@@ -193,7 +192,10 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"`python bench/gpu_real_size.py --out gpu_real_size.json` on {env.get('gpu')} (torch {env.get('torch')}, "
         f"CUDA {env.get('cuda')}), {results['date']}; recorded here with `--record` from "
-        "bench/results/. Full default sizes, random weights (tests/real_size_models.py).",
+        "bench/results/. Full default sizes, random weights (tests/real_size_models.py). "
+        + (f"Load average {env['load_1min']} at the start and {results.get('load_1min_end')} at the end on "
+           f"{env.get('cpus')} CPUs; the GPU machine ran nothing but this command."
+           if "load_1min" in env else "Load not recorded by this run."),
         "",
         f"**Training step**, bf16 autocast, AdamW, batch {s.get('batch')} clips of {s.get('seconds')} s with "
         f"{s.get('views')} captions of {s.get('text_length')} tokens each (every caption goes through the text "
@@ -255,19 +257,12 @@ def main() -> None:
     args = parser.parse_args()
     gpu_check.DEVICE = args.device
     if args.record:
-        results = json.loads(args.record.read_text())
-        write_section(markdown(results), start=START, end=END)
-        print(markdown(results))
+        gpu_check.record(args.record, markdown, start=START, end=END)
         return
     results = run(args)
     if args.out:
-        write_results(results, args.out)
+        gpu_check.write_results(results, args.out, markdown)
     print(markdown(results))
-
-
-def write_results(results: dict[str, Any], out: Path) -> None:
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(results))
 
 
 if __name__ == "__main__":

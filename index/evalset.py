@@ -27,7 +27,7 @@ from typing import Literal
 
 import numpy as np
 
-from index.audio import fit_length
+from index.audio import decode_audio, decode_window, fit_length
 from index.errors import BundleError
 
 WAVEFORMS = "waveforms.npy"
@@ -74,6 +74,15 @@ def prepare_waveform(wave: np.ndarray, *, clip_samples: int, policy: Literal["ce
     if policy == "center":
         return fit_length(wave, clip_samples, mode="center")
     return np.asarray(wave, dtype=np.float32)
+
+
+def load_eval_waveform(
+    source: Path | str, *, sample_rate: int, clip_samples: int, policy: Literal["center", "chunk"]
+) -> np.ndarray:
+    """``prepare_waveform(decode_audio(source))``, decoding only the center window for ``center``."""
+    if policy == "center":
+        return decode_window(source, sample_rate=sample_rate, n=clip_samples, mode="center")
+    return decode_audio(source, sample_rate=sample_rate)
 
 
 def to_int16(wave: np.ndarray) -> np.ndarray:

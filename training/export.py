@@ -43,7 +43,7 @@ import torch
 from index import bundle as fmt
 from index.audio import decode_audio
 from index.bundle_eval import evaluate_eval_set
-from index.evalset import MAX_EVAL_CLIPS, EvalSet, prepare_waveform, read_eval_set, write_eval_set
+from index.evalset import MAX_EVAL_CLIPS, EvalSet, load_eval_waveform, read_eval_set, write_eval_set
 from index.faiss_index import BuiltIndex, build_index, parse_factory, save_index
 from index.faiss_ondisk import build_and_save
 from index.loader import (
@@ -289,8 +289,8 @@ def embed_catalogue_audio(
     for start in range(0, len(records), EMBED_CLIPS_PER_STEP):
         batch = records[start : start + EMBED_CLIPS_PER_STEP]
         waves = [
-            prepare_waveform(decode_audio(r.audio, sample_rate=cfg.frontend.sample_rate),
-                             clip_samples=clip_samples, policy=cfg.data.eval_crop)
+            load_eval_waveform(r.audio, sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples,
+                               policy=cfg.data.eval_crop)
             for r in batch
         ]
         parts.append(encode_waveforms(encoder, waves, clip_samples=clip_samples, embed_dim=cfg.model.embed_dim))
@@ -334,8 +334,8 @@ def build_held_out(records: Sequence[ClipRecord], cfg: TrainConfig) -> EvalSet:
     return EvalSet(
         clip_ids=[r.id for r in records],
         waveforms=[
-            prepare_waveform(decode_audio(r.audio, sample_rate=cfg.frontend.sample_rate),
-                             clip_samples=clip_samples, policy=cfg.data.eval_crop)
+            load_eval_waveform(r.audio, sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples,
+                               policy=cfg.data.eval_crop)
             for r in records
         ],
         captions=list(captions.texts),

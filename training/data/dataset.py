@@ -1,6 +1,6 @@
 """Training and evaluation views of a manifest (SPEC §2, §4, §5).
 
-Training: :class:`TrainClipDataset` decodes a clip and takes a random crop;
+Training: :class:`TrainClipDataset` decodes a random crop of a clip (only that window);
 :class:`TrainCollate` asks the objective's strategy which caption(s) of each clip
 to use (``V`` views per clip), tokenizes them and stacks a :class:`TrainBatch`.
 Every random choice is seeded by ``(seed, epoch, clip index)``, so a batch is the
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from index.audio import decode_audio, eval_chunks, fit_length
+from index.audio import decode_audio, decode_window, eval_chunks
 from training.data.manifest import ClipRecord
 from training.objectives.base import Strategy
 
@@ -67,9 +67,10 @@ class TrainClipDataset(Dataset):
 
     def __getitem__(self, index: int) -> TrainItem:
         record = self.records[index]
-        wave = decode_audio(record.audio, sample_rate=self.sample_rate)
         rng = np.random.default_rng(_rng_seed(self.seed, self.epoch, index))
-        return TrainItem(fit_length(wave, self.clip_samples, mode="random", rng=rng), record.captions, index)
+        # Only the crop is decoded and resampled: a 10-min file costs what a 10-s one does (SPEC §13).
+        wave = decode_window(record.audio, sample_rate=self.sample_rate, n=self.clip_samples, mode="random", rng=rng)
+        return TrainItem(wave, record.captions, index)
 
 
 @dataclass
@@ -182,9 +183,8 @@ def eval_audio_chunks(
     record: ClipRecord, *, sample_rate: int, clip_samples: int, policy: Literal["center", "chunk"]
 ) -> np.ndarray:
     """(C, clip_samples) float32 windows of one clip: one center crop, or every chunk (chunk-and-average)."""
-    wave = decode_audio(record.audio, sample_rate=sample_rate)
-    if policy == "center":
-        return fit_length(wave, clip_samples, mode="center")[None, :]
-    if policy == "chunk":
-        return eval_chunks(wave, clip_samples)
+    if policy == "center":  # only the middle window is decoded
+        return decode_window(record.audio, sample_rate=sample_rate, n=clip_samples, mode="center")[None, :]
+    if policy == "chunk":  # every window of the clip: the whole file
+        return eval_chunks(decode_audio(record.audio, sample_rate=sample_rate), clip_samples)
     raise ValueError(f"unknown evaluation policy {policy!r}; use center or chunk")

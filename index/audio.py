@@ -97,6 +97,22 @@ def _check_complete(source: Path | str | bytes, container: str, declared: int, d
         )
 
 
+def downmix(data: np.ndarray) -> np.ndarray:
+    """(frames, channels) float32 → the channels' mean, (frames,) float32.
+
+    Channel by channel: bit-identical to ``data.mean(axis=1, dtype=np.float32)`` (a sum, then a
+    division) but ~30× faster on a (frames, 2) array, where numpy's reduction over the short
+    axis cost as much as decoding the FLAC.
+    """
+    if data.shape[1] == 1:
+        return data[:, 0]
+    mono = data[:, 0].copy()
+    for channel in range(1, data.shape[1]):
+        mono += data[:, channel]
+    mono /= np.float32(data.shape[1])
+    return mono
+
+
 def _read_mono(
     source: Path | str | bytes, *, max_seconds: float | None, complete: bool = False
 ) -> tuple[np.ndarray, int]:
@@ -120,7 +136,7 @@ def _read_mono(
         raise AudioTooLongError(
             f"{name}: {data.shape[0] / rate:.1f} s of audio exceeds the limit of {max_seconds:g} s"
         )
-    mono = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]
+    mono = downmix(data)
     if not np.all(np.isfinite(mono)):
         raise AudioDecodeError(f"{name}: audio contains NaN or infinite samples")
     return np.ascontiguousarray(mono, dtype=np.float32), rate
@@ -244,7 +260,7 @@ def decode_window(
             f"{_describe(source)}: truncated or corrupt: {data.shape[0]} of the {stop - start} samples "
             f"at {start}..{stop} decode (the header declares {frames})"
         )
-    mono = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]
+    mono = downmix(data)
     if not np.all(np.isfinite(mono)):
         raise AudioDecodeError(f"{_describe(source)}: audio contains NaN or infinite samples")
     if rate != sample_rate:

@@ -103,3 +103,11 @@ def test_a_file_shorter_than_its_header_says_is_refused(clips: dict[str, Path], 
     cut.write_bytes(data[: len(data) // 2])
     with pytest.raises(AudioDecodeError, match=r"cut\.flac: (truncated or )?corrupt"):
         decode_window(cut, sample_rate=48000, n=48000, mode="center")
+
+
+@pytest.mark.parametrize("channels", [1, 2, 3, 6])
+def test_downmix_is_the_channel_mean_bit_for_bit(channels: int) -> None:
+    from index.audio import downmix
+
+    data = (0.3 * np.random.default_rng(channels).standard_normal((40_001, channels))).astype(np.float32)
+    np.testing.assert_array_equal(downmix(data), data.mean(axis=1, dtype=np.float32))

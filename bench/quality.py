@@ -337,13 +337,14 @@ def evaluate_best(checkpoint: Path, manifest: Path, *, split: str) -> dict[str, 
     from bench.quality_diagnostics import embedding_diagnostics
     from index.metrics import retrieval_report
     from training.checkpoint import load_checkpoint
-    from training.evaluate import embed_chunks, embed_texts, load_split, prepare_eval_set
+    from training.evaluate import embed_clips, embed_texts, load_split, prepare_eval_set
 
     loaded = load_checkpoint(checkpoint, device="cpu")
     records = load_split(manifest, data_cfg=loaded.config.data, split=split)
     eval_set = prepare_eval_set(records, data_cfg=loaded.config.data, frontend_cfg=loaded.config.frontend)
     device, batch = torch.device("cpu"), loaded.config.eval.batch_size
-    audio = embed_chunks(loaded.model, eval_set.chunks, batch_size=batch, device=device).numpy()
+    audio = embed_clips(loaded.model, eval_set.records, data_cfg=loaded.config.data,
+                        frontend_cfg=loaded.config.frontend, batch_size=batch, device=device).numpy()
     captions = eval_set.captions
     text = embed_texts(loaded.model, loaded.tokenizer, captions.texts, batch_size=batch, device=device).numpy()
     report = retrieval_report(audio_emb=audio, text_emb=text, caption_clip=np.asarray(captions.clip),
@@ -377,13 +378,14 @@ def audit_noisy_pairs(checkpoint: Path, manifest: Path) -> dict[str, float]:
 
     from bench.noise_weights import AUDIT_CLIPS, english_training_pairs
     from training.checkpoint import load_checkpoint
-    from training.evaluate import embed_chunks, embed_texts, load_split, prepare_eval_set
+    from training.evaluate import embed_clips, embed_texts, load_split, prepare_eval_set
 
     loaded = load_checkpoint(checkpoint, device="cpu")
     records = load_split(manifest, data_cfg=loaded.config.data, split="train")[:AUDIT_CLIPS]
     eval_set = prepare_eval_set(records, data_cfg=loaded.config.data, frontend_cfg=loaded.config.frontend)
     device = torch.device("cpu")
-    audio = embed_chunks(loaded.model, eval_set.chunks, batch_size=loaded.config.eval.batch_size, device=device)
+    audio = embed_clips(loaded.model, eval_set.records, data_cfg=loaded.config.data,
+                        frontend_cfg=loaded.config.frontend, batch_size=loaded.config.eval.batch_size, device=device)
     texts, owners, noisy, _ = english_training_pairs(records)
     text = embed_texts(loaded.model, loaded.tokenizer, texts, batch_size=loaded.config.eval.batch_size, device=device)
     similarity = (text @ audio.t()).numpy()

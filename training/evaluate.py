@@ -15,17 +15,19 @@ import argparse
 import json
 import logging
 import math
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.data import Dataset
 
+from index.errors import AudioDecodeError, DataError
 from index.tokenizer import TextTokenizer
-from tonearm.errors import DataError
 from training.config import DataConfig, FrontendConfig
 from training.data.dataset import EvalCaptions, eval_audio_chunks, eval_captions
 from training.data.manifest import ClipRecord
@@ -36,10 +38,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EvalSet:
-    """A split ready to embed: decoded audio chunks per clip and the caption queries."""
+    """A split ready to embed: its clips (decoded window by window at each evaluation, never held
+    in memory) and the caption queries."""
 
-    chunks: list[np.ndarray]
-    """Per clip, (C, n) float32 chunks (C = 1 for a center crop)."""
+    records: list[ClipRecord]
+    data_cfg: DataConfig
+    frontend_cfg: FrontendConfig
     captions: EvalCaptions
     languages: tuple[str, ...]
 
@@ -84,13 +88,105 @@ def prepare_eval_set(
     frontend_cfg: FrontendConfig,
     progress: bool = False,
 ) -> EvalSet:
-    """Decode a split once so that periodic validation only re-embeds it."""
+    """The split's caption queries; its audio is streamed at each evaluation (:func:`embed_clips`),
+    so a large validation split costs no memory between evaluations."""
+    del progress  # nothing is decoded here any more
     languages = tuple(data_cfg.languages)
     return EvalSet(
-        chunks=load_clip_chunks(records, data_cfg=data_cfg, frontend_cfg=frontend_cfg, progress=progress),
+        records=list(records),
+        data_cfg=data_cfg,
+        frontend_cfg=frontend_cfg,
         captions=eval_captions(records, languages),
         languages=languages,
     )
+
+
+class ClipWindows(Dataset):
+    """Item ``i``: ``(i, (C, n) evaluation windows of clip i, error or None)`` (loader workers decode).
+
+    A clip that cannot be decoded gives no windows and its error message, so one bad file
+    among a corpus costs one zero embedding and a warning, not the pass.
+    """
+
+    def __init__(self, records: Sequence[ClipRecord], *, data_cfg: DataConfig, frontend_cfg: FrontendConfig) -> None:
+        self.records = list(records)
+        self.sample_rate = frontend_cfg.sample_rate
+        self.clip_samples = clip_samples(data_cfg, frontend_cfg)
+        self.policy = data_cfg.eval_crop
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> tuple[int, np.ndarray, str | None]:
+        try:
+            windows = eval_audio_chunks(
+                self.records[index], sample_rate=self.sample_rate, clip_samples=self.clip_samples,
+                policy=self.policy,
+            )
+        except AudioDecodeError as err:
+            return index, np.zeros((0, self.clip_samples), np.float32), str(err)
+        return index, windows, None
+
+
+def _keep_items(items: list[Any]) -> list[Any]:
+    return items
+
+
+@dataclass
+class StreamStats:
+    """What one streamed embedding pass did (logged; ``bench/extra_passes.py`` reports it)."""
+
+    clips: int = 0
+    windows: int = 0
+    seconds: float = 0.0
+    failed: list[str] = field(default_factory=list)
+
+    def per_10k_clips_s(self) -> float:
+        return self.seconds * 10_000 / max(1, self.clips)
+
+
+def embed_clips(
+    model: Any,
+    records: Sequence[ClipRecord],
+    *,
+    data_cfg: DataConfig,
+    frontend_cfg: FrontendConfig,
+    batch_size: int,
+    device: torch.device,
+    num_workers: int = 0,
+    progress: bool = False,
+    description: str = "embedding clips",
+    stats: StreamStats | None = None,
+) -> torch.Tensor:
+    """(N, d) float32 CPU clip embeddings of ``records`` under ``data.eval_crop``, streamed.
+
+    Clips are decoded ``batch_size`` at a time by ``num_workers`` loader workers (the center
+    policy decodes only the middle window) and embedded as they arrive (:func:`embed_chunks`:
+    chunk-and-average, re-normalised); only the embeddings are kept, so memory does not grow
+    with the corpus' audio. Clips that fail to decode embed as zeros and are named in a warning.
+    """
+    from torch.utils.data import DataLoader
+
+    stats = stats if stats is not None else StreamStats()
+    started = time.monotonic()
+    dataset = ClipWindows(records, data_cfg=data_cfg, frontend_cfg=frontend_cfg)
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=_keep_items)
+    out = torch.zeros(len(records), int(model.embed_dim))
+    with progress_bar(len(records), description, enabled=progress) as bar:
+        for items in loader:
+            good = [(index, windows) for index, windows, error in items if error is None]
+            stats.failed += [error for _, _, error in items if error is not None]
+            if good:
+                rows = torch.tensor([index for index, _ in good])
+                out[rows] = embed_chunks(model, [w for _, w in good], batch_size=batch_size, device=device)
+                stats.windows += sum(len(w) for _, w in good)
+            stats.clips += len(items)
+            bar.update(len(items))
+    stats.seconds += time.monotonic() - started
+    if stats.failed:
+        log.warning("%s: %d of %d clips could not be decoded and embed as zeros, e.g. %s",
+                    description, len(stats.failed), len(records), "; ".join(stats.failed[:3]))
+    return out
 
 
 def embed_texts(
@@ -151,12 +247,16 @@ def evaluate_prepared(
     batch_size: int,
     device: torch.device,
     progress: bool = False,
+    num_workers: int = 0,
 ) -> dict[str, float]:
-    """SPEC §5 report of `model` on an already decoded split (`progress`: bars on stderr)."""
+    """SPEC §5 report of `model` on a prepared split (`progress`: bars on stderr)."""
     from index.metrics import retrieval_report
 
     captions = eval_set.captions
-    audio = embed_chunks(model, eval_set.chunks, batch_size=batch_size, device=device, progress=progress)
+    audio = embed_clips(
+        model, eval_set.records, data_cfg=eval_set.data_cfg, frontend_cfg=eval_set.frontend_cfg,
+        batch_size=batch_size, device=device, num_workers=num_workers, progress=progress,
+    )
     text = embed_texts(
         model, tokenizer, captions.texts, batch_size=batch_size, device=device, progress=progress
     )

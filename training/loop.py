@@ -237,6 +237,7 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
             frontend_cfg=cfg.frontend,
             batch_size=cfg.eval.batch_size,
             device=runtime.device,
+            num_workers=cfg.data.num_workers,
         ),
         val_set=prepare_eval_set(
             val_records, data_cfg=cfg.data, frontend_cfg=cfg.frontend, progress=runtime.is_main
@@ -638,6 +639,7 @@ def validate(run: Run) -> dict[str, float] | None:
             batch_size=run.cfg.eval.batch_size,
             device=run.runtime.device,
             progress=True,  # only rank 0 validates
+            num_workers=run.cfg.data.num_workers,
         )
         if run.cfg.eval.select_metric not in report:
             raise ConfigError(

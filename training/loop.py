@@ -466,6 +466,7 @@ def build_distillation_teachers(
         tokenizer=tokenizer,
         frontend=cfg.frontend,
         data=cfg.data,
+        autocast=lambda: autocast(runtime),
     )
 
 
@@ -599,6 +600,8 @@ def end_epoch(run: Run, epoch: int, *, seconds: float) -> None:
     """Log the epoch, validate when due, save `best/` and `last/`, redraw the curves."""
     cfg, state = run.cfg, run.state
     summary = {k: float(v) for k, v in run.objective.epoch_summary().items()}
+    if run.teachers is not None:
+        summary.update(run.teachers.cache_stats())
     mean_loss = state.epoch_loss_sum / max(1, state.epoch_loss_count)
     run.metrics.write(
         {

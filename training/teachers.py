@@ -17,6 +17,12 @@ Caching (``objective.distill.cache``):
   random crop never cuts and each clip reaches the teacher as the same waveform every
   epoch. Otherwise (longer clips are randomly cropped) audio is re-embedded every batch.
 
+Caches live in host memory (never on the GPU), each bounded by
+``objective.distill.cache_max_mib`` per rank (least recently used entries go first), and
+count their hits: :meth:`Teachers.cache_stats` (hit rate, entries, MiB) goes to the epoch
+records of ``metrics.jsonl`` and the log. Teachers run under the student's autocast (bf16 on
+a GPU), so a teacher pass costs what a student forward does; embeddings are stored as float32.
+
 Under torchrun the audio cache is **sharded**: clip ``c`` is cached only by rank
 ``c mod N``. Each step the ranks look the global batch's clips up in their shards (one
 all-reduce), encode only the clips no shard holds yet, and send each fresh embedding to
@@ -26,8 +32,10 @@ the cache. The text cache (per caption string) stays per rank.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -56,12 +64,59 @@ class _Record(Protocol):
     audio: Any
 
 
+class HostCache:
+    """An LRU map key → (M, d) float32 CPU tensor, bounded in bytes, counting hits and misses."""
+
+    def __init__(self, max_bytes: float) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._rows: OrderedDict[Hashable, Tensor] = OrderedDict()
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def keys(self) -> list[Hashable]:
+        return list(self._rows)
+
+    def lookup(self, key: Hashable) -> Tensor | None:
+        """The cached row (counted as a hit, and marked recently used), or None (a miss)."""
+        row = self._rows.get(key)
+        if row is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._rows.move_to_end(key)
+        return row
+
+    def put(self, key: Hashable, row: Tensor) -> None:
+        row = row.detach().to("cpu", torch.float32).clone()  # not a view of the batch
+        old = self._rows.pop(key, None)
+        if old is not None:
+            self.bytes -= old.numel() * 4
+        self._rows[key] = row
+        self.bytes += row.numel() * 4
+        while self.bytes > self.max_bytes and len(self._rows) > 1:
+            _, dropped = self._rows.popitem(last=False)
+            self.bytes -= dropped.numel() * 4
+
+    def stats(self) -> dict[str, float]:
+        looked = self.hits + self.misses
+        return {"hit_rate": self.hits / looked if looked else float("nan"), "entries": float(len(self._rows)),
+                "mib": self.bytes / 2**20}
+
+
 @dataclass
 class Teacher:
     """One frozen checkpoint: its DualEncoder and its own tokenizer."""
 
     name: str
-    model: torch.nn.Module
+    model: Any
+    """A DualEncoder (encode_audio / encode_text); Any because nn.Module attributes type as Tensor | Module."""
     tokenizer: Any
     embed_dim: int
 
@@ -74,8 +129,23 @@ class Teachers:
     device: torch.device
     cache_audio: bool
     cache_text: bool
-    _audio: dict[int, Tensor] = field(default_factory=dict, repr=False)
-    _text: dict[str, Tensor] = field(default_factory=dict, repr=False)
+    cache_max_mib: float = 2048.0
+    autocast_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    """The student's autocast (training.runtime.autocast); teachers run under it."""
+    _audio: HostCache = field(init=False, repr=False)
+    _text: HostCache = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._audio = HostCache(self.cache_max_mib * 2**20)
+        self._text = HostCache(self.cache_max_mib * 2**20)
+
+    def cache_stats(self) -> dict[str, float]:
+        """Hit rate, entries and MiB of each cache this rank holds (for the epoch record)."""
+        out: dict[str, float] = {}
+        for name, cache, used in (("audio", self._audio, self.cache_audio), ("text", self._text, self.cache_text)):
+            if used:
+                out.update({f"teacher_{name}_cache_{k}": v for k, v in cache.stats().items()})
+        return out
 
     @property
     def num_teachers(self) -> int:
@@ -89,8 +159,9 @@ class Teachers:
         return F.pad(emb, (0, self.embed_dim - emb.shape[-1]))
 
     def _encode_audio(self, waveform: Tensor) -> Tensor:
-        """(M, n, d) teacher embeddings of `waveform` (n, T)."""
-        return torch.stack([self._pad(t.model.encode_audio(waveform)) for t in self.teachers])
+        """(M, n, d) float32 teacher embeddings of `waveform` (n, T), under the student's autocast."""
+        with self.autocast_context():
+            return torch.stack([self._pad(t.model.encode_audio(waveform).float()) for t in self.teachers])
 
     def _encode_texts(self, texts: Sequence[str]) -> Tensor:
         """(M, n, d) teacher embeddings of `texts`, each teacher with its own tokenizer."""
@@ -99,7 +170,8 @@ class Teachers:
             ids, mask = teacher.tokenizer.encode(list(texts))
             ids_t = torch.as_tensor(np.asarray(ids), dtype=torch.long, device=self.device)
             mask_t = torch.as_tensor(np.asarray(mask), dtype=torch.long, device=self.device)
-            out.append(self._pad(teacher.model.encode_text(ids_t, mask_t)))
+            with self.autocast_context():
+                out.append(self._pad(teacher.model.encode_text(ids_t, mask_t).float()))
         return torch.stack(out)
 
     def _audio_embeddings(self, waveform: Tensor, clip_index: Tensor) -> Tensor:
@@ -109,12 +181,18 @@ class Teachers:
         if distributed.world_size() > 1:
             return self._sharded_audio_embeddings(waveform, clip_index)
         keys = [int(i) for i in clip_index.tolist()]
-        missing = [row for row, key in enumerate(keys) if key not in self._audio]
+        rows: list[Tensor | None] = [self._audio.lookup(key) for key in keys]
+        missing = [row for row, found in enumerate(rows) if found is None]
+        out = torch.zeros(self.num_teachers, len(keys), self.embed_dim, device=self.device)
         if missing:
             fresh = self._encode_audio(waveform[missing])
+            out[:, missing] = fresh
             for column, row in enumerate(missing):
-                self._audio[keys[row]] = fresh[:, column]
-        return torch.stack([self._audio[key] for key in keys], dim=1)
+                self._audio.put(keys[row], fresh[:, column])
+        for row, found in enumerate(rows):
+            if found is not None:
+                out[:, row] = found.to(self.device)
+        return out
 
     def _sharded_audio_embeddings(self, waveform: Tensor, clip_index: Tensor) -> Tensor:
         """(M, B, d) through the cache sharded by ``clip mod N`` (module doc); every rank calls it each step."""
@@ -124,8 +202,9 @@ class Teachers:
         found = torch.zeros(len(everyone), self.num_teachers, self.embed_dim, device=self.device)
         hit = torch.zeros(len(everyone), device=self.device)
         for row, key in enumerate(everyone):
-            if key % world == me and key in self._audio:
-                found[row], hit[row] = self._audio[key], 1.0
+            cached = self._audio.lookup(key) if key % world == me else None
+            if cached is not None:
+                found[row], hit[row] = cached.to(self.device), 1.0
         found, hit = distributed.all_reduce_sum(found), distributed.all_reduce_sum(hit)
         mine = slice(me * rows, (me + 1) * rows)
         local_hit = hit[mine] > 0
@@ -137,15 +216,24 @@ class Teachers:
         computed = distributed.all_gather_no_grad(~local_hit).tolist()
         for row, key in enumerate(everyone):
             if computed[row] and key % world == me:
-                self._audio[key] = fresh_everyone[row].clone()  # not a view of the whole batch
+                self._audio.put(key, fresh_everyone[row])
         return torch.where(local_hit[:, None, None], found[mine], fresh).transpose(0, 1)
 
     def _text_embeddings(self, texts: list[list[str | None]], batch_size: int) -> Tensor:
-        table = self._text if self.cache_text else {}
-        todo = sorted({t for view in texts for t in view if t is not None and t not in table})
+        wanted = sorted({t for view in texts for t in view if t is not None})
+        table: dict[str, Tensor] = {}
+        if self.cache_text:
+            for text in wanted:
+                cached = self._text.lookup(text)
+                if cached is not None:
+                    table[text] = cached.to(self.device)
+        todo = [t for t in wanted if t not in table]
         if todo:
             fresh = self._encode_texts(todo)
-            table.update({t: fresh[:, i] for i, t in enumerate(todo)})
+            for i, text in enumerate(todo):
+                table[text] = fresh[:, i]
+                if self.cache_text:
+                    self._text.put(text, fresh[:, i])
         zero = torch.zeros(self.num_teachers, self.embed_dim, device=self.device)
         views = [torch.stack([table[t] if t is not None else zero for t in view], dim=1) for view in texts]
         if not views:
@@ -196,9 +284,11 @@ def build_teachers(
     tokenizer: Any,
     frontend: FrontendConfig,
     data: DataConfig,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> Teachers:
     """Load the frozen teachers of ``objective.distill`` and decide the caching rule (module doc).
 
+    ``autocast`` is the student's (``lambda: training.runtime.autocast(runtime)``).
     ``tokenizer`` is the student's; it is not used for the teachers (each tokenizes with its
     own, so a teacher with another vocabulary or text tower works).
     """
@@ -216,4 +306,5 @@ def build_teachers(
         "cached per clip" if cache_audio else "recomputed every batch (random crops)",
         "recomputed" if config.cache == "off" else "cached per caption",
     )
-    return Teachers(teachers=teachers, device=device, cache_audio=cache_audio, cache_text=config.cache != "off")
+    return Teachers(teachers=teachers, device=device, cache_audio=cache_audio, cache_text=config.cache != "off",
+                    cache_max_mib=config.cache_max_mib, autocast_context=autocast)

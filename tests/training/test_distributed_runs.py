@@ -237,7 +237,7 @@ def _teacher_worker(rank: int, world: int, port: int, checkpoint: str, manifest:
                 waveform=_clip_waveforms(clips, silent=epoch > 0), clip_index=torch.tensor(clips), texts=[]
             )
             outputs.append(teachers.embed(batch)[0])
-        torch.save({"outputs": outputs, "cached": sorted(teachers._audio)}, f"{out}.{rank}")
+        torch.save({"outputs": outputs, "cached": sorted(teachers._audio.keys())}, f"{out}.{rank}")
     finally:
         distributed.destroy_process_group()
 

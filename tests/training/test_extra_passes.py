@@ -4,7 +4,6 @@ batches with loader workers, keep only embeddings, survive a bad file, and split
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest

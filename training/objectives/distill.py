@@ -51,6 +51,9 @@ class DistillConfig(TermConfig):
     tau: float = Field(0.05, gt=0)
     mix_lambda: float = Field(0.0, ge=0, le=1)
     cache: Literal["auto", "on", "off"] = "auto"
+    cache_max_mib: float = Field(2048.0, gt=0)
+    """Host memory budget of each teacher cache (audio per clip, text per caption) on each rank;
+    past it the least recently used entries are dropped (and re-embedded when met again)."""
 
 
 def parse_distill_config(spec: Mapping[str, Any]) -> DistillConfig:

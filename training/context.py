@@ -94,11 +94,11 @@ class LoopContext:
         return self._embed_audio(records).to(self.device)
 
     def _embed_audio(self, records: Sequence[ClipRecord], description: str = "embedding clips",
-                     stats: StreamStats | None = None) -> Tensor:
+                     stats: StreamStats | None = None, windows: Sequence[int] | None = None) -> Tensor:
         return embed_clips(
             self._model, records, data_cfg=self._data_cfg, frontend_cfg=self._frontend_cfg,
             batch_size=self._batch_size, device=self.device, num_workers=self._num_workers,
-            progress=distributed.rank() == 0, description=description, stats=stats,
+            progress=distributed.rank() == 0, description=description, stats=stats, windows=windows,
         )
 
     def _costs(self, records: Sequence[ClipRecord]) -> list[int]:
@@ -116,11 +116,12 @@ class LoopContext:
         """:meth:`_embed_pairs` of all `records`, each rank encoding a cost-balanced share (module doc)."""
         stats = StreamStats()
         world = distributed.world_size()
+        costs = self._costs(records)
         if world == 1 or len(records) < world:
-            result = self._embed_pairs(records, what, stats)
+            result = self._embed_pairs(records, what, stats, costs)
         else:
-            mine = distributed.balanced_assignment(self._costs(records), world)[distributed.rank()]
-            audio, text, clip = self._embed_pairs([records[i] for i in mine], what, stats)
+            mine = distributed.balanced_assignment(costs, world)[distributed.rank()]
+            audio, text, clip = self._embed_pairs([records[i] for i in mine], what, stats, [costs[i] for i in mine])
             mine_t = torch.tensor(mine, dtype=torch.long, device=self.device)
             everyone_clip = distributed.all_gather_rows(mine_t[clip])
             # Rows of every rank, put back in record order (rows of one clip keep caption order).
@@ -140,11 +141,11 @@ class LoopContext:
         return result
 
     def _embed_pairs(
-        self, records: Sequence[ClipRecord], what: str, stats: StreamStats
+        self, records: Sequence[ClipRecord], what: str, stats: StreamStats, windows: Sequence[int]
     ) -> tuple[Tensor, Tensor, Tensor]:
         captions = eval_captions(records, tuple(self._data_cfg.languages))
         clip = torch.from_numpy(np.asarray(captions.clip, dtype=np.int64))
-        audio = self._embed_audio(records, f"{what}: clips", stats)
+        audio = self._embed_audio(records, f"{what}: clips", stats, windows)
         text = embed_texts(
             self._model,
             self._tokenizer,

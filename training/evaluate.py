@@ -145,6 +145,22 @@ class StreamStats:
         return self.seconds * 10_000 / max(1, self.clips)
 
 
+def window_batches(windows: Sequence[int], budget: int) -> list[list[int]]:
+    """Consecutive clip indices grouped so each group holds at most ``budget`` windows (at least one clip)."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    for index, count in enumerate(windows):
+        if current and held + count > budget:
+            batches.append(current)
+            current, held = [], 0
+        current.append(index)
+        held += count
+    if current:
+        batches.append(current)
+    return batches
+
+
 def embed_clips(
     model: Any,
     records: Sequence[ClipRecord],
@@ -157,6 +173,7 @@ def embed_clips(
     progress: bool = False,
     description: str = "embedding clips",
     stats: StreamStats | None = None,
+    windows: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """(N, d) float32 CPU clip embeddings of ``records`` under ``data.eval_crop``, streamed.
 
@@ -164,13 +181,20 @@ def embed_clips(
     policy decodes only the middle window) and embedded as they arrive (:func:`embed_chunks`:
     chunk-and-average, re-normalised); only the embeddings are kept, so memory does not grow
     with the corpus' audio. Clips that fail to decode embed as zeros and are named in a warning.
+    ``windows`` (each clip's window count, e.g. from the headers under chunk-and-average)
+    groups clips so a batch holds about ``batch_size`` windows: a batch of 60-s clips then
+    costs the memory of a batch of 5-s ones.
     """
     from torch.utils.data import DataLoader
 
     stats = stats if stats is not None else StreamStats()
     started = time.monotonic()
     dataset = ClipWindows(records, data_cfg=data_cfg, frontend_cfg=frontend_cfg)
-    loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=_keep_items)
+    if windows is None:
+        loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=_keep_items)
+    else:
+        loader = DataLoader(dataset, batch_sampler=window_batches(windows, batch_size), num_workers=num_workers,
+                            collate_fn=_keep_items)
     out = torch.zeros(len(records), int(model.embed_dim))
     with progress_bar(len(records), description, enabled=progress) as bar:
         for items in loader:

@@ -75,3 +75,22 @@ def test_balanced_assignment_splits_by_cost_not_count() -> None:
 
 def test_balanced_assignment_with_more_parts_than_items() -> None:
     assert balanced_assignment([3.0, 1.0], 4) == [[0], [1], [], []]
+
+
+def test_window_budget_batches_keep_order_and_bound_each_batch() -> None:
+    from training.evaluate import window_batches
+
+    windows = [1, 12, 3, 3, 1, 20, 2]
+    batches = window_batches(windows, 8)
+    assert [i for batch in batches for i in batch] == list(range(7))
+    assert batches == [[0], [1], [2, 3, 4], [5], [6]]  # a clip over the budget goes alone
+
+
+def test_streaming_with_a_window_budget_gives_the_same_embeddings(corpus: list[ClipRecord]) -> None:
+    data, front = DataConfig(clip_seconds=1.0, eval_crop="chunk"), FrontendConfig()
+    plain = embed_clips(MeanAndEnergy(), corpus, data_cfg=data, frontend_cfg=front, batch_size=4,
+                        device=torch.device("cpu"))
+    windows = [max(1, -(-int(sf.info(str(r.audio)).frames) // 22050)) if i != 5 else 1 for i, r in enumerate(corpus)]
+    budgeted = embed_clips(MeanAndEnergy(), corpus, data_cfg=data, frontend_cfg=front, batch_size=4,
+                           device=torch.device("cpu"), windows=windows)
+    torch.testing.assert_close(budgeted, plain, rtol=0, atol=1e-6)

@@ -56,7 +56,16 @@ class DataConfig(_Strict):
     """Evaluation policy for clips longer than `clip_seconds`: center crop or chunk-and-average."""
     skip_missing_audio: bool = False
     """Missing audio files are an error unless this is set; then they are reported and skipped."""
-    num_workers: int = Field(0, ge=0)
+    num_workers: int | Literal["auto"] = "auto"
+    """Loader processes per rank; ``auto`` = the usable cores per rank less one (affinity and
+    cgroup quota, at least 1). 0 decodes in the training process (tests, debugging)."""
+    prefetch_factor: int = Field(4, ge=1)
+    """Batches each loader worker prepares ahead."""
+    persistent_workers: bool = True
+    """Keep loader workers alive across epochs (no re-fork and re-import every epoch)."""
+    max_bad_fraction: float = Field(0.02, ge=0, le=1)
+    """Undecodable training clips are replaced, named and counted; the run stops in one line once
+    more distinct clips than this fraction of a rank's share have failed."""
     max_clips: int | None = Field(None, ge=1)
     """Use only the first N clips of each split (quick experiments)."""
 

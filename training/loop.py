@@ -25,10 +25,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from tonearm.errors import DataError
+from index.errors import DataError
 from training import distributed
 from training.config import ConfigError, TrainConfig, load_train_config
 from training.context import LoopContext
+from training.data.loader import BadSampleBudget, loader_options, loader_workers
 from training.data.splits import TRAIN_SPLIT
 from training.evaluate import (
     EvalSet,
@@ -108,6 +109,7 @@ class Run:
     steps_per_epoch: int
     total_steps: int
     has_validation: bool
+    bad_samples: BadSampleBudget
     state: LoopState = field(default_factory=LoopState)
 
 
@@ -206,14 +208,19 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
         drop_last=True,
     )
     batches = EpochBatches(sampler, cfg.optim.batch_size)
+    options = loader_options(
+        cfg.data.num_workers,
+        prefetch_factor=cfg.data.prefetch_factor,
+        persistent=cfg.data.persistent_workers,
+        cuda=runtime.device.type == "cuda",
+    )
     loader = DataLoader(
         dataset,
         batch_sampler=batches,
         collate_fn=TrainCollate(objective.strategy, tokenizer, seed=cfg.seed),
-        num_workers=cfg.data.num_workers,
         worker_init_fn=ignore_ctrl_c,
         generator=torch.Generator().manual_seed(cfg.seed),
-        pin_memory=runtime.device.type == "cuda",
+        **options,
     )
     steps_per_epoch = len(batches)
     total_steps = min(cfg.optim.max_steps or math.inf, cfg.optim.epochs * steps_per_epoch)
@@ -237,7 +244,7 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
             frontend_cfg=cfg.frontend,
             batch_size=cfg.eval.batch_size,
             device=runtime.device,
-            num_workers=cfg.data.num_workers,
+            num_workers=options["num_workers"],
         ),
         val_set=prepare_eval_set(
             val_records, data_cfg=cfg.data, frontend_cfg=cfg.frontend, progress=runtime.is_main
@@ -249,6 +256,7 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
         steps_per_epoch=steps_per_epoch,
         total_steps=int(total_steps),
         has_validation=bool(val_records),
+        bad_samples=BadSampleBudget(max_fraction=cfg.data.max_bad_fraction, clips=len(sampler)),
     )
     if resume_dir is not None:
         restore_trainer_state(run, resume_dir)
@@ -496,6 +504,7 @@ def run_epochs(
         )
         try:
             for batch in run.loader:
+                run.bad_samples.add(batch.skipped)
                 values = train_step(run, batch)
                 record_step(run, epoch, values)
                 bar.update()
@@ -530,9 +539,7 @@ def stop_requested(run: Run, stop: StopRequest) -> bool:
 
 def begin_epoch(run: Run, epoch: int) -> None:
     """Seed this epoch's shuffling, cropping and caption sampling; call the objective's hook."""
-    run.batches.set_epoch(epoch, skip=run.state.batch_in_epoch)
-    run.loader.dataset.set_epoch(epoch)
-    run.loader.collate_fn.set_epoch(epoch)
+    run.batches.set_epoch(epoch, skip=run.state.batch_in_epoch)  # keys carry the epoch to the workers
     run.context.epoch, run.context.step = epoch, run.state.step
     run.objective.on_epoch_start(run.context)
     if apply_freezing(run.model, run.cfg, epoch=epoch):  # optim.*.unfreeze_after_epochs
@@ -610,6 +617,7 @@ def end_epoch(run: Run, epoch: int, *, seconds: float) -> None:
             "step": state.step,
             "loss": mean_loss,
             "seconds": seconds,
+            "bad_samples": run.bad_samples.count,
             **summary,
         }
     )
@@ -642,7 +650,7 @@ def validate(run: Run) -> dict[str, float] | None:
             batch_size=run.cfg.eval.batch_size,
             device=run.runtime.device,
             progress=True,  # only rank 0 validates
-            num_workers=run.cfg.data.num_workers,
+            num_workers=loader_workers(run.cfg.data.num_workers),
         )
         if run.cfg.eval.select_metric not in report:
             raise ConfigError(
@@ -748,8 +756,9 @@ def restore_trainer_state(run: Run, directory: Path) -> None:
 # --- batching and metrics files -----------------------------------------------------------
 
 
-class EpochBatches(Sampler[list[int]]):
-    """Batches of this rank's share of a shuffled epoch (DistributedSampler order).
+class EpochBatches(Sampler[list[tuple[int, int]]]):
+    """Batches of this rank's share of a shuffled epoch (DistributedSampler order), as
+    ``(epoch, clip index)`` keys: the epoch reaches persistent loader workers with each item.
 
     A trailing batch of one clip is dropped (no negatives); ``skip`` batches at the
     start of an epoch are not produced when resuming mid-epoch.
@@ -758,14 +767,16 @@ class EpochBatches(Sampler[list[int]]):
     def __init__(self, sampler: DistributedSampler, batch_size: int) -> None:
         self.sampler = sampler
         self.batch_size = batch_size
+        self.epoch = 0
         self.skip = 0
 
     def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
         self.sampler.set_epoch(epoch)
+        self.epoch = epoch
         self.skip = skip
 
-    def _all(self) -> list[list[int]]:
-        indices = list(self.sampler)
+    def _all(self) -> list[list[tuple[int, int]]]:
+        indices = [(self.epoch, index) for index in self.sampler]
         batches = [
             indices[i : i + self.batch_size] for i in range(0, len(indices), self.batch_size)
         ]

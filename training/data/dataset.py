@@ -4,8 +4,15 @@ Training: :class:`TrainClipDataset` decodes a random crop of a clip (only that w
 :class:`TrainCollate` asks the objective's strategy which caption(s) of each clip
 to use (``V`` views per clip), tokenizes them and stacks a :class:`TrainBatch`.
 Every random choice is seeded by ``(seed, epoch, clip index)``, so a batch is the
-same whatever the number of loader workers; call ``set_epoch`` on both before
-iterating an epoch (non-persistent workers copy them at iterator creation).
+same whatever the number of loader workers. The training loop's batch sampler hands
+out ``(epoch, index)`` keys, so the epoch travels with each item and persistent
+workers (which never see a later ``set_epoch``) stay correct; plain integer keys use
+the epoch given to ``set_epoch`` on both.
+
+A clip whose audio cannot be decoded is replaced by another clip of the set, drawn
+from the same seeds, and its error is carried in the item (``skipped``) so the loop
+can count and name it against ``data.max_bad_fraction`` (SPEC §13): batch shapes stay
+fixed, so every rank still runs the same collectives.
 
 Evaluation: :func:`eval_captions` flattens every caption into a query with its
 clip, language and query group (a caption and its translations share a group);
@@ -25,6 +32,7 @@ import torch
 from torch.utils.data import Dataset
 
 from index.audio import decode_audio, decode_window, eval_chunks
+from index.errors import AudioDecodeError, DataError
 from training.data.manifest import ClipRecord
 from training.objectives.base import Strategy
 
@@ -40,13 +48,24 @@ def _rng_seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1, dtype=np.uint64)[0])
 
 
+MAX_SUBSTITUTES = 8
+"""Replacement clips tried after an undecodable one before the item fails (a corpus where
+nine draws in a row fail is not worth training on, and the budget would stop it anyway)."""
+
+
 @dataclass
 class TrainItem:
-    """One training clip: a fixed-length waveform, its captions and its index in the training set."""
+    """One training clip: a fixed-length waveform, its captions and its index in the training set.
+
+    ``epoch`` is the epoch the item was drawn for (None for a plain integer key); ``skipped``
+    the decode errors of clips this item replaced (empty for a readable clip).
+    """
 
     waveform: np.ndarray
     captions: dict[str, list[str]]
     index: int
+    epoch: int | None = None
+    skipped: tuple[str, ...] = ()
 
 
 class TrainClipDataset(Dataset):
@@ -65,12 +84,29 @@ class TrainClipDataset(Dataset):
     def __len__(self) -> int:
         return len(self.records)
 
-    def __getitem__(self, index: int) -> TrainItem:
-        record = self.records[index]
-        rng = np.random.default_rng(_rng_seed(self.seed, self.epoch, index))
-        # Only the crop is decoded and resampled: a 10-min file costs what a 10-s one does (SPEC §13).
-        wave = decode_window(record.audio, sample_rate=self.sample_rate, n=self.clip_samples, mode="random", rng=rng)
-        return TrainItem(wave, record.captions, index)
+    def __getitem__(self, key: int | tuple[int, int]) -> TrainItem:
+        epoch, index = key if isinstance(key, tuple) else (None, key)
+        seed_epoch = self.epoch if epoch is None else epoch
+        skipped: list[str] = []
+        candidate = index
+        for attempt in range(MAX_SUBSTITUTES + 1):
+            record = self.records[candidate]
+            rng = np.random.default_rng(_rng_seed(self.seed, seed_epoch, candidate))
+            try:
+                # Only the crop is decoded and resampled: a 10-min file costs what a 10-s one does (SPEC §13).
+                wave = decode_window(
+                    record.audio, sample_rate=self.sample_rate, n=self.clip_samples, mode="random", rng=rng
+                )
+            except AudioDecodeError as err:
+                skipped.append(str(err))  # the message starts with the file's name
+                pick = np.random.default_rng(_rng_seed(self.seed, seed_epoch, index, 2, attempt))
+                candidate = int(pick.integers(len(self.records)))
+                continue
+            return TrainItem(wave, record.captions, candidate, epoch=epoch, skipped=tuple(skipped))
+        raise DataError(
+            f"{len(skipped)} clips in a row could not be decoded (clip {index} and {MAX_SUBSTITUTES} "
+            f"replacements); first: {skipped[0]}"
+        )
 
 
 @dataclass
@@ -83,14 +119,16 @@ class TrainBatch:
     text_mask: torch.Tensor
     clip_index: torch.Tensor
     texts: list[list[str | None]]
+    skipped: tuple[str, ...] = ()
+    """Decode errors of the clips this batch replaced (see :class:`TrainClipDataset`)."""
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> TrainBatch:
-        """The tensors moved to ``device`` (texts unchanged)."""
+        """The tensors moved to ``device`` (texts and skipped unchanged)."""
         move: dict[str, Any] = {
             name: getattr(self, name).to(device, non_blocking=non_blocking)
             for name in ("waveform", "input_ids", "attention_mask", "text_mask", "clip_index")
         }
-        return TrainBatch(texts=self.texts, **move)
+        return TrainBatch(texts=self.texts, skipped=self.skipped, **move)
 
 
 class TrainCollate:
@@ -110,7 +148,8 @@ class TrainCollate:
         self.epoch = epoch
 
     def _views(self, item: TrainItem) -> list[str | None]:
-        rng = random.Random(_rng_seed(self.seed, self.epoch, item.index, 1))
+        epoch = self.epoch if item.epoch is None else item.epoch
+        rng = random.Random(_rng_seed(self.seed, epoch, item.index, 1))
         views = self.strategy.views(item.captions, rng)
         if len(views) != self.strategy.num_views:
             raise ValueError(f"strategy {self.strategy.name!r} returned {len(views)} views, expected "
@@ -135,6 +174,7 @@ class TrainCollate:
             text_mask=torch.from_numpy(text_mask),
             clip_index=torch.tensor([item.index for item in items], dtype=torch.long),
             texts=texts,
+            skipped=tuple(error for item in items for error in item.skipped),
         )
 
 

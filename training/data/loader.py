@@ -1,0 +1,91 @@
+"""Loader settings from the machine, and the budget of undecodable training clips (SPEC §13).
+
+``data.num_workers: auto`` (the default) gives each rank the cores it can use (affinity
+capped by the cgroup quota, :func:`index.cpus.available_cores`) divided among the ranks
+of the node, less one for the rank's own process, which feeds the accelerator (or, on a
+CPU, computes the step). Workers persist across epochs and prefetch
+``data.prefetch_factor`` batches each; batches are pinned on CUDA.
+
+A clip that cannot be decoded is replaced in its batch (:class:`TrainClipDataset`); the
+loop hands the errors to :class:`BadSampleBudget`, which names the first ones, counts
+them into the epoch records and stops the run in one line when more distinct clips than
+``data.max_bad_fraction`` of this rank's share have failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from index.cpus import available_cores
+from index.errors import DataError
+
+log = logging.getLogger(__name__)
+
+NAMED_BAD_SAMPLES = 10
+"""How many undecodable clips are named in the log (all are counted)."""
+
+
+def local_world_size() -> int:
+    """Ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``; 1 outside torchrun)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def loader_workers(setting: int | Literal["auto"], *, ranks_on_node: int | None = None) -> int:
+    """Worker processes per rank: ``setting`` itself, or for ``auto`` the usable cores per rank
+    less the rank's own process (at least 1)."""
+    if setting != "auto":
+        return int(setting)
+    per_rank = available_cores() // (ranks_on_node or local_world_size())
+    return max(1, per_rank - 1)
+
+
+def loader_options(
+    num_workers: int | Literal["auto"], *, prefetch_factor: int, persistent: bool, cuda: bool
+) -> dict[str, Any]:
+    """Keyword arguments of the training ``DataLoader`` (workers, persistence, prefetch, pinning)."""
+    workers = loader_workers(num_workers)
+    options: dict[str, Any] = {"num_workers": workers, "pin_memory": cuda}
+    if workers > 0:  # torch refuses both options without workers
+        options.update(persistent_workers=persistent, prefetch_factor=prefetch_factor)
+    return options
+
+
+class BadSampleBudget:
+    """Distinct undecodable clips seen by this rank, against ``data.max_bad_fraction``."""
+
+    def __init__(self, *, max_fraction: float, clips: int) -> None:
+        self.max_fraction = max_fraction
+        self.clips = clips
+        self.allowed = int(max_fraction * clips)
+        self.seen: dict[str, None] = {}  # insertion-ordered set of error messages
+
+    def add(self, errors: Iterable[str]) -> None:
+        """Count these decode errors; raise :class:`DataError` once past the budget."""
+        for error in errors:
+            if error in self.seen:
+                continue
+            self.seen[error] = None
+            if len(self.seen) <= NAMED_BAD_SAMPLES:
+                log.warning("skipped an undecodable clip (replaced in its batch): %s", error)
+            elif len(self.seen) == NAMED_BAD_SAMPLES + 1:
+                log.warning("more undecodable clips: counted in metrics.jsonl (bad_samples), no longer named")
+        if len(self.seen) > self.allowed:
+            first = next(iter(self.seen))
+            raise DataError(
+                f"{len(self.seen)} of {self.clips} clips on this rank could not be decoded, more than "
+                f"data.max_bad_fraction={self.max_fraction:g} allows ({self.allowed}); first: {first}"
+            )
+
+    @property
+    def count(self) -> int:
+        return len(self.seen)
+
+    def first(self, n: int = NAMED_BAD_SAMPLES) -> list[str]:
+        """The first ``n`` errors, in the order they were met."""
+        return list(self.seen)[:n]

@@ -40,6 +40,7 @@ from training.evaluate import (
 )
 from training.finetune import apply_freezing, enable_gradient_checkpointing, parameter_groups
 from training.interrupt import StopRequest, TrainingInterrupted, ignore_ctrl_c
+from training.models.dual_encoder import DualEncoder
 from training.objectives import EmbeddingBatch, Objective, build_objective, total_loss
 from training.objectives.base import BuildEnv
 from training.rundir import (
@@ -93,7 +94,7 @@ class Run:
 
     cfg: TrainConfig
     runtime: Runtime
-    model: nn.Module
+    model: DualEncoder
     objective: Objective
     step_module: nn.Module
     tokenizer: Any
@@ -178,7 +179,7 @@ def prepare_out_dir(cfg: TrainConfig, runtime: Runtime, *, command: str) -> None
 
 def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
     """Data, tokenizer, model, objective, optimizer, loader; restores `last/` when resuming."""
-    from training.data.dataset import TrainClipDataset, TrainCollate
+    from training.data.dataset import TrainClipDataset, TrainCollate, TrainItem
 
     train_records, val_records = load_training_data(cfg)
     resume_dir = cfg.out_dir / "last" if cfg.resume and (cfg.out_dir / "last").is_dir() else None
@@ -199,7 +200,7 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
     distributed.check_clips_per_rank(len(dataset), runtime.world_size)
     # drop_last: the epoch's tail (< world size clips) is skipped so every rank gets the same
     # number of batches and no clip appears twice in one global batch (docs/training.md).
-    sampler = DistributedSampler(
+    sampler: DistributedSampler[TrainItem] = DistributedSampler(
         dataset,
         num_replicas=runtime.world_size,
         rank=runtime.rank,
@@ -335,7 +336,7 @@ def load_training_data(cfg: TrainConfig) -> tuple[list[Any], list[Any]]:
 
 def build_model(
     cfg: TrainConfig, records: list[Any], runtime: Runtime, *, resume_dir: Path | None
-) -> tuple[TrainConfig, nn.Module, Any]:
+) -> tuple[TrainConfig, DualEncoder, Any]:
     """(config, model, tokenizer): from `last/` when resuming, from `model.init_checkpoint`, or new.
 
     A model initialised from a checkpoint keeps that checkpoint's architecture and
@@ -385,7 +386,7 @@ class TrainStep(nn.Module):
     """
 
     def __init__(
-        self, model: nn.Module, objective: Objective, *, loss_mode: distributed.LossMode = "global"
+        self, model: DualEncoder, objective: Objective, *, loss_mode: distributed.LossMode = "global"
     ) -> None:
         super().__init__()
         self.model = model

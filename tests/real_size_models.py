@@ -105,8 +105,50 @@ def save_minilm(directory: Path) -> None:
     bpe_tokenizer(directory, roberta_ids=False, max_length=128)
 
 
+OPUS_MT_EN_DE: dict[str, Any] = {
+    "vocab_size": 58101, "d_model": 512, "encoder_layers": 6, "decoder_layers": 6, "encoder_attention_heads": 8,
+    "decoder_attention_heads": 8, "encoder_ffn_dim": 2048, "decoder_ffn_dim": 2048, "activation_function": "swish",
+    "max_position_embeddings": 512, "pad_token_id": 58100, "decoder_start_token_id": 58100, "eos_token_id": 0,
+    "scale_embedding": True, "static_position_embeddings": True, "normalize_before": False,
+    "share_encoder_decoder_embeddings": True, "bad_words_ids": [[58100]],
+}
+"""Helsinki-NLP/opus-mt-en-de's config.json (architecture fields; 74 M parameters)."""
+
+
+def save_marian(directory: Path) -> None:
+    """Opus-MT en-de at full size + a ``MarianTokenizer`` (SentencePiece trained here on :data:`CAPTIONS`).
+
+    The model keeps Opus-MT's 58 101-row vocabulary (``<pad>`` 58100); ``vocab.json`` gives the
+    trained pieces the first ids and names the others ``▁wN`` (words of their own when decoded).
+    """
+    import io
+    import json
+
+    import sentencepiece as spm
+    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
+
+    MarianMTModel(MarianConfig(**OPUS_MT_EN_DE)).save_pretrained(directory)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(CAPTIONS), model_writer=model, vocab_size=120,
+                                   hard_vocab_limit=False, character_coverage=1.0, minloglevel=2)
+    for name in ("source.spm", "target.spm"):
+        (directory / name).write_bytes(model.getvalue())
+    processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    vocab = {"</s>": 0, "<unk>": 1}
+    for i in range(processor.get_piece_size()):
+        vocab.setdefault(processor.id_to_piece(i), len(vocab))
+    # Opus-MT's vocab.json names every id of the model (both languages' pieces): fill up to the pad id.
+    for i in range(len(vocab), OPUS_MT_EN_DE["pad_token_id"]):
+        vocab[f"▁w{i}"] = i
+    vocab["<pad>"] = OPUS_MT_EN_DE["pad_token_id"]
+    (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    tokenizer = MarianTokenizer(str(directory / "source.spm"), str(directory / "target.spm"), str(directory / "vocab.json"),
+                                source_lang="eng", target_lang="deu", model_max_length=512)
+    tokenizer.save_pretrained(directory)
+
+
 BUILDERS: dict[str, Callable[[Path], None]] = {
-    "clap": save_clap, "ast": save_ast, "xlmr": save_xlmr, "minilm": save_minilm,
+    "clap": save_clap, "ast": save_ast, "xlmr": save_xlmr, "minilm": save_minilm, "marian": save_marian,
 }
 
 
@@ -142,6 +184,7 @@ real_clap_dir = _fixture("clap")
 real_ast_dir = _fixture("ast")
 real_xlmr_dir = _fixture("xlmr")
 real_minilm_dir = _fixture("minilm")
+real_marian_dir = _fixture("marian")
 
 
 # ----------------------------------------------------------------------------- data and bundles

@@ -7,6 +7,7 @@ from tests.real_size_models import (  # noqa: F401  (pytest fixtures, used by na
     real_clap_pretrained_bundle,
     real_clap_run,
     real_manifest,
+    real_marian_dir,
     real_minilm_dir,
     real_minilm_run,
     real_xlmr_dir,

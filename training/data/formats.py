@@ -41,6 +41,7 @@ from typing import Any
 from index.languages import ENGLISH, validate_language_codes
 from tonearm.errors import DataError
 from training.data.manifest import ClipRecord, drop_missing_audio, read_manifest, write_manifest
+from training.data.translate import add_translate_parser
 
 log = logging.getLogger(__name__)
 
@@ -426,7 +427,8 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
 
 def add_data_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``tonearm data`` with its ``convert`` subcommand to the top-level subcommands."""
-    p = subparsers.add_parser("data", help="dataset tools (convert public formats to the JSONL manifest)")
+    p = subparsers.add_parser("data", help="dataset tools (convert public formats to the JSONL manifest, translate captions)")
     data_sub = p.add_subparsers(dest="data_command", required=True)
     add_convert_parser(data_sub)
+    add_translate_parser(data_sub)
     return p

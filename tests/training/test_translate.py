@@ -1,0 +1,278 @@
+"""`tonearm data translate`: alignment, cache, resume, the chat endpoint over real HTTP, full-size Marian."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from index.errors import TonearmError
+from tonearm.cli import main
+from training.data.manifest import ClipRecord, load_manifest, read_manifest, write_manifest
+from training.data.translate import (
+    ChatTranslator,
+    TranslationCache,
+    parse_json_array,
+    suspicion,
+    translate_records,
+)
+
+ENG = [
+    ["a dog barks twice", "a dog is barking", "rain falls on a tin roof"],
+    ["a car engine starts", "a dog barks twice"],  # a caption shared with the first clip
+    ["people talk in a busy cafe"],
+]
+
+
+def _manifest(tmp_path: Path, *, fra_on_last: bool = False) -> Path:
+    records = []
+    for i, captions in enumerate(ENG):
+        texts: dict[str, list[str]] = {"eng": list(captions)}
+        if fra_on_last and i == len(ENG) - 1:
+            texts["fra"] = ["des gens parlent"]
+        records.append(ClipRecord(f"clip{i}", tmp_path / f"clip{i}.wav", texts, "train", {"n": i}))
+        (tmp_path / f"clip{i}.wav").write_bytes(b"x")
+    path = tmp_path / "manifest.jsonl"
+    write_manifest(records, path)
+    return path
+
+
+def _fake(lang: str, text: str) -> str:
+    """What the test translators answer: recognisable, position-checkable, in the right script."""
+    if lang == "jpn":
+        return f"翻訳{len(text)}です"
+    if lang == "zho":
+        return f"翻译{len(text)}"
+    return f"{lang}:{text}"
+
+
+class CountingTranslator:
+    """A pure-Python translator (no weights): records every caption it is asked for."""
+
+    concurrency = 1
+
+    def __init__(self, *, empty_for: str = "", fail_after: int | None = None) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.empty_for, self.fail_after = empty_for, fail_after
+
+    def key_for(self, target: str) -> str:
+        return "counting-v1"
+
+    def translate(self, texts: Sequence[str], target: str) -> list[str]:
+        if self.fail_after is not None and len(self.calls) >= self.fail_after:
+            raise KeyboardInterrupt  # what Ctrl-C does mid-run
+        self.calls += [(target, t) for t in texts]
+        return ["" if t == self.empty_for else _fake(target, t) for t in texts]
+
+    def close(self) -> None:
+        pass
+
+
+def test_alignment_existing_translations_and_empty_outputs(tmp_path: Path) -> None:
+    rows = read_manifest(_manifest(tmp_path, fra_on_last=True), languages=None)
+    translator = CountingTranslator(empty_for="a car engine starts")
+    cache = TranslationCache(tmp_path / "cache.sqlite")
+    records, reports = translate_records([r for _, r in rows], translator, cache, ["fra", "jpn"], batch_size=2,
+                                         progress=False)
+    # position i of every language is the translation of English caption i
+    assert records[0].captions["fra"] == [f"fra:{t}" for t in ENG[0]]
+    assert records[0].captions["jpn"] == [_fake("jpn", t) for t in ENG[0]]
+    # an empty output drops that clip's language (never shifts positions)
+    assert "fra" not in records[1].captions and "jpn" not in records[1].captions
+    assert reports["fra"].clips_without == 1 and reports["fra"].counts["empty"] == 1
+    # existing translations are kept unless --replace
+    assert records[2].captions["fra"] == ["des gens parlent"]
+    assert reports["fra"].kept_existing == 1 and reports["jpn"].kept_existing == 0
+    # the shared caption is translated once per language
+    assert translator.calls.count(("fra", "a dog barks twice")) == 1
+    assert reports["fra"].unique == 4 and reports["fra"].captions == 5
+    assert records[0].meta == {"n": 0} and records[0].split == "train"
+
+
+def test_interrupted_run_resumes_from_the_cache(tmp_path: Path) -> None:
+    manifest, out = _manifest(tmp_path), tmp_path / "out.jsonl"
+    records = [r for _, r in read_manifest(manifest, languages=None)]
+    cache_path = tmp_path / "cache.sqlite"
+    first = CountingTranslator(fail_after=3)  # batches of 2: two batches stored, the third interrupted
+    cache = TranslationCache(cache_path)
+    with pytest.raises(KeyboardInterrupt):
+        translate_records(records, first, cache, ["fra", "deu"], batch_size=2, progress=False)
+    cache.close()
+    assert len(first.calls) == 4
+    second = CountingTranslator()
+    cache = TranslationCache(cache_path)
+    done, reports = translate_records(records, second, cache, ["fra", "deu"], batch_size=2, progress=False)
+    assert not set(first.calls) & set(second.calls), "a cached caption was translated again"
+    assert reports["fra"].cached == 4 and reports["fra"].translated == 1
+    assert reports["deu"].translated == 5
+    # a third run translates nothing and gives the same manifest
+    third = CountingTranslator()
+    again, _ = translate_records(records, third, cache, ["fra", "deu"], batch_size=2, progress=False)
+    assert third.calls == [] and [r.captions for r in again] == [r.captions for r in done]
+    # another translator key does not reuse these entries
+    assert cache.get_many("other", "fra", ["a dog barks twice"]) == {}
+    write_manifest(again, out)
+    loaded = load_manifest(out, languages=["eng", "fra", "deu"])
+    assert [len(r.captions["deu"]) for r in loaded] == [len(c) for c in ENG]
+
+
+def test_suspicious_outputs() -> None:
+    assert suspicion("a dog barks", "", "fra") == "empty"
+    assert suspicion("a dog barks", "A dog barks.", "fra") == "copied"
+    assert suspicion("a dog barks", "a dog barks", "jpn") == "copied"
+    assert suspicion("a dog barks", "inu ga hoeru", "jpn") == "wrong_script"
+    assert suspicion("a dog barks", "犬が吠える", "jpn") is None
+    assert suspicion("a dog barks", "犬が吠える", "zho") == "wrong_script"  # kana: Japanese, not Chinese
+    assert suspicion("a dog barks", "狗在叫", "zho") is None
+    assert suspicion("a dog barks", "狗在叫", "deu") == "wrong_script"
+    assert suspicion("a dog barks", "ein Hund " * 20, "deu") == "too_long"
+    assert suspicion("a dog barks", "un chien aboie", "fra") is None
+
+
+def test_parse_json_array() -> None:
+    assert parse_json_array('```json\n["un", "deux"]\n```', 2) == ["un", "deux"]
+    assert parse_json_array('["un"]', 2) is None
+    assert parse_json_array("un, deux", 2) is None
+    assert parse_json_array('["un", 2]', 2) is None
+
+
+# ------------------------------------------------------------------ the chat endpoint, real HTTP
+
+
+class ChatServer:
+    """A local server speaking the chat-completions protocol (no LLM can run here): it answers
+    each caption with :func:`_fake`, and can fail on purpose."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.fail_status: list[int] = []  # statuses answered to the next requests, in order
+        self.broken_batches = 0  # next batch replies that are not a JSON array
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
+                if server.fail_status:
+                    status = server.fail_status.pop(0)
+                    self.send_response(status)
+                    self.send_header("Retry-After", "0")
+                    self.end_headers()
+                    self.wfile.write(b'{"error": {"message": "not now"}}')
+                    return
+                system, user = body["messages"][0]["content"], body["messages"][1]["content"]
+                name = re.search(r"into (.+?)\.", system)
+                lang = {"French": "fra", "Japanese": "jpn", "German": "deu"}[name.group(1) if name else ""]
+                if "JSON array" in system:
+                    if server.broken_batches:
+                        server.broken_batches -= 1
+                        content = "Sure! Here are the translations: ..."
+                    else:
+                        content = "```json\n" + json.dumps([_fake(lang, t) for t in json.loads(user)],
+                                                           ensure_ascii=False) + "\n```"
+                else:
+                    content = _fake(lang, user)
+                reply = {"id": "x", "object": "chat.completion", "model": body["model"],
+                         "choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "content": content}}]}
+                data = json.dumps(reply).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+
+@pytest.fixture
+def chat_server() -> Iterator[ChatServer]:
+    server = ChatServer()
+    yield server
+    server.httpd.shutdown()
+    server.httpd.server_close()
+
+
+def _endpoint_args(server: ChatServer, manifest: Path, out: Path, *extra: str) -> list[str]:
+    return ["data", "translate", str(manifest), "--to", "fra,jpn", "--out", str(out), "--endpoint", server.url,
+            "--endpoint-model", "some-llm", "--batch-size", "2", "--retry-wait", "0.01", "--no-progress", *extra]
+
+
+def test_endpoint_end_to_end_with_retries_and_fallback(tmp_path: Path, chat_server: ChatServer,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_LLM_KEY", "sk-test")
+    chat_server.fail_status = [503, 429]  # retried
+    chat_server.broken_batches = 1  # one caption at a time for that batch
+    manifest, out = _manifest(tmp_path), tmp_path / "out" / "multi.jsonl"
+    assert main(_endpoint_args(chat_server, manifest, out, "--api-key-env", "TEST_LLM_KEY",
+                               "--concurrency", "2")) == 0
+    records = load_manifest(out, languages=["eng", "fra", "jpn"])
+    for record, eng in zip(records, ENG, strict=True):
+        assert record.captions["fra"] == [f"fra:{t}" for t in eng]
+        assert record.captions["jpn"] == [_fake("jpn", t) for t in eng]
+    first = chat_server.requests[0]
+    assert first["path"] == "/v1/chat/completions" and first["auth"] == "Bearer sk-test"
+    assert first["model"] == "some-llm" and first["temperature"] == 0.0
+    singles = [r for r in chat_server.requests if "JSON array" not in r["messages"][0]["content"]]
+    assert len(singles) == 4  # the broken batch's two captions + each language's last batch of one
+    report = json.loads((out.parent / "multi.jsonl.report.json").read_text(encoding="utf-8"))
+    assert report["fra"]["translated"] == 5 and report["jpn"]["counts"]["wrong_script"] == 0
+    # rerun: everything from the cache, no request
+    sent = len(chat_server.requests)
+    assert main(_endpoint_args(chat_server, manifest, out)) == 0
+    assert len(chat_server.requests) == sent
+
+
+def test_endpoint_errors_are_clear(tmp_path: Path, chat_server: ChatServer) -> None:
+    chat_server.fail_status = [401]
+    with pytest.raises(TonearmError, match=r"answered HTTP 401.*check the key in --api-key-env"):
+        ChatTranslator(chat_server.url, model="m", retries=0).translate(["a", "b"], "fra")
+    chat_server.fail_status = [503] * 3
+    translator = ChatTranslator(chat_server.url, model="m", retries=2, retry_wait=0.01)
+    with pytest.raises(TonearmError, match=r"failed 3 times \(last: HTTP 503.*run the same command again"):
+        translator.translate(["a", "b"], "fra")
+    dead = ChatTranslator("http://127.0.0.1:9/v1", model="m", retries=0)
+    with pytest.raises(TonearmError, match="ConnectError"):
+        dead.translate(["a"], "fra")
+
+
+def test_cli_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = _manifest(tmp_path)
+    base = ["data", "translate", str(manifest), "--out", str(tmp_path / "o.jsonl")]
+    assert main([*base, "--to", "fra"]) == 2
+    assert "choose one translator" in capsys.readouterr().err
+    assert main([*base, "--to", "fr", "--endpoint", "http://x", "--endpoint-model", "m"]) == 2
+    assert "not an ISO 639-3 code" in capsys.readouterr().err
+    assert main([*base, "--to", "fra", "--model", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ full-size Marian (random weights)
+
+
+def test_marian_full_size_end_to_end(tmp_path: Path, real_marian_dir: Path) -> None:
+    """Opus-MT en-de at full size through the code path real weights take: per-language folders."""
+    manifest, out = _manifest(tmp_path), tmp_path / "marian.jsonl"
+    argv = ["data", "translate", str(manifest), "--to", "deu,jpn", "--out", str(out),
+            "--model", f"deu={real_marian_dir}", "--model", f"jpn={real_marian_dir}",
+            "--max-new-tokens", "4", "--batch-size", "8", "--no-progress"]
+    assert main(argv) == 0
+    records = load_manifest(out, languages=["eng", "deu", "jpn"])
+    assert [len(r.captions["deu"]) for r in records] == [len(c) for c in ENG]
+    assert records[0].captions["deu"][0] == records[1].captions["deu"][1]  # same caption, same translation
+    report = json.loads(out.with_name("marian.jsonl.report.json").read_text(encoding="utf-8"))
+    # random weights answer with Latin-script pieces: every jpn output is flagged
+    assert report["jpn"]["counts"]["wrong_script"] == 6 and report["deu"]["counts"]["wrong_script"] == 0
+    assert report["deu"]["translated"] == 5

@@ -115,7 +115,8 @@ OPUS_MT_EN_DE: dict[str, Any] = {
 """Helsinki-NLP/opus-mt-en-de's config.json (architecture fields; 74 M parameters)."""
 
 
-def save_marian(directory: Path) -> None:
+def save_marian(directory: Path, *, sentences: list[str] | None = None, pieces: int = 120,
+                model_type: str = "unigram") -> None:
     """Opus-MT en-de at full size + a ``MarianTokenizer`` (SentencePiece trained here on :data:`CAPTIONS`).
 
     The model keeps Opus-MT's 58 101-row vocabulary (``<pad>`` 58100); ``vocab.json`` gives the
@@ -129,7 +130,8 @@ def save_marian(directory: Path) -> None:
 
     MarianMTModel(MarianConfig(**OPUS_MT_EN_DE)).save_pretrained(directory)
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(CAPTIONS), model_writer=model, vocab_size=120,
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences or CAPTIONS), model_writer=model, vocab_size=pieces,
+                                   model_type=model_type,
                                    hard_vocab_limit=False, character_coverage=1.0, minloglevel=2)
     for name in ("source.spm", "target.spm"):
         (directory / name).write_bytes(model.getvalue())

@@ -396,7 +396,7 @@ class TranslationCache:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self.db = sqlite3.connect(self.path)
+            self.db = sqlite3.connect(self.path, timeout=120.0)  # parallel runs may share one cache
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute(
                 "CREATE TABLE IF NOT EXISTS translations (translator TEXT NOT NULL, lang TEXT NOT NULL, "

@@ -262,7 +262,8 @@ def test_cli_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 # ------------------------------------------------------------------ full-size Marian (random weights)
 
 
-def test_marian_full_size_end_to_end(tmp_path: Path, real_marian_dir: Path) -> None:
+def test_marian_full_size_end_to_end(tmp_path: Path, real_marian_dir: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
     """Opus-MT en-de at full size through the code path real weights take: per-language folders."""
     manifest, out = _manifest(tmp_path), tmp_path / "marian.jsonl"
     argv = ["data", "translate", str(manifest), "--to", "deu,jpn", "--out", str(out),
@@ -276,6 +277,33 @@ def test_marian_full_size_end_to_end(tmp_path: Path, real_marian_dir: Path) -> N
     # random weights answer with Latin-script pieces: every jpn output is flagged
     assert report["jpn"]["counts"]["wrong_script"] == 6 and report["deu"]["counts"]["wrong_script"] == 0
     assert report["deu"]["translated"] == 5
+    # a one-pair Opus-MT folder cannot be the folder for every language (it would answer in its own)
+    capsys.readouterr()
+    assert main([*argv[:7], "--model", str(real_marian_dir), "--no-progress"]) == 2
+    assert "one-pair Marian (Opus-MT) model: name its target language" in capsys.readouterr().err
+
+
+def test_marian_multi_target_tags(tmp_path: Path, real_marian_dir: Path) -> None:
+    """opus-mt-en-mul style: one folder, the target chosen by a ``>>xxx<<`` tag in front of the source."""
+    from training.data.translate import Seq2SeqTranslator
+
+    folder = tmp_path / "en-mul"
+    folder.mkdir()
+    for item in real_marian_dir.iterdir():
+        (folder / item.name).symlink_to(item)
+    (folder / "vocab.json").unlink()
+    vocab = json.loads((real_marian_dir / "vocab.json").read_text(encoding="utf-8"))
+    for tag, old in ((">>fra<<", "▁w5000"), (">>cmn_Hans<<", "▁w5001")):
+        vocab[tag] = vocab.pop(old)
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    translator = Seq2SeqTranslator({"*": folder}, max_new_tokens=3)
+    tokenizer = translator._load(folder)[0]
+    assert translator._marian_token(tokenizer, "fra") == ">>fra<<"
+    assert translator._marian_token(tokenizer, "zho") == ">>cmn_Hans<<"
+    assert tokenizer(">>fra<< a dog barks")["input_ids"][0] == 5000
+    assert len(translator.translate(["a dog barks", "rain falls"], "fra")) == 2
+    with pytest.raises(TonearmError, match=r"no >>deu<< token .*--lang-code deu=CODE"):
+        translator.translate(["a dog barks"], "deu")
 
 
 def test_marian_ctranslate2_conversion_gives_the_same_translations(tmp_path: Path, real_marian_dir: Path) -> None:

@@ -79,6 +79,9 @@ LANGUAGES: dict[str, Language] = {
 }
 """ISO 639-3 → names and codes of the translator families. Other codes: ``--lang-code``."""
 
+MARIAN_ALIASES: dict[str, tuple[str, ...]] = {"zho": ("cmn_Hans", "cmn", "zho_Hans")}
+"""Target tags multi-target Opus-MT models use for a language besides its ISO 639-3 code."""
+
 DEFAULT_TARGETS = ("fra", "deu", "spa", "nld", "cat", "jpn", "zho")
 
 
@@ -164,9 +167,6 @@ class Seq2SeqTranslator:
             if not path.is_dir():
                 raise DataError(f"--model {lang + '=' if lang != '*' else ''}{path}: folder not found")
         self.families = {lang: detect_family(path) for lang, path in self.models.items()}
-        if self.families.get("*") == "marian":
-            log.info("%s is a Marian model: it translates into its one target language (or uses >>xx<< tokens)",
-                     self.models["*"])
         self.device = device
         self.batch_size = batch_size
         self.beams = beams
@@ -239,7 +239,10 @@ class Seq2SeqTranslator:
         code = self._code(family, target)
         sources = list(texts)
         forced: int | None = None
-        if family == "madlad":
+        if family == "marian":
+            sources = [f"{token} {t}" for t in sources] if (token := self._marian_token(tokenizer, target)) \
+                else sources
+        elif family == "madlad":
             sources = [f"{code} {t}" for t in sources]
         elif family in {"m2m100", "nllb"}:
             tokenizer.src_lang = self._code(family, self.source)
@@ -262,6 +265,26 @@ class Seq2SeqTranslator:
         with torch.inference_mode():
             out = model.generate(**batch, **kwargs)
         return [s.strip() for s in tokenizer.batch_decode(out, skip_special_tokens=True)]
+
+    def _marian_token(self, tokenizer: Any, target: str) -> str:
+        """``>>fra<<`` for a multi-target Opus-MT folder (opus-mt-en-mul, …); ``""`` for a one-pair folder.
+
+        A one-pair folder translates into its own language whatever is asked, so it is accepted
+        only as ``LANG=FOLDER``, never as the folder for every language.
+        """
+        folder = self.folder(target)
+        tags = [t for t in tokenizer.get_vocab() if t.startswith(">>") and t.endswith("<<")]
+        if not tags:
+            if target not in self.models:
+                raise DataError(f"--model {folder} is a one-pair Marian (Opus-MT) model: name its target language, "
+                                f"e.g. --model {target}={folder}, and give a folder per language")
+            return ""
+        wanted = [self.lang_codes[target]] if target in self.lang_codes else [target, *MARIAN_ALIASES.get(target, ())]
+        for code in wanted:
+            if f">>{code}<<" in tags:
+                return f">>{code}<<"
+        raise DataError(f"--model {folder}: this multi-target Marian model has no >>{wanted[0]}<< token "
+                        f"(it has {', '.join(sorted(tags)[:12])}, …); pass --lang-code {target}=CODE")
 
     def close(self) -> None:
         self._loaded = None

@@ -153,6 +153,7 @@ class ChatServer:
         self.requests: list[dict[str, Any]] = []
         self.fail_status: list[int] = []  # statuses answered to the next requests, in order
         self.broken_batches = 0  # next batch replies that are not a JSON array
+        self.fail_after: int | None = None  # answer 500 once this many requests were answered
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -162,8 +163,9 @@ class ChatServer:
             def do_POST(self) -> None:  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
-                if server.fail_status:
-                    status = server.fail_status.pop(0)
+                dead = server.fail_after is not None and len(server.requests) > server.fail_after
+                if server.fail_status or dead:
+                    status = server.fail_status.pop(0) if server.fail_status else 500
                     self.send_response(status)
                     self.send_header("Retry-After", "0")
                     self.end_headers()
@@ -241,7 +243,7 @@ def test_endpoint_errors_are_clear(tmp_path: Path, chat_server: ChatServer) -> N
         ChatTranslator(chat_server.url, model="m", retries=0).translate(["a", "b"], "fra")
     chat_server.fail_status = [503] * 3
     translator = ChatTranslator(chat_server.url, model="m", retries=2, retry_wait=0.01)
-    with pytest.raises(TonearmError, match=r"failed 3 times \(last: HTTP 503.*run the same command again"):
+    with pytest.raises(TonearmError, match=r"no answer after 3 attempts \(last: HTTP 503.*run the same command again"):
         translator.translate(["a", "b"], "fra")
     dead = ChatTranslator("http://127.0.0.1:9/v1", model="m", retries=0)
     with pytest.raises(TonearmError, match="ConnectError"):
@@ -322,3 +324,25 @@ def test_marian_ctranslate2_conversion_gives_the_same_translations(tmp_path: Pat
     ct2_out = ct2.translate(texts, "deu")
     # CTranslate2's max_decoding_length counts the end token; compare the common words
     assert [o.split()[:4] for o in ct2_out] == [o.split()[:4] for o in torch_out]
+
+
+def test_endpoint_run_stopped_by_the_server_resumes(tmp_path: Path, chat_server: ChatServer,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The server dies after two requests: the run stops in one line, keeping both batches; the rerun
+    sends only what is left and writes the same manifest as an uninterrupted run."""
+    manifest, out = _manifest(tmp_path), tmp_path / "multi.jsonl"
+    args = ["data", "translate", str(manifest), "--to", "fra", "--out", str(out), "--endpoint", chat_server.url,
+            "--endpoint-model", "m", "--batch-size", "2", "--concurrency", "1", "--retries", "0"]
+    chat_server.fail_after = 2
+    assert main(args) == 2
+    chat_server.fail_after = None
+    err = capsys.readouterr().err
+    assert "answered HTTP 500" not in err and "no answer after 1 attempt (last: HTTP 500" in err
+    assert "translate fra: 2/5 captions" in err  # progress on stderr
+    assert not out.exists() and len(chat_server.requests) == 3
+    assert main(args) == 0
+    resent = [json.loads(r["messages"][1]["content"]) if "JSON array" in r["messages"][0]["content"]
+              else [r["messages"][1]["content"]] for r in chat_server.requests[3:]]
+    assert sum(len(batch) for batch in resent) == 1  # only the fifth unique caption
+    records = load_manifest(out, languages=["eng", "fra"])
+    assert [r.captions["fra"] for r in records] == [[f"fra:{t}" for t in eng] for eng in ENG]

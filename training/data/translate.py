@@ -367,7 +367,8 @@ class ChatTranslator:
                 log.warning("--endpoint %s: %s; retrying in %.1f s", self.url, last, min(wait, 60.0))
                 time.sleep(min(wait, 60.0))
         raise TonearmError(
-            f"--endpoint {self.url} failed {self.retries + 1} times (last: {last}); what was translated is "
+            f"--endpoint {self.url}: no answer after {self.retries + 1} attempt{'s' if self.retries else ''} "
+            f"(last: {last}); what was translated is "
             "cached: run the same command again to resume"
         )
 
@@ -519,7 +520,7 @@ class LanguageReport:
 
 
 class Progress:
-    """One stderr line per language every ``every`` seconds and at the end."""
+    """A stderr line per language after the first batch, every ``every`` seconds and at the end."""
 
     def __init__(self, lang: str, total: int, *, enabled: bool = True, every: float = 2.0) -> None:
         self.lang, self.total, self.enabled, self.every = lang, total, enabled, every
@@ -529,7 +530,7 @@ class Progress:
     def advance(self, n: int) -> None:
         self.done += n
         now = time.monotonic()
-        if self.enabled and (now - self.last >= self.every or self.done >= self.total):
+        if self.enabled and (self.done == n or now - self.last >= self.every or self.done >= self.total):
             self.last = now
             rate = self.done / max(now - self.start, 1e-9)
             eta = (self.total - self.done) / rate if rate > 0 else math.inf

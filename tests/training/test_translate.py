@@ -173,7 +173,7 @@ class ChatServer:
                     return
                 system, user = body["messages"][0]["content"], body["messages"][1]["content"]
                 name = re.search(r"into (.+?)\.", system)
-                lang = {"French": "fra", "Japanese": "jpn", "German": "deu"}[name.group(1) if name else ""]
+                lang = {"French": "fra", "Japanese": "jpn", "German": "deu", "Finnish": "fin"}[name.group(1) if name else ""]
                 if "JSON array" in system:
                     if server.broken_batches:
                         server.broken_batches -= 1
@@ -245,6 +245,10 @@ def test_endpoint_errors_are_clear(tmp_path: Path, chat_server: ChatServer) -> N
     translator = ChatTranslator(chat_server.url, model="m", retries=2, retry_wait=0.01)
     with pytest.raises(TonearmError, match=r"no answer after 3 attempts \(last: HTTP 503.*run the same command again"):
         translator.translate(["a", "b"], "fra")
+    with pytest.raises(TonearmError, match="--lang-code fin=CODE_OR_NAME"):
+        ChatTranslator(chat_server.url, model="m").translate(["a"], "fin")
+    named = ChatTranslator(chat_server.url, model="m", lang_names={"fin": "Finnish"})
+    assert named.translate(["a dog", "rain"], "fin") == ["fin:a dog", "fin:rain"]
     dead = ChatTranslator("http://127.0.0.1:9/v1", model="m", retries=0)
     with pytest.raises(TonearmError, match="ConnectError"):
         dead.translate(["a"], "fra")

@@ -88,7 +88,8 @@ DEFAULT_TARGETS = ("fra", "deu", "spa", "nld", "cat", "jpn", "zho")
 def language(code: str) -> Language:
     if code not in LANGUAGES:
         raise DataError(
-            f"language {code!r} has no entry in the translation table (known: {', '.join(sorted(LANGUAGES))})"
+            f"language {code!r} has no entry in the translation table (known: {', '.join(sorted(LANGUAGES))}); "
+            f"give the translator's code or, for --endpoint, the language's name: --lang-code {code}=CODE_OR_NAME"
         )
     return LANGUAGES[code]
 
@@ -314,7 +315,7 @@ class ChatTranslator:
 
     def __init__(self, url: str, *, model: str, api_key: str | None = None, batch_size: int = 20,
                  concurrency: int = 4, retries: int = 5, retry_wait: float = 1.0, timeout: float = 120.0,
-                 temperature: float = 0.0) -> None:
+                 temperature: float = 0.0, lang_names: Mapping[str, str] | None = None) -> None:
         import httpx
 
         url = url.rstrip("/")
@@ -325,6 +326,7 @@ class ChatTranslator:
         self.retries = retries
         self.retry_wait = retry_wait
         self.temperature = temperature
+        self.lang_names = dict(lang_names or {})
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(timeout=timeout, headers=headers,
                                    limits=httpx.Limits(max_connections=self._concurrency))
@@ -373,7 +375,7 @@ class ChatTranslator:
         )
 
     def translate(self, texts: Sequence[str], target: str) -> list[str]:
-        name = language(target).name
+        name = self.lang_names.get(target) or language(target).name
         if len(texts) > 1:
             reply = self._post([
                 {"role": "system", "content": SYSTEM_BATCH.format(language=name, n=len(texts))},
@@ -678,7 +680,7 @@ def build_translator(args: argparse.Namespace) -> Any:
             raise DataError("--endpoint needs --endpoint-model NAME (the model the server should use)")
         return ChatTranslator(args.endpoint, model=args.endpoint_model, api_key=os.environ.get(args.api_key_env),
                               batch_size=args.batch_size, concurrency=args.concurrency, retries=args.retries,
-                              retry_wait=args.retry_wait)
+                              retry_wait=args.retry_wait, lang_names=parse_codes(args.lang_code))
     return Seq2SeqTranslator(parse_models(args.model), device=args.device, batch_size=args.batch_size,
                              beams=args.beams, max_new_tokens=args.max_new_tokens, threads=args.threads,
                              lang_codes=parse_codes(args.lang_code), source=args.source_lang,
@@ -742,7 +744,8 @@ def add_translate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     p.add_argument("--compute-type", default="default",
                    help="CTranslate2 folders: int8, int8_float32, float16, ... (default: as converted)")
     p.add_argument("--lang-code", action="append", metavar="LANG=CODE",
-                   help="the model's code for a language when the table has none, e.g. zho=zho_Hant")
+                   help="a language's code for the model (e.g. zho=zho_Hant), or its name for --endpoint "
+                        "(e.g. fin=Finnish); needed for languages outside the built-in table")
     p.add_argument("--from", dest="source_lang", default=ENGLISH, help="source language (default: %(default)s)")
     p.add_argument("--cache", help="SQLite cache (default: OUT.cache.sqlite); rerun with it to resume")
     p.add_argument("--replace", action="store_true", help="replace translations the manifest already has")

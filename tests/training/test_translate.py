@@ -93,6 +93,10 @@ def test_alignment_existing_translations_and_empty_outputs(tmp_path: Path) -> No
     assert translator.calls.count(("fra", "a dog barks twice")) == 1
     assert reports["fra"].unique == 4 and reports["fra"].captions == 5
     assert records[0].meta == {"n": 0} and records[0].split == "train"
+    replaced, _ = translate_records([r for _, r in rows], translator, cache, ["fra"], batch_size=2,
+                                    replace=True, progress=False)
+    assert replaced[2].captions["fra"] == [f"fra:{ENG[2][0]}"]
+    assert rows[2][1].captions["fra"] == ["des gens parlent"]  # the input records are left as they were
 
 
 def test_interrupted_run_resumes_from_the_cache(tmp_path: Path) -> None:

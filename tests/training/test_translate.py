@@ -276,3 +276,21 @@ def test_marian_full_size_end_to_end(tmp_path: Path, real_marian_dir: Path) -> N
     # random weights answer with Latin-script pieces: every jpn output is flagged
     assert report["jpn"]["counts"]["wrong_script"] == 6 and report["deu"]["counts"]["wrong_script"] == 0
     assert report["deu"]["translated"] == 5
+
+
+def test_marian_ctranslate2_conversion_gives_the_same_translations(tmp_path: Path, real_marian_dir: Path) -> None:
+    """The same full-size model converted to CTranslate2 (``model.bin``) translates like transformers."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    from training.data.translate import Seq2SeqTranslator
+
+    ct2_dir = tmp_path / "ct2"
+    ctranslate2.converters.TransformersConverter(
+        str(real_marian_dir), copy_files=["source.spm", "target.spm", "vocab.json", "tokenizer_config.json"]
+    ).convert(str(ct2_dir))
+    texts = ["a dog barks twice", "rain falls on a tin roof"]
+    torch_out = Seq2SeqTranslator({"deu": real_marian_dir}, max_new_tokens=5).translate(texts, "deu")
+    ct2 = Seq2SeqTranslator({"deu": ct2_dir}, max_new_tokens=5)
+    assert ct2.key_for("deu") != Seq2SeqTranslator({"deu": real_marian_dir}, max_new_tokens=5).key_for("deu")
+    ct2_out = ct2.translate(texts, "deu")
+    # CTranslate2's max_decoding_length counts the end token; compare the common words
+    assert [o.split()[:4] for o in ct2_out] == [o.split()[:4] for o in torch_out]

@@ -138,7 +138,7 @@ def detect_family(folder: Path) -> str:
         return "nllb"
     if model_type == "m2m_100" or "M2M100" in tokenizer_class:
         return "m2m100"
-    if model_type in {"t5", "mt5"}:
+    if model_type in {"t5", "mt5"} or "T5" in tokenizer_class:
         return "madlad"
     raise DataError(
         f"--model {folder}: model_type {model_type!r} is not a supported translation model "
@@ -155,7 +155,8 @@ class Seq2SeqTranslator:
 
     def __init__(self, models: Mapping[str, Path], *, device: str = "cpu", batch_size: int = 32,
                  beams: int = 1, max_new_tokens: int = 128, threads: int | None = None,
-                 lang_codes: Mapping[str, str] | None = None, source: str = ENGLISH) -> None:
+                 lang_codes: Mapping[str, str] | None = None, source: str = ENGLISH,
+                 compute_type: str = "default") -> None:
         if not models:
             raise DataError("--model: give a folder (many-to-many) or LANG=FOLDER per language")
         self.models = {lang: Path(path) for lang, path in models.items()}
@@ -171,6 +172,7 @@ class Seq2SeqTranslator:
         self.beams = beams
         self.max_new_tokens = max_new_tokens
         self.threads = threads
+        self.compute_type = compute_type
         self.lang_codes = dict(lang_codes or {})
         self.source = source
         self._loaded: tuple[Path, Any, Any, bool] | None = None
@@ -190,8 +192,9 @@ class Seq2SeqTranslator:
         """Cache key of one target language: only that language's model counts."""
         lang = target if target in self.models else "*"
         folder = self.folder(target)
+        ct2 = f"|ct2={self.compute_type}" if (folder / "model.bin").is_file() else ""
         return (f"seq2seq|{self.families[lang]}:{_fingerprint(folder)}|beams={self.beams}"
-                f"|max_new_tokens={self.max_new_tokens}")
+                f"|max_new_tokens={self.max_new_tokens}{ct2}")
 
     def _load(self, folder: Path) -> tuple[Any, Any, bool]:
         if self._loaded is not None and self._loaded[0] == folder:
@@ -211,7 +214,8 @@ class Seq2SeqTranslator:
             except ModuleNotFoundError:
                 raise DataError(f"--model {folder} is a CTranslate2 folder: pip install ctranslate2") from None
             model: Any = ctranslate2.Translator(
-                str(folder), device=self.device, inter_threads=1, intra_threads=self.threads or 0
+                str(folder), device=self.device, inter_threads=1, intra_threads=self.threads or 0,
+                compute_type=self.compute_type,
             )
         else:
             from transformers import AutoModelForSeq2SeqLM
@@ -653,7 +657,8 @@ def build_translator(args: argparse.Namespace) -> Any:
                               retry_wait=args.retry_wait)
     return Seq2SeqTranslator(parse_models(args.model), device=args.device, batch_size=args.batch_size,
                              beams=args.beams, max_new_tokens=args.max_new_tokens, threads=args.threads,
-                             lang_codes=parse_codes(args.lang_code), source=args.source_lang)
+                             lang_codes=parse_codes(args.lang_code), source=args.source_lang,
+                             compute_type=args.compute_type)
 
 
 def cli_translate(args: argparse.Namespace) -> int:
@@ -710,6 +715,8 @@ def add_translate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     p.add_argument("--max-new-tokens", type=int, default=128, help="longest translation in tokens (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device of local models, e.g. cuda (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads of local models")
+    p.add_argument("--compute-type", default="default",
+                   help="CTranslate2 folders: int8, int8_float32, float16, ... (default: as converted)")
     p.add_argument("--lang-code", action="append", metavar="LANG=CODE",
                    help="the model's code for a language when the table has none, e.g. zho=zho_Hant")
     p.add_argument("--from", dest="source_lang", default=ENGLISH, help="source language (default: %(default)s)")

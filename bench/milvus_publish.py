@@ -5,8 +5,8 @@ A real Milvus 2.3.5 standalone server (the ``milvus`` package's, started as the 
 tests/milvus_server.py) on a fresh data directory; the CLI runs as ops run it, in its own process,
 with the default deadlines (serving 2 s, bulk 120 s: ``TONEARM_MILVUS_*``). The bundle is ``--bundle``
 itself, or, with ``--captions N``, a copy of it with the demo's sizes (3,000 clips, N captions of
-random unit vectors in exact Flat indices: tests/large_bundle.py), which costs Milvus what the demo
-bundle does (the same rows, dimension and index type).
+random unit vectors of ``--dim`` 256 in exact Flat indices: tests/large_bundle.py), which costs
+Milvus what the demo bundle does (the same rows, dimension and index type).
 
     flock /tmp/tonearm-heavy.lock python bench/milvus_publish.py --bundle BUNDLE --captions 120000
 """
@@ -53,6 +53,7 @@ def main() -> int:
     parser.add_argument("--bundle", type=Path, required=True, help="a bundle directory (its encoders, with --captions)")
     parser.add_argument("--captions", type=int, default=0,
                         help="publish a copy with 3,000 clips and this many random caption vectors (demo: 120000)")
+    parser.add_argument("--dim", type=int, default=256, help="vector dimension of the --captions copy (demo: 256)")
     parser.add_argument("--index", default="FLAT", choices=("FLAT", "IVF_FLAT", "HNSW"))
     parser.add_argument("--no-write", action="store_true", help="print only; do not update docs/BENCHMARKS.md")
     args = parser.parse_args()
@@ -65,7 +66,7 @@ def main() -> int:
         bundle = args.bundle.resolve()
         if args.captions:
             bundle = build_large_bundle(bundle, Path(work) / "bundles", n_audio=N_AUDIO, n_text=args.captions,
-                                        bundle_id=f"bench-publish-{args.captions}")
+                                        bundle_id=f"bench-publish-{args.captions}", dim=args.dim)
         manifest = read_manifest(bundle)
         server = MilvusStandalone(Path(work) / "milvus")
         server.start()
@@ -84,7 +85,7 @@ def main() -> int:
         "## milvus_publish — `tonearm bundle publish` of a demo-size bundle to the real Milvus server",
         "",
         f"- command: `flock /tmp/tonearm-heavy.lock python bench/milvus_publish.py --bundle BUNDLE"
-        f"{f' --captions {args.captions}' if args.captions else ''} --index {args.index}`",
+        f"{f' --captions {args.captions} --dim {args.dim}' if args.captions else ''} --index {args.index}`",
         f"- machine: {cpu_model()}, {os.cpu_count()} cores; date {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; "
         f"load average before {load_before[0]:.2f} / after {load_after[0]:.2f} (1 min)",
         "- server: Milvus 2.3.5 standalone (`milvus` package, tests/milvus_server.py), fresh data directory; "

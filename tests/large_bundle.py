@@ -32,17 +32,20 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def build_large_bundle(tiny_bundle: Path, parent: Path, *, n_audio: int = N_AUDIO, n_text: int = N_TEXT,
-                       bundle_id: str = "large-random", seed: int = 0) -> Path:
+                       bundle_id: str = "large-random", seed: int = 0, dim: int | None = None) -> Path:
     """``tiny_bundle``'s encoders and held-out set with ``n_audio`` clip and ``n_text`` caption vectors
     (random, unit length; captions grouped by language, caption ``r`` of a language describing clip
-    ``r mod n_audio``) in exact Flat indices."""
+    ``r mod n_audio``) in exact Flat indices.
+
+    ``dim``: vectors of another dimension than the encoders' (the demo's 256), for a bundle that is
+    only published (bench/milvus_publish.py): its encoders no longer match, so it cannot be served."""
     import faiss
 
     from index import bundle as fmt
 
     manifest = fmt.read_manifest(tiny_bundle)
     assert manifest.text_index is not None
-    d, languages = manifest.embed_dim, list(manifest.languages)
+    d, languages = dim or manifest.embed_dim, list(manifest.languages)
     audio_info, text_info = manifest.audio_index, manifest.text_index
     replaced = {audio_info.file, audio_info.ids_file, text_info.file, text_info.ids_file}
     with fmt.staged_bundle(parent, bundle_id) as staging:
@@ -71,9 +74,9 @@ def build_large_bundle(tiny_bundle: Path, parent: Path, *, n_audio: int = N_AUDI
             index = faiss.IndexFlatIP(d)
             index.add(unit_vectors(n, d, seed_k))
             faiss.write_index(index, str(staging / info.file))
-            infos[name] = info.model_copy(update={"factory": "Flat", "ntotal": n, "search_params": {},
+            infos[name] = info.model_copy(update={"factory": "Flat", "ntotal": n, "search_params": {}, "dim": d,
                                                   "ann_recall_at_10": 1.0,
                                                   "language_ranges": ranges if name == "text" else None})
         return fmt.publish(staging, manifest.model_copy(update={
-            "bundle_id": bundle_id, "audio_index": infos["audio"], "text_index": infos["text"],
+            "bundle_id": bundle_id, "audio_index": infos["audio"], "text_index": infos["text"], "embed_dim": d,
         }))

@@ -7,9 +7,11 @@ is not a :class:`TonearmError` is a bug and keeps its traceback.
 Index-backend errors live here too (not in :mod:`index.milvus_index`), so the loader and the
 service can tell them apart without importing pymilvus:
 
-* :class:`IndexUnavailable` — the backend could not answer within its deadline (unreachable,
-  restarting, overloaded): transient, the service answers 503 ``index-unavailable`` with
-  ``Retry-After``;
+* :class:`IndexUnavailable` — the backend cannot be reached (connection refused, UNAVAILABLE,
+  its cheap probes past their deadline too): transient, the service answers 503
+  ``index-unavailable`` with ``Retry-After``, for every request until it answers again;
+* :class:`IndexTimeout` — one call ran past its deadline while the backend still answers (its
+  probe did): that call fails alone, the service answers 504 ``index-timeout`` for that request;
 * :class:`BundleNotPublished` — the bundle's vectors are not in the backend: the user publishes.
 """
 
@@ -42,3 +44,8 @@ class IndexBackendError(TonearmError):
 
 class IndexUnavailable(IndexBackendError):
     """The index backend cannot be reached, or did not answer within its deadline; retry later."""
+
+
+class IndexTimeout(IndexUnavailable):
+    """One call ran past its deadline, but the backend answers others (a cheap probe did): only that
+    call fails (a large query, a busy server); the backend is not marked down."""

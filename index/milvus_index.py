@@ -53,7 +53,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +68,7 @@ from index.errors import (
     BundleError,
     BundleNotPublished,
     IndexBackendError,
+    IndexTimeout,
     IndexUnavailable,
     TonearmError,
 )
@@ -79,6 +80,9 @@ DEFAULT_PREFIX = "tonearm"
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_BULK_TIMEOUT_S = 120.0
 DEFAULT_HOLD_OFF_S = 1.0
+DEFAULT_PROBE_TIMEOUT_S = 0.5
+DEFAULT_PROBE_ATTEMPTS = 2
+DEFAULT_RECALL_BATCH = 16
 INSERT_CHUNK = 5000
 QUERY_CHUNK = 10_000
 MAX_LIMIT = 16_384  # Milvus's topk ceiling
@@ -98,7 +102,10 @@ __all__ = ["BundleNotPublished", "MilvusTarget", "active_bundle", "publish", "se
 
 @dataclass(frozen=True)
 class MilvusTarget:
-    """Where the vectors live: ``uri`` (``http://host:19530`` or a milvus-lite ``*.db`` file)."""
+    """Where the vectors live: ``uri`` (``http://host:19530`` or a milvus-lite ``*.db`` file).
+
+    The deadlines and the circuit's knobs are settings (``TONEARM_MILVUS_*``, :data:`ENV`), read
+    by the service and the CLI alike (:func:`target_options_from_env`)."""
 
     uri: str
     token: str | None = None
@@ -106,14 +113,23 @@ class MilvusTarget:
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Deadline of every serving call (search, query, alias reads and switches)."""
     bulk_timeout_s: float = DEFAULT_BULK_TIMEOUT_S
-    """Deadline of each bulk call (create, insert, flush, load) of publish and bundle loading."""
+    """Deadline of each bulk call (create, insert, flush, load, the recall check's searches) of
+    publish and bundle loading. Bulk calls never open the circuit."""
     release_closed: bool = True
     """Release a bundle's collections from Milvus memory when the service closes it (it is then
     neither active nor the rollback target)."""
     hold_off_s: float = DEFAULT_HOLD_OFF_S
-    """After Milvus failed to answer (unreachable, past the deadline), calls fail at once for this
-    long, then one call probes it (the others keep failing at once until it answers): a frozen
-    Milvus costs one deadline, not one per queued request."""
+    """After Milvus was found unreachable, calls fail at once for this long, then one call probes
+    it (the others keep failing at once until it answers): a frozen Milvus costs one deadline, not
+    one per queued request."""
+    probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
+    """Deadline of the cheap probe (``GetVersion``, answered by the proxy alone) run after a serving
+    call missed its deadline: answered → that call was slow and fails alone (:class:`IndexTimeout`);
+    every attempt failed → Milvus is unreachable and the circuit opens."""
+    probe_attempts: int = DEFAULT_PROBE_ATTEMPTS
+    """Probes that must all fail (deadline or refused) before a missed deadline opens the circuit."""
+    recall_batch: int = DEFAULT_RECALL_BATCH
+    """Queries per search call of publish's recall@10 check (bulk work under :attr:`bulk_timeout_s`)."""
 
     def client(self) -> Any:
         """The process's one client for this URI and token (thread-safe, never closed here).
@@ -140,34 +156,106 @@ class MilvusTarget:
         return f"{self.prefix}_active_{kind}"
 
     def call(self, method: str, *args: Any, bulk: bool = False, **kwargs: Any) -> Any:
-        """``client.<method>(*args, **kwargs)`` under this target's deadline, pymilvus retries off,
-        failing at once while Milvus is held off (:attr:`hold_off_s`)."""
+        """``client.<method>(*args, **kwargs)`` under this target's deadline, pymilvus retries off.
+
+        The circuit (per URI and token): while it is open every call fails at once
+        (:class:`IndexUnavailable`); after :attr:`hold_off_s` one serving call tries (the others
+        keep failing at once until it answers). It opens only when Milvus is unreachable —
+        connection refused, UNAVAILABLE, or a missed deadline whose probes all fail too. A serving
+        call past its deadline while the probe answers fails alone: the error is marked slow and
+        :func:`_mapped` raises :class:`IndexTimeout`. Bulk calls (``bulk=True``: their own, longer
+        deadline) fail at once while the circuit is open but never open it, nor probe."""
         key = (self.uri, self.token)
         timeout = self.bulk_timeout_s if bulk else self.timeout_s
         with _CLIENTS_LOCK:
             down = _DOWN.get(key)
             if down is not None:
                 now = time.monotonic()
-                if now < down[0]:
-                    raise IndexUnavailable(f"Milvus at {self.uri} is not answering ({down[1]}); retry later")
-                _DOWN[key] = (now + self.timeout_s + self.hold_off_s, down[1])  # this call probes; others wait
+                if now < down[0] or bulk:
+                    if now < down[0]:
+                        raise IndexUnavailable(f"Milvus at {self.uri} is not answering ({down[1]}); retry later")
+                    down = None  # a bulk call past the hold-off runs without being the trial
+                else:
+                    _DOWN[key] = (now + self.timeout_s + self.hold_off_s, down[1])  # this call probes; others wait
+        started = time.monotonic()
         try:
             result = getattr(self.client(), method)(*args, timeout=timeout, retry_times=0, **kwargs)
         except Exception as err:
-            if _unreachable(err) and not bulk:  # a slow bulk call (load, release) is not an outage
-                with _CLIENTS_LOCK:
-                    _DOWN[key] = (time.monotonic() + self.hold_off_s, _reason(err))
+            if not bulk and (_deadline(err) or _unreachable(err)):  # a slow bulk call is not an outage
+                if _deadline(err) and self._answers(started):
+                    err.tonearm_slow = True  # type: ignore[attr-defined]
+                    if down is not None:  # the trial call was slow, but Milvus answers: close the circuit
+                        with _CLIENTS_LOCK:
+                            _DOWN.pop(key, None)
+                else:
+                    with _CLIENTS_LOCK:
+                        _DOWN[key] = (time.monotonic() + self.hold_off_s, _reason(err))
             raise
         if down is not None:
             with _CLIENTS_LOCK:
                 _DOWN.pop(key, None)
         return result
 
+    def _answers(self, since: float) -> bool:
+        """Whether Milvus answers a cheap call (``GetVersion``) within :attr:`probe_timeout_s`, in
+        up to :attr:`probe_attempts` tries. Concurrent callers share one probe: a caller that
+        waited for another's uses its verdict when that probe started after its own call did."""
+        key = (self.uri, self.token)
+        with _CLIENTS_LOCK:
+            lock = _PROBE_LOCKS.setdefault(key, threading.Lock())
+        with lock:
+            last = _PROBES.get(key)
+            if last is not None and last[0] >= since:
+                return last[1]
+            begun, answered = time.monotonic(), False
+            for _ in range(max(1, self.probe_attempts)):
+                try:
+                    self.client().get_server_version(timeout=self.probe_timeout_s, retry_times=0)
+                    answered = True
+                    break
+                except Exception as err:  # noqa: BLE001 - any failure of the probe counts as no answer
+                    log.info("Milvus probe at %s failed: %s", self.uri, _reason(err))
+            _PROBES[key] = (begun, answered)
+            return answered
+
 
 _CLIENTS: dict[tuple[str, str | None], Any] = {}
 _CLIENTS_LOCK = threading.Lock()
 _DOWN: dict[tuple[str, str | None], tuple[float, str]] = {}
 """(uri, token) -> (monotonic time until which calls fail at once, the failure's reason)."""
+_PROBE_LOCKS: dict[tuple[str, str | None], threading.Lock] = {}
+_PROBES: dict[tuple[str, str | None], tuple[float, bool]] = {}
+"""(uri, token) -> (monotonic time the last probe began, whether Milvus answered it)."""
+
+ENV = {
+    "timeout_s": "TONEARM_MILVUS_TIMEOUT_S",
+    "bulk_timeout_s": "TONEARM_MILVUS_BULK_TIMEOUT_S",
+    "probe_timeout_s": "TONEARM_MILVUS_PROBE_TIMEOUT_S",
+    "probe_attempts": "TONEARM_MILVUS_PROBE_ATTEMPTS",
+    "hold_off_s": "TONEARM_MILVUS_HOLD_OFF_S",
+    "recall_batch": "TONEARM_MILVUS_RECALL_BATCH",
+}
+""":class:`MilvusTarget` option -> the environment variable (service.settings.Settings reads the same
+names, ``TONEARM_`` + field) that sets it, for the CLI (`tonearm bundle publish`, `tonearm index`)."""
+
+
+def target_options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The :data:`ENV` settings present in ``environ`` (default ``os.environ``), parsed and checked."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for option, name in ENV.items():
+        raw = environ.get(name)
+        if raw is None or raw.strip() == "":
+            continue
+        integer = option in ("probe_attempts", "recall_batch")
+        try:
+            value: float = int(raw) if integer else float(raw)
+        except ValueError:
+            raise TonearmError(f"{name}={raw!r}: expected {'an integer' if integer else 'a number of seconds'}") from None
+        if not value > 0 or not math.isfinite(value):
+            raise TonearmError(f"{name}={raw!r}: must be > 0")
+        out[option] = value
+    return out
 
 
 def _connect(uri: str, token: str | None, timeout_s: float) -> Any:
@@ -218,9 +306,29 @@ def _unreachable(err: BaseException) -> bool:
     return False
 
 
+def _deadline(err: BaseException) -> bool:
+    """The call ran past its deadline: slow, or a frozen server. Either the client's gRPC deadline
+    passed (DEADLINE_EXCEEDED), or the proxy saw the propagated deadline pass first and answered with
+    an error status ("proxy TaskCondition context Done", "context deadline exceeded")."""
+    import grpc
+
+    for cause in (err, err.__cause__):
+        if cause is None:
+            continue
+        if _code(cause) == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return True
+        text = _reason(cause).lower()
+        if "context done" in text or "context deadline exceeded" in text:
+            return True
+    return False
+
+
 def _transient(err: BaseException) -> bool:
     """Unreachable, past its deadline, or not loaded yet: worth retrying later."""
     import grpc
+
+    if _deadline(err):
+        return True
 
     for cause in (err, err.__cause__):
         if isinstance(cause, grpc.RpcError):
@@ -240,6 +348,9 @@ def _mapped(what: str, target: MilvusTarget) -> Iterator[None]:
         raise
     except Exception as err:
         message = f"{what} (Milvus at {target.uri}): {_reason(err)}"
+        if getattr(err, "tonearm_slow", False):
+            raise IndexTimeout(f"{message}; Milvus answers other calls: this one ran past its "
+                               f"{target.timeout_s:g} s deadline") from None
         if _transient(err):
             raise IndexUnavailable(message) from None
         raise IndexBackendError(message) from None
@@ -458,13 +569,19 @@ def _sample_rows(n: int) -> np.ndarray:
 
 
 def _measure_recall(index: MilvusVectorIndex, queries: np.ndarray, exact: np.ndarray) -> float:
-    """Recall@10 of ``index`` (loaded for it, released afterwards) against the ``exact`` top rows."""
+    """Recall@10 of ``index`` (loaded for it, released afterwards) against the ``exact`` top rows.
+
+    Bulk work, not serving: :attr:`MilvusTarget.recall_batch` queries per search call, each under
+    the bulk deadline, outside the serving circuit — a FLAT search of a large collection on a small
+    machine takes seconds, which must neither fail the publish nor mark Milvus down."""
     k = min(10, index.ntotal)
     if k == 0 or len(queries) == 0:
         return 1.0
     index.target.call("load_collection", index.collection, bulk=True)
     try:
-        _, found = index.search(queries, k)
+        batch = max(1, index.target.recall_batch)
+        found = np.concatenate([index.search(queries[start : start + batch], k, bulk=True)[1]
+                                for start in range(0, len(queries), batch)])
     finally:
         index.target.call("release_collection", index.collection, bulk=True)
     exact = exact[:, :k]
@@ -586,9 +703,12 @@ class MilvusVectorIndex:
         return rows + np.searchsorted(self._gaps - np.arange(len(self._gaps)), rows, side="right")
 
     def search(
-        self, queries: np.ndarray, k: int, languages: Sequence[str] | None = None
+        self, queries: np.ndarray, k: int, languages: Sequence[str] | None = None, *, bulk: bool = False
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Top-``k`` (scores (n, k) float32, rows (n, k) int64; -1 / -inf where fewer hits), ties by row."""
+        """Top-``k`` (scores (n, k) float32, rows (n, k) int64; -1 / -inf where fewer hits), ties by row.
+
+        ``bulk``: a search of bulk work (publish's recall check) under the bulk deadline, outside
+        the serving circuit (:meth:`MilvusTarget.call`)."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         matrix = np.ascontiguousarray(queries, dtype=np.float32)
@@ -597,26 +717,27 @@ class MilvusVectorIndex:
         rows = np.full((len(matrix), k), -1, dtype=np.int64)
         if len(matrix) == 0 or self.ntotal == 0:
             return scores, rows
-        hits = self._fetch(matrix, min(self.ntotal, k + TIE_MARGIN, MAX_LIMIT), expression)
+        hits = self._fetch(matrix, min(self.ntotal, k + TIE_MARGIN, MAX_LIMIT), expression, bulk=bulk)
         for q, found in enumerate(hits):
             # A tie at the cut may continue past what was fetched: widen this query until it does not.
             limit = len(found)
             while limit < min(self.ntotal, MAX_LIMIT) and len(found) == limit and len(found) > k \
                     and found[-1][0] == found[k - 1][0]:
                 limit = min(self.ntotal, MAX_LIMIT, limit * 2)
-                found = self._fetch(matrix[q : q + 1], limit, expression)[0]
+                found = self._fetch(matrix[q : q + 1], limit, expression, bulk=bulk)[0]
             for j, (score, row) in enumerate(found[:k]):
                 scores[q, j] = score
                 rows[q, j] = row
         return scores, rows
 
-    def _fetch(self, matrix: np.ndarray, limit: int, expression: str) -> list[list[tuple[float, int]]]:
+    def _fetch(self, matrix: np.ndarray, limit: int, expression: str, *,
+               bulk: bool = False) -> list[list[tuple[float, int]]]:
         """Per query: (score, row) pairs ordered by score descending, then row ascending."""
         with _mapped(f"searching {self.collection}", self.target):
             found = self.target.call(
                 "search", self.collection, data=matrix.tolist(), limit=limit, filter=expression,
                 search_params={"metric_type": "IP", "params": search_params(self.index_type, self.build, limit)},
-                output_fields=["row"],
+                output_fields=["row"], bulk=bulk,
             )
         out = []
         for hits in found:
@@ -813,12 +934,14 @@ def active_bundle(target: MilvusTarget) -> str | None:
 
 
 def target_from_args(uri: str, token_env: str | None) -> MilvusTarget:
+    """The CLI's target: ``--milvus-uri``, the token from ``--milvus-token-env``, and the deadlines
+    and circuit settings from the same ``TONEARM_MILVUS_*`` variables the service reads (:data:`ENV`)."""
     token = None
     if token_env:
         token = os.environ.get(token_env)
         if not token:
             raise TonearmError(f"--milvus-token-env {token_env}: that environment variable is not set")
-    return MilvusTarget(uri=uri, token=token)
+    return MilvusTarget(uri=uri, token=token, **target_options_from_env())
 
 
 def cli_publish(args: argparse.Namespace) -> int:

@@ -41,7 +41,7 @@ from tonearm.errors import BundleError
 log = logging.getLogger(__name__)
 
 STARTUP_RETRY_MAX_S = 30.0
-STARTUP_RETRIED = ("index-unavailable", "bundle-not-published")
+STARTUP_RETRIED = ("index-unavailable", "index-timeout", "bundle-not-published")
 """Problems the first bundle's load waits out at startup (anything else fails at once)."""
 BUNDLE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -196,6 +196,8 @@ def milvus_target(settings: Settings) -> Any:
     return MilvusTarget(
         uri=settings.milvus_uri, token=token, timeout_s=settings.milvus_timeout_s,
         bulk_timeout_s=settings.milvus_bulk_timeout_s, release_closed=settings.milvus_release_closed,
+        probe_timeout_s=settings.milvus_probe_timeout_s, probe_attempts=settings.milvus_probe_attempts,
+        hold_off_s=settings.milvus_hold_off_s, recall_batch=settings.milvus_recall_batch,
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from index.errors import IndexBackendError
+from index.errors import IndexBackendError, IndexTimeout
 from index.languages import ENGLISH
 from index.metrics import dis, gap, mean_rank_std, mean_rank_variance, t2a_ranks_from_embeddings
 from index.report import METRIC_CONVENTION
@@ -44,13 +44,25 @@ def index_unavailable(err: BaseException | str) -> ServiceError:
     )
 
 
+def index_problem(err: BaseException) -> ServiceError:
+    """An index backend failure as a problem: one call past its deadline while Milvus answers
+    others (:class:`IndexTimeout`) → 504 ``index-timeout``; anything else → 503
+    ``index-unavailable``; both with Retry-After."""
+    if isinstance(err, IndexTimeout):
+        return ServiceError(
+            "index-timeout", f"{err}; retry after {INDEX_RETRY_AFTER_S} s", retry_after=INDEX_RETRY_AFTER_S
+        )
+    return index_unavailable(err)
+
+
 @contextmanager
 def index_calls() -> Iterator[None]:
-    """Index backend failures (Milvus unreachable, past its deadline) become ``index-unavailable``."""
+    """Index backend failures become ``index-timeout`` (this call was slow) or ``index-unavailable``
+    (Milvus unreachable) problems (:func:`index_problem`)."""
     try:
         yield
     except IndexBackendError as err:
-        raise index_unavailable(err) from None
+        raise index_problem(err) from None
 
 
 class BundleLike(Protocol):

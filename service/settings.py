@@ -81,10 +81,20 @@ class Settings(BaseSettings):
     milvus_token: SecretStr | None = None
     """Milvus credentials (`user:password` or an API key); mount from a secret."""
     milvus_timeout_s: float = Field(default=2.0, gt=0, le=60)
-    """Deadline of every Milvus call on the request path (search, alias reads and switches); past it, or
-    with Milvus unreachable, searches answer 503 `index-unavailable` with Retry-After. No pymilvus retries."""
+    """Deadline of every Milvus call on the request path (search, alias reads and switches). A call past
+    it while Milvus answers a probe fails alone: 504 `index-timeout` (Retry-After). No pymilvus retries."""
     milvus_bulk_timeout_s: float = Field(default=120.0, gt=0)
-    """Deadline of each bulk Milvus call when a bundle is loaded (load_collection, reading all vectors)."""
+    """Deadline of each bulk Milvus call: loading a bundle (load_collection, reading all vectors) and, for
+    `tonearm bundle publish`, every create/insert/flush and each batch of the recall@10 check."""
+    milvus_probe_timeout_s: float = Field(default=0.5, gt=0, le=60)
+    """Deadline of the cheap probe (GetVersion) run after a request-path call missed its deadline."""
+    milvus_probe_attempts: int = Field(default=2, ge=1, le=10)
+    """Probes that must all fail before Milvus counts as unreachable: then every search answers 503
+    `index-unavailable` (Retry-After) until it answers again (connection refused / UNAVAILABLE: at once)."""
+    milvus_hold_off_s: float = Field(default=1.0, gt=0, le=60)
+    """After Milvus was found unreachable, calls fail at once for this long before one call tries again."""
+    milvus_recall_batch: int = Field(default=16, ge=1, le=1024)
+    """Queries per search call of the recall@10 check of `tonearm bundle publish` (bulk work)."""
     milvus_release_closed: bool = True
     """Release a bundle's collections from Milvus memory once it is neither active nor the rollback target."""
 

@@ -50,6 +50,15 @@ def tiny_bundle(tiny_checkpoint: Path, tiny_corpus: Path, tmp_path_factory: pyte
     return export_bundle(tiny_checkpoint, manifest=tiny_corpus, out_dir=out_dir, progress=False)
 
 
+@pytest.fixture(scope="session")
+def large_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bundle of the demo's size (3,000 clips, 120,000 captions; random unit vectors in exact Flat
+    indices, the tiny bundle's encoders): tests/large_bundle.py. Built in seconds; read-only."""
+    from tests.large_bundle import build_large_bundle
+
+    return build_large_bundle(tiny_bundle, tmp_path_factory.mktemp("large_bundle"))
+
+
 DEMO_TEST_TIMEOUT = 600
 """Wall-clock limit of a real-demo test's own body; the build it may wait for is not under it."""
 

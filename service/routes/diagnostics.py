@@ -22,7 +22,7 @@ from service.searcher import Searcher
 router = APIRouter(prefix="/v1/diagnostics", tags=["diagnostics"])
 
 
-@router.post("/consistency", responses=problem_responses(400, 404, 415, 422, 503))
+@router.post("/consistency", responses=problem_responses(400, 404, 415, 422, 503, 504))
 async def diagnose(body: ConsistencyRequest, searcher: SearcherDep, pool: PoolDep) -> ConsistencyResponse:
     """Hits and target rank per language for one query group; MRV and Gap/Dis of its embeddings."""
     result = await pool.run(lambda: searcher.consistency(body.captions, target_id=body.target_id, k=body.k))

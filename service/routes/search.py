@@ -65,7 +65,7 @@ async def _text_hits(
     return searcher.hits_of(results, min_score=body.min_score, include_captions=body.include_captions)
 
 
-@router.post("/text", responses=problem_responses(400, 415, 422, 503))
+@router.post("/text", responses=problem_responses(400, 415, 422, 503, 504))
 async def search_text(
     body: TextSearchRequest, searcher: SearcherDep, pool: PoolDep, batchers: BatchersDep, request: Request
 ) -> TextSearchResponse:
@@ -76,7 +76,7 @@ async def search_text(
     )
 
 
-@router.post("/text:batch", responses=problem_responses(400, 415, 422, 503))
+@router.post("/text:batch", responses=problem_responses(400, 415, 422, 503, 504))
 async def search_text_batch(
     body: TextBatchRequest, searcher: SearcherDep, pool: PoolDep, batchers: BatchersDep, request: Request
 ) -> TextBatchResponse:
@@ -156,7 +156,7 @@ AUDIO_BODY = {
 
 
 @router.post(
-    "/audio", openapi_extra=AUDIO_BODY, responses=problem_responses(400, 409, 413, 415, 422, 503)
+    "/audio", openapi_extra=AUDIO_BODY, responses=problem_responses(400, 409, 413, 415, 422, 503, 504)
 )
 async def search_audio(
     request: Request,

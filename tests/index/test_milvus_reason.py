@@ -49,3 +49,17 @@ def test_an_unreachable_milvus_is_unavailable_with_the_grpc_reason():
 
 def test_other_errors_keep_their_first_line():
     assert _reason(ValueError("first line\nsecond")) == "first line"
+
+
+def test_a_deadline_the_proxy_saw_pass_first_counts_as_a_deadline():
+    """The client's deadline travels to the proxy, which may notice it pass first and answer with an
+    error status instead of gRPC DEADLINE_EXCEEDED (seen on the real server under a 20-ms deadline):
+    both are a missed deadline (probe, then 504 or 503), not a Milvus error."""
+    from pymilvus.exceptions import MilvusException
+
+    from index.milvus_index import _deadline, _transient
+
+    proxy = MilvusException(code=65535, message="[search] Retry run out of 0 retry times, "
+                                                "message=proxy TaskCondition context Done")
+    assert _deadline(proxy) and _transient(proxy)
+    assert not _deadline(MilvusException(code=100, message="collection not found"))

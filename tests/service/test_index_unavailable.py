@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from index.errors import IndexUnavailable
+from index.errors import IndexTimeout, IndexUnavailable
 from service.cache import LocalCache
 from service.errors import ServiceError
 from service.metrics import ServiceMetrics
@@ -74,3 +74,31 @@ def test_the_searcher_maps_an_unreachable_index_to_503_with_retry_after(call, tm
             searcher.consistency({"eng": "a dog", "fra": "un chien"}, k=3)
     assert caught.value.slug == "index-unavailable" and caught.value.status == 503
     assert caught.value.extra["retry_after"] == INDEX_RETRY_AFTER_S and "deadline" in caught.value.detail
+
+
+class SlowIndex(KeywordBundle):
+    """The keyword bundle whose searches run past their deadline while Milvus answers others."""
+
+    def search_audio(self, queries: np.ndarray, k: int):
+        raise IndexTimeout("searching tonearm_x_audio (Milvus at http://127.0.0.1:1): gRPC DEADLINE_EXCEEDED; "
+                           "Milvus answers other calls")
+
+    def search_text(self, queries: np.ndarray, k: int, *, languages=None):
+        raise IndexTimeout("searching tonearm_x_text (Milvus at http://127.0.0.1:1): gRPC DEADLINE_EXCEEDED; "
+                           "Milvus answers other calls")
+
+
+@pytest.mark.parametrize("call", ["text", "audio"])
+def test_the_searcher_maps_one_slow_index_call_to_504_index_timeout(call, tmp_path):
+    """Slow is not dead: only this request fails, as 504 `index-timeout` (not the outage's 503)."""
+    from tests.service.fakes import tone
+
+    searcher = Searcher(SlowIndex(tmp_path), cache=LocalCache(max_entries=0, ttl_seconds=60, metrics=ServiceMetrics()),
+                        key_prefix="t", max_query_chars=200)
+    with pytest.raises(ServiceError) as caught:
+        if call == "text":
+            searcher.search_text(["a dog"], k=3)
+        else:
+            searcher.search_audio(tone(["dog"]), k=3)
+    assert caught.value.slug == "index-timeout" and caught.value.status == 504
+    assert caught.value.extra["retry_after"] == INDEX_RETRY_AFTER_S

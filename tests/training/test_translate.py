@@ -354,3 +354,51 @@ def test_endpoint_run_stopped_by_the_server_resumes(tmp_path: Path, chat_server:
     assert sum(len(batch) for batch in resent) == 1  # only the fifth unique caption
     records = load_manifest(out, languages=["eng", "fra"])
     assert [r.captions["fra"] for r in records] == [[f"fra:{t}" for t in eng] for eng in ENG]
+
+
+# ------------------------------------------------------------------ the other families
+
+
+@pytest.mark.parametrize(("config", "tokenizer_class", "family"), [
+    ({"model_type": "marian"}, "MarianTokenizer", "marian"),
+    ({"model_type": "m2m_100"}, "M2M100Tokenizer", "m2m100"),
+    ({"model_type": "m2m_100"}, "NllbTokenizer", "nllb"),
+    ({"model_type": "t5"}, "T5Tokenizer", "madlad"),
+    ({"add_source_bos": False}, "NllbTokenizerFast", "nllb"),  # a CTranslate2 folder: its own config.json
+    ({"model_type": "bert"}, "BertTokenizer", None),
+])
+def test_family_detection(tmp_path: Path, config: dict[str, Any], tokenizer_class: str, family: str | None) -> None:
+    from index.errors import DataError
+    from training.data.translate import detect_family
+
+    (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": tokenizer_class}),
+                                                    encoding="utf-8")
+    if family is None:
+        with pytest.raises(DataError, match="not a supported translation model .Marian/Opus-MT, M2M100, NLLB"):
+            detect_family(tmp_path)
+    else:
+        assert detect_family(tmp_path) == family
+
+
+def test_nllb_many_to_many_folder(tmp_path: Path) -> None:
+    """A (tiny) NLLB folder: one model for every language, the target its forced first token."""
+    import torch
+    from transformers import M2M100Config, M2M100ForConditionalGeneration, NllbTokenizer
+
+    from index.errors import DataError
+    from training.data.translate import Seq2SeqTranslator
+
+    tokenizer = NllbTokenizer()  # the 200 language codes and the special tokens
+    tokenizer.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    M2M100ForConditionalGeneration(M2M100Config(
+        vocab_size=len(tokenizer), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+    )).save_pretrained(tmp_path)
+    translator = Seq2SeqTranslator({"*": tmp_path}, max_new_tokens=3, lang_codes={"fin": "xyz_Latn"})
+    assert len(translator.translate(["a dog barks", "rain"], "zho")) == 2
+    assert translator._loaded is not None and translator._loaded[1].src_lang == "eng_Latn"
+    with pytest.raises(DataError, match="has no language token 'xyz_Latn' for fin"):
+        translator.translate(["a dog barks"], "fin")

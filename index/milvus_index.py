@@ -181,15 +181,17 @@ class MilvusTarget:
         try:
             result = getattr(self.client(), method)(*args, timeout=timeout, retry_times=0, **kwargs)
         except Exception as err:
+            answered = True  # Milvus sent an error (an alias not found, ...): it is up
             if not bulk and (_deadline(err) or _unreachable(err)):  # a slow bulk call is not an outage
-                if _deadline(err) and self._answers(started):
+                answered = _deadline(err) and self._answers(started)
+                if answered:
                     err.tonearm_slow = True  # type: ignore[attr-defined]
-                    if down is not None:  # the trial call was slow, but Milvus answers: close the circuit
-                        with _CLIENTS_LOCK:
-                            _DOWN.pop(key, None)
                 else:
                     with _CLIENTS_LOCK:
                         _DOWN[key] = (time.monotonic() + self.hold_off_s, _reason(err))
+            if answered and down is not None:  # the trial call was answered (or slow): close the circuit
+                with _CLIENTS_LOCK:
+                    _DOWN.pop(key, None)
             raise
         if down is not None:
             with _CLIENTS_LOCK:

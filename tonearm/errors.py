@@ -12,6 +12,7 @@ from index.errors import (
     BundleNotPublished,
     DataError,
     IndexBackendError,
+    IndexTimeout,
     IndexUnavailable,
     TonearmError,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "BundleNotPublished",
     "DataError",
     "IndexBackendError",
+    "IndexTimeout",
     "IndexUnavailable",
     "TonearmError",
 ]

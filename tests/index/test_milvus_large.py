@@ -10,6 +10,8 @@ that does not answer a cheap probe either opens the circuit; a call that is mere
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ require_milvus()
 
 from index import milvus_index  # noqa: E402
 from index.bundle import read_manifest  # noqa: E402
-from index.errors import IndexTimeout, TonearmError  # noqa: E402
+from index.errors import IndexTimeout, IndexUnavailable, TonearmError  # noqa: E402
 from index.loader import LoadedBundle  # noqa: E402
 from index.milvus_index import (  # noqa: E402
     MilvusTarget,
@@ -168,6 +170,39 @@ def test_a_slow_search_fails_alone_while_fast_ones_keep_succeeding(large_publish
     assert len(successes) > before, "no fast search finished while the slow one ran"
     assert slow_s < target.timeout_s + target.probe_attempts * target.probe_timeout_s + 3.0
     assert not milvus_index._DOWN, "a slow call opened the circuit"
+
+
+def test_a_frozen_server_is_unreachable_once_its_probes_fail_too(large_published, milvus_server):
+    """SIGSTOP: connections open, nothing answers — the call misses its deadline and so does every
+    probe, so the circuit opens: 503 `index-unavailable` for everyone, the next call fails at once.
+    After SIGCONT the first call past the hold-off closes it again — also when Milvus answers that
+    trial with an error (an alias not found: `active_bundle` reads it as "none"), which used to leave
+    the circuit open for good."""
+    base, _ = large_published
+    target = MilvusTarget(uri=base.uri, timeout_s=1.0, hold_off_s=1.0)
+    assert milvus_server.pid is not None
+    os.kill(milvus_server.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(IndexUnavailable) as raised:
+            active_bundle(target)
+        took = time.monotonic() - started
+        assert not isinstance(raised.value, IndexTimeout), raised.value
+        assert took < target.timeout_s + target.probe_attempts * target.probe_timeout_s + 2.0, took
+        started = time.monotonic()
+        with pytest.raises(IndexUnavailable, match="not answering"):
+            active_bundle(target)
+        assert time.monotonic() - started < 0.2  # the circuit is open: no second deadline
+    finally:
+        os.kill(milvus_server.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while True:  # once it answers again (after the hold-off, one call tries), calls succeed
+        try:
+            active_bundle(target)
+            break
+        except IndexUnavailable as err:
+            assert time.monotonic() < deadline, f"Milvus never answered again after SIGCONT: {err}"
+            time.sleep(0.5)
 
 
 def test_the_cli_reads_the_milvus_deadlines_from_the_service_settings(monkeypatch):

@@ -42,6 +42,12 @@ class FrontendConfig(_Strict):
 class DataConfig(_Strict):
     manifest: Path | None = None
     """JSONL manifest (SPEC §2). Other formats are converted with `tonearm data convert`."""
+    shards: str | None = None
+    """Train from `tonearm data shard` output instead of `manifest`: a folder, ``s3://``, ``gs://`` or
+    ``https://`` URL read through fsspec (docs/training.md, "Training on a large corpus")."""
+    shuffle_buffer: int = Field(1000, ge=1)
+    """With `shards`: clips each loader worker holds to draw its next one from (more = better mixed,
+    more memory: a clip's encoded audio each)."""
     languages: list[str] = Field(default_factory=lambda: list(DEFAULT_LANGUAGES))
     drop_other_languages: bool = False
     """Drop captions in languages outside `languages` (counted and reported) instead of

@@ -17,9 +17,10 @@ import json
 import logging
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -66,6 +67,9 @@ from training.runtime import (
 )
 from training.schedule import Schedule
 
+if TYPE_CHECKING:
+    from training.data.stream import StreamBatches
+
 log = logging.getLogger(__name__)
 
 LOG_EVERY_STEPS = 10
@@ -101,8 +105,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     schedule: Schedule
-    loader: DataLoader
-    batches: EpochBatches
+    loader: Iterable[Any]
+    batches: EpochBatches | StreamBatches
     context: LoopContext
     val_set: EvalSet | None
     teachers: Any | None
@@ -179,8 +183,6 @@ def prepare_out_dir(cfg: TrainConfig, runtime: Runtime, *, command: str) -> None
 
 def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
     """Data, tokenizer, model, objective, optimizer, loader; restores `last/` when resuming."""
-    from training.data.dataset import TrainClipDataset, TrainCollate, TrainItem
-
     train_records, val_records = load_training_data(cfg)
     resume_dir = cfg.out_dir / "last" if cfg.resume and (cfg.out_dir / "last").is_dir() else None
     cfg, model, tokenizer = build_model(cfg, train_records, runtime, resume_dir=resume_dir)
@@ -191,38 +193,7 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
     apply_freezing(model, cfg, epoch=0)  # before DDP, which only syncs parameters that need gradients
     enable_gradient_checkpointing(model, cfg)
     step_module = wrap_for_training(TrainStep(model, objective, loss_mode=loss_mode), runtime)
-    dataset = TrainClipDataset(
-        train_records,
-        sample_rate=cfg.frontend.sample_rate,
-        clip_samples=clip_samples(cfg.data, cfg.frontend),
-        seed=cfg.seed,
-    )
-    distributed.check_clips_per_rank(len(dataset), runtime.world_size)
-    # drop_last: the epoch's tail (< world size clips) is skipped so every rank gets the same
-    # number of batches and no clip appears twice in one global batch (docs/training.md).
-    sampler: DistributedSampler[TrainItem] = DistributedSampler(
-        dataset,
-        num_replicas=runtime.world_size,
-        rank=runtime.rank,
-        shuffle=True,
-        seed=cfg.seed,
-        drop_last=True,
-    )
-    batches = EpochBatches(sampler, cfg.optim.batch_size)
-    options = loader_options(
-        cfg.data.num_workers,
-        prefetch_factor=cfg.data.prefetch_factor,
-        persistent=cfg.data.persistent_workers,
-        cuda=runtime.device.type == "cuda",
-    )
-    loader = DataLoader(
-        dataset,
-        batch_sampler=batches,
-        collate_fn=TrainCollate(objective.strategy, tokenizer, seed=cfg.seed),
-        worker_init_fn=ignore_ctrl_c,
-        generator=torch.Generator().manual_seed(cfg.seed),
-        **options,
-    )
+    loader, batches, clips_on_rank = build_train_loader(cfg, runtime, train_records, objective.strategy, tokenizer)
     steps_per_epoch = len(batches)
     total_steps = min(cfg.optim.max_steps or math.inf, cfg.optim.epochs * steps_per_epoch)
     run = Run(
@@ -245,7 +216,7 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
             frontend_cfg=cfg.frontend,
             batch_size=cfg.eval.batch_size,
             device=runtime.device,
-            num_workers=options["num_workers"],
+            num_workers=loader_workers(cfg.data.num_workers),
         ),
         val_set=prepare_eval_set(
             val_records, data_cfg=cfg.data, frontend_cfg=cfg.frontend, progress=runtime.is_main
@@ -257,7 +228,7 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
         steps_per_epoch=steps_per_epoch,
         total_steps=int(total_steps),
         has_validation=bool(val_records),
-        bad_samples=BadSampleBudget(max_fraction=cfg.data.max_bad_fraction, clips=len(sampler)),
+        bad_samples=BadSampleBudget(max_fraction=cfg.data.max_bad_fraction, clips=clips_on_rank),
     )
     if resume_dir is not None:
         restore_trainer_state(run, resume_dir)
@@ -279,11 +250,65 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
     return run
 
 
+def build_train_loader(
+    cfg: TrainConfig, runtime: Runtime, train_records: list[Any], strategy: Any, tokenizer: Any
+) -> tuple[Iterable[Any], EpochBatches | StreamBatches, int]:
+    """(loader, its epoch batches, clips on this rank): the manifest's files, or ``data.shards`` streamed."""
+    from training.data.dataset import TrainClipDataset, TrainCollate, TrainItem
+
+    options = loader_options(
+        cfg.data.num_workers,
+        prefetch_factor=cfg.data.prefetch_factor,
+        persistent=cfg.data.persistent_workers,
+        cuda=runtime.device.type == "cuda",
+    )
+    if cfg.data.shards is not None:
+        from training.data.stream import build_stream_loader, cached_corpus
+
+        stream = build_stream_loader(
+            cfg, cached_corpus(cfg), rank=runtime.rank, world=runtime.world_size, options=options,
+            strategy=strategy, tokenizer=tokenizer, sample_rate=cfg.frontend.sample_rate,
+            clip_samples=clip_samples(cfg.data, cfg.frontend),
+        )
+        return stream, stream, len(stream) * cfg.optim.batch_size
+    dataset = TrainClipDataset(
+        train_records,
+        sample_rate=cfg.frontend.sample_rate,
+        clip_samples=clip_samples(cfg.data, cfg.frontend),
+        seed=cfg.seed,
+    )
+    distributed.check_clips_per_rank(len(dataset), runtime.world_size)
+    # drop_last: the epoch's tail (< world size clips) is skipped so every rank gets the same
+    # number of batches and no clip appears twice in one global batch (docs/training.md).
+    sampler: DistributedSampler[TrainItem] = DistributedSampler(
+        dataset,
+        num_replicas=runtime.world_size,
+        rank=runtime.rank,
+        shuffle=True,
+        seed=cfg.seed,
+        drop_last=True,
+    )
+    batches = EpochBatches(sampler, cfg.optim.batch_size)
+    loader = DataLoader(
+        dataset,
+        batch_sampler=batches,
+        collate_fn=TrainCollate(strategy, tokenizer, seed=cfg.seed),
+        worker_init_fn=ignore_ctrl_c,
+        generator=torch.Generator().manual_seed(cfg.seed),
+        **options,
+    )
+    return loader, batches, len(sampler)
+
+
 def load_training_data(cfg: TrainConfig) -> tuple[list[Any], list[Any]]:
     """(train records, validation records), with clear errors for unusable manifests."""
     from training.data.manifest import load_manifest
     from training.data.splits import carves, select_split
 
+    if cfg.data.shards is not None:  # docs/training.md, "Training on a large corpus"
+        from training.data.stream import load_shard_data
+
+        return load_shard_data(cfg)
     manifest = cfg.data.manifest
     if manifest is None:
         raise ConfigError("data.manifest is not set (e.g. data.manifest=data/small/manifest.jsonl)")

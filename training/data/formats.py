@@ -427,8 +427,13 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
 
 def add_data_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``tonearm data`` with its ``convert`` subcommand to the top-level subcommands."""
-    p = subparsers.add_parser("data", help="dataset tools (convert public formats to the JSONL manifest, translate captions)")
+    p = subparsers.add_parser(
+        "data", help="dataset tools (convert public formats to the JSONL manifest, translate captions, write tar shards)")
     data_sub = p.add_subparsers(dest="data_command", required=True)
     add_convert_parser(data_sub)
     add_translate_parser(data_sub)
+    # shards.py imports only the stdlib at module level, like this module.
+    from training.data.shards import add_shard_parser
+
+    add_shard_parser(data_sub)
     return p

@@ -1,0 +1,308 @@
+"""`tonearm data shard`: a manifest → webdataset tar shards at the model's rate, mono (SPEC §13).
+
+Layout of ``--out DIR``::
+
+    train-000000.tar  train-000001.tar  …  val-000000.tar  …   one shard set per split
+    records.jsonl                                             text-only manifest (id, split, captions,
+                                                              seconds, shard): tokenizer, languages, counts
+    index.json                                                counts, durations, languages, per-shard
+                                                              sha256, skipped files with reasons
+
+Each sample of a shard is ``KEY.flac`` (or ``KEY.wav`` for ``--codec pcm16``): the whole clip
+decoded, downmixed and resampled once here with :func:`index.audio.decode_audio`, and ``KEY.json``:
+``{"id", "split", "captions": {lang: [...]}, "seconds", "sample_rate", "source", "meta"}``. Keys are
+``{split}-{position:09d}`` (webdataset keys may not contain dots, ids may). Clips are shuffled once
+(``--seed``) before being cut into shards, so a shard mixes the corpus' sources.
+
+Shards are written by ``--workers`` processes, one shard per task, through ``webdataset.TarWriter``
+(mtime 0: the same inputs give byte-identical shards). ``index.json`` is rewritten after every
+finished shard with ``"complete": false``; a rerun with the same plan (manifest content, rate,
+codec, shard size, seed) keeps every shard whose file still has the sha256 recorded there and
+writes only the others: an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import logging
+import multiprocessing
+import os
+import random
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from index.errors import AudioDecodeError, DataError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "tonearm-shards/1"
+Codec = Literal["flac", "pcm16"]
+EXTENSION = {"flac": "flac", "pcm16": "wav"}
+"""Member extension of the audio of a sample, per codec."""
+INDEX = "index.json"
+RECORDS = "records.jsonl"
+
+
+@dataclass
+class ShardTask:
+    """One shard to write: its name and the manifest rows (as plain dicts) it holds."""
+
+    name: str
+    split: str
+    first: int
+    """Position of the shard's first clip in its split (keys are split-position)."""
+    rows: list[dict[str, Any]]
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def encode_audio(wave: Any, sample_rate: int, codec: Codec) -> bytes:
+    """float32 mono → FLAC or 16-bit WAV bytes."""
+    import soundfile as sf
+
+    buffer = io.BytesIO()
+    if codec == "flac":
+        sf.write(buffer, wave, sample_rate, format="FLAC", subtype="PCM_16")
+    else:
+        sf.write(buffer, wave, sample_rate, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+def write_shard(task: ShardTask, *, out: Path, sample_rate: int, codec: Codec) -> dict[str, Any]:
+    """Decode every clip of ``task`` and write its tar (atomically); returns the shard's index entry."""
+    import webdataset as wds
+
+    from index.audio import decode_audio
+
+    final = out / task.name
+    partial = out / f".{task.name}.partial"
+    clips, seconds, skipped = [], 0.0, []
+    with partial.open("wb") as handle:
+        writer = wds.TarWriter(handle, mtime=0.0)
+        for offset, row in enumerate(task.rows):
+            try:
+                wave = decode_audio(row["audio"], sample_rate=sample_rate)
+            except AudioDecodeError as err:
+                skipped.append({"id": row["id"], "audio": row["audio"], "reason": str(err)})
+                continue
+            duration = len(wave) / sample_rate
+            meta = {
+                "id": row["id"], "split": row["split"], "captions": row["captions"],
+                "seconds": round(duration, 4), "sample_rate": sample_rate, "source": row["audio"],
+                "meta": row.get("meta", {}),
+            }
+            writer.write({
+                "__key__": f"{task.split}-{task.first + offset:09d}",
+                EXTENSION[codec]: encode_audio(wave, sample_rate, codec),
+                "json": json.dumps(meta, ensure_ascii=False).encode("utf-8"),
+            })
+            clips.append({"id": row["id"], "split": row["split"], "captions": row["captions"],
+                          "seconds": meta["seconds"], "shard": task.name})
+            seconds += duration
+        writer.close()
+    os.replace(partial, final)
+    return {"name": task.name, "split": task.split, "sha256": sha256_of(final), "bytes": final.stat().st_size,
+            "clips": len(clips), "seconds": round(seconds, 3), "records": clips, "skipped": skipped}
+
+
+def _write_shard_star(args: tuple[ShardTask, Path, int, Codec]) -> dict[str, Any]:
+    task, out, sample_rate, codec = args
+    return write_shard(task, out=out, sample_rate=sample_rate, codec=codec)
+
+
+def plan_shards(rows: Sequence[dict[str, Any]], *, shard_size: int, seed: int) -> list[ShardTask]:
+    """Clips grouped by split, shuffled with ``seed``, cut into shards of ``shard_size``."""
+    by_split: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_split.setdefault(row["split"], []).append(row)
+    tasks = []
+    for split in sorted(by_split):
+        members = list(by_split[split])
+        random.Random(f"{seed}:{split}").shuffle(members)
+        for number, first in enumerate(range(0, len(members), shard_size)):
+            tasks.append(ShardTask(f"{split}-{number:06d}.tar", split, first, members[first : first + shard_size]))
+    return tasks
+
+
+def plan_digest(rows: Sequence[dict[str, Any]], **settings: Any) -> str:
+    """What decides the shards' contents: the manifest's rows and the writer's settings."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False).encode("utf-8"))
+    return digest.hexdigest()
+
+
+def _manifest_rows(manifest: Path) -> list[dict[str, Any]]:
+    from training.data.manifest import read_manifest
+
+    rows = []
+    for _, record in read_manifest(manifest, languages=None):
+        rows.append({"id": record.id, "audio": str(record.audio), "split": record.split,
+                     "captions": record.captions, "meta": record.meta})
+    return rows
+
+
+def _summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per split: clips, hours, captions per language, shards (without their records)."""
+    splits: dict[str, Any] = {}
+    for entry in sorted(entries, key=lambda e: e["name"]):
+        split = splits.setdefault(entry["split"], {"clips": 0, "seconds": 0.0, "captions": {}, "shards": []})
+        split["clips"] += entry["clips"]
+        split["seconds"] = round(split["seconds"] + entry["seconds"], 3)
+        for record in entry["records"]:
+            for lang, texts in record["captions"].items():
+                split["captions"][lang] = split["captions"].get(lang, 0) + len(texts)
+        split["shards"].append({k: entry[k] for k in ("name", "sha256", "bytes", "clips", "seconds")})
+    for split in splits.values():
+        split["hours"] = round(split["seconds"] / 3600, 3)
+        split["languages"] = sorted(split["captions"])
+    return splits
+
+
+def write_index(out: Path, header: dict[str, Any], entries: list[dict[str, Any]], *, complete: bool) -> None:
+    """index.json (and records.jsonl once complete), replaced atomically."""
+    index = {
+        **header, "complete": complete, "splits": _summary(entries),
+        "clips": sum(e["clips"] for e in entries),
+        "hours": round(sum(e["seconds"] for e in entries) / 3600, 3),
+        "skipped": [s for e in sorted(entries, key=lambda e: e["name"]) for s in e["skipped"]],
+        "entries": {e["name"]: {k: e[k] for k in ("sha256", "records", "skipped", "clips", "seconds", "bytes")}
+                    for e in entries},
+    }
+    if complete:
+        lines = [json.dumps(r, ensure_ascii=False) for e in sorted(entries, key=lambda e: e["name"])
+                 for r in e["records"]]
+        tmp = out / f".{RECORDS}.partial"
+        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        os.replace(tmp, out / RECORDS)
+        index.pop("entries")  # the records are in records.jsonl; resuming needs them only while incomplete
+    tmp = out / f".{INDEX}.partial"
+    tmp.write_text(json.dumps(index, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, out / INDEX)
+
+
+def _kept_entries(out: Path, plan: str) -> dict[str, dict[str, Any]]:
+    """Entries of a previous run with the same plan whose shard file still has its recorded sha256."""
+    path = out / INDEX
+    if not path.is_file():
+        return {}
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return {}
+    if old.get("plan") != plan:
+        return {}
+    entries = old.get("entries")
+    if entries is None:  # complete: rebuild the entries from records.jsonl
+        records_path = out / RECORDS
+        if not records_path.is_file():
+            return {}
+        by_shard: dict[str, list[dict[str, Any]]] = {}
+        for line in records_path.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            by_shard.setdefault(record["shard"], []).append(record)
+        skipped_by: dict[str, list[dict[str, Any]]] = {}
+        for item in old.get("skipped", []):
+            skipped_by.setdefault(item.get("shard", ""), []).append(item)
+        entries = {}
+        for split in old["splits"].values():
+            for shard in split["shards"]:
+                entries[shard["name"]] = {**shard, "records": by_shard.get(shard["name"], []),
+                                          "skipped": skipped_by.get(shard["name"], [])}
+    kept = {}
+    for name, entry in entries.items():
+        file = out / name
+        if file.is_file() and file.stat().st_size == entry["bytes"] and sha256_of(file) == entry["sha256"]:
+            kept[name] = {**entry, "name": name, "split": name.rsplit("-", 1)[0]}
+    return kept
+
+
+def shard_manifest(
+    manifest: Path, out: Path, *, sample_rate: int, codec: Codec = "flac", shard_size: int = 1000,
+    workers: int | None = None, seed: int = 0, progress: bool = True,
+) -> dict[str, Any]:
+    """Write the shards of ``manifest`` into ``out`` (module doc); returns index.json's content."""
+    if codec not in EXTENSION:
+        raise DataError(f"unknown codec {codec!r}; use flac or pcm16")
+    if shard_size < 1:
+        raise DataError(f"--shard-size must be at least 1, got {shard_size}")
+    rows = _manifest_rows(manifest)
+    if not rows:
+        raise DataError(f"{manifest}: no clips to shard")
+    out.mkdir(parents=True, exist_ok=True)
+    plan = plan_digest(rows, sample_rate=sample_rate, codec=codec, shard_size=shard_size, seed=seed)
+    header = {"format": FORMAT, "plan": plan, "manifest": str(manifest), "sample_rate": sample_rate,
+              "codec": codec, "extension": EXTENSION[codec], "shard_size": shard_size, "seed": seed}
+    tasks = plan_shards(rows, shard_size=shard_size, seed=seed)
+    kept = _kept_entries(out, plan)
+    entries = [kept[t.name] for t in tasks if t.name in kept]
+    todo = [t for t in tasks if t.name not in kept]
+    if kept:
+        log.info("resuming: %d of %d shards already written with matching sha256 are kept", len(entries), len(tasks))
+    from index.cpus import available_cores
+
+    workers = max(1, min(workers or available_cores(), len(todo) or 1))
+    from tqdm import tqdm
+
+    started = time.monotonic()
+    bar = tqdm(total=len(rows), initial=sum(len(t.rows) for t in tasks if t.name in kept), unit="clip",
+               desc="sharding", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    args = [(task, out, sample_rate, codec) for task in todo]
+    context = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
+    try:
+        pool = context.Pool(workers) if workers > 1 else None
+        results: Iterable[dict[str, Any]] = (
+            pool.imap_unordered(_write_shard_star, args) if pool else map(_write_shard_star, args)
+        )
+        for entry in results:
+            for item in entry["skipped"]:
+                item["shard"] = entry["name"]
+                log.warning("skipped %s: %s", item["id"], item["reason"])
+            entries.append(entry)
+            write_index(out, header, entries, complete=False)
+            bar.update(entry["clips"] + len(entry["skipped"]))
+        if pool is not None:
+            pool.close()
+            pool.join()
+    finally:
+        bar.close()
+    header["seconds_to_write"] = round(time.monotonic() - started, 1)
+    write_index(out, header, entries, complete=True)
+    index: dict[str, Any] = json.loads((out / INDEX).read_text(encoding="utf-8"))
+    log.info("%d clips (%.1f h) in %d shards in %s; %d skipped (listed in index.json)",
+             index["clips"], index["hours"], len(tasks), out, len(index["skipped"]))
+    return index
+
+
+def cli_shard(args: argparse.Namespace) -> int:
+    """``tonearm data shard``."""
+    shard_manifest(Path(args.manifest), Path(args.out), sample_rate=args.sample_rate, codec=args.codec,
+                   shard_size=args.shard_size, workers=args.workers, seed=args.seed)
+    return 0
+
+
+def add_shard_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``shard`` to the ``tonearm data`` subcommands (handler: :func:`cli_shard`)."""
+    p = subparsers.add_parser("shard", help="write a manifest as webdataset tar shards at the model's rate (mono)")
+    p.add_argument("manifest", help="JSONL manifest (every split is sharded, one shard set per split)")
+    p.add_argument("--out", required=True, help="output folder (shards, index.json, records.jsonl)")
+    p.add_argument("--sample-rate", type=int, default=16_000, help="the model front end's rate (default 16000)")
+    p.add_argument("--codec", choices=sorted(EXTENSION), default="flac", help="flac (default) or pcm16 (WAV)")
+    p.add_argument("--shard-size", type=int, default=1000, help="clips per shard (default 1000)")
+    p.add_argument("--workers", type=int, default=None, help="processes (default: every core)")
+    p.add_argument("--seed", type=int, default=0, help="order in which clips are dealt into shards")
+    p.set_defaults(handler=cli_shard)
+    return p

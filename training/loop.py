@@ -534,7 +534,7 @@ def stop_requested(run: Run, stop: StopRequest) -> bool:
     """Whether to stop at this step boundary; all ranks agree, so none waits alone in a collective."""
     if not run.runtime.distributed:
         return stop.requested
-    stop.requested = distributed.any_rank(stop.requested, run.runtime.device)
+    stop.requested = distributed.any_rank(stop.requested)
     return stop.requested
 
 
@@ -551,33 +551,44 @@ def begin_epoch(run: Run, epoch: int) -> None:
 
 
 def train_step(run: Run, batch: Any) -> dict[str, float]:
-    """One optimizer step; returns the learning rate, loss, gradient norm and every term."""
-    cfg, runtime, state = run.cfg, run.runtime, run.state
+    """One optimizer step; returns the learning rate, loss, gradient norm and every term.
+
+    The logged numbers leave the device once per step: loss, gradient norm and terms are
+    stacked into one tensor, averaged over ranks in one all-reduce and copied to the host
+    in one transfer (:func:`distributed.reduce_logged`). A non-finite loss on any rank is
+    therefore seen by every rank before the optimizer steps, and all stop together.
+    """
+    cfg, state = run.cfg, run.state
     lr = run.schedule(state.step)
     for group in run.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
     run.context.step = state.step
     run.objective.on_step_start(run.context)
     inputs = batch_inputs(run, batch)
-    with autocast(runtime):
-        terms = run.step_module(**inputs)
-        loss = total_loss(terms)
-    if not torch.isfinite(loss):
-        raise FloatingPointError(
-            f"loss is {loss.item()} at step {state.step}; lower optim.lr or enable grad_clip"
-        )
     run.optimizer.zero_grad(set_to_none=True)
-    run.scaler.scale(loss).backward()
+    terms, loss = forward_backward(run, inputs)
     run.scaler.unscale_(run.optimizer)
     params = [p for group in run.optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or math.inf)
+    logged = distributed.reduce_logged({"loss": loss, "grad_norm": grad_norm, **terms})
+    if not math.isfinite(logged["loss"]):
+        raise FloatingPointError(
+            f"loss is {logged['loss']} at step {state.step}; lower optim.lr or enable grad_clip"
+        )
     run.scaler.step(run.optimizer)
     run.scaler.update()
     state.step += 1
     state.batch_in_epoch += 1
-    logged = {k: float(v.detach()) if isinstance(v, Tensor) else float(v) for k, v in terms.items()}
-    logged = distributed.average_scalars({"loss": float(loss.detach()), **logged})
-    return {"lr": lr, "grad_norm": float(grad_norm), **logged}
+    return {"lr": lr, **logged}
+
+
+def forward_backward(run: Run, inputs: dict[str, Tensor | None]) -> tuple[dict[str, Tensor], Tensor]:
+    """(terms, loss) of the batch, with the gradients of the (scaled) loss accumulated."""
+    with autocast(run.runtime):
+        terms = run.step_module(**inputs)
+        loss = total_loss(terms)
+    run.scaler.scale(loss).backward()
+    return terms, loss
 
 
 def batch_inputs(run: Run, batch: Any) -> dict[str, Tensor | None]:

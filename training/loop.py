@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from index.errors import DataError
 from training import distributed
+from training.accumulate import accumulated_backward, surrogate
 from training.config import ConfigError, TrainConfig, load_train_config
 from training.context import LoopContext
 from training.data.loader import BadSampleBudget, loader_options, loader_workers
@@ -399,13 +400,43 @@ class TrainStep(nn.Module):
         input_ids: Tensor,
         attention_mask: Tensor,
         text_mask: Tensor,
+        clip_index: Tensor | None = None,
+        teacher_audio: Tensor | None = None,
+        teacher_text: Tensor | None = None,
+        *,
+        audio_grad: Tensor | None = None,
+        text_grad: Tensor | None = None,
+        objective_grads: dict[str, Tensor] | None = None,
+    ) -> dict[str, Tensor]:
+        """Loss terms of the batch; with `audio_grad`/`text_grad` (gradient accumulation,
+        training/accumulate.py) the surrogate whose gradient is the cached one instead."""
+        audio, text = self.embed(waveform, input_ids, attention_mask, text_mask)
+        if audio_grad is not None and text_grad is not None:
+            return {
+                "surrogate": surrogate(audio, text, audio_grad, text_grad, self.objective, objective_grads)
+            }
+        assert clip_index is not None
+        return self.score(audio, text, text_mask, clip_index, teacher_audio, teacher_text)
+
+    def embed(
+        self, waveform: Tensor, input_ids: Tensor, attention_mask: Tensor, text_mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """(audio (B, d), text (V, B, d)) embeddings of this rank's rows."""
+        return self.model.encode_audio(waveform), self._embed_views(input_ids, attention_mask, text_mask)
+
+    def score(
+        self,
+        audio: Tensor,
+        text: Tensor,
+        text_mask: Tensor,
         clip_index: Tensor,
         teacher_audio: Tensor | None = None,
         teacher_text: Tensor | None = None,
     ) -> dict[str, Tensor]:
+        """The objective's terms on these embeddings; under torchrun on the global batch."""
         batch = EmbeddingBatch(
-            audio=self.model.encode_audio(waveform),
-            text=self._embed_views(input_ids, attention_mask, text_mask),
+            audio=audio,
+            text=text,
             text_mask=text_mask,
             clip_index=clip_index,
             teacher_audio=teacher_audio,
@@ -583,7 +614,16 @@ def train_step(run: Run, batch: Any) -> dict[str, float]:
 
 
 def forward_backward(run: Run, inputs: dict[str, Tensor | None]) -> tuple[dict[str, Tensor], Tensor]:
-    """(terms, loss) of the batch, with the gradients of the (scaled) loss accumulated."""
+    """(terms, loss) of the batch, with the gradients of the (scaled) loss accumulated.
+
+    With ``optim.accum_steps`` N > 1 the batch goes through the towers in N micro-batches
+    while the objective still sees it whole (training/accumulate.py).
+    """
+    if run.cfg.optim.accum_steps > 1:
+        return accumulated_backward(
+            run.step_module, inputs, run.cfg.optim.accum_steps, autocast=lambda: autocast(run.runtime),
+            scale=run.scaler.scale, device=run.runtime.device,
+        )
     with autocast(run.runtime):
         terms = run.step_module(**inputs)
         loss = total_loss(terms)

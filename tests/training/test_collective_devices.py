@@ -42,7 +42,8 @@ def _loop_worker(rank: int, world: int, port: int, manifest: str, out_dir: str) 
         TINY_CONFIG,
         [
             f"data.manifest={manifest}", f"out_dir={out_dir}", "threads=1", "optim.epochs=1",
-            "optim.batch_size=2", "data.max_clips=8", "optim.warmup_steps=1", "distributed.timeout_s=120",
+            "optim.batch_size=4", "optim.accum_steps=2", "data.max_clips=8", "optim.warmup_steps=1",
+            "distributed.timeout_s=120",
         ],
     )
     train(cfg)
@@ -50,6 +51,7 @@ def _loop_worker(rank: int, world: int, port: int, manifest: str, out_dir: str) 
 
 
 def test_training_loop_sends_every_collective_from_the_group_device(tiny_corpus: Path, tmp_path: Path) -> None:
+    """The real loop (with optim.accum_steps=2: the accumulated step under DDP) on 2 gloo processes."""
     mp.spawn(_loop_worker, args=(2, free_port(), str(tiny_corpus), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         sent = json.loads((tmp_path / f"sent.{rank}.json").read_text())

@@ -142,6 +142,11 @@ class OptimConfig(_Strict):
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many optimizer steps (smoke tests, quick runs)."""
     batch_size: int = Field(64, ge=2)
+    """Rows one optimizer step sees on each rank (the global batch is batch_size × ranks)."""
+    accum_steps: int = Field(1, ge=1)
+    """Compute each step's batch in this many micro-batches of batch_size / accum_steps:
+    less activation memory, the same step — the objective still sees the whole batch
+    (GradCache-style, training/accumulate.py; docs/training.md, "Training on many GPUs")."""
     lr: float = Field(5e-4, gt=0)
     weight_decay: float = Field(0.01, ge=0)
     betas: tuple[float, float] = (0.9, 0.98)
@@ -156,6 +161,15 @@ class OptimConfig(_Strict):
     """``auto`` = bf16 where the GPU supports it, else fp16 (fp16 always runs with a grad scaler)."""
     audio: TowerOptimConfig = Field(default_factory=TowerOptimConfig)
     text: TowerOptimConfig = Field(default_factory=TowerOptimConfig)
+
+    @model_validator(mode="after")
+    def _check_accumulation(self) -> OptimConfig:
+        if self.batch_size % self.accum_steps:
+            raise ValueError(
+                f"optim.accum_steps={self.accum_steps} must divide optim.batch_size={self.batch_size} "
+                "(micro-batches of batch_size / accum_steps rows)"
+            )
+        return self
 
 
 class ObjectiveConfig(_Strict):

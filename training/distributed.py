@@ -23,10 +23,13 @@ shard of the batch; :func:`gather_embedding_batch` concatenates every rank's emb
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import os
-from collections.abc import Sequence
+import pickle
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
@@ -35,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tonearm.errors import DataError, TonearmError
+from index.errors import DataError, TonearmError
 from training.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -65,17 +68,24 @@ def launched_world_size() -> int:
 
 
 def backend_for(device: torch.device) -> str:
-    """NCCL between GPUs, gloo between CPU processes."""
-    return "nccl" if device.type == "cuda" else "gloo"
+    """NCCL between GPUs, gloo between CPU processes; ``TONEARM_DIST_BACKEND`` overrides.
+
+    The override takes torch's ``device:backend`` form too: ``cuda:gloo`` gives a group
+    whose only backend is for CUDA tensors (as NCCL's), so any host tensor handed to a
+    collective fails as it would under NCCL — without NCCL (docs/training.md).
+    """
+    return os.environ.get(BACKEND_ENV) or ("nccl" if device.type == "cuda" else "gloo")
 
 
 def init_process_group(device: torch.device, *, timeout_s: float) -> int:
     """Join the torchrun process group (env:// rendezvous); returns this process's rank.
 
-    A rendezvous that does not complete within ``timeout_s`` (a peer never started, a
-    previous run still holds ``MASTER_PORT``, nodes disagree on ``--nnodes``) fails with
-    one clear line instead of hanging.
+    `device` becomes the group's device (:func:`group_device`): every tensor a collective
+    sends lives there. A rendezvous that does not complete within ``timeout_s`` (a peer
+    never started, a previous run still holds ``MASTER_PORT``, nodes disagree on
+    ``--nnodes``) fails with one clear line instead of hanging.
     """
+    global _GROUP_DEVICE
     if is_distributed():
         return dist.get_rank()
     address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
@@ -90,27 +100,123 @@ def init_process_group(device: torch.device, *, timeout_s: float) -> int:
             "or a peer did not start; check that no old tonearm/torchrun processes remain, that every "
             "node runs the same command with the same --nnodes/--rdzv-id, or use another port"
         ) from err
+    _GROUP_DEVICE = device
     return dist.get_rank()
 
 
+# --- the group's device and the collective boundary ------------------------------------------
+#
+# NCCL communicates CUDA tensors only: a host tensor handed to any collective fails
+# ("No backend type associated with device type cpu"). Every collective of the project
+# therefore passes :func:`_send`, which places its tensors on :func:`group_device` — the
+# training device given to :func:`init_process_group` — and, with the check on
+# (``TONEARM_CHECK_COLLECTIVES=1`` or :func:`check_collectives`), refuses any tensor that is
+# not there. While checking, the body of every collective helper runs with ``meta`` as
+# torch's default device, so a helper that builds a tensor without naming the group's
+# device (``torch.tensor([...])``, a host tensor under NCCL) hands a ``meta`` tensor to the
+# boundary and fails *on a CPU machine too* (tests/training/test_collective_devices.py).
+
+BACKEND_ENV = "TONEARM_DIST_BACKEND"
+CHECK_ENV = "TONEARM_CHECK_COLLECTIVES"
+_GROUP_DEVICE: torch.device | None = None
+_CHECK: bool | None = None
+_SENT: Counter[str] = Counter()
+
+
+class CollectiveDeviceError(TonearmError, RuntimeError):
+    """A tensor handed to a collective is not on the process group's device."""
+
+
+def group_device() -> torch.device:
+    """Where this process group's collectives run: the device given to :func:`init_process_group`
+    (a group made elsewhere: the current CUDA device under NCCL, else the CPU)."""
+    if _GROUP_DEVICE is not None:
+        return _GROUP_DEVICE
+    if is_distributed() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_collectives(enabled: bool | None) -> None:
+    """Turn the device check on or off (None: follow ``TONEARM_CHECK_COLLECTIVES``); resets the counts."""
+    global _CHECK
+    _CHECK = enabled
+    _SENT.clear()
+
+
+def _checking() -> bool:
+    return _CHECK if _CHECK is not None else os.environ.get(CHECK_ENV, "") not in ("", "0")
+
+
+def collectives_sent() -> dict[str, int]:
+    """Tensors that passed the boundary while checking, by collective (what a test asserts was covered)."""
+    return dict(_SENT)
+
+
+@contextlib.contextmanager
+def _helper_scope() -> Iterator[None]:
+    """While checking: tensors built without an explicit device land on ``meta`` (module note)."""
+    if not _checking():
+        yield
+        return
+    with torch.device("meta"):
+        yield
+
+
+def _send(name: str, *tensors: Tensor) -> None:
+    """The boundary: every tensor a collective sends or receives into must be on the group's device."""
+    if not _checking():
+        return
+    expected = group_device()
+    for tensor in tensors:
+        if tensor.device != expected:
+            raise CollectiveDeviceError(
+                f"{name}: a tensor on {tensor.device} was handed to a collective of a group on "
+                f"{expected}; NCCL would fail here (build it with device=distributed.group_device())"
+            )
+        _SENT[name] += 1
+
+
+def _to_group(tensor: Tensor) -> Tensor:
+    """`tensor` on the group's device (no copy when it is already there).
+
+    A caller's tensor on another device is moved (a CPU tensor reaches NCCL from the GPU);
+    while checking, a ``meta`` tensor — one a helper built without naming the group's
+    device — is refused here, before any copy.
+    """
+    if tensor.device.type == "meta" and _checking():
+        _send("to_group", tensor)
+    return tensor.to(group_device(), non_blocking=True)
+
+
+def _barrier_kwargs() -> dict[str, Any]:
+    device = group_device()
+    return {"device_ids": [device.index]} if device.type == "cuda" and device.index is not None else {}
+
+
 def destroy_process_group() -> None:
+    global _GROUP_DEVICE
     if is_distributed():
-        dist.barrier()
+        dist.barrier(**_barrier_kwargs())
         dist.destroy_process_group()
+    _GROUP_DEVICE = None
 
 
 def barrier() -> None:
     if is_distributed():
-        dist.barrier()
+        dist.barrier(**_barrier_kwargs())
 
 
 # --- gathers with gradients ----------------------------------------------------------------
 
 
 def _gather_detached(tensor: Tensor) -> list[Tensor]:
-    parts = [torch.empty_like(tensor) for _ in range(world_size())]
-    dist.all_gather(parts, tensor.detach().contiguous())
-    return parts
+    """Every rank's `tensor` (equal shapes), on `tensor`'s device; sent from the group's device."""
+    sent = _to_group(tensor.detach()).contiguous()
+    parts = [torch.empty_like(sent) for _ in range(world_size())]
+    _send("all_gather", sent, *parts)
+    dist.all_gather(parts, sent)
+    return [part.to(tensor.device) for part in parts]
 
 
 class _GatherKeepLocal(torch.autograd.Function):
@@ -132,10 +238,11 @@ class _GatherFullGrad(_GatherKeepLocal):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
-        grad = grad.contiguous()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        summed = _to_group(grad).clone(memory_format=torch.contiguous_format)
+        _send("all_reduce(grad)", summed)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         start = rank() * ctx.rows
-        return grad[start : start + ctx.rows]
+        return summed[start : start + ctx.rows].to(grad.device)
 
 
 def all_gather_with_grad(tensor: Tensor, *, mode: LossMode = "global", dim: int = 0) -> Tensor:
@@ -144,7 +251,9 @@ def all_gather_with_grad(tensor: Tensor, *, mode: LossMode = "global", dim: int 
         return tensor
     moved = tensor.movedim(dim, 0)
     function = _GatherKeepLocal if mode == "global" else _GatherFullGrad
-    return function.apply(moved).movedim(0, dim)
+    with _helper_scope():
+        gathered: Tensor = function.apply(moved)
+    return gathered.movedim(0, dim)
 
 
 def all_gather_no_grad(tensor: Tensor, *, dim: int = 0) -> Tensor:
@@ -152,9 +261,10 @@ def all_gather_no_grad(tensor: Tensor, *, dim: int = 0) -> Tensor:
     if not is_distributed():
         return tensor
     moved = tensor.detach().movedim(dim, 0)
-    if moved.dtype == torch.bool:  # gloo has no bool all_gather
-        return torch.cat(_gather_detached(moved.to(torch.uint8)), 0).bool().movedim(0, dim)
-    return torch.cat(_gather_detached(moved), 0).movedim(0, dim)
+    with _helper_scope():
+        if moved.dtype == torch.bool:  # gloo has no bool all_gather
+            return torch.cat(_gather_detached(moved.to(torch.uint8)), 0).bool().movedim(0, dim)
+        return torch.cat(_gather_detached(moved), 0).movedim(0, dim)
 
 
 def all_gather_rows(tensor: Tensor) -> Tensor:
@@ -165,13 +275,15 @@ def all_gather_rows(tensor: Tensor) -> Tensor:
     """
     if not is_distributed():
         return tensor
-    local = tensor.detach().contiguous()
-    sizes = all_gather_no_grad(torch.tensor([local.shape[0]], device=local.device)).tolist()
-    longest = max(sizes)
-    padded = local.new_zeros((longest, *local.shape[1:]))
-    padded[: local.shape[0]] = local
-    parts = _gather_detached(padded)
-    return torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)], dim=0)
+    with _helper_scope():
+        local = _to_group(tensor.detach()).contiguous()
+        sizes = all_gather_no_grad(torch.tensor([local.shape[0]], device=group_device())).tolist()
+        longest = max(sizes)
+        padded = local.new_zeros((longest, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        parts = _gather_detached(padded)
+        rows = torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)], dim=0)
+    return rows.to(tensor.device)
 
 
 def shard_range(count: int) -> range:
@@ -201,9 +313,11 @@ def all_reduce_sum(tensor: Tensor) -> Tensor:
     """Sum of `tensor` over ranks (no gradient); identity on one process."""
     if not is_distributed():
         return tensor
-    reduced = tensor.detach().clone()
-    dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
-    return reduced
+    with _helper_scope():
+        reduced = _to_group(tensor.detach()).clone()
+        _send("all_reduce", reduced)
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+    return reduced.to(tensor.device)
 
 
 def all_reduce_mean(tensor: Tensor) -> Tensor:
@@ -215,9 +329,14 @@ def gather_objects(obj: T) -> list[T]:
     """Every rank's `obj` (picklable), in rank order; ``[obj]`` on one process."""
     if not is_distributed():
         return [obj]
-    out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    with _helper_scope():  # pickled bytes travel as a uint8 tensor on the group's device
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = all_gather_no_grad(torch.tensor([payload.numel()], device=group_device())).tolist()
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=group_device())
+        padded[: payload.numel()] = payload.to(group_device())
+        parts = _gather_detached(padded)
+        blobs = [part[:size].cpu().numpy().tobytes() for part, size in zip(parts, sizes, strict=True)]
+    return [pickle.loads(blob) for blob in blobs]  # noqa: S301 - our own ranks' objects
 
 
 # --- the embedding batch -----------------------------------------------------------------
@@ -259,16 +378,33 @@ def check_local_loss(terms: Sequence[Any]) -> None:
         )
 
 
-def average_scalars(values: dict[str, float]) -> dict[str, float]:
-    """Each logged number averaged over ranks (one all-reduce); unchanged on one process.
+def reduce_logged(values: Mapping[str, Tensor | float]) -> dict[str, float]:
+    """Every logged number averaged over ranks: ONE device tensor, ONE all-reduce, ONE host transfer.
 
-    In local-loss mode each rank's loss covers its own rows; the mean is the global loss.
+    Tensor values stay on their device until the single ``tolist`` (no ``.item()`` per
+    term); on one process the mean is the value itself. In local-loss mode each rank's
+    loss covers its own rows, so the mean is the global loss.
     """
-    if not is_distributed() or not values:
-        return values
-    keys = sorted(values)
-    packed = all_reduce_mean(torch.tensor([values[k] for k in keys], dtype=torch.float64))
-    return dict(zip(keys, packed.tolist(), strict=True))
+    if not values:
+        return {}
+    keys = list(values)
+    with _helper_scope():
+        device = group_device() if is_distributed() else _first_device(values)
+        packed = torch.stack(
+            [
+                v.detach().reshape(()).to(device, torch.float32)
+                if isinstance(v, Tensor)
+                else torch.tensor(float(v), dtype=torch.float32, device=device)
+                for v in values.values()
+            ]
+        )
+        if is_distributed():
+            packed = all_reduce_mean(packed)
+        return dict(zip(keys, packed.tolist(), strict=True))
+
+
+def _first_device(values: Mapping[str, Tensor | float]) -> torch.device:
+    return next((v.device for v in values.values() if isinstance(v, Tensor)), torch.device("cpu"))
 
 
 def loss_mode_for(choice: LossMode, objective: Any, processes: int) -> LossMode:
@@ -320,10 +456,12 @@ def own_rng_state(
     return own, scalars["ranks"][str(rank())]
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
+def any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is true on at least one (e.g. a stop request)."""
     if not is_distributed():
         return flag
-    value = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    with _helper_scope():
+        value = torch.tensor([int(flag)], device=group_device())
+        _send("any_rank", value)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())

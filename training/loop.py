@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from index.errors import DataError
 from training import distributed
+from training.accumulate import accumulated_backward, surrogate
 from training.config import ConfigError, TrainConfig, load_train_config
 from training.context import LoopContext
 from training.data.loader import BadSampleBudget, loader_options, loader_workers
@@ -424,13 +425,43 @@ class TrainStep(nn.Module):
         input_ids: Tensor,
         attention_mask: Tensor,
         text_mask: Tensor,
+        clip_index: Tensor | None = None,
+        teacher_audio: Tensor | None = None,
+        teacher_text: Tensor | None = None,
+        *,
+        audio_grad: Tensor | None = None,
+        text_grad: Tensor | None = None,
+        objective_grads: dict[str, Tensor] | None = None,
+    ) -> dict[str, Tensor]:
+        """Loss terms of the batch; with `audio_grad`/`text_grad` (gradient accumulation,
+        training/accumulate.py) the surrogate whose gradient is the cached one instead."""
+        audio, text = self.embed(waveform, input_ids, attention_mask, text_mask)
+        if audio_grad is not None and text_grad is not None:
+            return {
+                "surrogate": surrogate(audio, text, audio_grad, text_grad, self.objective, objective_grads)
+            }
+        assert clip_index is not None
+        return self.score(audio, text, text_mask, clip_index, teacher_audio, teacher_text)
+
+    def embed(
+        self, waveform: Tensor, input_ids: Tensor, attention_mask: Tensor, text_mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """(audio (B, d), text (V, B, d)) embeddings of this rank's rows."""
+        return self.model.encode_audio(waveform), self._embed_views(input_ids, attention_mask, text_mask)
+
+    def score(
+        self,
+        audio: Tensor,
+        text: Tensor,
+        text_mask: Tensor,
         clip_index: Tensor,
         teacher_audio: Tensor | None = None,
         teacher_text: Tensor | None = None,
     ) -> dict[str, Tensor]:
+        """The objective's terms on these embeddings; under torchrun on the global batch."""
         batch = EmbeddingBatch(
-            audio=self.model.encode_audio(waveform),
-            text=self._embed_views(input_ids, attention_mask, text_mask),
+            audio=audio,
+            text=text,
             text_mask=text_mask,
             clip_index=clip_index,
             teacher_audio=teacher_audio,
@@ -559,7 +590,7 @@ def stop_requested(run: Run, stop: StopRequest) -> bool:
     """Whether to stop at this step boundary; all ranks agree, so none waits alone in a collective."""
     if not run.runtime.distributed:
         return stop.requested
-    stop.requested = distributed.any_rank(stop.requested, run.runtime.device)
+    stop.requested = distributed.any_rank(stop.requested)
     return stop.requested
 
 
@@ -576,33 +607,53 @@ def begin_epoch(run: Run, epoch: int) -> None:
 
 
 def train_step(run: Run, batch: Any) -> dict[str, float]:
-    """One optimizer step; returns the learning rate, loss, gradient norm and every term."""
-    cfg, runtime, state = run.cfg, run.runtime, run.state
+    """One optimizer step; returns the learning rate, loss, gradient norm and every term.
+
+    The logged numbers leave the device once per step: loss, gradient norm and terms are
+    stacked into one tensor, averaged over ranks in one all-reduce and copied to the host
+    in one transfer (:func:`distributed.reduce_logged`). A non-finite loss on any rank is
+    therefore seen by every rank before the optimizer steps, and all stop together.
+    """
+    cfg, state = run.cfg, run.state
     lr = run.schedule(state.step)
     for group in run.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
     run.context.step = state.step
     run.objective.on_step_start(run.context)
     inputs = batch_inputs(run, batch)
-    with autocast(runtime):
-        terms = run.step_module(**inputs)
-        loss = total_loss(terms)
-    if not torch.isfinite(loss):
-        raise FloatingPointError(
-            f"loss is {loss.item()} at step {state.step}; lower optim.lr or enable grad_clip"
-        )
     run.optimizer.zero_grad(set_to_none=True)
-    run.scaler.scale(loss).backward()
+    terms, loss = forward_backward(run, inputs)
     run.scaler.unscale_(run.optimizer)
     params = [p for group in run.optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or math.inf)
+    logged = distributed.reduce_logged({"loss": loss, "grad_norm": grad_norm, **terms})
+    if not math.isfinite(logged["loss"]):
+        raise FloatingPointError(
+            f"loss is {logged['loss']} at step {state.step}; lower optim.lr or enable grad_clip"
+        )
     run.scaler.step(run.optimizer)
     run.scaler.update()
     state.step += 1
     state.batch_in_epoch += 1
-    logged = {k: float(v.detach()) if isinstance(v, Tensor) else float(v) for k, v in terms.items()}
-    logged = distributed.average_scalars({"loss": float(loss.detach()), **logged})
-    return {"lr": lr, "grad_norm": float(grad_norm), **logged}
+    return {"lr": lr, **logged}
+
+
+def forward_backward(run: Run, inputs: dict[str, Tensor | None]) -> tuple[dict[str, Tensor], Tensor]:
+    """(terms, loss) of the batch, with the gradients of the (scaled) loss accumulated.
+
+    With ``optim.accum_steps`` N > 1 the batch goes through the towers in N micro-batches
+    while the objective still sees it whole (training/accumulate.py).
+    """
+    if run.cfg.optim.accum_steps > 1:
+        return accumulated_backward(
+            run.step_module, inputs, run.cfg.optim.accum_steps, autocast=lambda: autocast(run.runtime),
+            scale=run.scaler.scale, device=run.runtime.device,
+        )
+    with autocast(run.runtime):
+        terms = run.step_module(**inputs)
+        loss = total_loss(terms)
+    run.scaler.scale(loss).backward()
+    return terms, loss
 
 
 def batch_inputs(run: Run, batch: Any) -> dict[str, Tensor | None]:

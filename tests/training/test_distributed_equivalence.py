@@ -187,6 +187,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     distributed.init_process_group(torch.device("cpu"), timeout_s=60)
+    distributed.check_collectives(True)  # every tensor sent from the group's device (test_collective_devices)
     try:
         gathered = distributed.all_gather_rows(torch.arange(rank + 1))  # shards of unequal length
         results = {name: run_case(name, rank=rank, world=world) for name in CASES}

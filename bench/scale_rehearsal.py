@@ -178,7 +178,7 @@ def main() -> None:
     (args.work / "results.json").write_text(json.dumps(results, indent=2, default=str))
     print(json.dumps({k: v for k, v in results.items() if k != "shard"}, indent=2, default=str))
     if not args.no_write and {"shard", "train"} <= stages:
-        publish_section(ROOT / "docs" / "BENCHMARKS.md", START, END, section(results, args))
+        publish_section(section(results, args), start=START, end=END)
 
 
 def section(results: dict[str, Any], args: argparse.Namespace) -> str:

@@ -92,3 +92,166 @@ def test_interrupted_run_resumes_and_keeps_matching_shards(corpus_with_corrupt: 
     assert again["splits"] == index["splits"]  # rewritten byte for byte (same sha256)
     assert again["skipped"] == index["skipped"]
     assert np.isclose(again["hours"], index["hours"])
+
+
+# --- streaming (data.shards) ------------------------------------------------------------------
+
+BATCH = 4
+
+
+def clip_rows(items: list) -> list[int]:  # collate of the coverage tests: the clips' rows only
+    return [item.index for item in items]
+
+
+def rows_and_waves(items: list) -> tuple[list[int], np.ndarray, list[str]]:
+    return [i.index for i in items], np.stack([i.waveform for i in items]), [e for i in items for e in i.skipped]
+
+
+@pytest.fixture(scope="module")
+def clean_shards(tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny corpus (32 train clips) in shards of 8: 4 train shards, 1 per rank × worker of a 2 × 2 run."""
+    from training.data.shards import shard_manifest
+
+    out = tmp_path_factory.mktemp("clean_shards")
+    shard_manifest(tiny_corpus, out, sample_rate=16_000, shard_size=8, workers=1, progress=False)
+    return out
+
+
+def make_stream(url: str, *, rank: int = 0, world: int = 1, workers: int = 2, epochs: int = 2):
+    from training.data.stream import ShardStream, open_corpus, steps_per_epoch
+
+    corpus = open_corpus(url, languages=["eng", "fra", "deu", "spa", "nld", "cat", "jpn", "zho"],
+                         drop_other_languages=True)
+    steps = steps_per_epoch(corpus.shards("train"), seed=0, epochs=epochs, world=world, workers=workers,
+                            batch_size=BATCH)
+    return ShardStream(corpus, rank=rank, world=world, workers=workers, batch_size=BATCH, steps=steps,
+                       sample_rate=16_000, clip_samples=16_000, seed=0, shuffle_buffer=5,
+                       languages=["eng", "fra"]), corpus
+
+
+def loader_of(stream, collate, workers: int = 2, persistent: bool = False):
+    from torch.utils.data import DataLoader
+
+    extra = {"persistent_workers": persistent} if workers else {}
+    return DataLoader(stream, batch_size=BATCH, collate_fn=collate, num_workers=workers, **extra)
+
+
+def test_streamed_epoch_covers_each_sample_once_over_2_ranks_x_2_workers(clean_shards: Path) -> None:
+    per_rank = []
+    for rank in (0, 1):
+        stream, corpus = make_stream(str(clean_shards), rank=rank, world=2)
+        stream.set_epoch(0)
+        per_rank.append([row for batch in loader_of(stream, clip_rows) for row in batch])
+    everything = per_rank[0] + per_rank[1]
+    assert len(per_rank[0]) == len(per_rank[1]) == 16  # same number of batches on every rank
+    assert sorted(everything) == list(range(len(corpus.records["train"])))  # each clip once
+
+
+def test_resume_mid_epoch_continues_where_it_stopped(clean_shards: Path) -> None:
+    stream, _ = make_stream(str(clean_shards))
+    loader = loader_of(stream, rows_and_waves, persistent=True)
+    epochs = []
+    for epoch in (0, 1):  # persistent workers see the epoch set after they started
+        stream.set_epoch(epoch)
+        epochs.append(list(loader))
+    assert [b[0] for b in epochs[0]] != [b[0] for b in epochs[1]]
+    resumed, _ = make_stream(str(clean_shards))
+    resumed.set_epoch(1, skip=3)
+    again = list(loader_of(resumed, rows_and_waves))
+    assert [b[0] for b in again] == [b[0] for b in epochs[1][3:]]
+    assert all(np.array_equal(a[1], b[1]) for a, b in zip(again, epochs[1][3:], strict=True))
+
+
+def test_corrupt_sample_in_a_shard_is_replaced_and_counted(clean_shards: Path, tmp_path: Path) -> None:
+    import webdataset as wds
+
+    from index.errors import DataError
+    from training.data.loader import BadSampleBudget
+
+    broken = tmp_path / "broken"
+    shutil.copytree(clean_shards, broken)
+    victim = "train-000001.tar"
+    samples = list(wds.WebDataset(str(clean_shards / victim), shardshuffle=False))
+    bad_id = json.loads(samples[2]["json"])["id"]
+    with wds.TarWriter(str(broken / victim)) as writer:
+        for i, sample in enumerate(samples):
+            writer.write({"__key__": sample["__key__"], "json": sample["json"],
+                          "flac": b"fLaC" + bytes(512) if i == 2 else sample["flac"]})
+    stream, _ = make_stream(str(broken), workers=0)
+    stream.set_epoch(0)
+    batches = list(loader_of(stream, rows_and_waves, workers=0))
+    assert sum(len(b[0]) for b in batches) == 32  # the bad clip's place is taken by another clip
+    errors = [e for b in batches for e in b[2]]
+    assert len(errors) == 1 and bad_id in errors[0] and victim in errors[0]
+    budget = BadSampleBudget(max_fraction=0.05, clips=32)
+    budget.add(errors)
+    assert budget.count == 1
+    with pytest.raises(DataError, match="could not be decoded"):
+        BadSampleBudget(max_fraction=0.0, clips=32).add(errors)
+
+
+# --- a real S3-compatible server (moto_server on loopback), read through s3fs -------------------
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> object:
+    """A `moto_server` subprocess on a free loopback port; AWS_* point boto3 and s3fs at it."""
+    import os
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("moto_server did not start") from None
+                time.sleep(0.1)
+        yield env["AWS_ENDPOINT_URL"]
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def test_training_streams_shards_from_an_s3_bucket(s3_endpoint: str, clean_shards: Path, tmp_path: Path) -> None:
+    import boto3
+
+    from training.config import load_train_config
+    from training.loop import train
+
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="corpus")
+    for path in sorted(clean_shards.iterdir()):
+        client.upload_file(str(path), "corpus", f"shards/{path.name}")
+    url = "s3://corpus/shards"
+    stream, corpus = make_stream(url, workers=2, epochs=1)
+    stream.set_epoch(0)
+    rows = [row for batch in loader_of(stream, clip_rows) for row in batch]  # forked workers read through s3fs
+    assert sorted(rows) == list(range(len(corpus.records["train"])))
+    cfg = load_train_config(ROOT / "configs" / "tiny.yaml", [
+        "data.manifest=null", f"data.shards={url}", "data.num_workers=2", "optim.epochs=1",
+        f"out_dir={tmp_path / 'run'}", "data.languages=[eng,fra]", "data.drop_other_languages=true",
+        "eval.select_metric=t2a_R@10_eng"])
+    out = train(cfg)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    epoch = next(r for r in records if r["kind"] == "epoch")
+    assert epoch["step"] == 4 and epoch["bad_samples"] == 0  # 32 clips / batch 8
+    assert any(r["kind"] == "eval" for r in records)  # the val split, extracted from its shard
+    assert (out / "best").is_dir()

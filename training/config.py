@@ -196,6 +196,9 @@ class DistributedConfig(_Strict):
     ``local``: each rank scores its own rows against it (InfoNCE/SigLIP bases only)."""
     timeout_s: float = Field(600.0, gt=0)
     """Rendezvous and collective timeout; a stale rendezvous fails after this long."""
+    find_unused_parameters: bool = False
+    """Let DDP search every step for parameters without a gradient (slower); only for a
+    model or objective that leaves some trainable parameters out of the loss."""
 
 
 class TrainConfig(_Strict):

@@ -122,7 +122,8 @@ class TowerOptimConfig(_Strict):
     unfreeze_after_epochs: int | None = Field(None, ge=1)
     """With `freeze`: the whole tower trains from epoch E + 1 on."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass (Hugging Face towers only): less memory, ~30 % more time."""
+    """Recompute activations in the backward pass (every tower: Hugging Face models, the audio CNN's
+    and the text transformer's blocks): less memory, ~30 % more time."""
 
     @model_validator(mode="after")
     def _check_freeze(self) -> TowerOptimConfig:

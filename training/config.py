@@ -142,6 +142,10 @@ class OptimConfig(_Strict):
     """Compute each step's batch in this many micro-batches of batch_size / accum_steps:
     less activation memory, the same step — the objective still sees the whole batch
     (GradCache-style, training/accumulate.py; docs/training.md, "Training on many GPUs")."""
+    compile: bool = False
+    """``torch.compile`` the audio and text towers (in place: checkpoints keep their keys)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend (``inductor`` generates kernels; ``eager`` only captures graphs)."""
     lr: float = Field(5e-4, gt=0)
     weight_decay: float = Field(0.01, ge=0)
     betas: tuple[float, float] = (0.9, 0.98)

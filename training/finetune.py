@@ -173,6 +173,16 @@ def enable_gradient_checkpointing(model: nn.Module, cfg: TrainConfig) -> None:
                 hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def compile_towers(model: nn.Module, cfg: TrainConfig) -> None:
+    """``optim.compile``: compile each tower's forward in place (``nn.Module.compile``: parameter
+    names, hence checkpoints, unchanged). The first steps pay the compilation; the embedding
+    pass of gradient accumulation (no grad) compiles a second graph."""
+    if not cfg.optim.compile:
+        return
+    for name in TOWERS:
+        tower(model, name).compile(backend=cfg.optim.compile_backend)
+
+
 def is_checkpointing(module: nn.Module) -> bool:
     """Whether a Hugging Face model recomputes activations in the backward pass."""
     flag = getattr(module, "is_activation_checkpointing", None)

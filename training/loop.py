@@ -41,7 +41,12 @@ from training.evaluate import (
     prepare_eval_set,
     report_keys,
 )
-from training.finetune import apply_freezing, enable_gradient_checkpointing, parameter_groups
+from training.finetune import (
+    apply_freezing,
+    compile_towers,
+    enable_gradient_checkpointing,
+    parameter_groups,
+)
 from training.interrupt import StopRequest, TrainingInterrupted, ignore_ctrl_c
 from training.models.dual_encoder import DualEncoder
 from training.objectives import EmbeddingBatch, Objective, build_objective, total_loss
@@ -193,6 +198,7 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
     loss_mode = distributed.loss_mode_for(cfg.distributed.loss, objective, runtime.world_size)
     apply_freezing(model, cfg, epoch=0)  # before DDP, which only syncs parameters that need gradients
     enable_gradient_checkpointing(model, cfg)
+    compile_towers(model, cfg)
     step_module = wrap_for_training(
         TrainStep(model, objective, loss_mode=loss_mode), runtime,
         find_unused_parameters=cfg.distributed.find_unused_parameters,

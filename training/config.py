@@ -128,7 +128,8 @@ class TowerOptimConfig(_Strict):
     unfreeze_after_epochs: int | None = Field(None, ge=1)
     """With `freeze`: the whole tower trains from epoch E + 1 on."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass (Hugging Face towers only): less memory, ~30 % more time."""
+    """Recompute activations in the backward pass (every tower: Hugging Face models, the audio CNN's
+    and the text transformer's blocks): less memory, ~30 % more time."""
 
     @model_validator(mode="after")
     def _check_freeze(self) -> TowerOptimConfig:
@@ -147,6 +148,10 @@ class OptimConfig(_Strict):
     """Compute each step's batch in this many micro-batches of batch_size / accum_steps:
     less activation memory, the same step — the objective still sees the whole batch
     (GradCache-style, training/accumulate.py; docs/training.md, "Training on many GPUs")."""
+    compile: bool = False
+    """``torch.compile`` the audio and text towers (in place: checkpoints keep their keys)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend (``inductor`` generates kernels; ``eager`` only captures graphs)."""
     lr: float = Field(5e-4, gt=0)
     weight_decay: float = Field(0.01, ge=0)
     betas: tuple[float, float] = (0.9, 0.98)
@@ -202,6 +207,9 @@ class DistributedConfig(_Strict):
     ``local``: each rank scores its own rows against it (InfoNCE/SigLIP bases only)."""
     timeout_s: float = Field(600.0, gt=0)
     """Rendezvous and collective timeout; a stale rendezvous fails after this long."""
+    find_unused_parameters: bool = False
+    """Let DDP search every step for parameters without a gradient (slower); only for a
+    model or objective that leaves some trainable parameters out of the loss."""
 
 
 class TrainConfig(_Strict):

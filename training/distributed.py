@@ -186,12 +186,15 @@ def _to_group(tensor: Tensor) -> Tensor:
     """
     if tensor.device.type == "meta" and _checking():
         _send("to_group", tensor)
-    return tensor.to(group_device(), non_blocking=True)
+    device = group_device()
+    return tensor.to(device, non_blocking=device.type == "cuda")  # host → GPU only: safe to overlap
 
 
 def _barrier_kwargs() -> dict[str, Any]:
+    """NCCL's barrier on this rank's GPU (without it NCCL guesses the device and warns)."""
     device = group_device()
-    return {"device_ids": [device.index]} if device.type == "cuda" and device.index is not None else {}
+    nccl = is_distributed() and dist.get_backend() == "nccl"
+    return {"device_ids": [device.index]} if nccl and device.type == "cuda" and device.index is not None else {}
 
 
 def destroy_process_group() -> None:

@@ -146,7 +146,9 @@ def _frozen_norm_uses_running_stats(norm: nn.Module, inputs: Any) -> None:
 
 
 def enable_gradient_checkpointing(model: nn.Module, cfg: TrainConfig) -> None:
-    """``gradient_checkpointing_enable`` on the Hugging Face models of towers that ask for it."""
+    """Activation checkpointing in the towers that ask for it: ``gradient_checkpointing_enable`` on
+    Hugging Face models, ``checkpoint_blocks`` on the built-in CNN and transformer
+    (training/models/checkpointing.py)."""
     for name in TOWERS:
         if not tower_settings(cfg, name).gradient_checkpointing:
             continue
@@ -156,16 +158,29 @@ def enable_gradient_checkpointing(model: nn.Module, cfg: TrainConfig) -> None:
             if getattr(m, "supports_gradient_checkpointing", False)
             and hasattr(m, "gradient_checkpointing_enable")
         ]
-        if not hf_models:
+        built_in = [m for m in tower(model, name).modules() if hasattr(m, "checkpoint_blocks")]
+        if not hf_models and not built_in:
             raise ConfigError(
-                f"optim.{name}.gradient_checkpointing: the {name} tower has no Hugging Face model "
-                "(only hf_* towers support it)"
+                f"optim.{name}.gradient_checkpointing: the {name} tower has no checkpointable blocks "
+                "(Hugging Face models, the audio CNN and the text transformer have)"
             )
+        for module in built_in:
+            module.checkpoint_blocks = True
         for hf_model in hf_models:
             if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers >= 5.x
                 hf_model.activation_checkpointing_enable({"use_reentrant": False})
             else:
                 hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def compile_towers(model: nn.Module, cfg: TrainConfig) -> None:
+    """``optim.compile``: compile each tower's forward in place (``nn.Module.compile``: parameter
+    names, hence checkpoints, unchanged). The first steps pay the compilation; the embedding
+    pass of gradient accumulation (no grad) compiles a second graph."""
+    if not cfg.optim.compile:
+        return
+    for name in TOWERS:
+        tower(model, name).compile(backend=cfg.optim.compile_backend)
 
 
 def is_checkpointing(module: nn.Module) -> bool:

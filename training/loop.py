@@ -13,11 +13,12 @@ optimizer, scaler, objective, RNG and loop state for ``resume: true``),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,7 +41,12 @@ from training.evaluate import (
     prepare_eval_set,
     report_keys,
 )
-from training.finetune import apply_freezing, enable_gradient_checkpointing, parameter_groups
+from training.finetune import (
+    apply_freezing,
+    compile_towers,
+    enable_gradient_checkpointing,
+    parameter_groups,
+)
 from training.interrupt import StopRequest, TrainingInterrupted, ignore_ctrl_c
 from training.models.dual_encoder import DualEncoder
 from training.objectives import EmbeddingBatch, Objective, build_objective, total_loss
@@ -193,7 +199,11 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
     loss_mode = distributed.loss_mode_for(cfg.distributed.loss, objective, runtime.world_size)
     apply_freezing(model, cfg, epoch=0)  # before DDP, which only syncs parameters that need gradients
     enable_gradient_checkpointing(model, cfg)
-    step_module = wrap_for_training(TrainStep(model, objective, loss_mode=loss_mode), runtime)
+    compile_towers(model, cfg)
+    step_module = wrap_for_training(
+        TrainStep(model, objective, loss_mode=loss_mode), runtime,
+        find_unused_parameters=cfg.distributed.find_unused_parameters,
+    )
     loader, batches, clips_on_rank = build_train_loader(cfg, runtime, train_records, objective.strategy, tokenizer)
     steps_per_epoch = len(batches)
     total_steps = min(cfg.optim.max_steps or math.inf, cfg.optim.epochs * steps_per_epoch)
@@ -481,16 +491,45 @@ class TrainStep(nn.Module):
         return full.reshape(views, batch, -1)
 
 
-def wrap_for_training(module: nn.Module, runtime: Runtime) -> nn.Module:
-    """DDP when launched with several processes; the module itself otherwise."""
+def wrap_for_training(
+    module: nn.Module, runtime: Runtime, *, find_unused_parameters: bool = False
+) -> nn.Module:
+    """DDP when launched with several processes; the module itself otherwise.
+
+    Every trainable parameter gets a gradient in every step of the built-in objectives, so
+    DDP skips its per-step search of the autograd graph for unused parameters (a full
+    traversal each backward) unless ``distributed.find_unused_parameters`` asks for it;
+    :func:`unused_parameter_hint` turns DDP's complaint into a one-line config error.
+    BatchNorm becomes SyncBatchNorm (statistics over the global batch) on CUDA when the
+    model has BatchNorm at all.
+    """
     if not runtime.distributed:
         return module
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
-    if runtime.device.type == "cuda":  # batch statistics over the global batch (NCCL only)
+    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    if runtime.device.type == "cuda" and has_batchnorm:  # SyncBatchNorm runs on NCCL only
         module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    return DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=True)
+    return DistributedDataParallel(
+        module, device_ids=device_ids, find_unused_parameters=find_unused_parameters
+    )
+
+
+@contextlib.contextmanager
+def unused_parameter_hint() -> Iterator[None]:
+    """DDP's error about parameters that got no gradient, as a ConfigError naming the setting."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "find_unused_parameters" not in str(err):
+            raise
+        raise ConfigError(
+            "distributed: a trainable parameter received no gradient in the previous step (an "
+            "objective or tower that skips some parameters); set distributed.find_unused_parameters"
+            "=true (slower: DDP then searches the graph every step) or freeze those parameters. "
+            f"DDP said: {str(err).strip().splitlines()[0]}"
+        ) from err
 
 
 def build_optimizer(module: nn.Module, model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -603,7 +642,10 @@ def begin_epoch(run: Run, epoch: int) -> None:
         log.info("epoch %d: trainable towers changed (optim.*.freeze / unfreeze_after_epochs)", epoch + 1)
         run.model.train()  # BatchNorm layers that were frozen leave eval mode
         if run.runtime.distributed:  # DDP fixed its set of synchronised parameters when built
-            run.step_module = wrap_for_training(unwrap(run.step_module), run.runtime)
+            run.step_module = wrap_for_training(
+                unwrap(run.step_module), run.runtime,
+                find_unused_parameters=run.cfg.distributed.find_unused_parameters,
+            )
 
 
 def train_step(run: Run, batch: Any) -> dict[str, float]:
@@ -644,15 +686,16 @@ def forward_backward(run: Run, inputs: dict[str, Tensor | None]) -> tuple[dict[s
     With ``optim.accum_steps`` N > 1 the batch goes through the towers in N micro-batches
     while the objective still sees it whole (training/accumulate.py).
     """
-    if run.cfg.optim.accum_steps > 1:
-        return accumulated_backward(
-            run.step_module, inputs, run.cfg.optim.accum_steps, autocast=lambda: autocast(run.runtime),
-            scale=run.scaler.scale, device=run.runtime.device,
-        )
-    with autocast(run.runtime):
-        terms = run.step_module(**inputs)
-        loss = total_loss(terms)
-    run.scaler.scale(loss).backward()
+    with unused_parameter_hint():
+        if run.cfg.optim.accum_steps > 1:
+            return accumulated_backward(
+                run.step_module, inputs, run.cfg.optim.accum_steps,
+                autocast=lambda: autocast(run.runtime), scale=run.scaler.scale, device=run.runtime.device,
+            )
+        with autocast(run.runtime):
+            terms = run.step_module(**inputs)
+            loss = total_loss(terms)
+        run.scaler.scale(loss).backward()
     return terms, loss
 
 

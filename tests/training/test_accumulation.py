@@ -35,8 +35,8 @@ from tests.training.test_distributed_equivalence import (
 )
 from training import distributed
 from training.accumulate import accumulated_backward, micro_batches
-from training.config import ObjectiveConfig, OptimConfig
-from training.loop import TrainStep, wrap_for_training
+from training.config import ConfigError, ObjectiveConfig, OptimConfig
+from training.loop import TrainStep, unused_parameter_hint, wrap_for_training
 from training.objectives import build_objective
 from training.objectives.base import BuildEnv
 from training.runtime import Runtime
@@ -106,17 +106,42 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     distributed.init_process_group(torch.device("cpu"), timeout_s=60)
     distributed.check_collectives(True)
     try:
-        results = {name: run_accumulated(name, rank=rank, world=world, steps=2) for name in DISTRIBUTED}
+        results: dict[str, Any] = {
+            name: run_accumulated(name, rank=rank, world=world, steps=2) for name in DISTRIBUTED
+        }
+        results["unused"] = _unused_parameter_error(rank, world)
         if rank == 0:
             torch.save(results, out)
     finally:
         distributed.destroy_process_group()
 
 
+class OneUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(2, 1), nn.Linear(2, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.used(x).sum()
+
+
+def _unused_parameter_error(rank: int, world: int) -> str:
+    """DDP without the unused-parameter search (the default) over a module that skips a parameter."""
+    module = wrap_for_training(OneUnused(), Runtime(device=torch.device("cpu"), rank=rank, world_size=world))
+    try:
+        with unused_parameter_hint():
+            for _ in range(2):  # DDP notices at the forward after the incomplete backward
+                module(torch.ones(3, 2)).backward()
+    except ConfigError as err:
+        return str(err)
+    return ""
+
+
 def test_micro_batches_under_ddp_give_the_one_process_global_batch(tmp_path: Path) -> None:
     out = tmp_path / "accumulated.pt"
     mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     results = torch.load(out)
+    assert "set distributed.find_unused_parameters=true" in results["unused"]
     for name in DISTRIBUTED:
         with float64():
             reference = run_case(name, rank=0, world=1)

@@ -110,11 +110,12 @@ def test_only_training_distributed_imports_torch_distributed() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: a group whose only backend is for CUDA tensors")
-def test_cuda_only_group_runs_every_collective(tmp_path: Path) -> None:
+def test_cuda_only_group_runs_every_collective(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-                       "WORLD_SIZE": "1", distributed.BACKEND_ENV: "cuda:gloo"})
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+                       "WORLD_SIZE": "1", distributed.BACKEND_ENV: "cuda:gloo"}.items():
+        monkeypatch.setenv(key, value)
     try:
         distributed.init_process_group(torch.device("cuda", 0), timeout_s=60)
         with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
@@ -125,5 +126,4 @@ def test_cuda_only_group_runs_every_collective(tmp_path: Path) -> None:
         assert distributed.all_gather_rows(torch.arange(3)).device.type == "cpu"  # sent from the GPU and back
         distributed.barrier()
     finally:
-        os.environ.pop(distributed.BACKEND_ENV)
         distributed.destroy_process_group()

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from training.config import AudioTowerConfig, FrontendConfig
+from training.models.checkpointing import run_block
 from training.models.frontend import LogMelFrontend
 
 TIME_POOL = 4
@@ -84,12 +85,17 @@ class AudioCNN(nn.Module):
         )
         self.temporal = nn.Sequential(TemporalBlock(width, 1), TemporalBlock(width, 2))
         self.out_dim = 2 * width
+        self.checkpoint_blocks = False
+        """Recompute each block in the backward pass (optim.audio.gradient_checkpointing)."""
 
     def forward(self, waveform: Tensor) -> Tensor:
         x = self.input_norm(self.frontend(waveform))  # (B, M, F)
         # Zero (= the normalised mean) right padding so that any F >= 1 keeps >= 1 pooled step.
         x = nn.functional.pad(x, (0, TIME_POOL - 1))
-        x = self.blocks(self.time_pool(x.unsqueeze(1)))  # (B, C, M', F')
+        x = self.time_pool(x.unsqueeze(1))
+        for block in self.blocks:
+            x = run_block(block, x, enabled=self.checkpoint_blocks)  # (B, C, M', F')
         x = self.merge_bands(x.flatten(1, 2))  # (B, C, F')
-        x = self.temporal(x)
+        for block in self.temporal:
+            x = run_block(block, x, enabled=self.checkpoint_blocks)
         return torch.cat([x.mean(dim=-1), x.amax(dim=-1)], dim=-1)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from training.config import TextTowerConfig
+from training.models.checkpointing import run_block
 
 MLP_RATIO = 2
 """Hidden width of the MLP as a multiple of ``width`` (2 rather than the usual 4: a third
@@ -81,6 +82,8 @@ class TextTransformer(nn.Module):
         )
         self.norm = nn.LayerNorm(cfg.width)
         self.out_dim = cfg.width
+        self.checkpoint_blocks = False
+        """Recompute each block in the backward pass (optim.text.gradient_checkpointing)."""
         nn.init.normal_(self.token_emb.weight, std=0.02)
         nn.init.normal_(self.pos_emb, std=0.02)
 
@@ -89,7 +92,7 @@ class TextTransformer(nn.Module):
         x = self.drop(self.token_emb(input_ids) + self.pos_emb[:length])
         bias = (1.0 - attention_mask.to(x.dtype))[:, None, None, :] * MASK_VALUE
         for block in self.blocks:
-            x = block(x, bias)
+            x = run_block(block, x, bias, enabled=self.checkpoint_blocks)
         x = self.norm(x)
         if self.pooling == "cls":
             return x[:, 0]

@@ -31,6 +31,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -180,7 +181,7 @@ def client_loop(url: str, worker: int, started: float, stop: threading.Event, sa
                 problem = None
                 if r.status_code != 200:
                     try:
-                        problem = str(r.json().get("type", "")).rsplit("/", 1)[-1] or None
+                        problem = re.split(r"[/:]", str(r.json().get("type", "")))[-1] or None  # urn:…:slug
                     except ValueError:
                         problem = None
                 samples.append(Sample(sent - started, kind, r.status_code, 1000 * (time.monotonic() - sent), problem))
@@ -508,9 +509,11 @@ def _window(samples: list[Sample], start: float, end: float, pid: int, redis_por
 def _judge(cfg: Config, samples: list[Sample], windows: list[Window], events: list[Event],
            outages: list[Outage]) -> SoakResult:
     def excused(s: Sample) -> bool:
-        """A documented 503 during a Milvus outage (kill → back + recovery)."""
+        """A documented 503 during a Milvus outage: answered after the kill (in flight then, or sent
+        later) and sent before Milvus was back + the recovery allowance."""
         return s.status == 503 and s.problem == "index-unavailable" and any(
-            o.dependency == "milvus" and o.killed <= s.t <= (o.back or cfg.seconds) + cfg.recovery_s for o in outages)
+            o.dependency == "milvus" and o.killed <= s.t + s.ms / 1000 and s.t <= (o.back or cfg.seconds) + cfg.recovery_s
+            for o in outages)
 
     failures = [asdict(s) for s in samples if s.status != 200 and not excused(s)]
     for o in outages:
@@ -598,7 +601,9 @@ def section(result: SoakResult, cfg: Config, *, command: str, load: tuple[float,
         f"load average before {load[0]:.2f} / after {load[1]:.2f} (1 min)",
         f"- traffic: {cfg.clients} closed-loop clients (cold and repeated text in 8 languages, text:batch of 8, "
         "audio uploads WAV/FLAC/OGG at 16–48 kHz, consistency diagnostics); activation + rollback every "
-        f"{cfg.swap_every_s:g} s; Redis SIGKILLed every {cfg.redis_kill_every_s:g} s for {cfg.redis_down_s:g} s"
+        f"{cfg.swap_every_s:g} s; "
+        + (f"Redis SIGKILLed every {cfg.redis_kill_every_s:g} s for {cfg.redis_down_s:g} s"
+           if cfg.redis_kill_every_s > 0 else "Redis not killed")
         + (f"; Milvus SIGKILLed every {cfg.milvus_kill_every_s:g} s for {cfg.milvus_down_s:g} s (+ its restart)"
            if cfg.backend == "milvus" else ""),
         f"- {result.requests} requests; verdict: **{'all targets met' if result.ok else 'TARGET MISSED'}**",

@@ -176,7 +176,8 @@ class MilvusTarget:
                         raise IndexUnavailable(f"Milvus at {self.uri} is not answering ({down[1]}); retry later")
                     down = None  # a bulk call past the hold-off runs without being the trial
                 else:
-                    _DOWN[key] = (now + self.timeout_s + self.hold_off_s, down[1])  # this call probes; others wait
+                    trial = self.timeout_s + self.probe_attempts * self.probe_timeout_s + self.hold_off_s
+                    _DOWN[key] = (now + trial, down[1])  # this call tries (and may probe); others wait
         started = time.monotonic()
         try:
             result = getattr(self.client(), method)(*args, timeout=timeout, retry_times=0, **kwargs)

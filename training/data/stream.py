@@ -384,8 +384,10 @@ def build_stream_loader(
         sample_rate=sample_rate, clip_samples=clip_samples, seed=cfg.seed,
         shuffle_buffer=cfg.data.shuffle_buffer, languages=cfg.data.languages,
     )
+    # A generator of its own: a DataLoader without one draws its workers' base seed from the global
+    # torch RNG at every epoch, which would shift dropout after a resume (the draw happened before).
     loader = DataLoader(stream, batch_size=batch, collate_fn=TrainCollate(strategy, tokenizer, seed=cfg.seed),
-                        worker_init_fn=ignore_ctrl_c, **options)
+                        worker_init_fn=ignore_ctrl_c, generator=torch.Generator().manual_seed(cfg.seed), **options)
     return StreamBatches(stream, loader)
 
 

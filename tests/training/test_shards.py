@@ -278,3 +278,20 @@ def test_training_from_shards_resumes_exactly(clean_shards: Path, tmp_path: Path
     resumed = load_file(str(split / "last" / "model.safetensors"))
     for name, tensor in expected.items():
         assert (tensor == resumed[name]).all(), name
+
+
+@pytest.mark.parametrize("override, words", [
+    ("objective.distill={teachers: []}", "objective.distill"),
+    ("objective.knowledge={name: ask}", "'train' source"),
+    ("data.val_fraction=0.1", "data.val_fraction"),
+])
+def test_what_needs_random_access_to_training_clips_is_refused_in_one_line(
+        clean_shards: Path, tmp_path: Path, override: str, words: str) -> None:
+    from training.config import ConfigError, load_train_config
+    from training.loop import load_training_data
+
+    cfg = load_train_config(ROOT / "configs" / "tiny.yaml", [
+        "data.manifest=null", f"data.shards={clean_shards}", f"out_dir={tmp_path}", override])
+    with pytest.raises(ConfigError, match=words) as err:
+        load_training_data(cfg)
+    assert "\n" not in str(err.value)

@@ -451,7 +451,8 @@ def load_shard_data(cfg: TrainConfig) -> tuple[list[ClipRecord], list[ClipRecord
         raise ConfigError("data.max_clips takes the first clips of a manifest; with data.shards write a smaller "
                           "shard set instead")
     split = cfg.eval.split
-    val = extract_split(corpus, split, cfg.out_dir / "val_clips") if corpus.records.get(split) else []
+    folder = cfg.out_dir / "val_clips" / str(corpus.index.get("plan", "shards"))[:16]  # per shard set
+    val = extract_split(corpus, split, folder) if corpus.records.get(split) else []
     for name, records in ((TRAIN_SPLIT, train), (split, val)):
         missing = [lang for lang in cfg.data.languages if not any(r.captions.get(lang) for r in records)]
         if records and missing:

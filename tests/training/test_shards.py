@@ -295,3 +295,32 @@ def test_what_needs_random_access_to_training_clips_is_refused_in_one_line(
     with pytest.raises(ConfigError, match=words) as err:
         load_training_data(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_a_run_stopped_mid_way_resumes_from_its_progress(corpus_with_corrupt: Path, shards: Path,
+                                                         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import training.data.shards as writer
+
+    real, calls = writer.write_shard, []
+
+    def stopping(task, **kw):  # noqa: ANN001, ANN202 - Ctrl-C while the third shard is written
+        calls.append(task.name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(task, **kw)
+
+    out = tmp_path / "stopped"
+    monkeypatch.setattr(writer, "write_shard", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        writer.shard_manifest(corpus_with_corrupt, out, sample_rate=16_000, shard_size=8, workers=1, progress=False)
+    assert json.loads((out / "index.json").read_text())["complete"] is False
+    first = {name: (out / name).stat().st_mtime_ns for name in calls[:2]}
+    calls.clear()
+    monkeypatch.setattr(writer, "write_shard", real)
+    again = writer.shard_manifest(corpus_with_corrupt, out, sample_rate=16_000, shard_size=8, workers=1,
+                                  progress=False)
+    assert {name: (out / name).stat().st_mtime_ns for name in first} == first  # kept, not rewritten
+    done = json.loads((shards / "index.json").read_text())
+    assert again["splits"] == done["splits"] and again["skipped"] == done["skipped"]
+    assert (out / "records.jsonl").read_text() == (shards / "records.jsonl").read_text()
+    assert not (out / ".progress").exists()

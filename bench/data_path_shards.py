@@ -30,6 +30,7 @@ START = "<!-- bench:data_path_shards:start -->"
 END = "<!-- bench:data_path_shards:end -->"
 RATE = 48_000
 CROP_SECONDS = 10.0
+NOTE = ('Where the time goes (cProfile, 60-s FLAC): decoding the 10-s window (libsndfile FLAC, ~6 ms at 48 kHz) dominates; reading the whole sample out of the tar stream (python tarfile, ~2 ms for 2.8 MB) is what a 60-s source adds — every byte of a streamed clip is read even though only the crop is decoded. PCM-16 shards decode ~3× faster for ~2× the bytes, so with PCM-16 the tar read dominates and a 60-s source costs ~2× a 10-s one. Neither codec meets both targets on this CPU: FLAC is at the 150 items/s line for 10-s sources and 1.3× for 60-s ones; cutting long clips into shorter samples at shard time would bring the 60-s cost down (not done: it changes what one training clip is).')
 
 
 def make_manifest(folder: Path, seconds: float, count: int) -> Path:
@@ -118,6 +119,7 @@ def markdown(rows: dict[tuple[float, str], float], sizes: dict[tuple[float, str]
         ten, sixty = rows[10.0, codec], rows[60.0, codec]
         lines.append(f"| {codec} | {ten:.0f} | {sixty:.0f} | {ten / sixty:.2f}× | {sizes[60.0, codec] / 1e6:.1f} MB |")
     flac = rows[60.0, "flac"]
+    lines += ["", NOTE]
     lines += ["", "Cores to feed one 8×H100 node from FLAC shards of 60-s clips (one loader worker per core):", ""]
     for name, (per_gpu, rate) in GPU_SAMPLES_PER_S.items():
         note = "" if rate == RATE else f" (measured at 48 kHz; a {rate // 1000} kHz shard decodes faster)"

@@ -203,6 +203,10 @@ def section(results: dict[str, Any], args: argparse.Namespace) -> str:
         f"- `{tr['command']}`: {tr['steps']} steps in {tr['seconds']:.0f} s (load {tr['load']}); "
         f"bad_samples in the epoch record: {tr['bad_samples']}",
     ]
+    epoch_rate = corpus["clips"] and tr["steps"] * 64 / tr["seconds"]
+    lines.append(f"- the corrupt files were caught when sharding (listed with their reasons in index.json), so the "
+                 f"streamed epoch met none; ≈{epoch_rate:.0f} samples/s over the whole run (batch 64, start-up "
+                 "and validation included)")
     if rate:
         lines.append(f"- samples/s per logged step: median {float(np.median(rate)):.1f}")
     if wait:

@@ -255,3 +255,72 @@ def test_training_streams_shards_from_an_s3_bucket(s3_endpoint: str, clean_shard
     assert epoch["step"] == 4 and epoch["bad_samples"] == 0  # 32 clips / batch 8
     assert any(r["kind"] == "eval" for r in records)  # the val split, extracted from its shard
     assert (out / "best").is_dir()
+
+
+def test_training_from_shards_resumes_exactly(clean_shards: Path, tmp_path: Path) -> None:
+    """Interrupted mid-epoch (an odd batch: the workers' round-robin is rotated on resume) with two
+    persistent loader workers, then resumed: the weights equal an uninterrupted run's."""
+    from safetensors.torch import load_file
+
+    from training.config import load_train_config
+    from training.loop import train
+
+    def config(out: Path, *extra: str):  # noqa: ANN202
+        return load_train_config(ROOT / "configs" / "tiny.yaml", [
+            "data.manifest=null", f"data.shards={clean_shards}", "data.num_workers=2", "optim.batch_size=4",
+            "optim.epochs=2", "optim.warmup_steps=1", "data.shuffle_buffer=3", f"out_dir={out}", *extra])
+
+    full = train(config(tmp_path / "full"))
+    split = tmp_path / "split"
+    train(config(split), interrupt_after_steps=11)  # 8 steps an epoch: epoch 2, batch 3
+    train(config(split, "resume=true"))
+    expected = load_file(str(full / "last" / "model.safetensors"))
+    resumed = load_file(str(split / "last" / "model.safetensors"))
+    for name, tensor in expected.items():
+        assert (tensor == resumed[name]).all(), name
+
+
+@pytest.mark.parametrize("override, words", [
+    ("objective.distill={teachers: []}", "objective.distill"),
+    ("objective.knowledge={name: ask}", "'train' source"),
+    ("data.val_fraction=0.1", "data.val_fraction"),
+])
+def test_what_needs_random_access_to_training_clips_is_refused_in_one_line(
+        clean_shards: Path, tmp_path: Path, override: str, words: str) -> None:
+    from training.config import ConfigError, load_train_config
+    from training.loop import load_training_data
+
+    cfg = load_train_config(ROOT / "configs" / "tiny.yaml", [
+        "data.manifest=null", f"data.shards={clean_shards}", f"out_dir={tmp_path}", override])
+    with pytest.raises(ConfigError, match=words) as err:
+        load_training_data(cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_a_run_stopped_mid_way_resumes_from_its_progress(corpus_with_corrupt: Path, shards: Path,
+                                                         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import training.data.shards as writer
+
+    real, calls = writer.write_shard, []
+
+    def stopping(task, **kw):  # noqa: ANN001, ANN202 - Ctrl-C while the third shard is written
+        calls.append(task.name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(task, **kw)
+
+    out = tmp_path / "stopped"
+    monkeypatch.setattr(writer, "write_shard", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        writer.shard_manifest(corpus_with_corrupt, out, sample_rate=16_000, shard_size=8, workers=1, progress=False)
+    assert json.loads((out / "index.json").read_text())["complete"] is False
+    first = {name: (out / name).stat().st_mtime_ns for name in calls[:2]}
+    calls.clear()
+    monkeypatch.setattr(writer, "write_shard", real)
+    again = writer.shard_manifest(corpus_with_corrupt, out, sample_rate=16_000, shard_size=8, workers=1,
+                                  progress=False)
+    assert {name: (out / name).stat().st_mtime_ns for name in first} == first  # kept, not rewritten
+    done = json.loads((shards / "index.json").read_text())
+    assert again["splits"] == done["splits"] and again["skipped"] == done["skipped"]
+    assert (out / "records.jsonl").read_text() == (shards / "records.jsonl").read_text()
+    assert not (out / ".progress").exists()

@@ -15,10 +15,11 @@ decoded, downmixed and resampled once here with :func:`index.audio.decode_audio`
 (``--seed``) before being cut into shards, so a shard mixes the corpus' sources.
 
 Shards are written by ``--workers`` processes, one shard per task, through ``webdataset.TarWriter``
-(mtime 0: the same inputs give byte-identical shards). ``index.json`` is rewritten after every
-finished shard with ``"complete": false``; a rerun with the same plan (manifest content, rate,
-codec, shard size, seed) keeps every shard whose file still has the sha256 recorded there and
-writes only the others: an interrupted run resumes.
+(mtime 0: the same inputs give byte-identical shards). After every finished shard its entry goes
+to ``.progress/NAME.json`` and a small ``index.json`` with ``"complete": false`` lists the finished
+shards' sha256; a rerun with the same plan (manifest content, rate, codec, shard size, seed) keeps
+every shard whose file still has that sha256 and writes only the others: an interrupted run
+resumes (so does a complete one, from records.jsonl, e.g. after a shard file was damaged).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import logging
 import multiprocessing
 import os
 import random
+import shutil
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -48,6 +50,7 @@ EXTENSION = {"flac": "flac", "pcm16": "wav"}
 """Member extension of the audio of a sample, per codec."""
 INDEX = "index.json"
 RECORDS = "records.jsonl"
+PROGRESS = ".progress"
 
 
 @dataclass
@@ -172,26 +175,35 @@ def _summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
     return splits
 
 
-def write_index(out: Path, header: dict[str, Any], entries: list[dict[str, Any]], *, complete: bool) -> None:
-    """index.json (and records.jsonl once complete), replaced atomically."""
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_progress(out: Path, header: dict[str, Any], entry: dict[str, Any], done: list[dict[str, Any]]) -> None:
+    """After each finished shard: its entry (records, skipped) in ``.progress/NAME.json`` and a small
+    incomplete index.json naming the finished shards and their sha256 (constant work per shard)."""
+    progress = out / PROGRESS
+    progress.mkdir(exist_ok=True)
+    _atomic_write(progress / f"{entry['name']}.json", json.dumps(entry, ensure_ascii=False))
+    index = {**header, "complete": False, "finished": {e["name"]: e["sha256"] for e in done}}
+    _atomic_write(out / INDEX, json.dumps(index, indent=1) + "\n")
+
+
+def write_index(out: Path, header: dict[str, Any], entries: list[dict[str, Any]]) -> None:
+    """The complete index.json and records.jsonl, replaced atomically; the progress files go."""
+    ordered = sorted(entries, key=lambda e: e["name"])
     index = {
-        **header, "complete": complete, "splits": _summary(entries),
+        **header, "complete": True, "splits": _summary(entries),
         "clips": sum(e["clips"] for e in entries),
         "hours": round(sum(e["seconds"] for e in entries) / 3600, 3),
-        "skipped": [s for e in sorted(entries, key=lambda e: e["name"]) for s in e["skipped"]],
-        "entries": {e["name"]: {k: e[k] for k in ("sha256", "records", "skipped", "clips", "seconds", "bytes")}
-                    for e in entries},
+        "skipped": [s for e in ordered for s in e["skipped"]],
     }
-    if complete:
-        lines = [json.dumps(r, ensure_ascii=False) for e in sorted(entries, key=lambda e: e["name"])
-                 for r in e["records"]]
-        tmp = out / f".{RECORDS}.partial"
-        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-        os.replace(tmp, out / RECORDS)
-        index.pop("entries")  # the records are in records.jsonl; resuming needs them only while incomplete
-    tmp = out / f".{INDEX}.partial"
-    tmp.write_text(json.dumps(index, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, out / INDEX)
+    _atomic_write(out / RECORDS, "".join(json.dumps(r, ensure_ascii=False) + "\n" for e in ordered
+                                         for r in e["records"]))
+    _atomic_write(out / INDEX, json.dumps(index, indent=1, ensure_ascii=False) + "\n")
+    shutil.rmtree(out / PROGRESS, ignore_errors=True)
 
 
 def _kept_entries(out: Path, plan: str) -> dict[str, dict[str, Any]]:
@@ -205,8 +217,15 @@ def _kept_entries(out: Path, plan: str) -> dict[str, dict[str, Any]]:
         return {}
     if old.get("plan") != plan:
         return {}
-    entries = old.get("entries")
-    if entries is None:  # complete: rebuild the entries from records.jsonl
+    entries: dict[str, dict[str, Any]] = {}
+    if not old.get("complete"):  # interrupted: the finished shards' entries are in .progress/
+        for name, sha in old.get("finished", {}).items():
+            sidecar = out / PROGRESS / f"{name}.json"
+            if sidecar.is_file():
+                entry = json.loads(sidecar.read_text(encoding="utf-8"))
+                if entry.get("sha256") == sha:
+                    entries[name] = entry
+    else:  # complete: rebuild the entries from records.jsonl
         records_path = out / RECORDS
         if not records_path.is_file():
             return {}
@@ -217,7 +236,6 @@ def _kept_entries(out: Path, plan: str) -> dict[str, dict[str, Any]]:
         skipped_by: dict[str, list[dict[str, Any]]] = {}
         for item in old.get("skipped", []):
             skipped_by.setdefault(item.get("shard", ""), []).append(item)
-        entries = {}
         for split in old["splits"].values():
             for shard in split["shards"]:
                 entries[shard["name"]] = {**shard, "records": by_shard.get(shard["name"], []),
@@ -272,7 +290,7 @@ def shard_manifest(
                 item["shard"] = entry["name"]
                 log.warning("skipped %s: %s", item["id"], item["reason"])
             entries.append(entry)
-            write_index(out, header, entries, complete=False)
+            write_progress(out, header, entry, entries)
             bar.update(entry["clips"] + len(entry["skipped"]))
         if pool is not None:
             pool.close()
@@ -280,7 +298,7 @@ def shard_manifest(
     finally:
         bar.close()
     header["seconds_to_write"] = round(time.monotonic() - started, 1)
-    write_index(out, header, entries, complete=True)
+    write_index(out, header, entries)
     index: dict[str, Any] = json.loads((out / INDEX).read_text(encoding="utf-8"))
     log.info("%d clips (%.1f h) in %d shards in %s; %d skipped (listed in index.json)",
              index["clips"], index["hours"], len(tasks), out, len(index["skipped"]))

@@ -205,6 +205,10 @@ def resume_roles(quota: Sequence[int], done: int) -> tuple[list[int], int]:
     return got, (order[done] if done < len(order) else 0)
 
 
+class _NotTrained(Exception):
+    """A sample whose clip has no caption in ``data.languages`` (dropped, replaced, not counted as bad)."""
+
+
 # --- the stream -----------------------------------------------------------------------------
 
 
@@ -258,8 +262,8 @@ class ShardStream(IterableDataset):
     def _decode(self, sample: dict[str, Any], epoch: int) -> TrainItem:
         meta = json.loads(sample["json"])
         row = self.row_of.get(meta["id"])
-        if row is None:
-            raise AudioDecodeError(f"{sample['__shard__']}: {meta['id']}: not in records.jsonl's train split")
+        if row is None:  # no caption in data.languages (drop_other_languages): not a bad sample
+            raise _NotTrained(meta["id"])
         audio = sample.get(self.extension)
         if not audio:
             raise AudioDecodeError(f"{sample['__shard__']}: {meta['id']}: no .{self.extension} member")
@@ -312,8 +316,9 @@ class ShardStream(IterableDataset):
         for _ in range(MAX_SUBSTITUTES + 1):
             try:
                 item = self._decode(candidate, epoch)
-            except AudioDecodeError as err:
-                skipped.append(str(err))
+            except (AudioDecodeError, _NotTrained) as err:
+                if isinstance(err, AudioDecodeError):
+                    skipped.append(str(err))
                 pool = buffer or recent
                 if not pool:
                     break
@@ -323,7 +328,8 @@ class ShardStream(IterableDataset):
             del recent[:-RECENT]
             item.skipped = tuple(skipped)
             return item
-        raise DataError(f"{len(skipped)} samples in a row could not be decoded; first: {skipped[0]}")
+        raise DataError(f"{MAX_SUBSTITUTES + 1} samples in a row could not be used; first error: "
+                        f"{skipped[0] if skipped else 'none (no captions in data.languages)'}")
 
 
 class StreamBatches:
@@ -384,8 +390,10 @@ def build_stream_loader(
         sample_rate=sample_rate, clip_samples=clip_samples, seed=cfg.seed,
         shuffle_buffer=cfg.data.shuffle_buffer, languages=cfg.data.languages,
     )
+    # A generator of its own: a DataLoader without one draws its workers' base seed from the global
+    # torch RNG at every epoch, which would shift dropout after a resume (the draw happened before).
     loader = DataLoader(stream, batch_size=batch, collate_fn=TrainCollate(strategy, tokenizer, seed=cfg.seed),
-                        worker_init_fn=ignore_ctrl_c, **options)
+                        worker_init_fn=ignore_ctrl_c, generator=torch.Generator().manual_seed(cfg.seed), **options)
     return StreamBatches(stream, loader)
 
 
@@ -443,7 +451,8 @@ def load_shard_data(cfg: TrainConfig) -> tuple[list[ClipRecord], list[ClipRecord
         raise ConfigError("data.max_clips takes the first clips of a manifest; with data.shards write a smaller "
                           "shard set instead")
     split = cfg.eval.split
-    val = extract_split(corpus, split, cfg.out_dir / "val_clips") if corpus.records.get(split) else []
+    folder = cfg.out_dir / "val_clips" / str(corpus.index.get("plan", "shards"))[:16]  # per shard set
+    val = extract_split(corpus, split, folder) if corpus.records.get(split) else []
     for name, records in ((TRAIN_SPLIT, train), (split, val)):
         missing = [lang for lang in cfg.data.languages if not any(r.captions.get(lang) for r in records)]
         if records and missing:

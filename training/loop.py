@@ -43,6 +43,7 @@ from training.interrupt import StopRequest, TrainingInterrupted, ignore_ctrl_c
 from training.models.dual_encoder import DualEncoder
 from training.objectives import EmbeddingBatch, Objective, build_objective, total_loss
 from training.objectives.base import BuildEnv
+from training.observe import Observer
 from training.rundir import (
     delete_previous_run,
     refuse_unless_chosen,
@@ -111,6 +112,7 @@ class Run:
     total_steps: int
     has_validation: bool
     bad_samples: BadSampleBudget
+    observer: Observer
     state: LoopState = field(default_factory=LoopState)
 
 
@@ -224,6 +226,14 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
         **options,
     )
     steps_per_epoch = len(batches)
+    observer = Observer(
+        cfg.log,
+        out_dir=cfg.out_dir,
+        enabled=runtime.is_main,
+        device=runtime.device,
+        world_size=runtime.world_size,
+        config=cfg.model_dump(mode="json"),
+    )
     total_steps = min(cfg.optim.max_steps or math.inf, cfg.optim.epochs * steps_per_epoch)
     run = Run(
         cfg=cfg,
@@ -253,11 +263,12 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
         if val_records and runtime.is_main
         else None,
         teachers=build_distillation_teachers(cfg, runtime, train_records, tokenizer),
-        metrics=MetricsLog(cfg.out_dir / "metrics.jsonl", enabled=runtime.is_main),
+        metrics=MetricsLog(cfg.out_dir / "metrics.jsonl", enabled=runtime.is_main, observer=observer),
         steps_per_epoch=steps_per_epoch,
         total_steps=int(total_steps),
         has_validation=bool(val_records),
         bad_samples=BadSampleBudget(max_fraction=cfg.data.max_bad_fraction, clips=len(sampler)),
+        observer=observer,
     )
     if resume_dir is not None:
         restore_trainer_state(run, resume_dir)
@@ -504,7 +515,7 @@ def run_epochs(
             dynamic_ncols=True,
         )
         try:
-            for batch in run.loader:
+            for batch in run.observer.batches(run.loader):
                 run.bad_samples.add(batch.skipped)
                 values = train_step(run, batch)
                 record_step(run, epoch, values)
@@ -600,7 +611,9 @@ def record_step(run: Run, epoch: int, values: dict[str, float]) -> None:
     state = run.state
     state.epoch_loss_sum += values["loss"]
     state.epoch_loss_count += 1
+    run.observer.step_end()
     if state.step == 1 or state.step % LOG_EVERY_STEPS == 0:
+        values = {**values, **run.observer.window()}  # samples/s, data wait, peak memory
         run.metrics.write({"kind": "step", "epoch": epoch + 1, "step": state.step, **values})
 
 
@@ -685,6 +698,7 @@ def finish(run: Run) -> None:
         run.state.best_step = run.state.step
         save_checkpoint_dir(run, "best", None)
         save_last(run)
+    run.observer.close()
     log.info("done: %d steps; checkpoints in %s", run.state.step, run.cfg.out_dir)
 
 
@@ -794,9 +808,10 @@ class EpochBatches(Sampler[list[tuple[int, int]]]):
 class MetricsLog:
     """Append-only ``metrics.jsonl`` (one JSON object per line) written by rank 0."""
 
-    def __init__(self, path: Path, *, enabled: bool) -> None:
+    def __init__(self, path: Path, *, enabled: bool, observer: Observer | None = None) -> None:
         self.path = path
         self.enabled = enabled
+        self.observer = observer  # also sends each record to TensorBoard / W&B
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -808,6 +823,8 @@ class MetricsLog:
             }
             with self.path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(clean) + "\n")
+            if self.observer is not None:
+                self.observer.write(record)
 
     def records(self) -> list[dict[str, Any]]:
         if not self.path.is_file():

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+TIMING_KEYS = frozenset({"seconds", "samples_per_s", "data_wait_fraction", "peak_memory_mib"})
+"""Record keys that measure time or memory: they differ between two runs of the same config."""
+
 
 def batch_size_of(batch: Any) -> int:
     """Clips in a training batch (its waveform's first dimension), or 1 for anything else."""

@@ -85,8 +85,13 @@ class Observer:
             if enabled:
                 self._wandb = wandb.init(project=project, dir=str(out_dir), config=config or {})
         if enabled and cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError(
+                    "log.tensorboard needs the tensorboard package (pip install tensorboard, part "
+                    "of tonearm[train]); or set log.tensorboard=false"
+                ) from None
             self._tensorboard = SummaryWriter(log_dir=str(out_dir))
 
     def _reset_window(self) -> None:

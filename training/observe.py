@@ -147,7 +147,7 @@ class Observer:
         self.slow_streak += 1
         if self.slow_streak == self.cfg.data_wait_windows and self.enabled:
             log.warning(
-                "data wait %.0f%% of step time over the last %d logging windows (> %.0f%%): the "
+                "data wait %.1f%% of step time over the last %d logging windows (> %.0f%%): the "
                 "model is starved; raise data.num_workers, train from shards, or check the disk",
                 100 * fraction,
                 self.slow_streak,

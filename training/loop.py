@@ -838,6 +838,8 @@ class MetricsLog:
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after `step` (a resumed run redoes them); `0` starts afresh."""
         if self.enabled:
+            if self.observer is not None:
+                self.observer.restart_from(step)  # TensorBoard too
             kept = [r for r in self.records() if r.get("step", 0) <= step] if step else []
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
 

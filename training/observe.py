@@ -84,15 +84,16 @@ class Observer:
                 ) from None
             if enabled:
                 self._wandb = wandb.init(project=project, dir=str(out_dir), config=config or {})
-        if enabled and cfg.tensorboard:
+        self._tensorboard_dir = out_dir if enabled and cfg.tensorboard else None
+        self._purge_step: int | None = None
+        if self._tensorboard_dir is not None:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                import torch.utils.tensorboard  # noqa: F401
             except ImportError:
                 raise ConfigError(
                     "log.tensorboard needs the tensorboard package (pip install tensorboard, part "
                     "of tonearm[train]); or set log.tensorboard=false"
                 ) from None
-            self._tensorboard = SummaryWriter(log_dir=str(out_dir))
 
     def _reset_window(self) -> None:
         self._wait = 0.0
@@ -156,9 +157,29 @@ class Observer:
 
     # --- sinks --------------------------------------------------------------------------------
 
+    def restart_from(self, step: int) -> None:
+        """The run (re)starts after `step`: 0 deletes earlier event files in the run directory; a
+        resumed run's TensorBoard drops the events after `step` that it will log again."""
+        if self._tensorboard_dir is None or self._tensorboard is not None:
+            return
+        if step == 0:
+            for old in self._tensorboard_dir.glob("events.out.tfevents.*"):
+                old.unlink()
+        else:
+            self._purge_step = step + 1
+
+    def _tensorboard_writer(self) -> Any:
+        if self._tensorboard is None and self._tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(
+                log_dir=str(self._tensorboard_dir), purge_step=self._purge_step
+            )
+        return self._tensorboard
+
     def write(self, record: dict[str, Any]) -> None:
         """Send a ``metrics.jsonl`` record's numbers to TensorBoard and W&B (rank 0)."""
-        if not self.enabled or (self._tensorboard is None and self._wandb is None):
+        if not self.enabled or (self._tensorboard_dir is None and self._wandb is None):
             return
         kind, step = str(record.get("kind", "step")), int(record.get("step", 0))
         scalars = {
@@ -169,10 +190,11 @@ class Observer:
             and not isinstance(value, bool)
             and math.isfinite(value)
         }
-        if self._tensorboard is not None:
+        writer = self._tensorboard_writer()
+        if writer is not None:
             for tag, value in scalars.items():
-                self._tensorboard.add_scalar(tag, value, global_step=step)
-            self._tensorboard.flush()
+                writer.add_scalar(tag, value, global_step=step)
+            writer.flush()
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
@@ -180,6 +202,7 @@ class Observer:
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+        self._tensorboard_dir = None  # closed for good
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

@@ -212,6 +212,19 @@ class DistributedConfig(_Strict):
     model or objective that leaves some trainable parameters out of the loss."""
 
 
+class LogConfig(_Strict):
+    """What training logs beside ``metrics.jsonl`` (training/observe.py, docs/training.md)."""
+
+    tensorboard: bool = True
+    """TensorBoard event files in `out_dir` (rank 0): ``tensorboard --logdir OUT_DIR``."""
+    wandb: str | None = None
+    """W&B project to log to (or env WANDB_PROJECT); needs the `wandb` package."""
+    data_wait_warn: float = Field(0.2, ge=0, le=1)
+    """Warn when the fraction of step time spent waiting for data exceeds this ..."""
+    data_wait_windows: int = Field(2, ge=1)
+    """... in this many consecutive logging windows (the start-up window does not count)."""
+
+
 class TrainConfig(_Strict):
     seed: int = 0
     out_dir: Path = Path("runs/default")
@@ -229,6 +242,7 @@ class TrainConfig(_Strict):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
 
     @model_validator(mode="after")
     def _check_run_choice(self) -> TrainConfig:

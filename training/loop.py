@@ -51,6 +51,7 @@ from training.interrupt import StopRequest, TrainingInterrupted, ignore_ctrl_c
 from training.models.dual_encoder import DualEncoder
 from training.objectives import EmbeddingBatch, Objective, build_objective, total_loss
 from training.objectives.base import BuildEnv
+from training.observe import Observer
 from training.rundir import (
     delete_previous_run,
     refuse_unless_chosen,
@@ -122,6 +123,7 @@ class Run:
     total_steps: int
     has_validation: bool
     bad_samples: BadSampleBudget
+    observer: Observer
     state: LoopState = field(default_factory=LoopState)
 
 
@@ -206,6 +208,14 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
     )
     loader, batches, clips_on_rank = build_train_loader(cfg, runtime, train_records, objective.strategy, tokenizer)
     steps_per_epoch = len(batches)
+    observer = Observer(
+        cfg.log,
+        out_dir=cfg.out_dir,
+        enabled=runtime.is_main,
+        device=runtime.device,
+        world_size=runtime.world_size,
+        config=cfg.model_dump(mode="json"),
+    )
     total_steps = min(cfg.optim.max_steps or math.inf, cfg.optim.epochs * steps_per_epoch)
     run = Run(
         cfg=cfg,
@@ -235,11 +245,12 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
         if val_records and runtime.is_main
         else None,
         teachers=build_distillation_teachers(cfg, runtime, train_records, tokenizer),
-        metrics=MetricsLog(cfg.out_dir / "metrics.jsonl", enabled=runtime.is_main),
+        metrics=MetricsLog(cfg.out_dir / "metrics.jsonl", enabled=runtime.is_main, observer=observer),
         steps_per_epoch=steps_per_epoch,
         total_steps=int(total_steps),
         has_validation=bool(val_records),
         bad_samples=BadSampleBudget(max_fraction=cfg.data.max_bad_fraction, clips=clips_on_rank),
+        observer=observer,
     )
     if resume_dir is not None:
         restore_trainer_state(run, resume_dir)
@@ -599,7 +610,7 @@ def run_epochs(
             dynamic_ncols=True,
         )
         try:
-            for batch in run.loader:
+            for batch in run.observer.batches(run.loader):
                 run.bad_samples.add(batch.skipped)
                 values = train_step(run, batch)
                 record_step(run, epoch, values)
@@ -719,7 +730,9 @@ def record_step(run: Run, epoch: int, values: dict[str, float]) -> None:
     state = run.state
     state.epoch_loss_sum += values["loss"]
     state.epoch_loss_count += 1
+    run.observer.step_end()
     if state.step == 1 or state.step % LOG_EVERY_STEPS == 0:
+        values = {**values, **run.observer.window()}  # samples/s, data wait, peak memory
         run.metrics.write({"kind": "step", "epoch": epoch + 1, "step": state.step, **values})
 
 
@@ -804,6 +817,7 @@ def finish(run: Run) -> None:
         run.state.best_step = run.state.step
         save_checkpoint_dir(run, "best", None)
         save_last(run)
+    run.observer.close()
     log.info("done: %d steps; checkpoints in %s", run.state.step, run.cfg.out_dir)
 
 
@@ -913,9 +927,10 @@ class EpochBatches(Sampler[list[tuple[int, int]]]):
 class MetricsLog:
     """Append-only ``metrics.jsonl`` (one JSON object per line) written by rank 0."""
 
-    def __init__(self, path: Path, *, enabled: bool) -> None:
+    def __init__(self, path: Path, *, enabled: bool, observer: Observer | None = None) -> None:
         self.path = path
         self.enabled = enabled
+        self.observer = observer  # also sends each record to TensorBoard / W&B
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -927,6 +942,8 @@ class MetricsLog:
             }
             with self.path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(clean) + "\n")
+            if self.observer is not None:
+                self.observer.write(record)
 
     def records(self) -> list[dict[str, Any]]:
         if not self.path.is_file():
@@ -940,6 +957,8 @@ class MetricsLog:
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after `step` (a resumed run redoes them); `0` starts afresh."""
         if self.enabled:
+            if self.observer is not None:
+                self.observer.restart_from(step)  # TensorBoard too
             kept = [r for r in self.records() if r.get("step", 0) <= step] if step else []
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
 

@@ -58,6 +58,9 @@ def test_tonearm_train_nproc_per_node_then_export_and_evaluate(tiny_corpus: Path
     assert kinds.count("epoch") == 1 and kinds.count("eval") == 1, kinds
     steps = [r["step"] for r in records if r["kind"] == "step"]
     assert steps == sorted(set(steps))
+    # Throughput counts the global batch; rank 0 alone writes TensorBoard events (issue 30 item 6).
+    assert all(r["samples_per_s"] > 0 for r in records if r["kind"] == "step")
+    assert len(list(run.glob("events.out.tfevents.*"))) == 1
     # 32 clips / 2 processes / batches of 8 = 2 steps, each on a global batch of 16.
     assert records[-1]["step"] == 2
     saved = load_file(str(run / "last" / "trainer_state.safetensors"))

@@ -23,6 +23,8 @@ extractor (``(B, 1, frames, n_mels)`` after ``unsqueeze(1)``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import Tensor, nn
@@ -62,3 +64,68 @@ class ClapMelFrontend(nn.Module):
         silence = 10.0 * float(np.log10(MEL_FLOOR))
         db = nn.functional.pad(db, (0, self.frames), value=silence)[..., : self.frames]
         return db.transpose(1, 2)
+
+
+def pad_to_clip(waveform: Tensor, n: int, padding: str) -> Tensor:
+    """Torch twin of :func:`index.audio_frontend.pad_short_clip` for a batch (B, T), T < n:
+    ``repeatpad`` tiles ⌊n / T⌋ times then zero-pads, ``repeat`` tiles and cuts, ``pad`` zero-pads."""
+    length = waveform.shape[-1]
+    if length >= n or length == 0:
+        return waveform
+    if padding == "repeatpad":
+        waveform = waveform.repeat(1, n // length)
+    elif padding == "repeat":
+        waveform = waveform.repeat(1, n // length + 1)[:, :n]
+    return nn.functional.pad(waveform, (0, n - waveform.shape[-1]))
+
+
+class ClapWaveFrontend(nn.Module):
+    """waveform (B, T) → CLAP ``input_features`` (B, 1, frames, n_mels), as ``ClapFeatureExtractor``
+    with ``truncation="rand_trunc"`` computes them, in torch (batched, on device, traceable).
+
+    Clips shorter than ``clip_samples`` are padded with the extractor's ``padding``; longer ones
+    are cut to one window of ``clip_samples`` — a random one in training (the extractor's
+    ``rand_trunc``), the first one in eval (deterministic). The frames (1 + clip_samples // hop,
+    1001 at 10 s) go to the audio model unchanged: HTS-AT stretches them to its
+    ``spec_size · freq_ratio`` frames by bicubic interpolation itself, exactly as for the
+    extractor's output. The training tower and ``export --pretrained`` both run this module.
+    """
+
+    def __init__(self, extractor: Any) -> None:
+        super().__init__()
+        self.clip_samples = int(extractor.nb_max_samples)
+        self.padding = str(extractor.padding)
+        hop = int(extractor.hop_length)
+        self.mel = ClapMelFrontend(
+            mel_filters=extractor.mel_filters_slaney, n_fft=int(extractor.fft_window_size),
+            hop_length=hop, frames=1 + self.clip_samples // hop,
+        )
+
+    def forward(self, waveform: Tensor) -> Tensor:
+        n = self.clip_samples
+        length = waveform.shape[-1]
+        if length < n:
+            waveform = pad_to_clip(waveform, n, self.padding)
+        elif length > n:
+            start = int(torch.randint(0, length - n + 1, ()).item()) if self.training else 0
+            waveform = waveform[:, start : start + n]
+        return self.mel(waveform).unsqueeze(1)
+
+
+def clap_extractor(path: str | None, *, sample_rate: int, n_fft: int, hop_length: int, n_mels: int,
+                   f_min: float, f_max: float, max_frames: int) -> Any:
+    """The folder's ``ClapFeatureExtractor`` (``preprocessor_config.json``) when it has one, else
+    one at the given settings with laion/clap-htsat-unfused's ``rand_trunc`` / ``repeatpad`` and
+    ``max_length_s`` = 10 s, or the whole seconds that fit when the model takes fewer frames
+    (``max_frames`` = ``spec_size · freq_ratio``)."""
+    from pathlib import Path
+
+    from transformers import ClapFeatureExtractor
+
+    if path is not None and (Path(path).expanduser() / "preprocessor_config.json").is_file():
+        return ClapFeatureExtractor.from_pretrained(path)
+    return ClapFeatureExtractor(
+        feature_size=n_mels, sampling_rate=sample_rate, hop_length=hop_length, fft_window_size=n_fft,
+        frequency_min=f_min, frequency_max=f_max, truncation="rand_trunc", padding="repeatpad",
+        max_length_s=max(1, min(10, (max_frames - 1) * hop_length // sample_rate)),
+    )

@@ -185,26 +185,38 @@ class ASTAudioTower(nn.Module):
 
 
 class ClapAudioTower(nn.Module):
-    """CLAP's audio encoder (unfused HTS-AT) and audio projection on our log-mel in dB."""
+    """CLAP's audio encoder (unfused HTS-AT) and audio projection on CLAP's own features
+    (:class:`training.models.clap_frontend.ClapWaveFrontend`: the extractor's Slaney mel bank,
+    padding and window policy — the module ``export --pretrained`` runs too)."""
 
-    def __init__(self, clap: nn.Module, frontend_cfg: FrontendConfig) -> None:
+    def __init__(self, clap: nn.Module, frontend_cfg: FrontendConfig, path: str | None = None) -> None:
         super().__init__()
+        from training.models.clap_frontend import ClapWaveFrontend, clap_extractor
+
         audio_cfg = clap.config.audio_config
         if audio_cfg.enable_fusion:
             raise ConfigError(
                 "model.audio.path: fused CLAP checkpoints are not supported; use an unfused one"
             )
         _check_mels(frontend_cfg, int(audio_cfg.num_mel_bins), "CLAP audio model")
-        self.frontend = LogMelFrontend(frontend_cfg)
+        extractor = clap_extractor(
+            path, sample_rate=frontend_cfg.sample_rate, n_fft=frontend_cfg.n_fft,
+            hop_length=frontend_cfg.hop_length, n_mels=frontend_cfg.n_mels,
+            f_min=frontend_cfg.f_min, f_max=frontend_cfg.f_max,
+            max_frames=int(audio_cfg.spec_size * (audio_cfg.spec_size // audio_cfg.num_mel_bins)),
+        )
+        if int(extractor.sampling_rate) != frontend_cfg.sample_rate:
+            raise ConfigError(
+                f"frontend.sample_rate={frontend_cfg.sample_rate} but the CLAP feature extractor in "
+                f"{path} runs at {extractor.sampling_rate} Hz; set frontend.sample_rate={extractor.sampling_rate}"
+            )
+        self.frontend = ClapWaveFrontend(extractor)
         self.audio_model = clap.audio_model
         self.audio_projection = clap.audio_projection
-        freq_ratio = audio_cfg.spec_size // audio_cfg.num_mel_bins
-        self.frames = int(audio_cfg.spec_size * freq_ratio)
         self.out_dim = int(clap.config.projection_dim)
 
     def forward(self, waveform: Tensor) -> Tensor:
-        x = fit_frames(self.frontend(waveform) * DB_PER_NEPER, self.frames, SILENCE * DB_PER_NEPER)
-        out = self.audio_model(input_features=x.transpose(1, 2).unsqueeze(1))
+        out = self.audio_model(input_features=self.frontend(waveform.float()))
         return self.audio_projection(out.pooler_output)
 
 
@@ -273,7 +285,7 @@ def build_hf_audio_tower(
     """Audio tower for ``kind`` and the full HF config dict it was built from."""
     if kind == "hf_clap":
         clap = load_hf_model("ClapModel", path=path, config=config, key="model.audio.path")
-        return ClapAudioTower(clap, frontend_cfg), clap.config.to_dict()
+        return ClapAudioTower(clap, frontend_cfg, path), clap.config.to_dict()
     if kind == "hf_ast":
         model = load_hf_model("ASTModel", path=path, config=config, key="model.audio.path")
         return ASTAudioTower(model, frontend_cfg), model.config.to_dict()
@@ -286,4 +298,4 @@ def build_hf_clap_pair(
 ) -> tuple[nn.Module, nn.Module, dict[str, Any]]:
     """Audio and text towers of one ``ClapModel`` (loaded once), and its config dict."""
     clap = load_hf_model("ClapModel", path=path, config=config, key="model.audio.path")
-    return ClapAudioTower(clap, frontend_cfg), ClapTextTower(clap), clap.config.to_dict()
+    return ClapAudioTower(clap, frontend_cfg, path), ClapTextTower(clap), clap.config.to_dict()

@@ -58,3 +58,27 @@ def test_clap_finetune_step0_equals_the_pretrained_model(real_clap_dir: Path) ->
         )
     assert audio_cos.min() >= 0.999, dict(zip(SECONDS, audio_cos.tolist(), strict=True))
     assert text_cos.min() >= 0.999, text_cos.tolist()
+
+
+def test_ast_finetune_step0_equals_the_pretrained_model(real_ast_dir: Path) -> None:
+    """The ``hf_ast`` tower of configs/real/ast_xlmr.yaml against ``ASTFeatureExtractor`` + ``ASTModel``
+    (pooled output; the projection head is new), on 3-s and 10-s clips at 16 kHz."""
+    from transformers import ASTFeatureExtractor, ASTModel
+
+    from training.models.hf import build_hf_audio_tower
+
+    cfg = load_train_config(PRESETS / "ast_xlmr.yaml", [f"model.audio.path={real_ast_dir}"])
+    tower, _ = build_hf_audio_tower("hf_ast", path=str(real_ast_dir), frontend_cfg=cfg.frontend, config=None)
+    tower.eval()
+    model = ASTModel.from_pretrained(real_ast_dir).eval()
+    extractor = ASTFeatureExtractor()  # the folder has no preprocessor_config.json: the defaults
+    rate = int(extractor.sampling_rate)
+    waves = [signal(s, i)[:: RATE // rate].copy() for i, s in enumerate((3.0, 10.0))]
+    with torch.no_grad():
+        got = torch.cat([tower(torch.from_numpy(w)[None]) for w in waves])
+        feats = extractor(waves, sampling_rate=rate, return_tensors="pt")["input_values"]
+        torch.testing.assert_close(tower.frontend(torch.from_numpy(waves[0])[None])[0], feats[0],
+                                   rtol=1e-3, atol=2e-3)
+        want = model(input_values=feats).pooler_output
+    cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert cos.min() >= 0.999, cos.tolist()

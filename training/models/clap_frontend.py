@@ -103,13 +103,25 @@ class ClapWaveFrontend(nn.Module):
 
     def forward(self, waveform: Tensor) -> Tensor:
         n = self.clip_samples
-        length = waveform.shape[-1]
-        if length < n:
-            waveform = pad_to_clip(waveform, n, self.padding)
-        elif length > n:
-            start = int(torch.randint(0, length - n + 1, ()).item()) if self.training else 0
+        if self.training and waveform.shape[-1] > n:  # rand_trunc: one random window
+            start = int(torch.randint(0, waveform.shape[-1] - n + 1, ()).item())
             waveform = waveform[:, start : start + n]
-        return self.mel(waveform).unsqueeze(1)
+        return self.mel(self.fit(waveform)).unsqueeze(1)
+
+    def fit(self, waveform: Tensor) -> Tensor:
+        """(B, T) → (B, clip_samples): the extractor's padding, or the first window of longer
+        inputs — as one gather and mask, so a traced (ONNX) graph keeps it for any T."""
+        n = self.clip_samples
+        length = torch._shape_as_tensor(waveform)[-1].to(waveform.device)
+        positions = torch.arange(n, device=waveform.device)
+        gathered = waveform[:, positions % length]
+        if self.padding == "repeatpad":  # ⌊n / T⌋ whole copies (at least one), then zeros
+            valid = positions < torch.clamp(n // length, min=1) * length
+        elif self.padding == "repeat":
+            valid = torch.ones_like(positions, dtype=torch.bool)
+        else:  # pad: zeros after the clip
+            valid = positions < length
+        return gathered * valid.to(gathered.dtype)
 
 
 def clap_extractor(path: str | None, *, sample_rate: int, n_fft: int, hop_length: int, n_mels: int,

@@ -66,19 +66,6 @@ class ClapMelFrontend(nn.Module):
         return db.transpose(1, 2)
 
 
-def pad_to_clip(waveform: Tensor, n: int, padding: str) -> Tensor:
-    """Torch twin of :func:`index.audio_frontend.pad_short_clip` for a batch (B, T), T < n:
-    ``repeatpad`` tiles ⌊n / T⌋ times then zero-pads, ``repeat`` tiles and cuts, ``pad`` zero-pads."""
-    length = waveform.shape[-1]
-    if length >= n or length == 0:
-        return waveform
-    if padding == "repeatpad":
-        waveform = waveform.repeat(1, n // length)
-    elif padding == "repeat":
-        waveform = waveform.repeat(1, n // length + 1)[:, :n]
-    return nn.functional.pad(waveform, (0, n - waveform.shape[-1]))
-
-
 class ClapWaveFrontend(nn.Module):
     """waveform (B, T) → CLAP ``input_features`` (B, 1, frames, n_mels), as ``ClapFeatureExtractor``
     with ``truncation="rand_trunc"`` computes them, in torch (batched, on device, traceable).

@@ -38,7 +38,6 @@ from training.config import (
     TrainConfig,
 )
 from training.models.dual_encoder import DualEncoder, build_dual_encoder
-from training.models.hf import DB_PER_NEPER, SILENCE
 from training.models.tokenizer import build_tokenizer
 from training.onnx_export import export_audio_encoder, export_text_encoder, onnx_session
 
@@ -228,15 +227,17 @@ def test_clap_pair_keeps_the_pretrained_joint_space(hf_dirs: dict[str, Path]) ->
     clap = ClapModel.from_pretrained(hf_dirs["clap"]).eval()
     ids, mask = (torch.from_numpy(a) for a in tokenizer.encode(TEXTS[:4]))
     wave = 0.1 * torch.randn(2, 16000)
+    # The reference is transformers' own extractor (independent of tonearm's front end), at the
+    # settings the tower takes when the folder has no preprocessor_config.json: FRONTEND's.
+    extractor = transformers.ClapFeatureExtractor(
+        feature_size=FRONTEND.n_mels, sampling_rate=FRONTEND.sample_rate, hop_length=FRONTEND.hop_length,
+        fft_window_size=FRONTEND.n_fft, frequency_min=FRONTEND.f_min, frequency_max=FRONTEND.f_max,
+        truncation="rand_trunc", padding="repeatpad", max_length_s=2,
+    )
     with torch.no_grad():
         text_ref = clap.get_text_features(input_ids=ids, attention_mask=mask).pooler_output
-        feats = model.audio.tower.frontend(wave) * DB_PER_NEPER
-        feats = torch.nn.functional.pad(
-            feats, (0, 256 - feats.shape[-1]), value=SILENCE * DB_PER_NEPER
-        )
-        audio_ref = clap.get_audio_features(
-            input_features=feats.transpose(1, 2).unsqueeze(1)
-        ).pooler_output
+        feats = extractor(list(wave.numpy()), sampling_rate=FRONTEND.sample_rate, return_tensors="pt")
+        audio_ref = clap.get_audio_features(input_features=feats["input_features"]).pooler_output
         torch.testing.assert_close(model.encode_text(ids, mask), text_ref, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(model.encode_audio(wave), audio_ref, rtol=1e-4, atol=1e-5)
     one_training_step(model, cfg)

@@ -23,6 +23,8 @@ extractor (``(B, 1, frames, n_mels)`` after ``unsqueeze(1)``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import Tensor, nn
@@ -62,3 +64,67 @@ class ClapMelFrontend(nn.Module):
         silence = 10.0 * float(np.log10(MEL_FLOOR))
         db = nn.functional.pad(db, (0, self.frames), value=silence)[..., : self.frames]
         return db.transpose(1, 2)
+
+
+class ClapWaveFrontend(nn.Module):
+    """waveform (B, T) → CLAP ``input_features`` (B, 1, frames, n_mels), as ``ClapFeatureExtractor``
+    with ``truncation="rand_trunc"`` computes them, in torch (batched, on device, traceable).
+
+    Clips shorter than ``clip_samples`` are padded with the extractor's ``padding``; longer ones
+    are cut to one window of ``clip_samples`` — a random one in training (the extractor's
+    ``rand_trunc``), the first one in eval (deterministic). The frames (1 + clip_samples // hop,
+    1001 at 10 s) go to the audio model unchanged: HTS-AT stretches them to its
+    ``spec_size · freq_ratio`` frames by bicubic interpolation itself, exactly as for the
+    extractor's output. The training tower and ``export --pretrained`` both run this module.
+    """
+
+    def __init__(self, extractor: Any) -> None:
+        super().__init__()
+        self.clip_samples = int(extractor.nb_max_samples)
+        self.padding = str(extractor.padding)
+        hop = int(extractor.hop_length)
+        self.mel = ClapMelFrontend(
+            mel_filters=extractor.mel_filters_slaney, n_fft=int(extractor.fft_window_size),
+            hop_length=hop, frames=1 + self.clip_samples // hop,
+        )
+
+    def forward(self, waveform: Tensor) -> Tensor:
+        n = self.clip_samples
+        if self.training and waveform.shape[-1] > n:  # rand_trunc: one random window
+            start = int(torch.randint(0, waveform.shape[-1] - n + 1, ()).item())
+            waveform = waveform[:, start : start + n]
+        return self.mel(self.fit(waveform)).unsqueeze(1)
+
+    def fit(self, waveform: Tensor) -> Tensor:
+        """(B, T) → (B, clip_samples): the extractor's padding, or the first window of longer
+        inputs — as one gather and mask, so a traced (ONNX) graph keeps it for any T."""
+        n = self.clip_samples
+        length = torch._shape_as_tensor(waveform)[-1].to(waveform.device)
+        positions = torch.arange(n, device=waveform.device)
+        gathered = waveform[:, positions % length]
+        if self.padding == "repeatpad":  # ⌊n / T⌋ whole copies (at least one), then zeros
+            valid = positions < torch.clamp(n // length, min=1) * length
+        elif self.padding == "repeat":
+            valid = torch.ones_like(positions, dtype=torch.bool)
+        else:  # pad: zeros after the clip
+            valid = positions < length
+        return gathered * valid.to(gathered.dtype)
+
+
+def clap_extractor(path: str | None, *, sample_rate: int, n_fft: int, hop_length: int, n_mels: int,
+                   f_min: float, f_max: float, max_frames: int) -> Any:
+    """The folder's ``ClapFeatureExtractor`` (``preprocessor_config.json``) when it has one, else
+    one at the given settings with laion/clap-htsat-unfused's ``rand_trunc`` / ``repeatpad`` and
+    ``max_length_s`` = 10 s, or the whole seconds that fit when the model takes fewer frames
+    (``max_frames`` = ``spec_size · freq_ratio``)."""
+    from pathlib import Path
+
+    from transformers import ClapFeatureExtractor
+
+    if path is not None and (Path(path).expanduser() / "preprocessor_config.json").is_file():
+        return ClapFeatureExtractor.from_pretrained(path)
+    return ClapFeatureExtractor(
+        feature_size=n_mels, sampling_rate=sample_rate, hop_length=hop_length, fft_window_size=n_fft,
+        frequency_min=f_min, frequency_max=f_max, truncation="rand_trunc", padding="repeatpad",
+        max_length_s=max(1, min(10, (max_frames - 1) * hop_length // sample_rate)),
+    )

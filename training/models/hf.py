@@ -6,23 +6,25 @@ adds the projection head to ``embed_dim`` and the L2 norm.
 * text ``hf_auto``: any ``AutoModel`` text encoder (BERT, XLM-R, LaBSE, …), mean
   or CLS pooling of ``last_hidden_state`` over the attention mask;
 * text ``hf_clap``: ``ClapModel.text_model`` + its ``text_projection``;
-* audio ``hf_ast``: ``ASTModel`` on our log-mel (``frontend.n_mels`` must equal the
-  model's ``num_mel_bins``), normalised with AST's dataset statistics, frames
-  right-padded with digital silence / cropped to the model's ``max_length``;
-  pooled output = mean of the CLS and distillation tokens;
+* audio ``hf_ast``: ``ASTModel`` on ``ASTFeatureExtractor``'s own features (Kaldi fbank,
+  :mod:`training.models.ast_frontend`; ``frontend.n_mels`` must equal ``num_mel_bins`` and
+  ``frontend.sample_rate`` the extractor's rate); pooled output = mean of the CLS and
+  distillation tokens;
 * audio ``hf_clap``: ``ClapModel.audio_model`` (HTS-AT, unfused) + its
-  ``audio_projection`` on our log-mel in dB, frames padded/cropped to
-  ``spec_size · freq_ratio``;
+  ``audio_projection`` on ``ClapFeatureExtractor``'s own features (Slaney mel bank, repeat-pad,
+  HTS-AT's bicubic frame fit; :mod:`training.models.clap_frontend`, the module
+  ``export --pretrained`` runs too);
 * audio ``hf_auto``: an ``AutoModel`` backbone (the encoder of an
   encoder–decoder) that takes ``input_features`` (B, n_mels, frames) —
   Whisper-style, frames fixed to ``2 · max_source_positions`` when the config
   has it — or raw ``input_values`` waveforms (wav2vec 2.0 / HuBERT / WavLM,
   standardised per clip); mean pooling over time.
 
-Features: pretrained models were trained on their own feature extractors; for
-faithful transfer set the ``frontend`` section to the model's parameters
-(sample rate, n_fft, hop, mels, f_min/f_max). The towers convert our natural-log
-mel power to each model's scale; fine-tuning absorbs the rest.
+Features: ``hf_clap`` and ``hf_ast`` reproduce the model's own feature extractor (read from the
+folder's ``preprocessor_config.json``, else the extractor's defaults at the ``frontend`` settings),
+so step 0 of a fine-tune is the pretrained model (tests/training/test_finetune_step0.py). For
+``hf_auto`` set the ``frontend`` section to the model's parameters (sample rate, n_fft, hop, mels,
+f_min/f_max); fine-tuning absorbs the rest.
 
 ``transformers`` is imported lazily so the built-in towers do not pay for it.
 """
@@ -42,10 +44,6 @@ from training.config import ConfigError, FrontendConfig
 from training.models.frontend import LOG_EPS, LogMelFrontend
 from training.models.text_transformer import masked_mean
 
-AST_MEAN, AST_STD = -4.2677393, 4.5689974
-"""AudioSet fbank statistics used by ``ASTFeatureExtractor`` (normalised as (x − mean) / (2·std))."""
-DB_PER_NEPER = 10.0 / math.log(10.0)
-"""Converts natural-log power to decibels (CLAP's ``power_to_db`` scale)."""
 SILENCE = math.log(LOG_EPS)
 """Log-mel value of digital silence (frame padding)."""
 
@@ -168,43 +166,64 @@ class ClapTextTower(nn.Module):
 
 
 class ASTAudioTower(nn.Module):
-    """Audio Spectrogram Transformer on our log-mel (frontend inside)."""
+    """Audio Spectrogram Transformer on its own features
+    (:class:`training.models.ast_frontend.ASTWaveFrontend`: ``ASTFeatureExtractor``'s Kaldi fbank)."""
 
-    def __init__(self, model: nn.Module, frontend_cfg: FrontendConfig) -> None:
+    def __init__(self, model: nn.Module, frontend_cfg: FrontendConfig, path: str | None = None) -> None:
         super().__init__()
+        from training.models.ast_frontend import ASTWaveFrontend, ast_extractor
+
         _check_mels(frontend_cfg, int(model.config.num_mel_bins), "AST model")
-        self.frontend = LogMelFrontend(frontend_cfg)
+        extractor = ast_extractor(
+            path, sample_rate=frontend_cfg.sample_rate, num_mel_bins=int(model.config.num_mel_bins),
+            max_length=int(model.config.max_length),
+        )
+        if int(extractor.sampling_rate) != frontend_cfg.sample_rate:
+            raise ConfigError(
+                f"frontend.sample_rate={frontend_cfg.sample_rate} but the AST feature extractor in "
+                f"{path} runs at {extractor.sampling_rate} Hz; set frontend.sample_rate={extractor.sampling_rate}"
+            )
+        self.frontend = ASTWaveFrontend(extractor)
         self.model = model
-        self.frames = int(model.config.max_length)
         self.out_dim = int(model.config.hidden_size)
 
     def forward(self, waveform: Tensor) -> Tensor:
-        x = (self.frontend(waveform) - AST_MEAN) / (2 * AST_STD)
-        x = fit_frames(x, self.frames, (SILENCE - AST_MEAN) / (2 * AST_STD))
-        return self.model(input_values=x.transpose(1, 2)).pooler_output
+        return self.model(input_values=self.frontend(waveform)).pooler_output
 
 
 class ClapAudioTower(nn.Module):
-    """CLAP's audio encoder (unfused HTS-AT) and audio projection on our log-mel in dB."""
+    """CLAP's audio encoder (unfused HTS-AT) and audio projection on CLAP's own features
+    (:class:`training.models.clap_frontend.ClapWaveFrontend`: the extractor's Slaney mel bank,
+    padding and window policy — the module ``export --pretrained`` runs too)."""
 
-    def __init__(self, clap: nn.Module, frontend_cfg: FrontendConfig) -> None:
+    def __init__(self, clap: nn.Module, frontend_cfg: FrontendConfig, path: str | None = None) -> None:
         super().__init__()
+        from training.models.clap_frontend import ClapWaveFrontend, clap_extractor
+
         audio_cfg = clap.config.audio_config
         if audio_cfg.enable_fusion:
             raise ConfigError(
                 "model.audio.path: fused CLAP checkpoints are not supported; use an unfused one"
             )
         _check_mels(frontend_cfg, int(audio_cfg.num_mel_bins), "CLAP audio model")
-        self.frontend = LogMelFrontend(frontend_cfg)
+        extractor = clap_extractor(
+            path, sample_rate=frontend_cfg.sample_rate, n_fft=frontend_cfg.n_fft,
+            hop_length=frontend_cfg.hop_length, n_mels=frontend_cfg.n_mels,
+            f_min=frontend_cfg.f_min, f_max=frontend_cfg.f_max,
+            max_frames=int(audio_cfg.spec_size * (audio_cfg.spec_size // audio_cfg.num_mel_bins)),
+        )
+        if int(extractor.sampling_rate) != frontend_cfg.sample_rate:
+            raise ConfigError(
+                f"frontend.sample_rate={frontend_cfg.sample_rate} but the CLAP feature extractor in "
+                f"{path} runs at {extractor.sampling_rate} Hz; set frontend.sample_rate={extractor.sampling_rate}"
+            )
+        self.frontend = ClapWaveFrontend(extractor)
         self.audio_model = clap.audio_model
         self.audio_projection = clap.audio_projection
-        freq_ratio = audio_cfg.spec_size // audio_cfg.num_mel_bins
-        self.frames = int(audio_cfg.spec_size * freq_ratio)
         self.out_dim = int(clap.config.projection_dim)
 
     def forward(self, waveform: Tensor) -> Tensor:
-        x = fit_frames(self.frontend(waveform) * DB_PER_NEPER, self.frames, SILENCE * DB_PER_NEPER)
-        out = self.audio_model(input_features=x.transpose(1, 2).unsqueeze(1))
+        out = self.audio_model(input_features=self.frontend(waveform.float()))
         return self.audio_projection(out.pooler_output)
 
 
@@ -273,10 +292,10 @@ def build_hf_audio_tower(
     """Audio tower for ``kind`` and the full HF config dict it was built from."""
     if kind == "hf_clap":
         clap = load_hf_model("ClapModel", path=path, config=config, key="model.audio.path")
-        return ClapAudioTower(clap, frontend_cfg), clap.config.to_dict()
+        return ClapAudioTower(clap, frontend_cfg, path), clap.config.to_dict()
     if kind == "hf_ast":
         model = load_hf_model("ASTModel", path=path, config=config, key="model.audio.path")
-        return ASTAudioTower(model, frontend_cfg), model.config.to_dict()
+        return ASTAudioTower(model, frontend_cfg, path), model.config.to_dict()
     model = load_hf_model("AutoModel", path=path, config=config, key="model.audio.path")
     return HFAutoAudioTower(model, frontend_cfg), model.config.to_dict()
 
@@ -286,4 +305,4 @@ def build_hf_clap_pair(
 ) -> tuple[nn.Module, nn.Module, dict[str, Any]]:
     """Audio and text towers of one ``ClapModel`` (loaded once), and its config dict."""
     clap = load_hf_model("ClapModel", path=path, config=config, key="model.audio.path")
-    return ClapAudioTower(clap, frontend_cfg), ClapTextTower(clap), clap.config.to_dict()
+    return ClapAudioTower(clap, frontend_cfg, path), ClapTextTower(clap), clap.config.to_dict()

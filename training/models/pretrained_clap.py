@@ -6,7 +6,8 @@ The folder has the layout of the published LAION CLAP checkpoints (``save_pretra
 RoBERTa tokenizer files. :func:`load_pretrained_clap` checks it and returns
 
 * :class:`ClapAudioEmbedder` — waveform at the extractor's rate → ``get_audio_features``,
-  the extractor's log-mel inside (:class:`training.models.clap_frontend.ClapMelFrontend`);
+  the extractor's log-mel inside (:class:`training.models.clap_frontend.ClapWaveFrontend`, shared
+  with the training tower ``hf_clap``);
 * :class:`ClapTextEmbedder` — token ids → ``get_text_features``;
 * :class:`ClapSettings` — the extractor's settings the bundle records and the service applies.
 
@@ -42,7 +43,7 @@ from torch import Tensor, nn
 
 from index.tokenizer import TextTokenizer
 from training.config import ConfigError
-from training.models.clap_frontend import ClapMelFrontend
+from training.models.clap_frontend import ClapWaveFrontend
 from training.models.hf import check_model_folder, first_line
 from training.models.tokenizer import load_hf_tokenizer
 
@@ -76,14 +77,14 @@ class ClapSettings:
 class ClapAudioEmbedder(nn.Module):
     """waveform (B, N) at ``sample_rate`` → ``get_audio_features`` (B, d), L2-normalised."""
 
-    def __init__(self, clap: nn.Module, frontend: ClapMelFrontend) -> None:
+    def __init__(self, clap: nn.Module, frontend: ClapWaveFrontend) -> None:
         super().__init__()
         self.frontend = frontend
         self.audio_model = clap.audio_model
         self.audio_projection = clap.audio_projection
 
     def forward(self, waveform: Tensor) -> Tensor:
-        features = self.frontend(waveform).unsqueeze(1)
+        features = self.frontend(waveform)
         pooled = self.audio_model(input_features=features).pooler_output
         return nn.functional.normalize(self.audio_projection(pooled), dim=-1)
 
@@ -196,10 +197,7 @@ def load_pretrained_clap(path: Path | str) -> PretrainedClap:
         raise ConfigError(f"{KEY}: the tokenizer in {folder} cannot be loaded: {first_line(err)}") from None
     max_length = text_max_length(hf_tokenizer, config.text_config)
     tokenizer = load_hf_tokenizer(str(folder), max_length=max_length)
-    mel_filters = extractor.mel_filters_slaney if settings.truncation == "rand_trunc" else extractor.mel_filters
-    frontend = ClapMelFrontend(
-        mel_filters=mel_filters, n_fft=settings.n_fft, hop_length=settings.hop_length, frames=settings.frames
-    )
+    frontend = ClapWaveFrontend(extractor)  # the module the training tower runs too
     return PretrainedClap(
         folder=folder, model=model, extractor=extractor, hf_tokenizer=hf_tokenizer, tokenizer=tokenizer,
         settings=settings, audio=ClapAudioEmbedder(model, frontend).eval(), text=ClapTextEmbedder(model).eval(),

@@ -67,6 +67,7 @@ from training.models.pretrained_clap import (
     reference_text_features,
 )
 from training.onnx_export import MIN_COSINE, ExportError, export_audio_encoder, export_text_encoder
+from training.pretrained_family import detect_family
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,7 @@ def export_pretrained_bundle(
 ) -> Path:
     """Bundle of the CLAP folder ``model_dir`` over the clips of ``manifest``; returns its path."""
     model_dir, manifest, out_dir = Path(model_dir), Path(manifest), Path(out_dir)
+    detect_family(model_dir)  # refuses families other than SUPPORTED in one line
     clap = load_pretrained_clap(model_dir)
     all_records, langs = _load_records(manifest, languages)
     records = catalogue_records(all_records, splits, manifest)

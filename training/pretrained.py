@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import tempfile
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -67,6 +68,8 @@ from training.models.pretrained_clap import (
     reference_text_features,
 )
 from training.onnx_export import MIN_COSINE, ExportError, export_audio_encoder, export_text_encoder
+from training.pretrained_family import detect_family
+from training.quantize import EncoderPair, QuantizeConfig, check_loss, measure, quantize_model
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +77,11 @@ log = logging.getLogger(__name__)
 class PretrainedEncoders:
     """The staged ONNX encoders with the bundle's audio preparation (padding, then chunking)."""
 
-    def __init__(self, clap: PretrainedClap, staging: Path) -> None:
+    def __init__(self, clap: PretrainedClap, audio: Path, text: Path) -> None:
         dim = int(clap.model.config.projection_dim)
         self.clap, self.dim = clap, dim
-        self.audio = _load_session(staging / fmt.AUDIO_ENCODER, AUDIO_INPUTS, dim)
-        self.text = _load_session(staging / fmt.TEXT_ENCODER, TEXT_INPUTS, dim)
+        self.audio = _load_session(audio, AUDIO_INPUTS, dim)
+        self.text = _load_session(text, TEXT_INPUTS, dim)
 
     def prepare(self, wave: np.ndarray) -> np.ndarray:
         s = self.clap.settings
@@ -108,13 +111,20 @@ def parity_clips(wave: np.ndarray, n: int) -> list[np.ndarray]:
     return [tiled[: n // 3], tiled[:n], tiled[: 5 * n // 2]]
 
 
-def check_parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], texts: Sequence[str]) -> tuple[float, float]:
-    """Minimum per-item cosine of the bundle's encoders to ``get_audio_features`` / ``get_text_features``."""
+def parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], texts: Sequence[str]) -> tuple[float, float]:
+    """Minimum per-item cosine of ``encoders`` to ``get_audio_features`` / ``get_text_features`` (no check)."""
     clap = encoders.clap
     expected_audio = np.stack([reference_clip_features(clap, w) for w in waves])
     audio = float(cosines(encoders.encode_audio(waves), expected_audio).min())
     expected_text = reference_text_features(clap, list(texts)).numpy()
     text = float(cosines(encoders.encode_text(texts), expected_text).min())
+    return audio, text
+
+
+def check_parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], texts: Sequence[str]) -> tuple[float, float]:
+    """Minimum per-item cosine of the bundle's encoders to ``get_audio_features`` / ``get_text_features``;
+    :class:`ExportError` below :data:`MIN_COSINE`."""
+    audio, text = parity(encoders, waves, texts)
     for value, what in ((audio, "audio encoder vs get_audio_features"), (text, "text encoder vs get_text_features")):
         if not value >= MIN_COSINE:
             raise ExportError(f"{what}: min cosine {value:.6f} < {MIN_COSINE}")
@@ -122,13 +132,27 @@ def check_parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], text
     return audio, text
 
 
-def export_pretrained_encoders(clap: PretrainedClap, staging: Path) -> PretrainedEncoders:
-    """Write both ONNX encoders and the tokenizer into ``staging``."""
-    s = clap.settings
-    export_audio_encoder(clap.audio, staging / fmt.AUDIO_ENCODER, sample_rate=s.sample_rate, opset=OPSET)
-    export_text_encoder(clap.text, staging / fmt.TEXT_ENCODER, max_length=clap.tokenizer.max_length, opset=OPSET)
+def export_pretrained_encoders(clap: PretrainedClap, staging: Path, scratch: Path | None = None, *,
+                               quantize: QuantizeConfig | None = None) -> tuple[PretrainedEncoders, PretrainedEncoders]:
+    """Write both ONNX encoders and the tokenizer into ``staging``; returns (served, fp32) encoders.
+
+    An encoder to quantize (``quantize``) is exported in fp32 to ``scratch`` and its quantized copy
+    (:func:`training.quantize.quantize_model`) goes into ``staging``; without quantization both are the same."""
+    s, quantize = clap.settings, quantize or QuantizeConfig()
+    if quantize.encoders and scratch is None:
+        raise ValueError("quantized export needs a scratch folder for the fp32 encoders")
+    audio_fp32 = (scratch if quantize.applies("audio") else staging) / fmt.AUDIO_ENCODER  # type: ignore[operator]
+    text_fp32 = (scratch if quantize.applies("text") else staging) / fmt.TEXT_ENCODER  # type: ignore[operator]
+    export_audio_encoder(clap.audio, audio_fp32, sample_rate=s.sample_rate, opset=OPSET)
+    export_text_encoder(clap.text, text_fp32, max_length=clap.tokenizer.max_length, opset=OPSET)
     clap.tokenizer.save(staging / fmt.TOKENIZER)
-    return PretrainedEncoders(clap, staging)
+    for path, modality in ((audio_fp32, "audio"), (text_fp32, "text")):
+        if quantize.applies(modality):  # type: ignore[arg-type]
+            quantize_model(path, staging / path.name, precision=quantize.precision)
+    fp32 = PretrainedEncoders(clap, audio_fp32, text_fp32)
+    if not quantize.encoders:
+        return fp32, fp32
+    return PretrainedEncoders(clap, staging / fmt.AUDIO_ENCODER, staging / fmt.TEXT_ENCODER), fp32
 
 
 def _embed_audio(encoders: PretrainedEncoders, records: Sequence[ClipRecord], rate: int,
@@ -173,9 +197,11 @@ def export_pretrained_bundle(
     index_factory: str | None = None,
     splits: Sequence[str] | None = None,
     progress: bool = True,
+    quantize: QuantizeConfig | None = None,
 ) -> Path:
     """Bundle of the CLAP folder ``model_dir`` over the clips of ``manifest``; returns its path."""
     model_dir, manifest, out_dir = Path(model_dir), Path(manifest), Path(out_dir)
+    detect_family(model_dir)  # refuses families other than SUPPORTED in one line
     clap = load_pretrained_clap(model_dir)
     all_records, langs = _load_records(manifest, languages)
     records = catalogue_records(all_records, splits, manifest)
@@ -188,13 +214,16 @@ def export_pretrained_bundle(
                                model_dir / "model.safetensors.index.json") if p.is_file())
     weights_sha = fmt.sha256_file(weights)
     config_json = {"pretrained": str(model_dir.resolve()), "model": clap.model.config.to_dict()}
+    quantize = quantize or QuantizeConfig()
     fingerprint = canonical_hash([weights_sha, clap.settings.extractor, str(manifest.resolve()), index_factory,
-                                  langs, *([sorted(splits)] if splits else [])])
+                                  langs, *([sorted(splits)] if splits else []),
+                                  *([quantize.model_dump(mode="json")] if quantize.encoders else [])])
     name = "pretrained-" + model_dir.resolve().name
     bundle_id = make_bundle_id(name, created=created, fingerprint=fingerprint)
-    with fmt.staged_bundle(out_dir, bundle_id) as staging:
-        sections = _build(clap, records, held_out, staging, split=split, languages=langs,
-                          index_factory=index_factory, progress=progress, source_manifest=manifest)
+    with fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
+        sections = _build(clap, records, held_out, staging, Path(scratch), split=split, languages=langs,
+                          index_factory=index_factory, progress=progress, source_manifest=manifest,
+                          quantize=quantize)
         s = clap.settings
         body = fmt.BundleManifest(
             bundle_id=bundle_id,
@@ -218,15 +247,24 @@ def export_pretrained_bundle(
 
 
 def _build(
-    clap: PretrainedClap, records: list[ClipRecord], held_out: list[ClipRecord], staging: Path, *,
+    clap: PretrainedClap, records: list[ClipRecord], held_out: list[ClipRecord], staging: Path, scratch: Path, *,
     split: str, languages: list[str], index_factory: str | None, progress: bool, source_manifest: Path,
+    quantize: QuantizeConfig,
 ) -> dict[str, Any]:
-    """Every bundle file except the manifest; the manifest sections they determine."""
+    """Every bundle file except the manifest; the manifest sections they determine.
+
+    The fp32 encoders are held to :data:`MIN_COSINE`; a quantized encoder's recorded parity is its own
+    cosine to the model (not held to it) and its cost is measured on the held-out set against fp32."""
     rate = clap.settings.sample_rate
-    encoders = export_pretrained_encoders(clap, staging)
+    encoders, fp32 = export_pretrained_encoders(clap, staging, scratch, quantize=quantize)
     sample = decode_audio(records[0].audio, sample_rate=rate)
-    audio_cos, text_cos = check_parity(encoders, parity_clips(sample, clap.settings.clip_samples),
-                                       parity_texts(records, languages))
+    clips, texts = parity_clips(sample, clap.settings.clip_samples), parity_texts(records, languages)
+    audio_cos, text_cos = check_parity(fp32, clips, texts)
+    if quantize.encoders:
+        q_audio, q_text = parity(encoders, clips, texts)
+        audio_cos = q_audio if quantize.applies("audio") else audio_cos
+        text_cos = q_text if quantize.applies("text") else text_cos
+        log.info("%s encoders vs the model: audio %.6f, text %.6f", quantize.label, audio_cos, text_cos)
     text_items, ranges = catalogue_texts(records, languages)
     with _progress(progress) as task:
         audio_emb = _embed_audio(encoders, records, rate, task("embedding clips", len(records)))
@@ -241,21 +279,50 @@ def _build(
     _write_jsonl(staging / fmt.TEXT_IDS, text_items)
     eval_set = _held_out(held_out, languages, rate)
     write_eval_set(staging / fmt.EVAL_DIR, eval_set)
-    report = evaluate_eval_set(eval_set, encode_audio=encoders.encode_audio, encode_text=encoders.encode_text,
-                               languages=languages)
+    evaluation, quantization = _evaluate(eval_set, languages, encoders, fp32, quantize)
     tok = clap.tokenizer
     return {
         "eval_set": fmt.EvalSetInfo(split=split, n_clips=len(eval_set.clip_ids), n_captions=len(eval_set.captions),
                                     max_clips=MAX_EVAL_CLIPS, eval_crop="chunk"),
         "audio_encoder": fmt.EncoderInfo(file=fmt.AUDIO_ENCODER, opset=OPSET, inputs=list(AUDIO_INPUTS),
-                                         outputs=list(OUTPUTS), parity_min_cosine=audio_cos),
+                                         outputs=list(OUTPUTS), parity_min_cosine=audio_cos,
+                                         quantization=quantize.label if quantize.applies("audio") else "none"),
         "text_encoder": fmt.EncoderInfo(file=fmt.TEXT_ENCODER, opset=OPSET, inputs=list(TEXT_INPUTS),
-                                        outputs=list(OUTPUTS), parity_min_cosine=text_cos),
+                                        outputs=list(OUTPUTS), parity_min_cosine=text_cos,
+                                        quantization=quantize.label if quantize.applies("text") else "none"),
         "tokenizer": fmt.TokenizerInfo(file=fmt.TOKENIZER, max_length=tok.max_length, vocab_size=tok.vocab_size),
         "audio_index": _index_info(audio_built, file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS),
         "text_index": _index_info(text_built, file=fmt.TEXT_INDEX, ids_file=fmt.TEXT_IDS, ranges=ranges),
-        "evaluation": fmt.EvaluationInfo(report=report, convention=METRIC_CONVENTION),
+        "evaluation": evaluation,
+        "quantization": quantization,
     }
+
+
+def _evaluate(eval_set: EvalSet, languages: Sequence[str], encoders: PretrainedEncoders, fp32: PretrainedEncoders,
+              quantize: QuantizeConfig) -> tuple[fmt.EvaluationInfo, fmt.QuantizationInfo | None]:
+    """The held-out report; with quantized encoders also the fp32 report, the agreement and the
+    loss check — the same measurement trained bundles get (:func:`training.export.evaluate_staged`)."""
+    if not quantize.encoders:
+        report = evaluate_eval_set(eval_set, encode_audio=encoders.encode_audio, encode_text=encoders.encode_text,
+                                   languages=languages)
+        return fmt.EvaluationInfo(report=report, convention=METRIC_CONVENTION), None
+    found = measure(
+        eval_set, languages,
+        audio=EncoderPair(encoders.encode_audio, fp32.encode_audio, quantize.applies("audio")),
+        text=EncoderPair(encoders.encode_text, fp32.encode_text, quantize.applies("text")),
+    )
+    drops = found.drop_points()
+    log.info("%s %s: held-out drop vs fp32 (points) %s", quantize.precision, "+".join(quantize.encoders), drops)
+    within = check_loss(found, quantize)
+    info = fmt.QuantizationInfo(
+        precision=quantize.precision, encoders=list(quantize.encoders),
+        agreement={name: fmt.QuantizationAgreement(min_cosine=float(c.min()), mean_cosine=float(c.mean()),
+                                                   items=len(c)) for name, c in found.cosine.items()},
+        recall_drop_points=drops, max_r10_drop=quantize.max_r10_drop, on_loss=quantize.on_loss, within_limit=within,
+    )
+    evaluation = fmt.EvaluationInfo(report=found.report, convention=METRIC_CONVENTION,
+                                    fp32_text_report=found.fp32_report, quantization_delta=found.delta)
+    return evaluation, info
 
 
 def cli_export_pretrained(args: argparse.Namespace) -> int:
@@ -263,15 +330,13 @@ def cli_export_pretrained(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from index.report import format_report_rich
+    from training.export import quantize_config
 
-    if getattr(args, "quantize", None) not in (None, "none") or getattr(args, "quantize_text", False):
-        raise BundleError("tonearm export --pretrained: --quantize is not available for pretrained bundles yet "
-                          "(export fp32, or fine-tune with configs/real/clap.yaml and quantize that checkpoint)")
     if getattr(args, "ray", None) is not None:
         raise BundleError("tonearm export --pretrained: --ray is not available for pretrained bundles")
     path = export_pretrained_bundle(
         args.pretrained, manifest=args.data, out_dir=args.out, languages=getattr(args, "languages", None),
-        index_factory=args.index, splits=args.split, progress=True,
+        index_factory=args.index, splits=args.split, progress=True, quantize=quantize_config(args),
     )
     manifest = fmt.read_manifest(path)
     console = Console()

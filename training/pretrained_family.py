@@ -1,0 +1,56 @@
+"""Which published model family a `tonearm export --pretrained` folder holds (SPEC §11).
+
+The family is read from the folder's ``config.json`` (``model_type``), before any weights
+are loaded, so a folder of another family is refused in one line that names the families
+tonearm can serve.
+
+* ``clap`` — Hugging Face ``ClapModel`` (the LAION CLAP checkpoints): exported
+  (:mod:`training.pretrained`).
+* ``pe_audio`` — Meta's Perception Encoder Audio (``PeAudioModel``): recognised, but its
+  export is not implemented yet; the refusal says so (issue 32 item 1 is open).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from training.config import ConfigError
+
+KEY = "--pretrained"
+
+SUPPORTED: dict[str, str] = {"clap": "ClapModel (LAION CLAP)"}
+"""``model_type`` → what it is, for the families ``export --pretrained`` serves."""
+
+RECOGNISED: dict[str, str] = {"pe_audio": "PeAudioModel (Meta Perception Encoder Audio)"}
+"""Families tonearm knows but cannot export yet."""
+
+
+def supported_line() -> str:
+    return ", ".join(f"{k!r} = {v}" for k, v in SUPPORTED.items())
+
+
+def detect_family(folder: Path | str) -> str | None:
+    """The folder's ``model_type`` when it is a supported family; ``None`` when the folder or its
+    ``config.json`` is missing (the family loader then says what is missing, in one line).
+
+    Raises ``ConfigError`` (one line) for an unreadable ``config.json`` or a family tonearm does
+    not serve."""
+    config = Path(folder).expanduser() / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ConfigError(f"{KEY}: {config} cannot be read: {str(err).splitlines()[0] if str(err) else err!r}") from None
+    if model_type in SUPPORTED:
+        return str(model_type)
+    if model_type in RECOGNISED:
+        raise ConfigError(
+            f"{KEY}: {Path(folder)} holds a {model_type!r} model ({RECOGNISED[model_type]}); its export is not "
+            f"implemented yet — supported model_type: {supported_line()}"
+        )
+    raise ConfigError(
+        f"{KEY}: {Path(folder)} holds a {model_type or 'unknown'!r} model, not a CLAP model or another supported "
+        f"family (config.json model_type; supported: {supported_line()})"
+    )

@@ -784,11 +784,20 @@ def restore_trainer_state(run: Run, directory: Path) -> None:
         state, batch = run.state, run.cfg.optim.batch_size
         if state.samples_in_epoch is None:
             state.samples_in_epoch = state.batch_in_epoch * batch * saved_world
+        # Steps per epoch follow the world size: the run ends with what the remaining clips
+        # make at this one (the step counter and max_steps stay absolute).
+        run.batches.set_epoch(state.epoch, samples_in_epoch=state.samples_in_epoch)
+        left = len(run.batches.plan()) + (run.cfg.optim.epochs - state.epoch - 1) * run.steps_per_epoch
+        run.total_steps = int(min(run.cfg.optim.max_steps or math.inf, state.step + left))
+        run.schedule = build_schedule(
+            run.cfg, steps_per_epoch=run.steps_per_epoch, total_steps=run.total_steps
+        )
         log.info(
             "resume: world size changed %d -> %d: epoch %d continues at clip %d of its global order; "
-            "global batch %d (was %d), %d steps/epoch; ranks >= %d re-seeded from (seed, step, rank)",
+            "global batch %d (was %d), %d steps/epoch, run ends at step %d; "
+            "ranks >= %d re-seeded from (seed, step, rank)",
             saved_world, world, state.epoch + 1, state.samples_in_epoch, batch * world,
-            batch * saved_world, run.steps_per_epoch, saved_world,
+            batch * saved_world, run.steps_per_epoch, run.total_steps, saved_world,
         )
     rng = resumed_rng_state(tensors, meta["rng"], saved_world=saved_world, rank=run.runtime.rank)
     if rng is not None:

@@ -91,6 +91,7 @@ def test_two_processes_resume_on_one_and_one_on_two(
     with caplog.at_level(logging.INFO):
         train(config(two_to_one, "resume=true"))
     assert "world size changed 2 -> 1: epoch 2 continues at clip 4" in caplog.text
+    assert "6 steps/epoch, run ends at step 8" in caplog.text
     # Epoch 2 had 8 clips left: 4 steps of 2 on one process.
     assert [e["step"] for e in _events(two_to_one) if e["kind"] == "epoch"] == [3, 8]
 

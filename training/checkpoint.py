@@ -66,7 +66,7 @@ def _state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
 
 
-def _replace_dir(tmp: Path, target: Path) -> None:
+def replace_dir(tmp: Path, target: Path) -> None:
     """Rename ``tmp`` to ``target``, replacing an existing directory."""
     old = None
     if target.exists():
@@ -100,7 +100,7 @@ def save_checkpoint(
         for item in tmp.iterdir():
             with item.open("rb") as handle:
                 os.fsync(handle.fileno())
-        _replace_dir(tmp, target)
+        replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

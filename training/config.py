@@ -235,6 +235,10 @@ class TrainConfig(_Strict):
     overwrite: bool = False
     """Start afresh in an `out_dir` that holds a previous run's checkpoints (deleting them);
     without it (or `resume`) such a run is refused."""
+    save_every_steps: int | None = Field(None, ge=1)
+    """Also save `last/` (weights, optimizer, RNG and the epoch's sample position) every this
+    many optimizer steps, mid-epoch; `resume: true` continues from there on any world size.
+    ``None``: only at each epoch's end (and when interrupted)."""
     frontend: FrontendConfig = Field(default_factory=FrontendConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from index.errors import DataError
 from training import distributed
@@ -34,6 +34,7 @@ from training.config import ConfigError, TrainConfig, load_train_config
 from training.context import LoopContext
 from training.data.loader import BadSampleBudget, loader_options, loader_workers
 from training.data.splits import TRAIN_SPLIT
+from training.elastic import EpochBatches, rederived_seed, resumed_rng_state
 from training.evaluate import (
     EvalSet,
     clip_samples,
@@ -98,6 +99,9 @@ class LoopState:
     best_step: int | None = None
     epoch_loss_sum: float = 0.0
     epoch_loss_count: int = 0
+    samples_in_epoch: int | None = None
+    """Clips of the epoch's global order consumed (training/elastic.py), set when `last/` is
+    saved; what a resume on another world size continues from."""
 
 
 @dataclass
@@ -618,6 +622,8 @@ def run_epochs(
                 bar.set_postfix(loss=f"{values['loss']:.3f}", lr=f"{values['lr']:.2e}")
                 if state.step >= run.total_steps or state.step == interrupt_after_steps:
                     break
+                if periodic_save_due(run):
+                    save_last(run)
                 if stop_requested(run, stop):
                     break
         finally:
@@ -646,7 +652,10 @@ def stop_requested(run: Run, stop: StopRequest) -> bool:
 
 def begin_epoch(run: Run, epoch: int) -> None:
     """Seed this epoch's shuffling, cropping and caption sampling; call the objective's hook."""
-    run.batches.set_epoch(epoch, skip=run.state.batch_in_epoch)  # keys carry the epoch to the workers
+    state = run.state
+    # keys carry the epoch to the workers; a resume continues at its place in the global order
+    run.batches.set_epoch(epoch, skip=state.batch_in_epoch, samples_in_epoch=state.samples_in_epoch)
+    state.batch_in_epoch, state.samples_in_epoch = run.batches.batches_before(), None
     run.context.epoch, run.context.step = epoch, run.state.step
     run.objective.on_epoch_start(run.context)
     if apply_freezing(run.model, run.cfg, epoch=epoch):  # optim.*.unfreeze_after_epochs
@@ -842,9 +851,29 @@ def save_checkpoint_dir(run: Run, name: str, report: dict[str, float] | None) ->
     return directory
 
 
+def periodic_save_due(run: Run) -> bool:
+    """`save_every_steps`: a mid-epoch `last/` (the epoch's end saves one anyway)."""
+    every, state = run.cfg.save_every_steps, run.state
+    return bool(
+        every
+        and state.step % every == 0
+        and state.batch_in_epoch < run.steps_per_epoch
+        and state.step < run.total_steps
+    )
+
+
 def save_last(run: Run, report: dict[str, float] | None = None) -> None:
-    """`last/` plus the optimizer, scaler, objective, RNG and loop state for an exact resume."""
-    directory = save_checkpoint_dir(run, "last", report)
+    """`last/` plus the optimizer, scaler, objective, RNG and loop state for an exact resume.
+
+    Written whole into a temporary sibling and renamed over `last/`: a crash while saving
+    leaves the previous `last/` intact.
+    """
+    from training.checkpoint import replace_dir
+
+    state = run.state
+    in_epoch = state.batch_in_epoch > 0 and run.batches.epoch == state.epoch
+    state.samples_in_epoch = run.batches.samples_consumed(state.batch_in_epoch) if in_epoch else 0
+    directory = save_checkpoint_dir(run, ".last.partial", report)
     rng_tensors, rng_meta = distributed.rank_rng_states(capture_rng_state())
     if run.runtime.is_main:
         optim_tensors, optim_meta = flatten_optimizer_state(run.optimizer.state_dict())
@@ -861,7 +890,14 @@ def save_last(run: Run, report: dict[str, float] | None = None) -> None:
         save_trainer_state(
             directory, tensors={**optim_tensors, **rng_tensors, **objective_tensors}, meta=meta
         )
+        replace_dir(directory, run.cfg.out_dir / "last")
     barrier(run.runtime)
+    if run.runtime.is_main and 0 < state.batch_in_epoch < run.steps_per_epoch:
+        log.info(
+            "saved %s at step %d (epoch %d, batch %d of %d)",
+            run.cfg.out_dir / "last", state.step, state.epoch + 1, state.batch_in_epoch,
+            run.steps_per_epoch,
+        )
 
 
 def restore_trainer_state(run: Run, directory: Path) -> None:
@@ -875,53 +911,37 @@ def restore_trainer_state(run: Run, directory: Path) -> None:
     if meta["scaler"]:
         run.scaler.load_state_dict(meta["scaler"])
     run.state = LoopState(**meta["loop"])
-    saved_world = int(meta.get("world_size", 1))
-    if saved_world != run.runtime.world_size:
-        raise ConfigError(
-            f"resume: {directory} was written by {saved_world} process(es), this run has "
-            f"{run.runtime.world_size}; an exact resume needs the same --nproc-per-node × nodes "
-            "(or start a new run with model.init_checkpoint to reuse the weights)"
+    saved_world, world = int(meta.get("world_size", 1)), run.runtime.world_size
+    if saved_world != world:
+        # Same global clip order, continued from the clips consumed (training/elastic.py).
+        state, batch = run.state, run.cfg.optim.batch_size
+        if state.samples_in_epoch is None:
+            state.samples_in_epoch = state.batch_in_epoch * batch * saved_world
+        # Steps per epoch follow the world size: the run ends with what the remaining clips
+        # make at this one (the step counter and max_steps stay absolute).
+        run.batches.set_epoch(state.epoch, samples_in_epoch=state.samples_in_epoch)
+        left = len(run.batches.plan()) + (run.cfg.optim.epochs - state.epoch - 1) * run.steps_per_epoch
+        run.total_steps = int(min(run.cfg.optim.max_steps or math.inf, state.step + left))
+        run.schedule = build_schedule(
+            run.cfg, steps_per_epoch=run.steps_per_epoch, total_steps=run.total_steps
         )
-    restore_rng_state(*distributed.own_rng_state(tensors, meta["rng"]))
+        log.info(
+            "resume: world size changed %d -> %d: epoch %d continues at clip %d of its global order; "
+            "global batch %d (was %d), %d steps/epoch, run ends at step %d; "
+            "ranks >= %d re-seeded from (seed, step, rank)",
+            saved_world, world, state.epoch + 1, state.samples_in_epoch, batch * world,
+            batch * saved_world, run.steps_per_epoch, run.total_steps, saved_world,
+        )
+    rng = resumed_rng_state(tensors, meta["rng"], saved_world=saved_world, rank=run.runtime.rank)
+    if rng is not None:
+        restore_rng_state(*rng)
+    else:
+        seed_everything(rederived_seed(run.cfg.seed, step=run.state.step, rank=run.runtime.rank))
     run.metrics.truncate_after(run.state.step)
     log.info("resumed from %s at epoch %d, step %d", directory, run.state.epoch, run.state.step)
 
 
 # --- batching and metrics files -----------------------------------------------------------
-
-
-class EpochBatches(Sampler[list[tuple[int, int]]]):
-    """Batches of this rank's share of a shuffled epoch (DistributedSampler order), as
-    ``(epoch, clip index)`` keys: the epoch reaches persistent loader workers with each item.
-
-    A trailing batch of one clip is dropped (no negatives); ``skip`` batches at the
-    start of an epoch are not produced when resuming mid-epoch.
-    """
-
-    def __init__(self, sampler: DistributedSampler, batch_size: int) -> None:
-        self.sampler = sampler
-        self.batch_size = batch_size
-        self.epoch = 0
-        self.skip = 0
-
-    def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
-        self.sampler.set_epoch(epoch)
-        self.epoch = epoch
-        self.skip = skip
-
-    def _all(self) -> list[list[tuple[int, int]]]:
-        indices = [(self.epoch, index) for index in self.sampler]
-        batches = [
-            indices[i : i + self.batch_size] for i in range(0, len(indices), self.batch_size)
-        ]
-        return batches[:-1] if batches and len(batches[-1]) < 2 else batches
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        yield from self._all()[self.skip :]
-
-    def __len__(self) -> int:
-        full, rest = divmod(len(self.sampler), self.batch_size)
-        return full + (1 if rest >= 2 else 0)
 
 
 class MetricsLog:

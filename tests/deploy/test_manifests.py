@@ -23,7 +23,8 @@ from tests.conftest import ROOT
 from tests.deploy.kustomize_lite import render, render_with_kubectl
 
 KUBERNETES_VERSION = "1.30.0"  # the oldest Kubernetes release these manifests target
-KUSTOMIZATIONS = {"base": ROOT / "k8s/base", "production": ROOT / "k8s/overlays/production", "train": ROOT / "k8s/train"}
+KUSTOMIZATIONS = {"base": ROOT / "k8s/base", "production": ROOT / "k8s/overlays/production", "train": ROOT / "k8s/train",
+                  "train-multinode": ROOT / "k8s/train-multinode"}
 ADMIN_SECRET = "tonearm-admin"
 
 
@@ -186,6 +187,31 @@ def test_training_job_runs_torchrun_then_exports_into_the_bundles_claim():
         if v["name"] == "bundles"
     )
     assert service_claim in claims
+
+
+def test_multinode_training_is_an_indexed_job_with_a_c10d_rendezvous_on_pod_0():
+    objects = rendered("train-multinode")
+    job = by_kind(objects, "Job", "tonearm-train-mn")
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    assert pod["restartPolicy"] == "OnFailure" and spec["backoffLimit"] >= spec["completions"]
+    service = by_kind(objects, "Service", pod["subdomain"])
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    (container,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    script = " ".join(container["args"])
+    endpoint = f"{job['metadata']['name']}-0.{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    assert f"--rdzv-endpoint {endpoint}" in script and "--rdzv-backend c10d" in script
+    assert '--nnodes "$MIN_NODES:$NODES"' in script and int(env["NODES"]) == spec["completions"]
+    assert 1 <= int(env["MIN_NODES"]) <= int(env["NODES"])
+    assert '--nproc-per-node "$GPUS"' in script
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == env["GPUS"]
+    assert "resume=true" in script and "save_every_steps=" in script  # a restarted pod resumes
+    assert script.index("torchrun") < script.index("tonearm export") and "JOB_COMPLETION_INDEX" in script
+    shared = next(v for v in pod["volumes"] if v["name"] == "shared")["persistentVolumeClaim"]["claimName"]
+    assert by_kind(objects, "PersistentVolumeClaim", shared)["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert env["DATA"].startswith("/shared/") and "/shared/runs/" in script
 
 
 def _hadolint() -> str:

@@ -912,8 +912,17 @@ def restore_trainer_state(run: Run, directory: Path) -> None:
         run.scaler.load_state_dict(meta["scaler"])
     run.state = LoopState(**meta["loop"])
     saved_world, world = int(meta.get("world_size", 1)), run.runtime.world_size
+    from training.data.stream import StreamBatches
+
+    if saved_world != world and isinstance(run.batches, StreamBatches):
+        raise ConfigError(
+            f"resume: this run streams data.shards and was saved on {saved_world} process(es); "
+            f"resume it on {saved_world} (a stream resumes by batches of the same world size and "
+            "loader workers), or start a new run"
+        )
     if saved_world != world:
         # Same global clip order, continued from the clips consumed (training/elastic.py).
+        assert isinstance(run.batches, EpochBatches)  # streams were refused above
         state, batch = run.state, run.cfg.optim.batch_size
         if state.samples_in_epoch is None:
             state.samples_in_epoch = state.batch_in_epoch * batch * saved_world

@@ -338,9 +338,23 @@ class StreamBatches:
     def __init__(self, stream: ShardStream, loader: DataLoader) -> None:
         self.stream = stream
         self.loader = loader
+        self.skip = 0
+        self.epoch = 0
 
-    def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
+    def set_epoch(self, epoch: int, *, skip: int = 0, samples_in_epoch: int | None = None) -> None:
+        # A stream resumes by batches of the same world size and workers only (docs/training.md,
+        # "Training on a large corpus"); `samples_in_epoch` (the files path's elastic position)
+        # is not used: restore_trainer_state refuses a world-size change for shards.
+        self.skip, self.epoch = skip, epoch
         self.stream.set_epoch(epoch, skip=skip)
+
+    def batches_before(self) -> int:
+        """Batches of the epoch the current position has passed."""
+        return self.skip
+
+    def samples_consumed(self, batch_in_epoch: int) -> int | None:
+        """No world-size-independent position for a stream (resume is by batches)."""
+        return None
 
     def __len__(self) -> int:
         return self.stream.steps

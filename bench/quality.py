@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the repository's packages are importable
     sys.path.insert(0, str(ROOT))
 
-from tonearm.errors import TonearmError  # noqa: E402
+from index.errors import TonearmError  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "bench" / "quality.yaml"
 

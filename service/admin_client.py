@@ -19,7 +19,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from tonearm.errors import TonearmError
+from index.errors import TonearmError
 
 TIMEOUT = httpx.Timeout(10.0, read=600.0)  # activation loads, verifies, warms up and evaluates
 GENERIC_NOT_FOUND = "urn:tonearm:problem:not-found"

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 import tonearm
+from index.errors import BundleError
 from service.apidocs import install_api_docs
 from service.batching import BatchMetrics
 from service.bundles import BUNDLE_ID_PATTERN, BundleRegistry, Opener
@@ -35,7 +36,6 @@ from service.openapi_contract import install_language_enums
 from service.pubsub import ActivationBus
 from service.routes import audio, bundles, demo, diagnostics, health, search
 from service.settings import Settings
-from tonearm.errors import BundleError
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import soundfile as sf
 
 from index.audio import AudioTooLongError, decode_audio, libsndfile_message
 from index.audio_formats import SUPPORTED, sniff_format
+from index.errors import AudioDecodeError
 from service.errors import ServiceError
-from tonearm.errors import AudioDecodeError
 
 MIN_SAMPLE_RATE = 1000
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from index.bundle import read_manifest
-from index.errors import BundleNotPublished, IndexBackendError
+from index.errors import BundleError, BundleNotPublished, IndexBackendError
 from service.cache import QueryCache
 from service.errors import ServiceError
 from service.gate import GateThresholds, GateVerdict, run_gate
@@ -36,7 +36,6 @@ from service.limits import QUERY_MAX_CHARS
 from service.metrics import ServiceMetrics
 from service.searcher import BundleLike, Searcher, index_unavailable
 from service.settings import Settings
-from tonearm.errors import BundleError
 
 log = logging.getLogger(__name__)
 

@@ -127,7 +127,7 @@ def configured_set(path: Path) -> GateSet:
 
     manifest = read_manifest(path)
     if manifest.eval_set is None:
-        from tonearm.errors import BundleError
+        from index.errors import BundleError
 
         raise BundleError(f"TONEARM_GATE_SET={path}: an index-only bundle, it has no held-out set")
     raw = read_eval_set(path / EVAL_DIR)

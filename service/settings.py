@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tonearm.errors import TonearmError
+from index.errors import TonearmError
 
 
 class SettingsError(TonearmError):

@@ -136,3 +136,16 @@ def test_checker_finds_cycles_and_upward_imports(tmp_path: Path) -> None:
     assert upward_imports(graph, INDEX_LAYERS) == ["bundle (layer 1) imports loader (layer 3)"]
     (package / "bundle.py").write_text("import numpy\n")
     assert find_cycle(package_graph(package)) is None
+
+
+def test_code_imports_errors_from_index_errors_not_the_cli_reexport() -> None:
+    """training/, service/ and bench/ sit beside or above index/: they import errors from
+    index.errors (tonearm.errors only re-exports them for code written against it)."""
+    root = Path(__file__).resolve().parents[1]
+    offenders = [
+        str(path.relative_to(root))
+        for folder in ("training", "service", "bench", "index")
+        for path in (root / folder).rglob("*.py")
+        if "from tonearm.errors import" in path.read_text() or "import tonearm.errors" in path.read_text()
+    ]
+    assert offenders == []

@@ -31,8 +31,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from index.bundle import fsync_path
+from index.errors import TonearmError
 from index.tokenizer import TextTokenizer
-from tonearm.errors import TonearmError
 from training.config import TrainConfig
 from training.models.dual_encoder import DualEncoder, build_dual_encoder
 

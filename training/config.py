@@ -15,8 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from index.errors import TonearmError
 from index.languages import DEFAULT_LANGUAGES, validate_language_codes
-from tonearm.errors import TonearmError
 
 
 class ConfigError(TonearmError, ValueError):

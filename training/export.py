@@ -43,6 +43,7 @@ import torch
 from index import bundle as fmt
 from index.audio import decode_audio
 from index.bundle_eval import evaluate_eval_set
+from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, load_eval_waveform, read_eval_set, write_eval_set
 from index.faiss_index import BuiltIndex, build_index, parse_factory, save_index
 from index.faiss_ondisk import build_and_save
@@ -57,7 +58,6 @@ from index.loader import (
 from index.ray_embed import RayOptions, decode_whole, embed_audio_files, embed_captions
 from index.report import METRIC_CONVENTION
 from index.tokenizer import TextTokenizer
-from tonearm.errors import BundleError
 from training.checkpoint import Checkpoint, load_checkpoint
 from training.config import TrainConfig
 from training.data.dataset import eval_captions

@@ -37,7 +37,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from tonearm.errors import TonearmError
+from index.errors import TonearmError
 
 log = logging.getLogger(__name__)
 

@@ -32,6 +32,7 @@ from index import bundle as fmt
 from index.audio import decode_audio, eval_chunks
 from index.audio_frontend import pad_short_clip
 from index.bundle_eval import evaluate_eval_set
+from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, write_eval_set
 from index.faiss_index import build_index, parse_factory, save_index
 from index.languages import DEFAULT_LANGUAGES
@@ -43,7 +44,6 @@ from index.loader import (
     encode_waveforms,
 )
 from index.report import METRIC_CONVENTION
-from tonearm.errors import BundleError
 from training.data.dataset import eval_captions
 from training.data.manifest import ClipRecord, load_manifest
 from training.export import (

@@ -36,8 +36,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from index.bundle_eval import evaluate_eval_set, retrieval_delta
+from index.errors import TonearmError
 from index.evalset import EvalSet
-from tonearm.errors import TonearmError
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import shlex
 import shutil
 from pathlib import Path
 
-from tonearm.errors import TonearmError
+from index.errors import TonearmError
 from training.config import TrainConfig
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from tonearm.errors import TonearmError
+from index.errors import TonearmError
 from training import distributed
 from training.config import ConfigError
 

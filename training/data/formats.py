@@ -38,8 +38,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from index.errors import DataError
 from index.languages import ENGLISH, validate_language_codes
-from tonearm.errors import DataError
 from training.data.manifest import ClipRecord, drop_missing_audio, read_manifest, write_manifest
 from training.data.translate import add_translate_parser
 

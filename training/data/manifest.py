@@ -11,7 +11,7 @@ Captions at the same position in different languages are translations of each
 other (a *query group*, SPEC §5). ``meta`` is optional free-form JSON; any other
 top-level key is also kept in :attr:`ClipRecord.meta`.
 
-Problems the user can fix raise :class:`tonearm.errors.DataError` naming the file
+Problems the user can fix raise :class:`index.errors.DataError` naming the file
 and line: bad JSON, missing or mistyped fields, duplicate ids, captions in a
 language outside the configured set (an error rather than a silent drop, so a
 typo such as ``"fre"`` is not lost — unless ``drop_other_languages`` asks to drop
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from index.errors import DataError
 from index.languages import validate_language_codes
-from tonearm.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tonearm.errors import DataError
+from index.errors import DataError
 from training.config import DataConfig
 from training.data.manifest import ClipRecord
 

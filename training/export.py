@@ -376,18 +376,7 @@ def evaluate_staged(
         audio=EncoderPair(audio_with(encoders.audio), audio_with(encoders.audio_fp32), quantize.applies("audio")),
         text=EncoderPair(text_with(encoders.text), text_with(encoders.text_fp32), quantize.applies("text")),
     )
-    drops = found.drop_points()
-    log.info("%s %s: held-out drop vs fp32 (points) %s", quantize.precision, "+".join(quantize.encoders), drops)
-    within = check_loss(found, quantize)
-    info = fmt.QuantizationInfo(
-        precision=quantize.precision, encoders=list(quantize.encoders),
-        agreement={name: fmt.QuantizationAgreement(min_cosine=float(c.min()), mean_cosine=float(c.mean()),
-                                                   items=len(c)) for name, c in found.cosine.items()},
-        recall_drop_points=drops, max_r10_drop=quantize.max_r10_drop, on_loss=quantize.on_loss, within_limit=within,
-    )
-    evaluation = fmt.EvaluationInfo(report=found.report, convention=METRIC_CONVENTION,
-                                    fp32_text_report=found.fp32_report, quantization_delta=found.delta)
-    return evaluation, info
+    return quantization_records(found, quantize)
 
 
 # ----------------------------------------------------------------------------- orchestration
@@ -560,3 +549,20 @@ def cli_export(args: argparse.Namespace) -> int:
     console.print(format_report_rich(manifest.evaluation.report, manifest.languages))
     console.print(f"bundle written: {path}")
     return 0
+
+
+def quantization_records(found: Any, quantize: QuantizeConfig) -> tuple[fmt.EvaluationInfo, fmt.QuantizationInfo]:
+    """The manifest's evaluation and quantization records of a measured int8 bundle (trained or
+    pretrained); stops the export per ``quantize.on_loss`` when the held-out drop is too large."""
+    drops = found.drop_points()
+    log.info("%s %s: held-out drop vs fp32 (points) %s", quantize.precision, "+".join(quantize.encoders), drops)
+    within = check_loss(found, quantize)
+    info = fmt.QuantizationInfo(
+        precision=quantize.precision, encoders=list(quantize.encoders),
+        agreement={name: fmt.QuantizationAgreement(min_cosine=float(c.min()), mean_cosine=float(c.mean()),
+                                                   items=len(c)) for name, c in found.cosine.items()},
+        recall_drop_points=drops, max_r10_drop=quantize.max_r10_drop, on_loss=quantize.on_loss, within_limit=within,
+    )
+    evaluation = fmt.EvaluationInfo(report=found.report, convention=METRIC_CONVENTION,
+                                    fp32_text_report=found.fp32_report, quantization_delta=found.delta)
+    return evaluation, info

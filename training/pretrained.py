@@ -60,6 +60,7 @@ from training.export import (
     held_out_records,
     make_bundle_id,
     parity_texts,
+    quantization_records,
 )
 from training.models.pretrained_clap import (
     PretrainedClap,
@@ -69,7 +70,7 @@ from training.models.pretrained_clap import (
 )
 from training.onnx_export import MIN_COSINE, ExportError, export_audio_encoder, export_text_encoder
 from training.pretrained_family import detect_family
-from training.quantize import EncoderPair, QuantizeConfig, check_loss, measure, quantize_model
+from training.quantize import EncoderPair, QuantizeConfig, measure, quantize_model
 
 log = logging.getLogger(__name__)
 
@@ -311,18 +312,7 @@ def _evaluate(eval_set: EvalSet, languages: Sequence[str], encoders: PretrainedE
         audio=EncoderPair(encoders.encode_audio, fp32.encode_audio, quantize.applies("audio")),
         text=EncoderPair(encoders.encode_text, fp32.encode_text, quantize.applies("text")),
     )
-    drops = found.drop_points()
-    log.info("%s %s: held-out drop vs fp32 (points) %s", quantize.precision, "+".join(quantize.encoders), drops)
-    within = check_loss(found, quantize)
-    info = fmt.QuantizationInfo(
-        precision=quantize.precision, encoders=list(quantize.encoders),
-        agreement={name: fmt.QuantizationAgreement(min_cosine=float(c.min()), mean_cosine=float(c.mean()),
-                                                   items=len(c)) for name, c in found.cosine.items()},
-        recall_drop_points=drops, max_r10_drop=quantize.max_r10_drop, on_loss=quantize.on_loss, within_limit=within,
-    )
-    evaluation = fmt.EvaluationInfo(report=found.report, convention=METRIC_CONVENTION,
-                                    fp32_text_report=found.fp32_report, quantization_delta=found.delta)
-    return evaluation, info
+    return quantization_records(found, quantize)
 
 
 def cli_export_pretrained(args: argparse.Namespace) -> int:

@@ -68,10 +68,12 @@ class MilvusStandalone:
                     return None
 
         self.base_dir = Path(base_dir)
-        ports = free_ports(len(PORT_KEYS) + 1)
+        ports = free_ports(len(PORT_KEYS) + 2)
         self.ports = dict(zip(PORT_KEYS, ports, strict=False))
-        self.health_port = ports[-1]
-        self._server = MilvusServer(Config(**self.ports))
+        self.health_port, self.etcd_peer_port = ports[-2], ports[-1]
+        config = Config(**self.ports)
+        config.template_text = _with_private_etcd(config.template_text, self._etcd_config())
+        self._server = MilvusServer(config)
         self._server.webservice_port = self.health_port
         self._server.set_base_dir(str(self.base_dir))
         # A killed server's sessions expire after this TTL before a restarted one serves again
@@ -79,6 +81,27 @@ class MilvusStandalone:
         self._server.config.set("common.session.ttl", 5)
         for component in COMPONENTS:
             self._server.config.set(f"{component}.ip", "127.0.0.1")
+
+    def _etcd_config(self) -> Path:
+        """The embedded etcd's own settings (``etcd.config.path``). Without them it listens on etcd's
+        default ports 2379/2380 whatever ``etcd.endpoints`` says, so a second server on the machine
+        (a helper's soak beside the suite, or one that survived a killed run) cannot start
+        ('Milvus not startd in 180.0 seconds'); with them each server has its own free ports."""
+        client, peer = self.ports["etcd_port"], self.etcd_peer_port
+        path = self.base_dir / "etcd.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            "name: tonearm-test\n"
+            f"data-dir: {self.base_dir / 'etcd.data'}\n"
+            f"listen-client-urls: http://127.0.0.1:{client}\n"
+            f"advertise-client-urls: http://127.0.0.1:{client}\n"
+            f"listen-peer-urls: http://127.0.0.1:{peer}\n"
+            f"initial-advertise-peer-urls: http://127.0.0.1:{peer}\n"
+            f"initial-cluster: tonearm-test=http://127.0.0.1:{peer}\n"
+            "initial-cluster-state: new\n",
+            encoding="utf-8",
+        )
+        return path
 
     @property
     def uri(self) -> str:
@@ -121,6 +144,15 @@ class MilvusStandalone:
 
     def stop(self) -> None:
         self.kill()
+
+
+def _with_private_etcd(template: str, etcd_yaml: Path) -> str:
+    """The launcher's milvus.yaml template with ``etcd.config.path`` set (the template lacks the key,
+    so the launcher's ``config.set`` cannot add it)."""
+    anchor = "  use:\n    embed: true"
+    if anchor not in template:
+        raise RuntimeError("the milvus package's config template changed: etcd.use.embed not found")
+    return template.replace(anchor, f"{anchor}\n  config:\n    path: {etcd_yaml}", 1)
 
 
 def _own_group(proc: subprocess.Popen) -> bool:

@@ -276,3 +276,20 @@ def test_lite_renderer_refuses_what_it_does_not_implement(tmp_path):
     (tmp_path / "kustomization.yaml").write_text("resources: []\npatches:\n  - path: p.yaml\n    target: {kind: Deployment}\n")
     with pytest.raises(UnsupportedKustomization, match="only `patches: - path: FILE`"):
         render(tmp_path)
+
+
+def test_configmap_sets_only_real_settings_and_the_milvus_deadlines():
+    """Every ConfigMap key is a service setting (a typo would be ignored silently by the pod), each value
+    parses as that setting, and the Milvus deadlines ops tune are spelled out with the code's defaults."""
+    from service.settings import Settings
+
+    config = by_kind(rendered("base"), "ConfigMap", "tonearm-config")["data"]
+    fields = Settings.model_fields
+    unknown = [k for k in config if not k.startswith("TONEARM_") or k[len("TONEARM_"):].lower() not in fields]
+    assert not unknown, f"ConfigMap keys that are no TONEARM_* setting: {unknown}"
+    deadlines = ("timeout_s", "bulk_timeout_s", "probe_timeout_s", "probe_attempts", "hold_off_s")
+    for name in deadlines:
+        key = f"TONEARM_MILVUS_{name.upper()}"
+        assert key in config, key
+        default = fields[f"milvus_{name}"].default
+        assert type(default)(config[key]) == default, (key, config[key], default)

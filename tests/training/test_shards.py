@@ -190,6 +190,46 @@ def test_corrupt_sample_in_a_shard_is_replaced_and_counted(clean_shards: Path, t
         BadSampleBudget(max_fraction=0.0, clips=32).add(errors)
 
 
+def test_seekable_tar_reader_gives_webdatasets_samples_and_fails_on_a_cut_shard(clean_shards: Path,
+                                                                                  tmp_path: Path) -> None:
+    """The random-access tar read (one read per member) yields exactly what webdataset's stream
+    expander yields; a non-seekable stream takes webdataset's path; a shard cut mid-member raises."""
+    import io
+
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    from training.data.stream import tar_samples
+
+    path = clean_shards / "train-000000.tar"
+    data = path.read_bytes()
+
+    def strip(samples):
+        return [{k: v for k, v in s.items() if k != "__url__"} for s in samples]
+
+    reference = strip(group_by_keys(tar_file_expander([{"url": "u", "stream": io.BytesIO(data)}])))
+    assert len(reference) == 8 and all(s["flac"][:4] == b"fLaC" for s in reference)
+    with path.open("rb") as handle:
+        assert strip(tar_samples(handle, "u")) == reference
+
+    class Unseekable(io.RawIOBase):
+        def __init__(self) -> None:
+            self.inner = io.BytesIO(data)
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+            chunk = self.inner.read(len(buffer))
+            buffer[: len(chunk)] = chunk
+            return len(chunk)
+
+    assert strip(tar_samples(Unseekable(), "u")) == reference
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(data[: 1536 + 1000])  # inside the first FLAC (after its pax and ustar headers)
+    with cut.open("rb") as handle, pytest.raises(Exception, match="unexpected end of data"):
+        list(tar_samples(handle, "u"))
+
+
 # --- a real S3-compatible server (moto_server on loopback), read through s3fs -------------------
 
 

@@ -3,8 +3,9 @@
 ``data.shards`` names the folder of the shards: a local path, ``s3://bucket/prefix`` (s3fs; the
 endpoint and keys come from the usual ``AWS_*`` variables), ``gs://`` (gcsfs) or ``https://``.
 ``index.json`` and ``records.jsonl`` are read first (counts, languages, captions for the
-tokenizer); then each loader worker opens its own shards one after the other and reads them as
-a stream (webdataset's tar expander), never the whole corpus.
+tokenizer); then each loader worker opens its own shards one after the other and reads them in
+order, never the whole corpus (:func:`tar_samples`: one read per member where the file seeks,
+webdataset's tar expander where it does not).
 
 Every epoch (seeded by ``(seed, epoch)``):
 
@@ -47,8 +48,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from index.audio import decode_window
+from index.audio_frontend import Padding
 from index.errors import AudioDecodeError, DataError
-from training.config import ConfigError, TrainConfig
+from training.config import ConfigError, TrainConfig, short_clip_padding
 from training.data.dataset import MAX_SUBSTITUTES, TrainCollate, TrainItem, _rng_seed
 from training.data.manifest import ClipRecord
 
@@ -110,6 +112,38 @@ def open_corpus(url: str, *, languages: Sequence[str], drop_other_languages: boo
                 id=row["id"], audio=_shard_path(url, row["shard"]), captions=captions, split=row["split"],
                 meta={"seconds": row["seconds"], "shard": row["shard"]}))
     return ShardCorpus(url=url, index=index, records=records)
+
+
+def _tar_members(stream: Any, url: str) -> Iterator[dict[str, Any]]:
+    """``{"fname", "data", "__url__"}`` of each regular member of a seekable tar, in order.
+
+    Why not webdataset's ``tar_file_expander``: it opens every stream in tarfile's stream mode
+    (``r|*``), which reads a member 10 KiB at a time and joins the pieces, copying a 2.8 MB FLAC
+    (a 60-s clip) three times — ~5× the cost of reading it with one ``read`` (profile in
+    docs/BENCHMARKS.md, data_path_shards). fsspec's local and object-store files seek, so tarfile's
+    random-access mode reads each header and then each member's bytes with one call, in order
+    (the object-store file's read-ahead cache keeps it one sequential stream).
+    """
+    import tarfile
+
+    archive = tarfile.open(fileobj=stream, mode="r:")
+    for info in archive:
+        if info.isreg():
+            handle = archive.extractfile(info)
+            assert handle is not None  # a regular member always has a file object
+            yield {"fname": info.name, "data": handle.read(), "__url__": url}
+        archive.members = []  # type: ignore[attr-defined]  # streamed: keep no list of the shard's members (typeshed omits it)
+
+
+def tar_samples(stream: Any, url: str) -> Iterator[dict[str, Any]]:
+    """The samples (``{"__key__", ext: bytes, …}``) of one shard opened with fsspec: webdataset's
+    grouping of members by key over :func:`_tar_members` when the file seeks, webdataset's own
+    tar expander (stream mode, e.g. an ``https://`` server without ranges) when it does not."""
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    seekable = getattr(stream, "seekable", lambda: False)()
+    members = _tar_members(stream, url) if seekable else tar_file_expander([{"url": url, "stream": stream}])
+    return group_by_keys(members)
 
 
 def _shard_path(url: str, shard: str) -> Any:
@@ -219,6 +253,7 @@ class ShardStream(IterableDataset):
     def __init__(
         self, corpus: ShardCorpus, *, rank: int, world: int, workers: int, batch_size: int, steps: int,
         sample_rate: int, clip_samples: int, seed: int, shuffle_buffer: int, languages: Sequence[str],
+        padding: Padding = "pad",
     ) -> None:
         self.url = corpus.url
         self.shards = corpus.shards(TRAIN_SPLIT)
@@ -227,7 +262,7 @@ class ShardStream(IterableDataset):
         self.languages = set(languages)
         self.rank, self.world, self.workers = rank, world, max(1, workers)
         self.batch_size, self.steps = batch_size, steps
-        self.sample_rate, self.clip_samples = sample_rate, clip_samples
+        self.sample_rate, self.clip_samples, self.padding = sample_rate, clip_samples, padding
         self.seed, self.shuffle_buffer = seed, max(1, shuffle_buffer)
         self.shared = torch.zeros(2, dtype=torch.long).share_memory_()  # epoch, batches to skip
 
@@ -247,13 +282,12 @@ class ShardStream(IterableDataset):
     def _raw(self, names: Sequence[str], errors: list[str]) -> Iterator[dict[str, Any]]:
         """The samples of ``names`` in order, as dicts of bytes; unreadable shards add to ``errors``."""
         import fsspec
-        from webdataset.tariterators import group_by_keys, tar_file_expander
 
         for name in names:
             url = _join(self.url, name)
             try:
                 with fsspec.open(url, "rb") as stream:
-                    for sample in group_by_keys(tar_file_expander([{"url": url, "stream": stream}])):
+                    for sample in tar_samples(stream, url):
                         sample["__shard__"] = url
                         yield sample
             except Exception as err:  # noqa: BLE001 - a broken shard is a bad sample, not a crash
@@ -270,7 +304,7 @@ class ShardStream(IterableDataset):
         rng = np.random.default_rng(_rng_seed(self.seed, epoch, row))
         try:
             wave = decode_window(bytes(audio), sample_rate=self.sample_rate, n=self.clip_samples, mode="random",
-                                 rng=rng)
+                                 rng=rng, padding=self.padding)
         except AudioDecodeError as err:
             reason = str(err).split(": ", 1)[-1]
             raise AudioDecodeError(f"{sample['__shard__']}: {meta['id']}: {reason}") from None
@@ -403,6 +437,7 @@ def build_stream_loader(
         corpus, rank=rank, world=world, workers=workers, batch_size=batch, steps=steps,
         sample_rate=sample_rate, clip_samples=clip_samples, seed=cfg.seed,
         shuffle_buffer=cfg.data.shuffle_buffer, languages=cfg.data.languages,
+        padding=short_clip_padding(cfg.frontend),
     )
     # A generator of its own: a DataLoader without one draws its workers' base seed from the global
     # torch RNG at every epoch, which would shift dropout after a resume (the draw happened before).
@@ -429,7 +464,6 @@ def cached_corpus(cfg: TrainConfig) -> ShardCorpus:
 def extract_split(corpus: ShardCorpus, split: str, folder: Path) -> list[ClipRecord]:
     """The clips of a (small) split written out as files, for evaluation's random access."""
     import fsspec
-    from webdataset.tariterators import group_by_keys, tar_file_expander
 
     folder.mkdir(parents=True, exist_ok=True)
     extension = str(corpus.index.get("extension", "flac"))
@@ -438,7 +472,7 @@ def extract_split(corpus: ShardCorpus, split: str, folder: Path) -> list[ClipRec
     for name, _ in corpus.shards(split):
         url = _join(corpus.url, name)
         with fsspec.open(url, "rb") as stream:
-            for sample in group_by_keys(tar_file_expander([{"url": url, "stream": stream}])):
+            for sample in tar_samples(stream, url):
                 meta = json.loads(sample["json"])
                 record = by_id.get(meta["id"])
                 if record is None:

@@ -25,6 +25,7 @@ import soundfile as sf
 import soxr
 
 from index.audio_formats import missing_bytes
+from index.audio_frontend import Padding, pad_short_clip
 from index.errors import AudioDecodeError
 
 CropMode = Literal["center", "random", "start"]
@@ -167,13 +168,15 @@ def decode_audio(
 
 
 def fit_length(
-    wave: np.ndarray, n: int, *, mode: CropMode, rng: np.random.Generator | None = None
+    wave: np.ndarray, n: int, *, mode: CropMode, rng: np.random.Generator | None = None,
+    padding: Padding = "pad",
 ) -> np.ndarray:
-    """Crop or zero-pad a 1-D waveform to exactly ``n`` samples.
+    """Crop or pad a 1-D waveform to exactly ``n`` samples.
 
     Longer input: ``start`` keeps the first ``n`` samples, ``center`` the middle
     ones (offset ``(len - n) // 2``), ``random`` a uniformly drawn window (needs
-    ``rng``). Shorter input is zero-padded at the end in every mode.
+    ``rng``). Shorter input is padded at the end in every mode: zeros (``pad``), or tiled
+    as the model's own feature extractor does (``repeatpad``/``repeat``, :mod:`index.audio_frontend`).
     """
     if n <= 0:
         raise ValueError(f"target length must be positive, got {n}")
@@ -182,6 +185,7 @@ def fit_length(
         raise ValueError(f"expected a 1-D waveform, got shape {wave.shape}")
     excess = wave.shape[0] - n
     if excess <= 0:
+        wave = pad_short_clip(wave, n, padding)
         out = np.zeros(n, dtype=np.float32)
         out[: wave.shape[0]] = wave
         return out
@@ -210,7 +214,7 @@ def resampled_length(frames: int, rate: int, sample_rate: int) -> int:
 
 def decode_window(
     source: Path | str | bytes, *, sample_rate: int, n: int, mode: CropMode,
-    rng: np.random.Generator | None = None,
+    rng: np.random.Generator | None = None, padding: Padding = "pad",
 ) -> np.ndarray:
     """``fit_length(decode_audio(source), n, mode=mode, rng=rng)``, decoding only that window.
 
@@ -224,7 +228,8 @@ def decode_window(
     rounding (~1e-7) across rates. Cost is that of the window, not of the file (SPEC §13).
 
     Falls back to decoding the whole file when the window is the whole clip (short clips, which
-    are zero-padded), when the header does not know the length, or for MP3 (whose frame count
+    are padded with ``padding``; a clip of exactly ``n`` samples at ``sample_rate`` is read directly), when
+    the header does not know the length, or for MP3 (whose frame count
     is approximate).
 
     Raises:
@@ -236,9 +241,12 @@ def decode_window(
     with _open(source) as f:
         rate, frames = int(f.samplerate), int(f.frames)
         length = resampled_length(frames, rate, sample_rate) if frames > 0 else 0
-        windowed = f.seekable() and str(f.format) != "MPEG" and length > n
+        # A clip exactly the window's length at the model's rate (10-s clips sharded at the model's rate)
+        # is read whole through the same fast path: fit_length draws no offset for it, neither do we.
+        exact = length == n and rate == sample_rate
+        windowed = f.seekable() and str(f.format) != "MPEG" and (length > n or exact)
         if windowed:
-            offset = crop_offset(length - n, mode=mode, rng=rng)
+            offset = 0 if exact else crop_offset(length - n, mode=mode, rng=rng)
             if rate == sample_rate:
                 start, stop = offset, offset + n
             else:
@@ -254,7 +262,7 @@ def decode_window(
                     f"{_describe(source)}: corrupt audio data: {libsndfile_message(err)}"
                 ) from None
     if not windowed:
-        return fit_length(decode_audio(source, sample_rate=sample_rate), n, mode=mode, rng=rng)
+        return fit_length(decode_audio(source, sample_rate=sample_rate), n, mode=mode, rng=rng, padding=padding)
     if data.shape[0] != stop - start:
         raise AudioDecodeError(
             f"{_describe(source)}: truncated or corrupt: {data.shape[0]} of the {stop - start} samples "
@@ -269,10 +277,10 @@ def decode_window(
     return np.clip(np.ascontiguousarray(mono, dtype=np.float32), -1.0, 1.0)
 
 
-def eval_chunks(wave: np.ndarray, n: int) -> np.ndarray:
+def eval_chunks(wave: np.ndarray, n: int, padding: Padding = "pad") -> np.ndarray:
     """Split a waveform into the (C, n) windows of the chunk-and-average policy.
 
-    ``len <= n`` gives one zero-padded window; longer clips give ``ceil(len / n)``
+    ``len <= n`` gives one window padded with ``padding`` (zeros by default, see :func:`fit_length`); longer clips give ``ceil(len / n)``
     non-overlapping windows starting at 0, n, 2n, … with the last one moved left
     so that it ends exactly at the end of the clip (it may overlap its neighbour).
     """
@@ -280,7 +288,7 @@ def eval_chunks(wave: np.ndarray, n: int) -> np.ndarray:
     if wave.ndim != 1:
         raise ValueError(f"expected a 1-D waveform, got shape {wave.shape}")
     if wave.shape[0] <= n:
-        return fit_length(wave, n, mode="start")[None, :]
+        return fit_length(wave, n, mode="start", padding=padding)[None, :]
     count = -(-wave.shape[0] // n)
     starts = [i * n for i in range(count - 1)] + [wave.shape[0] - n]
     return np.stack([wave[s : s + n] for s in starts]).astype(np.float32, copy=False)

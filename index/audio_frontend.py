@@ -6,7 +6,11 @@ Bundles exported from a checkpoint zero-pad clips shorter than ``clip_samples``
 
 * ``repeatpad``: the clip tiled ``⌊N / len⌋`` times, then zero-padded to N samples;
 * ``repeat``: tiled ``⌊N / len⌋ + 1`` times and cut to N;
-* ``pad``: zero-padded to N (the checkpoint bundles' behaviour).
+* ``pad``: zero-padded to N (the checkpoint bundles' behaviour);
+* ``reflect`` (PE-Audio's ``PeAudioFeatureExtractor._reflect_pad``): reflected at its end to the
+  next multiple of ``multiple`` samples (the codec's hop) and kept at that length — the model has
+  no fixed input length, so the loader embeds such a clip as one window of its own length
+  (:func:`keeps_short_clips`).
 
 Clips of N samples or more are returned unchanged (the loader's chunk-and-average
 handles them). numpy only: the service applies it to every upload, after decoding and
@@ -19,15 +23,29 @@ from typing import Literal
 
 import numpy as np
 
-Padding = Literal["repeatpad", "repeat", "pad"]
+Padding = Literal["repeatpad", "repeat", "pad", "reflect"]
 
 
-def pad_short_clip(wave: np.ndarray, n: int, padding: Padding) -> np.ndarray:
-    """``wave`` (1-D float32) brought to ``n`` samples when shorter, as the extractor pads it."""
+def keeps_short_clips(padding: str) -> bool:
+    """True when a padded short clip stays shorter than the window (embedded at its own length)."""
+    return padding == "reflect"
+
+
+def pad_short_clip(wave: np.ndarray, n: int, padding: Padding, multiple: int | None = None) -> np.ndarray:
+    """``wave`` (1-D float32) brought to ``n`` samples when shorter, as the extractor pads it
+    (``reflect``: to the next multiple of ``multiple`` instead)."""
     wave = np.asarray(wave, dtype=np.float32)
     length = wave.shape[0]
     if length >= n or length == 0 or padding == "pad":
         return wave
+    if padding == "reflect":
+        if not multiple:
+            raise ValueError("padding 'reflect' needs the multiple to pad to (audio_frontend.pad_multiple)")
+        if length % multiple == 0:
+            return wave
+        # numpy's reflect (edge sample not repeated) is what the extractor calls; it reflects
+        # repeatedly when the pad is longer than the clip.
+        return np.pad(wave, (0, multiple - length % multiple), mode="reflect").astype(np.float32, copy=False)
     if padding == "repeatpad":
         wave = np.tile(wave, n // length)
     elif padding == "repeat":

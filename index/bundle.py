@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from index.errors import BundleError
 
@@ -167,14 +167,24 @@ class AudioFrontendInfo(_Frozen):
     The loader pads clips shorter than ``clip_samples`` with ``padding``
     (:mod:`index.audio_frontend`) before the audio encoder, whose graph computes the
     extractor's features; clips longer than ``clip_samples`` are chunked and averaged
-    (``long_clips``) where the extractor would take a random crop (``model_truncation``).
+    (``long_clips``) where the extractor would take a random crop or the whole clip
+    (``model_truncation``). ``reflect`` (PE-Audio) pads a short clip by reflection to the next
+    multiple of ``pad_multiple`` samples and embeds it at that length, not at ``clip_samples``.
     """
 
-    source: Literal["clap_feature_extractor"] = "clap_feature_extractor"
-    padding: Literal["repeatpad", "repeat", "pad"]
+    source: Literal["clap_feature_extractor", "pe_audio_feature_extractor"] = "clap_feature_extractor"
+    padding: Literal["repeatpad", "repeat", "pad", "reflect"]
+    pad_multiple: int | None = Field(default=None, ge=1)
+    """``reflect`` only: short clips are padded to a multiple of this many samples (the hop)."""
     long_clips: Literal["chunk"] = "chunk"
     model_truncation: str
     """The extractor's own setting for long clips, replaced by ``long_clips`` (deterministic)."""
+
+    @model_validator(mode="after")
+    def _multiple_for_reflect(self) -> AudioFrontendInfo:
+        if (self.padding == "reflect") != (self.pad_multiple is not None):
+            raise ValueError("audio_frontend.pad_multiple is set exactly when padding is 'reflect'")
+        return self
 
 
 class MilvusOnlyInfo(_Frozen):

@@ -28,6 +28,7 @@ from typing import Literal
 import numpy as np
 
 from index.audio import decode_audio, decode_window, fit_length
+from index.audio_frontend import Padding
 from index.errors import BundleError
 
 WAVEFORMS = "waveforms.npy"
@@ -65,23 +66,27 @@ class EvalSet:
             raise ValueError("caption clip rows out of range")
 
 
-def prepare_waveform(wave: np.ndarray, *, clip_samples: int, policy: Literal["center", "chunk"]) -> np.ndarray:
+def prepare_waveform(
+    wave: np.ndarray, *, clip_samples: int, policy: Literal["center", "chunk"], padding: Padding = "pad"
+) -> np.ndarray:
     """The waveform the bundle embeds for a clip under the evaluation policy (docs/corpus.md).
 
     ``chunk``: the whole clip (``encode_audio`` chunks and averages it);
-    ``center``: the center crop / zero-padded clip of ``clip_samples``.
+    ``center``: the center crop, or the clip padded to ``clip_samples`` with ``padding``
+    (the bundle's ``audio_frontend`` policy; zeros by default).
     """
     if policy == "center":
-        return fit_length(wave, clip_samples, mode="center")
+        return fit_length(wave, clip_samples, mode="center", padding=padding)
     return np.asarray(wave, dtype=np.float32)
 
 
 def load_eval_waveform(
-    source: Path | str, *, sample_rate: int, clip_samples: int, policy: Literal["center", "chunk"]
+    source: Path | str, *, sample_rate: int, clip_samples: int, policy: Literal["center", "chunk"],
+    padding: Padding = "pad",
 ) -> np.ndarray:
     """``prepare_waveform(decode_audio(source))``, decoding only the center window for ``center``."""
     if policy == "center":
-        return decode_window(source, sample_rate=sample_rate, n=clip_samples, mode="center")
+        return decode_window(source, sample_rate=sample_rate, n=clip_samples, mode="center", padding=padding)
     return decode_audio(source, sample_rate=sample_rate)
 
 

@@ -25,7 +25,7 @@ import onnxruntime as ort
 
 from index import bundle as fmt
 from index.audio import eval_chunks
-from index.audio_frontend import pad_short_clip
+from index.audio_frontend import Padding, keeps_short_clips, pad_short_clip
 from index.bundle import BundleManifest, read_manifest, verify_files
 from index.errors import BundleError, TonearmError
 from index.evalset import EvalSet, read_eval_set, read_jsonl
@@ -189,18 +189,42 @@ def encode_texts(
     return l2_normalize(out) if n else out
 
 
-def encode_waveforms(
-    encoder: OnnxEncoder, waveforms: Sequence[np.ndarray], *, clip_samples: int, embed_dim: int
+def encode_clips(
+    encoder: OnnxEncoder, waveforms: Sequence[np.ndarray], *, clip_samples: int, embed_dim: int,
+    frontend: fmt.AudioFrontendInfo | None,
 ) -> np.ndarray:
-    """(n, d) clip embeddings: L2-normalized mean over each clip's ``eval_chunks`` (docs/corpus.md)."""
-    chunks = [eval_chunks(np.asarray(w, dtype=np.float32), clip_samples) for w in waveforms]
+    """What a bundle does to any clip (the service, `tonearm index`, on Ray too): clips shorter than
+    ``clip_samples`` zero-padded, or padded as the manifest's ``audio_frontend`` says (a pretrained
+    model's own padding, :mod:`index.audio_frontend`); then chunk-and-average."""
+    if frontend is not None:
+        waveforms = [pad_short_clip(w, clip_samples, frontend.padding, frontend.pad_multiple) for w in waveforms]
+    return encode_waveforms(encoder, waveforms, clip_samples=clip_samples, embed_dim=embed_dim,
+                            keep_short=frontend is not None and keeps_short_clips(frontend.padding))
+
+
+def encode_waveforms(
+    encoder: OnnxEncoder, waveforms: Sequence[np.ndarray], *, clip_samples: int, embed_dim: int,
+    keep_short: bool = False, padding: Padding = "pad",
+) -> np.ndarray:
+    """(n, d) clip embeddings: L2-normalized mean over each clip's ``eval_chunks`` (docs/corpus.md);
+    clips shorter than a window are padded with ``padding`` (:mod:`index.audio_frontend`).
+
+    ``keep_short`` (a bundle whose ``audio_frontend`` pads short clips to their own length,
+    :func:`index.audio_frontend.keeps_short_clips`): a clip shorter than ``clip_samples`` is one
+    window of its own length instead of being zero-padded; windows run in calls of equal length."""
+    chunks = [w[None, :] if keep_short and 0 < w.shape[0] < clip_samples else eval_chunks(w, clip_samples, padding)
+              for w in (np.asarray(x, dtype=np.float32) for x in waveforms)]
     if not chunks:
         return np.zeros((0, embed_dim), np.float32)
-    flat = np.concatenate(chunks)
-    emb = np.concatenate(
-        [encoder.run({"waveform": flat[s : s + AUDIO_BATCH]}) for s in range(0, len(flat), AUDIO_BATCH)]
-    )
     owner = np.repeat(np.arange(len(chunks)), [len(c) for c in chunks])
+    windows = [row for c in chunks for row in c]
+    emb = np.zeros((len(windows), embed_dim), np.float32)
+    lengths = np.asarray([w.shape[0] for w in windows])
+    for length in np.unique(lengths):
+        rows = np.flatnonzero(lengths == length)
+        for s in range(0, len(rows), AUDIO_BATCH):
+            part = rows[s : s + AUDIO_BATCH]
+            emb[part] = encoder.run({"waveform": np.stack([windows[i] for i in part])})
     summed = np.zeros((len(chunks), emb.shape[1]), dtype=np.float64)
     np.add.at(summed, owner, emb)
     return l2_normalize(summed)
@@ -384,16 +408,9 @@ class LoadedBundle:
         return encode_texts(self._need(self._text_encoder), self.tokenizer, texts, embed_dim=self.embed_dim)
 
     def encode_audio(self, waveforms: Sequence[np.ndarray]) -> np.ndarray:
-        """(n, d) clip embeddings of mono float32 waveforms at ``sample_rate`` (chunk-and-average).
-
-        Clips shorter than ``clip_samples`` are zero-padded, or padded as the manifest's
-        ``audio_frontend`` says (a pretrained model's own padding, :mod:`index.audio_frontend`)."""
-        frontend = self.manifest.audio_frontend
-        if frontend is not None:
-            waveforms = [pad_short_clip(w, self.clip_samples, frontend.padding) for w in waveforms]
-        return encode_waveforms(
-            self._need(self._audio_encoder), waveforms, clip_samples=self.clip_samples, embed_dim=self.embed_dim
-        )
+        """(n, d) clip embeddings of mono float32 waveforms at ``sample_rate`` (:func:`encode_clips`)."""
+        return encode_clips(self._need(self._audio_encoder), waveforms, clip_samples=self.clip_samples,
+                            embed_dim=self.embed_dim, frontend=self.manifest.audio_frontend)
 
     # ------------------------------------------------------------------ search
 

@@ -165,6 +165,7 @@ def _index_into_milvus(
     done = embed_audio_files(
         candidates, (source / manifest.audio_encoder.file).read_bytes(), decode=decode_file, embed_dim=dim,
         sample_rate=manifest.sample_rate, clip_samples=manifest.clip_samples, policy="chunk", options=ray, sink=sink,
+        frontend=manifest.audio_frontend,
     )
     rels = [path.relative_to(audio_dir).as_posix() for path in candidates]
     gaps = [i for i, error in enumerate(done.errors) if error]
@@ -235,7 +236,7 @@ def _embed_on_ray(
     model = (source / bundle.manifest.audio_encoder.file).read_bytes()
     done = embed_audio_files(files, model, decode=decode_file, embed_dim=bundle.embed_dim,
                              sample_rate=bundle.sample_rate, clip_samples=bundle.clip_samples, policy="chunk",
-                             options=options)
+                             options=options, frontend=bundle.manifest.audio_frontend)
     rels = [path.relative_to(audio_dir).as_posix() for path in files]
     kept = [i for i, error in enumerate(done.errors) if not error]
     skipped = [(rels[i], error) for i, error in enumerate(done.errors) if error]

@@ -44,9 +44,18 @@ import numpy as np
 import onnxruntime as ort
 
 from index.audio import decode_audio
+from index.audio_frontend import Padding
+from index.bundle import AudioFrontendInfo
 from index.errors import AudioDecodeError, TonearmError
 from index.evalset import prepare_waveform
-from index.loader import AUDIO_INPUTS, TEXT_INPUTS, OnnxEncoder, encode_texts, encode_waveforms
+from index.loader import (
+    AUDIO_INPUTS,
+    TEXT_INPUTS,
+    OnnxEncoder,
+    encode_clips,
+    encode_texts,
+    encode_waveforms,
+)
 from index.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -135,11 +144,14 @@ class AudioEmbedder:
     """Ray Data actor: decodes a batch of files and embeds them with its own ONNX session."""
 
     def __init__(self, model: Any, *, decode: Decode, embed_dim: int, sample_rate: int, clip_samples: int,
-                 policy: Policy, threads: int, sink: Sink | None = None) -> None:
+                 policy: Policy, threads: int, sink: Sink | None = None, padding: Padding = "pad",
+                 frontend: AudioFrontendInfo | None = None) -> None:
         self.encoder = _session(model, AUDIO_INPUTS, embed_dim, threads)
         self.decode = decode
         self.sink = sink
         self.embed_dim, self.sample_rate, self.clip_samples, self.policy = embed_dim, sample_rate, clip_samples, policy
+        self.padding = padding
+        self.frontend = frontend  # a bundle's own short-clip padding: embed exactly as LoadedBundle.encode_audio
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         began = time.time()
@@ -147,13 +159,19 @@ class AudioEmbedder:
         for path in batch["path"]:
             try:
                 wave = self.decode(Path(str(path)), self.sample_rate)
-                waves.append(prepare_waveform(wave, clip_samples=self.clip_samples, policy=self.policy))
+                waves.append(prepare_waveform(wave, clip_samples=self.clip_samples, policy=self.policy,
+                                              padding=self.padding))
                 errors.append("")
             except AudioDecodeError as err:
                 errors.append(str(err))
         ok = np.array([not e for e in errors])
         out = np.zeros((len(errors), self.embed_dim), np.float32)
-        out[ok] = encode_waveforms(self.encoder, waves, clip_samples=self.clip_samples, embed_dim=self.embed_dim)
+        if self.frontend is not None:
+            out[ok] = encode_clips(self.encoder, waves, clip_samples=self.clip_samples, embed_dim=self.embed_dim,
+                                   frontend=self.frontend)
+        else:
+            out[ok] = encode_waveforms(self.encoder, waves, clip_samples=self.clip_samples,
+                                       embed_dim=self.embed_dim, padding=self.padding)
         if self.sink is not None:  # written from here: only row numbers and errors go back to the driver
             self.sink(batch["row"][ok].astype(np.int64), out[ok])
             out = out[:, :0]
@@ -247,7 +265,8 @@ def _worker_error(err: BaseException) -> TonearmError:
 
 def embed_audio_files(paths: Sequence[Path | str], model: bytes, *, decode: Decode, embed_dim: int, sample_rate: int,
                       clip_samples: int, policy: Policy, options: RayOptions,
-                      advance: Callable[[int], None] | None = None, sink: Sink | None = None) -> RayEmbedded:
+                      advance: Callable[[int], None] | None = None, sink: Sink | None = None,
+                      padding: Padding = "pad", frontend: AudioFrontendInfo | None = None) -> RayEmbedded:
     """Clip embeddings of ``paths`` (decoded, prepared with ``policy``, chunk-averaged) on Ray.
 
     ``sink``: each actor writes its vectors there (row = position in ``paths``) and the driver
@@ -256,7 +275,8 @@ def embed_audio_files(paths: Sequence[Path | str], model: bytes, *, decode: Deco
         return RayEmbedded(np.zeros((0, 0 if sink is not None else embed_dim), np.float32), [], 0)
     ray = connect(options.address)
     constructor = {"model": ray.put(model), "decode": decode, "embed_dim": embed_dim, "sample_rate": sample_rate,
-                   "clip_samples": clip_samples, "policy": policy, "sink": sink}
+                   "clip_samples": clip_samples, "policy": policy, "sink": sink, "padding": padding,
+                   "frontend": frontend}
     rows = [{"row": i, "path": str(p)} for i, p in enumerate(paths)]
     return _run(rows, AudioEmbedder, constructor, batch_size=AUDIO_BATCH_FILES, options=options,
                 dim=embed_dim, advance=advance)

@@ -11,7 +11,10 @@ user's real checkpoint would be, read by the same code:
 * ``ast``: ``ASTModel(ASTConfig())`` — AST-base (86 M, 128 mels × 1024 frames);
 * ``xlmr``: ``XLMRobertaModel`` with xlm-roberta-base's config (278 M, vocab 250 002);
 * ``minilm``: ``BertModel`` with paraphrase-multilingual-MiniLM-L12-v2's config
-  (118 M: hidden 384, 12 layers, vocab 250 037).
+  (118 M: hidden 384, 12 layers, vocab 250 037);
+* ``pe_audio``: ``PeAudioModel(PeAudioConfig())`` (606 M: DAC-style codec encoder + 6-layer
+  transformer 282 M, ModernBERT-large 321 M; ~34 s to create on 2 cores), its default
+  ``PeAudioFeatureExtractor`` and a byte-level BPE trained here with ``[CLS]``-first ids.
 
 :func:`real_model_dir` builds a model at most once per session (a file lock and a done
 marker under the session's base temp dir), so every fixture that names it — in any
@@ -149,8 +152,21 @@ def save_marian(directory: Path, *, sentences: list[str] | None = None, pieces: 
     tokenizer.save_pretrained(directory)
 
 
+def save_pe_audio(directory: Path) -> None:
+    import gc
+
+    from transformers import PeAudioConfig, PeAudioFeatureExtractor, PeAudioModel
+
+    model = PeAudioModel(PeAudioConfig())
+    model.save_pretrained(directory)
+    del model  # 2.4 GB: free it before the first user loads its own copy
+    gc.collect()
+    bpe_tokenizer(directory, roberta_ids=False, max_length=512)
+    PeAudioFeatureExtractor().save_pretrained(directory)
+
+
 BUILDERS: dict[str, Callable[[Path], None]] = {
-    "clap": save_clap, "ast": save_ast, "xlmr": save_xlmr, "minilm": save_minilm, "marian": save_marian,
+    "pe_audio": save_pe_audio, "clap": save_clap, "ast": save_ast, "xlmr": save_xlmr, "minilm": save_minilm, "marian": save_marian,
 }
 
 
@@ -187,6 +203,7 @@ real_ast_dir = _fixture("ast")
 real_xlmr_dir = _fixture("xlmr")
 real_minilm_dir = _fixture("minilm")
 real_marian_dir = _fixture("marian")
+real_pe_audio_dir = _fixture("pe_audio")
 
 
 # ----------------------------------------------------------------------------- data and bundles
@@ -200,13 +217,15 @@ PRESET_MODELS: dict[str, dict[str, str]] = {
 """configs/real/NAME.yaml → the overrides naming the real-size model folders it needs."""
 
 
-def mini_manifest(corpus_manifest: Path, out: Path, per_split: int = 2) -> Path:
-    """The first ``per_split`` clips of each split of a corpus (real-size encoders cost ~1 s per clip)."""
+def mini_manifest(corpus_manifest: Path, out: Path, per_split: int = 2, *, train: int | None = None) -> Path:
+    """The first ``per_split`` clips of each split of a corpus (real-size encoders cost ~1 s per clip);
+    ``train``: another number of training clips."""
     from index.languages import DEFAULT_LANGUAGES
     from training.data.manifest import load_manifest, write_manifest
 
     records = load_manifest(corpus_manifest, languages=DEFAULT_LANGUAGES)
-    chosen = [r for split in ("train", "val", "test") for r in [x for x in records if x.split == split][:per_split]]
+    counts = {"train": per_split if train is None else train, "val": per_split, "test": per_split}
+    chosen = [r for split, n in counts.items() for r in [x for x in records if x.split == split][:n]]
     write_manifest(chosen, out)
     return out
 
@@ -215,6 +234,14 @@ def mini_manifest(corpus_manifest: Path, out: Path, per_split: int = 2) -> Path:
 def real_manifest(tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Six clips of the tiny corpus (2 train, 2 val, 2 test; 2–4 s at 16 kHz, 8 languages)."""
     return mini_manifest(tiny_corpus, tmp_path_factory.mktemp("real_manifest") / "manifest.jsonl")
+
+
+@pytest.fixture(scope="session")
+def real_train_manifest(tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:func:`real_manifest` with four training clips: the presets' two steps of batch 2 in one
+    epoch, so the run saves ``last/`` (weights + AdamW state, ~4.4 GB for ast_xlmr, fsync'd) once
+    instead of once per one-step epoch."""
+    return mini_manifest(tiny_corpus, tmp_path_factory.mktemp("real_train_manifest") / "manifest.jsonl", train=4)
 
 
 @pytest.fixture(scope="session")
@@ -227,16 +254,18 @@ def real_clap_pretrained_bundle(real_clap_dir: Path, real_manifest: Path,
                                     progress=False)
 
 
-def train_preset(name: str, model_dirs: dict[str, Path], manifest: Path, out_dir: Path) -> Path:
-    """configs/real/NAME.yaml trained for two steps (batch 2, no weight decay, fp32) on CPU."""
+def train_preset(name: str, model_dirs: dict[str, Path], manifest: Path, out_dir: Path, *, epochs: int = 2) -> Path:
+    """configs/real/NAME.yaml trained for ``epochs`` epochs of batch 2 (no weight decay, fp32) on CPU,
+    validated after the last: two steps over a manifest with two training clips, or one epoch
+    over four (:func:`real_train_manifest`)."""
     from training.config import load_train_config
     from training.loop import train
 
     overrides = [f"{key}={model_dirs[model]}" for key, model in PRESET_MODELS[name].items()]
     overrides += [
-        f"data.manifest={manifest}", f"out_dir={out_dir}", "device=cpu", "threads=2", "optim.epochs=2",
+        f"data.manifest={manifest}", f"out_dir={out_dir}", "device=cpu", "threads=2", f"optim.epochs={epochs}",
         "optim.batch_size=2", "optim.warmup_steps=0", "optim.weight_decay=0.0", "optim.amp=false",
-        "eval.every_epochs=2", "eval.batch_size=2", "data.num_workers=0",
+        f"eval.every_epochs={epochs}", "eval.batch_size=2", "data.num_workers=0",
     ]
     return train(load_train_config(PRESETS / f"{name}.yaml", overrides))
 
@@ -252,12 +281,13 @@ class PresetRun:
 
 
 def _preset_fixture(name: str) -> Callable[..., PresetRun]:
-    def build(request: pytest.FixtureRequest, real_manifest: Path,
+    def build(request: pytest.FixtureRequest, real_manifest: Path, real_train_manifest: Path,
               tmp_path_factory: pytest.TempPathFactory) -> PresetRun:
         from training.export import export_bundle
 
         dirs = {model: request.getfixturevalue(f"real_{model}_dir") for model in PRESET_MODELS[name].values()}
-        run = train_preset(name, dirs, real_manifest, tmp_path_factory.mktemp(f"run_{name}"))
+        # two steps of batch 2 in one epoch (the same steps as two one-clip-pair epochs, one `last/` save)
+        run = train_preset(name, dirs, real_train_manifest, tmp_path_factory.mktemp(f"run_{name}"), epochs=1)
         checkpoint = run / "best" if (run / "best").is_dir() else run / "last"
         bundle = export_bundle(checkpoint, manifest=real_manifest, out_dir=tmp_path_factory.mktemp(f"bundles_{name}"),
                                progress=False)

@@ -9,6 +9,7 @@ every bundle manifest.
 from __future__ import annotations
 
 import difflib
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +38,12 @@ class FrontendConfig(_Strict):
     n_mels: int = 64
     f_min: float = 0.0
     f_max: float = 8_000.0
+    short_clip_padding: Literal["auto", "pad", "repeatpad", "repeat"] = "auto"
+    """How clips shorter than ``data.clip_seconds`` reach the audio tower, in training, evaluation and
+    the exported bundle alike (:mod:`index.audio_frontend`): ``pad`` = zeros after the clip;
+    ``repeatpad`` / ``repeat`` = tiled as CLAP's feature extractor does. ``auto`` = the model's own:
+    an `hf_clap` tower's extractor setting (``preprocessor_config.json``, else CLAP's default
+    ``repeatpad``), ``pad`` for every other tower."""
 
 
 class DataConfig(_Strict):
@@ -253,6 +260,33 @@ class TrainConfig(_Strict):
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite exclude each other: continue the run or replace it")
         return self
+
+    @model_validator(mode="after")
+    def _resolve_short_clip_padding(self) -> TrainConfig:
+        """``frontend.short_clip_padding: auto`` → the audio tower's own policy, once, so every data path
+        (training crops, evaluation windows, knowledge-base passes) and the export read one value."""
+        if self.frontend.short_clip_padding == "auto":
+            self.frontend.short_clip_padding = model_short_clip_padding(self.model.audio)
+        return self
+
+
+def model_short_clip_padding(audio: AudioTowerConfig) -> Literal["pad", "repeatpad", "repeat"]:
+    """The padding a tower's own feature extractor applies to short clips (see ``short_clip_padding``)."""
+    if audio.kind != "hf_clap":
+        return "pad"
+    settings = Path(audio.path) / "preprocessor_config.json" if audio.path else None
+    if settings is not None and settings.is_file():
+        padding = json.loads(settings.read_text(encoding="utf-8")).get("padding", "repeatpad")
+        if padding in ("pad", "repeatpad", "repeat"):
+            return padding  # type: ignore[no-any-return]
+        raise ConfigError(f"{settings}: padding {padding!r} is not one of pad, repeatpad, repeat")
+    return "repeatpad"  # ClapFeatureExtractor's default (laion/clap-htsat-unfused)
+
+
+def short_clip_padding(frontend: FrontendConfig) -> Literal["pad", "repeatpad", "repeat"]:
+    """The resolved padding of a front end (``auto`` outside a TrainConfig = ``pad``)."""
+    value = frontend.short_clip_padding
+    return "pad" if value == "auto" else value
 
 
 def _parse_scalar(text: str) -> Any:

@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 
 from index.errors import AudioDecodeError, DataError
 from index.tokenizer import TextTokenizer
-from training.config import DataConfig, FrontendConfig
+from training.config import DataConfig, FrontendConfig, short_clip_padding
 from training.data.dataset import EvalCaptions, eval_audio_chunks, eval_captions
 from training.data.manifest import ClipRecord
 from training.runtime import eval_mode
@@ -74,7 +74,8 @@ def load_clip_chunks(
         for record in records:
             chunks.append(
                 eval_audio_chunks(
-                    record, sample_rate=frontend_cfg.sample_rate, clip_samples=n, policy=data_cfg.eval_crop
+                    record, sample_rate=frontend_cfg.sample_rate, clip_samples=n, policy=data_cfg.eval_crop,
+                    padding=short_clip_padding(frontend_cfg),
                 )
             )
             bar.update()
@@ -113,6 +114,7 @@ class ClipWindows(Dataset):
         self.sample_rate = frontend_cfg.sample_rate
         self.clip_samples = clip_samples(data_cfg, frontend_cfg)
         self.policy = data_cfg.eval_crop
+        self.padding = short_clip_padding(frontend_cfg)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -121,7 +123,7 @@ class ClipWindows(Dataset):
         try:
             windows = eval_audio_chunks(
                 self.records[index], sample_rate=self.sample_rate, clip_samples=self.clip_samples,
-                policy=self.policy,
+                policy=self.policy, padding=self.padding,
             )
         except AudioDecodeError as err:
             return index, np.zeros((0, self.clip_samples), np.float32), str(err)

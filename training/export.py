@@ -59,7 +59,7 @@ from index.ray_embed import RayOptions, decode_whole, embed_audio_files, embed_c
 from index.report import METRIC_CONVENTION
 from index.tokenizer import TextTokenizer
 from training.checkpoint import Checkpoint, load_checkpoint
-from training.config import TrainConfig
+from training.config import TrainConfig, short_clip_padding
 from training.data.dataset import eval_captions
 from training.data.manifest import ClipRecord, load_manifest
 from training.onnx_export import (
@@ -98,6 +98,15 @@ def make_bundle_id(name: str, *, created: datetime, fingerprint: str) -> str:
 
 
 # ----------------------------------------------------------------------------- data
+
+
+def checkpoint_audio_frontend(cfg: TrainConfig) -> fmt.AudioFrontendInfo | None:
+    """The manifest's ``audio_frontend`` of a checkpoint bundle: recorded when short clips are not
+    zero-padded (an `hf_clap` tower's own repeat-padding), so the service pads uploads as training did."""
+    padding = short_clip_padding(cfg.frontend)
+    if padding == "pad":
+        return None
+    return fmt.AudioFrontendInfo(padding=padding, model_truncation="rand_trunc")
 
 
 def clip_samples_of(cfg: TrainConfig) -> int:
@@ -284,16 +293,17 @@ def embed_catalogue_audio(
     encoder: OnnxEncoder, records: Sequence[ClipRecord], cfg: TrainConfig, advance: Callable[[int], None]
 ) -> np.ndarray:
     """(N, d) clip embeddings with the evaluation policy, decoding a few clips at a time."""
-    clip_samples = clip_samples_of(cfg)
+    clip_samples, padding = clip_samples_of(cfg), short_clip_padding(cfg.frontend)
     parts = []
     for start in range(0, len(records), EMBED_CLIPS_PER_STEP):
         batch = records[start : start + EMBED_CLIPS_PER_STEP]
         waves = [
             load_eval_waveform(r.audio, sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples,
-                               policy=cfg.data.eval_crop)
+                               policy=cfg.data.eval_crop, padding=padding)
             for r in batch
         ]
-        parts.append(encode_waveforms(encoder, waves, clip_samples=clip_samples, embed_dim=cfg.model.embed_dim))
+        parts.append(encode_waveforms(encoder, waves, clip_samples=clip_samples, embed_dim=cfg.model.embed_dim,
+                                      padding=padding))
         advance(len(batch))
     return np.concatenate(parts)
 
@@ -318,7 +328,7 @@ def embed_catalogue_on_ray(
     audio = embed_audio_files(
         [r.audio for r in records], encoders.audio.path.read_bytes(), decode=decode_whole, embed_dim=dim,
         sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples_of(cfg), policy=cfg.data.eval_crop,
-        options=options,
+        options=options, padding=short_clip_padding(cfg.frontend),
     )
     failed = [(r.audio, e) for r, e in zip(records, audio.errors, strict=True) if e]
     if failed:
@@ -335,7 +345,7 @@ def build_held_out(records: Sequence[ClipRecord], cfg: TrainConfig) -> EvalSet:
         clip_ids=[r.id for r in records],
         waveforms=[
             load_eval_waveform(r.audio, sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples,
-                               policy=cfg.data.eval_crop)
+                               policy=cfg.data.eval_crop, padding=short_clip_padding(cfg.frontend))
             for r in records
         ],
         captions=list(captions.texts),
@@ -362,7 +372,8 @@ def evaluate_staged(
     dim, languages, quantize = cfg.model.embed_dim, cfg.data.languages, encoders.quantize
 
     def audio_with(encoder: OnnxEncoder) -> Callable[[Sequence[np.ndarray]], np.ndarray]:
-        return lambda waves: encode_waveforms(encoder, waves, clip_samples=clip_samples, embed_dim=dim)
+        return lambda waves: encode_waveforms(encoder, waves, clip_samples=clip_samples, embed_dim=dim,
+                                              padding=short_clip_padding(cfg.frontend))
 
     def text_with(encoder: OnnxEncoder) -> Callable[[Sequence[str]], np.ndarray]:
         return lambda texts: encode_texts(encoder, tokenizer, texts, embed_dim=dim)
@@ -455,6 +466,7 @@ def export_bundle(
             sample_rate=cfg.frontend.sample_rate,
             clip_seconds=cfg.data.clip_seconds,
             clip_samples=clip_samples_of(cfg),
+            audio_frontend=checkpoint_audio_frontend(cfg),
             files={},
             **sections,
         )

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from index.errors import DataError
 from training import distributed
 from training.accumulate import accumulated_backward, surrogate
-from training.config import ConfigError, TrainConfig, load_train_config
+from training.config import ConfigError, TrainConfig, load_train_config, short_clip_padding
 from training.context import LoopContext
 from training.data.loader import BadSampleBudget, loader_options, loader_workers
 from training.data.splits import TRAIN_SPLIT
@@ -302,6 +302,7 @@ def build_train_loader(
         sample_rate=cfg.frontend.sample_rate,
         clip_samples=clip_samples(cfg.data, cfg.frontend),
         seed=cfg.seed,
+        padding=short_clip_padding(cfg.frontend),
     )
     distributed.check_clips_per_rank(len(dataset), runtime.world_size)
     # drop_last: the epoch's tail (< world size clips) is skipped so every rank gets the same

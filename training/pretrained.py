@@ -1,14 +1,18 @@
-"""`tonearm export --pretrained MODEL_DIR`: a Hugging Face CLAP folder → bundle, no training (SPEC §11).
+"""`tonearm export --pretrained MODEL_DIR`: a published model folder → bundle, no training (SPEC §11).
+
+Families (:mod:`training.pretrained_family`, read from ``config.json``): Hugging Face
+``ClapModel`` (:mod:`training.models.pretrained_clap`) and Meta PE-Audio ``PeAudioModel``
+(:mod:`training.models.pretrained_pe_audio`).
 
 Steps (the bundle is the one `tonearm export` writes from a checkpoint, SPEC §6):
 
-1. load and check the folder (:func:`training.models.pretrained_clap.load_pretrained_clap`);
+1. load and check the folder;
 2. export the two encoders to ONNX — the audio graph takes a waveform at the
-   extractor's rate and computes the extractor's log-mel inside — and check them
-   against the **model's own** ``get_audio_features`` (on ``ClapFeatureExtractor``
-   features) and ``get_text_features`` (on its own tokenizer's ids): cosine ≥ 0.999
-   per item, through the same padding and chunking the service applies; the export
-   fails otherwise;
+   extractor's rate and computes the extractor's features inside (CLAP: its log-mel;
+   PE-Audio: none, the codec encoder reads the waveform) — and check them against the
+   **model's own** audio embedding (on its feature extractor's output) and text embedding
+   (on its own tokenizer's ids): cosine ≥ 0.999 per item, through the same padding and
+   chunking the service applies; the export fails otherwise;
 3. embed the data manifest's clips and captions with the ONNX encoders, build the
    FAISS indices, store the held-out set and its report;
 4. write the manifest: ``frontend`` = the extractor's settings, ``audio_frontend`` =
@@ -30,7 +34,7 @@ import torch
 
 from index import bundle as fmt
 from index.audio import decode_audio, eval_chunks
-from index.audio_frontend import pad_short_clip
+from index.audio_frontend import keeps_short_clips, pad_short_clip
 from index.bundle_eval import evaluate_eval_set
 from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, write_eval_set
@@ -68,72 +72,136 @@ from training.models.pretrained_clap import (
     reference_audio_features,
     reference_text_features,
 )
+from training.models.pretrained_pe_audio import PretrainedPeAudio, load_pretrained_pe_audio
 from training.onnx_export import MIN_COSINE, ExportError, export_audio_encoder, export_text_encoder
 from training.pretrained_family import detect_family
 from training.quantize import EncoderPair, QuantizeConfig, measure, quantize_model
 
 log = logging.getLogger(__name__)
 
+Pretrained = PretrainedClap | PretrainedPeAudio
+
+
+def embed_dim(model: Pretrained) -> int:
+    if isinstance(model, PretrainedPeAudio):
+        return model.embed_dim
+    return int(model.model.config.projection_dim)
+
+
+def pad_multiple(model: Pretrained) -> int | None:
+    return model.settings.pad_multiple if isinstance(model, PretrainedPeAudio) else None
+
+
+def load_pretrained(folder: Path) -> Pretrained:
+    """The folder's model, by the family its ``config.json`` names (one-line refusal otherwise)."""
+    family = detect_family(folder)
+    return load_pretrained_pe_audio(folder) if family == "pe_audio" else load_pretrained_clap(folder)
+
+
+def frontend_info(model: Pretrained) -> fmt.AudioFrontendInfo:
+    """The manifest's ``audio_frontend``: the padding the service applies to uploads."""
+    s = model.settings
+    if isinstance(model, PretrainedPeAudio):
+        return fmt.AudioFrontendInfo(source="pe_audio_feature_extractor", padding="reflect",
+                                     pad_multiple=model.settings.pad_multiple, model_truncation=s.truncation)
+    return fmt.AudioFrontendInfo(padding=s.padding, model_truncation=s.truncation)  # type: ignore[arg-type]
+
 
 class PretrainedEncoders:
-    """The staged ONNX encoders with the bundle's audio preparation (padding, then chunking)."""
+    """The staged ONNX encoders with the bundle's audio preparation (padding, then chunking) —
+    the steps of :meth:`index.loader.LoadedBundle.encode_audio`, on the staged files."""
 
-    def __init__(self, clap: PretrainedClap, audio: Path, text: Path) -> None:
-        dim = int(clap.model.config.projection_dim)
+    def __init__(self, clap: Pretrained, audio: Path, text: Path) -> None:
+        dim = embed_dim(clap)
         self.clap, self.dim = clap, dim
         self.audio = _load_session(audio, AUDIO_INPUTS, dim)
         self.text = _load_session(text, TEXT_INPUTS, dim)
 
     def prepare(self, wave: np.ndarray) -> np.ndarray:
         s = self.clap.settings
-        return pad_short_clip(wave, s.clip_samples, s.padding)  # type: ignore[arg-type]
+        return pad_short_clip(wave, s.clip_samples, s.padding, pad_multiple(self.clap))  # type: ignore[arg-type]
 
     def encode_audio(self, waves: Sequence[np.ndarray]) -> np.ndarray:
         prepared = [self.prepare(w) for w in waves]
         return encode_waveforms(self.audio, prepared, clip_samples=self.clap.settings.clip_samples,
-                                embed_dim=self.dim)
+                                embed_dim=self.dim, keep_short=keeps_short_clips(self.clap.settings.padding))
 
     def encode_text(self, texts: Sequence[str]) -> np.ndarray:
         return encode_texts(self.text, self.clap.tokenizer, texts, embed_dim=self.dim)
 
 
-def reference_clip_features(clap: PretrainedClap, wave: np.ndarray) -> np.ndarray:
-    """What the model's own pipeline gives a clip under the bundle's policy: its features of
+def reference_window(model: Pretrained, window: np.ndarray) -> torch.Tensor:
+    """The model's own audio embedding of one window, through its own feature extractor."""
+    if isinstance(model, PretrainedPeAudio):
+        return model.reference_audio(window)
+    return reference_audio_features(model, window)
+
+
+def reference_texts(model: Pretrained, texts: list[str]) -> torch.Tensor:
+    """The model's own text embeddings, with its own tokenizer."""
+    if isinstance(model, PretrainedPeAudio):
+        return model.reference_text(texts)
+    return reference_text_features(model, texts)
+
+
+def reference_clip_features(clap: Pretrained, wave: np.ndarray) -> np.ndarray:
+    """What the model's own pipeline gives a clip under the bundle's policy: its embedding of
     the clip (≤ ``max_length_s``) or the normalised mean over its chunk windows (longer)."""
     n = clap.settings.clip_samples
     windows = [wave] if wave.shape[0] <= n else list(eval_chunks(wave, n))
-    mean = torch.stack([reference_audio_features(clap, w) for w in windows]).mean(0)
+    mean = torch.nn.functional.normalize(torch.stack([reference_window(clap, w) for w in windows]), dim=-1).mean(0)
     return torch.nn.functional.normalize(mean, dim=-1).numpy()
 
 
-def parity_clips(wave: np.ndarray, n: int) -> list[np.ndarray]:
-    """A short clip (a third), one of exactly ``max_length_s`` and a long one (2.5x), from a real clip."""
+def parity_clips(wave: np.ndarray, n: int, *, reflect: bool = False) -> list[np.ndarray]:
+    """A short clip (a third), one of exactly ``max_length_s`` and a long one (2.5x), from a real clip.
+
+    ``reflect`` (PE-Audio, ~1 s of CPU per second of audio in each of torch and ONNX): a short clip of
+    a twentieth of the window plus 7 samples (not a hop multiple, so the reflection runs) and one of
+    exactly the window — 10.5 s of audio, not 43 s. Chunk-and-average of longer clips is the loader's
+    mean over such windows, the same code for every family (``index.loader.encode_waveforms``)."""
     tiled = np.resize(np.asarray(wave, dtype=np.float32), 3 * n)
+    if reflect:
+        return [tiled[: n // 20 + 7], tiled[:n]]
     return [tiled[: n // 3], tiled[:n], tiled[: 5 * n // 2]]
 
 
-def parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], texts: Sequence[str]) -> tuple[float, float]:
-    """Minimum per-item cosine of ``encoders`` to ``get_audio_features`` / ``get_text_features`` (no check)."""
-    clap = encoders.clap
-    expected_audio = np.stack([reference_clip_features(clap, w) for w in waves])
-    audio = float(cosines(encoders.encode_audio(waves), expected_audio).min())
-    expected_text = reference_text_features(clap, list(texts)).numpy()
-    text = float(cosines(encoders.encode_text(texts), expected_text).min())
-    return audio, text
+Expected = tuple[np.ndarray, np.ndarray]
+"""The model's own (audio, text) embeddings of the parity clips and captions."""
 
 
-def check_parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], texts: Sequence[str]) -> tuple[float, float]:
-    """Minimum per-item cosine of the bundle's encoders to ``get_audio_features`` / ``get_text_features``;
+def references(model: Pretrained, waves: Sequence[np.ndarray], texts: Sequence[str]) -> Expected:
+    """The model's own embeddings of ``waves`` (under the bundle's window policy) and ``texts``: computed
+    once per export, shared by the fp32 check and the quantized encoders' recorded parity."""
+    return (np.stack([reference_clip_features(model, w) for w in waves]),
+            reference_texts(model, list(texts)).numpy())
+
+
+def parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], texts: Sequence[str], expected: Expected,
+           modalities: Sequence[str] = ("audio", "text")) -> dict[str, float]:
+    """Minimum per-item cosine of ``encoders`` to the model's own embeddings, per modality (no check)."""
+    found = {}
+    if "audio" in modalities:
+        found["audio"] = float(cosines(encoders.encode_audio(waves), expected[0]).min())
+    if "text" in modalities:
+        found["text"] = float(cosines(encoders.encode_text(texts), expected[1]).min())
+    return found
+
+
+def check_parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], texts: Sequence[str],
+                 expected: Expected) -> tuple[float, float]:
+    """Minimum per-item cosine of the bundle's encoders to the model's own audio / text embeddings;
     :class:`ExportError` below :data:`MIN_COSINE`."""
-    audio, text = parity(encoders, waves, texts)
-    for value, what in ((audio, "audio encoder vs get_audio_features"), (text, "text encoder vs get_text_features")):
+    found = parity(encoders, waves, texts, expected)
+    for name, value in found.items():
+        what = f"{name} encoder vs the model's own {name} embedding"
         if not value >= MIN_COSINE:
             raise ExportError(f"{what}: min cosine {value:.6f} < {MIN_COSINE}")
         log.info("%s: min cosine %.6f", what, value)
-    return audio, text
+    return found["audio"], found["text"]
 
 
-def export_pretrained_encoders(clap: PretrainedClap, staging: Path, scratch: Path | None = None, *,
+def export_pretrained_encoders(clap: Pretrained, staging: Path, scratch: Path | None = None, *,
                                quantize: QuantizeConfig | None = None) -> tuple[PretrainedEncoders, PretrainedEncoders]:
     """Write both ONNX encoders and the tokenizer into ``staging``; returns (served, fp32) encoders.
 
@@ -200,13 +268,12 @@ def export_pretrained_bundle(
     progress: bool = True,
     quantize: QuantizeConfig | None = None,
 ) -> Path:
-    """Bundle of the CLAP folder ``model_dir`` over the clips of ``manifest``; returns its path."""
+    """Bundle of the model folder ``model_dir`` (CLAP or PE-Audio) over the clips of ``manifest``; returns its path."""
     model_dir, manifest, out_dir = Path(model_dir), Path(manifest), Path(out_dir)
-    detect_family(model_dir)  # refuses families other than SUPPORTED in one line
-    clap = load_pretrained_clap(model_dir)
+    clap = load_pretrained(model_dir)  # refuses families other than SUPPORTED in one line
     all_records, langs = _load_records(manifest, languages)
     records = catalogue_records(all_records, splits, manifest)
-    dim = int(clap.model.config.projection_dim)
+    dim = embed_dim(clap)
     if index_factory is not None:
         parse_factory(index_factory, dim)
     split, held_out = held_out_records(all_records)
@@ -233,14 +300,14 @@ def export_pretrained_bundle(
                                   config_hash=canonical_hash(config_json), weights_sha256=weights_sha,
                                   data_manifest=str(manifest.resolve())),
             train_config=config_json,
-            objective={"name": "none", "pretrained": "laion-clap"},
+            objective={"name": "none", "pretrained": "pe-audio" if isinstance(clap, PretrainedPeAudio) else "laion-clap"},
             frontend=s.extractor,
             embed_dim=dim,
             languages=langs,
             sample_rate=s.sample_rate,
             clip_seconds=s.max_length_s,
             clip_samples=s.clip_samples,
-            audio_frontend=fmt.AudioFrontendInfo(padding=s.padding, model_truncation=s.truncation),  # type: ignore[arg-type]
+            audio_frontend=frontend_info(clap),
             files={},
             **sections,
         )
@@ -248,7 +315,7 @@ def export_pretrained_bundle(
 
 
 def _build(
-    clap: PretrainedClap, records: list[ClipRecord], held_out: list[ClipRecord], staging: Path, scratch: Path, *,
+    clap: Pretrained, records: list[ClipRecord], held_out: list[ClipRecord], staging: Path, scratch: Path, *,
     split: str, languages: list[str], index_factory: str | None, progress: bool, source_manifest: Path,
     quantize: QuantizeConfig,
 ) -> dict[str, Any]:
@@ -259,12 +326,13 @@ def _build(
     rate = clap.settings.sample_rate
     encoders, fp32 = export_pretrained_encoders(clap, staging, scratch, quantize=quantize)
     sample = decode_audio(records[0].audio, sample_rate=rate)
-    clips, texts = parity_clips(sample, clap.settings.clip_samples), parity_texts(records, languages)
-    audio_cos, text_cos = check_parity(fp32, clips, texts)
+    clips = parity_clips(sample, clap.settings.clip_samples, reflect=keeps_short_clips(clap.settings.padding))
+    texts = parity_texts(records, languages)
+    expected = references(clap, clips, texts)
+    audio_cos, text_cos = check_parity(fp32, clips, texts, expected)
     if quantize.encoders:
-        q_audio, q_text = parity(encoders, clips, texts)
-        audio_cos = q_audio if quantize.applies("audio") else audio_cos
-        text_cos = q_text if quantize.applies("text") else text_cos
+        found = parity(encoders, clips, texts, expected, modalities=quantize.encoders)
+        audio_cos, text_cos = found.get("audio", audio_cos), found.get("text", text_cos)
         log.info("%s encoders vs the model: audio %.6f, text %.6f", quantize.label, audio_cos, text_cos)
     text_items, ranges = catalogue_texts(records, languages)
     with _progress(progress) as task:

@@ -6,8 +6,8 @@ tonearm can serve.
 
 * ``clap`` — Hugging Face ``ClapModel`` (the LAION CLAP checkpoints): exported
   (:mod:`training.pretrained`).
-* ``pe_audio`` — Meta's Perception Encoder Audio (``PeAudioModel``): recognised, but its
-  export is not implemented yet; the refusal says so (issue 32 item 1 is open).
+* ``pe_audio`` — Meta's Perception Encoder Audio (``PeAudioModel``): exported
+  (:mod:`training.models.pretrained_pe_audio`).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from training.config import ConfigError
 
 KEY = "--pretrained"
 
-SUPPORTED: dict[str, str] = {"clap": "ClapModel (LAION CLAP)"}
+SUPPORTED: dict[str, str] = {"clap": "ClapModel (LAION CLAP)", "pe_audio": "PeAudioModel (Meta Perception Encoder Audio)"}
 """``model_type`` → what it is, for the families ``export --pretrained`` serves."""
 
-RECOGNISED: dict[str, str] = {"pe_audio": "PeAudioModel (Meta Perception Encoder Audio)"}
-"""Families tonearm knows but cannot export yet."""
+RECOGNISED: dict[str, str] = {}
+"""Families tonearm knows but cannot export yet (refused with a line that says so)."""
 
 
 def supported_line() -> str:
@@ -51,6 +51,6 @@ def detect_family(folder: Path | str) -> str | None:
             f"implemented yet — supported model_type: {supported_line()}"
         )
     raise ConfigError(
-        f"{KEY}: {Path(folder)} holds a {model_type or 'unknown'!r} model, not a CLAP model or another supported "
+        f"{KEY}: {Path(folder)} holds a {model_type or 'unknown'!r} model, not a model of a supported "
         f"family (config.json model_type; supported: {supported_line()})"
     )

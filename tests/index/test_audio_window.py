@@ -68,6 +68,18 @@ def test_resampled_windows_match_the_whole_clip_resampled(clips: dict[str, Path]
         assert np.max(np.abs(window - reference)) < 1e-5, (name, rate, mode)
 
 
+def test_a_clip_of_exactly_the_window_is_read_whole(tmp_path: Path) -> None:
+    """10-s clips sharded at the model's rate: the window is the clip, read on the windowed path
+    (no rng draw, like fit_length), equal to decode-then-crop."""
+    path = tmp_path / "exact.flac"
+    sf.write(path, _noise(16000, 2.0, 1), 16000, format="FLAC", subtype="PCM_16")
+    for mode in ("random", "center", "start"):
+        window = decode_window(path, sample_rate=16000, n=32000, mode=mode, rng=np.random.default_rng(0))  # type: ignore[arg-type]
+        np.testing.assert_array_equal(window, _whole_then_crop(path, 16000, 32000, mode, 0))
+    np.testing.assert_array_equal(decode_window(path.read_bytes(), sample_rate=16000, n=32000, mode="start"),
+                                  decode_audio(path, sample_rate=16000))
+
+
 def test_the_random_window_is_drawn_like_fit_length(clips: dict[str, Path]) -> None:
     """Same rng draw → same offset: windows of different seeds differ, same seed repeats."""
     path, rate = clips["flac44_mono"], 48000
@@ -111,3 +123,24 @@ def test_downmix_is_the_channel_mean_bit_for_bit(channels: int) -> None:
 
     data = (0.3 * np.random.default_rng(channels).standard_normal((40_001, channels))).astype(np.float32)
     np.testing.assert_array_equal(downmix(data), data.mean(axis=1, dtype=np.float32))
+
+
+def test_short_clips_are_padded_as_the_model_asks(tmp_path: Path) -> None:
+    """A clip shorter than the window reaches the tower as its extractor pads it (index.audio_frontend),
+    in the training crop (decode_window), evaluation windows (eval_chunks) and fit_length alike."""
+    from index.audio import eval_chunks
+    from index.audio_frontend import pad_short_clip
+
+    wave = (0.3 * np.sin(np.arange(700) / 7.0)).astype(np.float32)
+    sf.write(tmp_path / "short.wav", wave, 16000, subtype="FLOAT")
+    n = 2000
+    for padding in ("pad", "repeatpad", "repeat"):
+        want = pad_short_clip(wave, n, padding)
+        want = np.concatenate([want, np.zeros(n - len(want), np.float32)])
+        assert np.array_equal(fit_length(wave, n, mode="center", padding=padding), want)
+        assert np.array_equal(eval_chunks(wave, n, padding)[0], want)
+        got = decode_window(tmp_path / "short.wav", sample_rate=16000, n=n, mode="random",
+                            rng=np.random.default_rng(0), padding=padding)
+        np.testing.assert_array_equal(got, want)
+    tiled = fit_length(wave, n, mode="start", padding="repeatpad")
+    assert np.array_equal(tiled[700:1400], wave) and not tiled[1400:].any()  # ⌊2000/700⌋ = 2 copies, then zeros

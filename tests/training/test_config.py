@@ -73,3 +73,19 @@ def test_freeze_options_need_freeze_and_resume_excludes_overwrite():
         load_train_config(None, ["optim.text.unfrozen_layers=2"])
     with pytest.raises(ConfigError, match="resume and overwrite exclude each other"):
         load_train_config(None, ["resume=true", "overwrite=true"])
+
+
+def test_short_clip_padding_auto_follows_the_audio_tower(tmp_path):
+    """``frontend.short_clip_padding: auto`` resolves once: CLAP's extractor setting (its folder's
+    preprocessor_config.json, else repeatpad); zeros for every other tower; an explicit value wins."""
+    import json
+
+    assert load_train_config(None).frontend.short_clip_padding == "pad"
+    assert load_train_config(None, ["model.audio.kind=hf_clap"]).frontend.short_clip_padding == "repeatpad"
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"padding": "repeat"}))
+    clap = ["model.audio.kind=hf_clap", f"model.audio.path={tmp_path}"]
+    assert load_train_config(None, clap).frontend.short_clip_padding == "repeat"
+    assert load_train_config(None, [*clap, "frontend.short_clip_padding=pad"]).frontend.short_clip_padding == "pad"
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"padding": "mirror"}))
+    with pytest.raises(ConfigError, match="mirror"):
+        load_train_config(None, clap)

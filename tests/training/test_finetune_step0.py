@@ -60,6 +60,47 @@ def test_clap_finetune_step0_equals_the_pretrained_model(real_clap_dir: Path) ->
     assert text_cos.min() >= 0.999, text_cos.tolist()
 
 
+def test_clap_finetune_data_path_pads_short_clips_as_the_extractor(real_clap_dir: Path, tmp_path: Path) -> None:
+    """Short clips read from files by the training crop and the held-out evaluation windows (what
+    ``tonearm train`` feeds the tower, not the tower alone) still give the model's own embedding:
+    the data path repeat-pads them as ``ClapFeatureExtractor`` does instead of zero-padding (which
+    gave cosines of 0.987–0.988 at step 0); a checkpoint bundle of this model records the padding."""
+    import soundfile as sf
+
+    from training.data.dataset import TrainClipDataset, eval_audio_chunks
+    from training.data.manifest import ClipRecord
+    from training.export import checkpoint_audio_frontend
+
+    cfg = load_train_config(PRESETS / "clap.yaml", [f"model.audio.path={real_clap_dir}"])
+    assert cfg.frontend.short_clip_padding == "repeatpad"
+    assert checkpoint_audio_frontend(cfg) is not None
+    tokenizer = build_tokenizer(cfg.model, [])
+    model = build_dual_encoder(cfg.model, cfg.frontend, vocab_size=tokenizer.vocab_size).eval()
+    clap = ClapModel.from_pretrained(real_clap_dir).eval()
+    extractor = ClapFeatureExtractor.from_pretrained(real_clap_dir)
+    n = int(extractor.nb_max_samples)
+    records = []
+    for i, seconds in enumerate((0.5, 3.0)):
+        sf.write(tmp_path / f"{i}.wav", signal(seconds, 10 + i), RATE, subtype="FLOAT")
+        records.append(ClipRecord(id=str(i), audio=tmp_path / f"{i}.wav", captions={"eng": ["x"]}, split="train"))
+    crops = TrainClipDataset(records, sample_rate=RATE, clip_samples=n, seed=0,
+                             padding=cfg.frontend.short_clip_padding)
+    with torch.no_grad():
+        want = torch.stack([
+            clap.get_audio_features(input_features=extractor(signal(s, 10 + i), sampling_rate=RATE,
+                                                             return_tensors="pt")["input_features"]).pooler_output[0]
+            for i, s in enumerate((0.5, 3.0))
+        ])
+        trained = model.encode_audio(torch.from_numpy(np.stack([crops[i].waveform for i in range(2)])))
+        evaluated = model.encode_audio(torch.from_numpy(np.concatenate([
+            eval_audio_chunks(r, sample_rate=RATE, clip_samples=n, policy=cfg.data.eval_crop,
+                              padding=cfg.frontend.short_clip_padding) for r in records
+        ])))
+    for name, got in (("training crop", trained), ("evaluation window", evaluated)):
+        cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+        assert cos.min() >= 0.999, (name, cos.tolist())
+
+
 def test_ast_finetune_step0_equals_the_pretrained_model(real_ast_dir: Path) -> None:
     """The ``hf_ast`` tower of configs/real/ast_xlmr.yaml against ``ASTFeatureExtractor`` + ``ASTModel``
     (pooled output; the projection head is new), on 3-s and 10-s clips at 16 kHz."""

@@ -20,18 +20,18 @@ def folder_with(tmp_path: Path, name: str, config: str) -> Path:
     return folder
 
 
-def test_detects_clap_and_defers_missing_folders(tmp_path: Path) -> None:
+def test_detects_clap_and_pe_audio_and_defers_missing_folders(tmp_path: Path) -> None:
     assert detect_family(folder_with(tmp_path, "clap", json.dumps({"model_type": "clap"}))) == "clap"
+    assert detect_family(folder_with(tmp_path, "pe", json.dumps({"model_type": "pe_audio"}))) == "pe_audio"
     assert detect_family(tmp_path / "nowhere") is None  # the loader says "does not exist"
-    assert "clap" in SUPPORTED
+    assert set(SUPPORTED) == {"clap", "pe_audio"}
 
 
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (json.dumps({"model_type": "bert"}), "holds a 'bert' model, not a CLAP model or another supported family"),
+        (json.dumps({"model_type": "bert"}), "holds a 'bert' model, not a model of a supported family"),
         (json.dumps({"architectures": ["X"]}), "holds a 'unknown' model"),
-        (json.dumps({"model_type": "pe_audio"}), "PeAudioModel (Meta Perception Encoder Audio)); its export is not implemented yet"),
         ("{not json", "config.json cannot be read"),
     ],
 )
@@ -48,5 +48,5 @@ def test_other_families_are_refused_in_one_line_naming_the_supported_ones(
     assert code == 2 and err.startswith("error: --pretrained") and message in err, err
     assert "\n" not in err
     if "cannot be read" not in message:
-        assert "'clap' = ClapModel" in err
+        assert "'clap' = ClapModel" in err and "'pe_audio' = PeAudioModel" in err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -166,7 +166,7 @@ def test_missing_or_wrong_folders_are_one_line_errors(
         no_preprocessor: "no preprocessor_config.json in",
         fused: "is a fused CLAP (enable_fusion=true)",
         fusion_extractor: "truncation='fusion'",
-        not_clap: "holds a 'bert' model, not a CLAP model",
+        not_clap: "holds a 'bert' model, not a model of a supported family",
         corrupt_weights: "cannot load",
     }
     for folder, message in cases.items():
@@ -176,3 +176,29 @@ def test_missing_or_wrong_folders_are_one_line_errors(
     code, err = run_cli(["export", "--data", str(real_manifest), "--out", out], capsys)
     assert code == 2 and "CHECKPOINT directory or --pretrained" in err
     assert not Path(out).exists() or not any(Path(out).iterdir())
+
+
+def test_the_ray_actor_embeds_short_clips_as_the_bundle_does(real_clap_pretrained_bundle: Path, bundle,
+                                                             tmp_path: Path) -> None:
+    """`tonearm index --ray` embeds a collection with ``AudioEmbedder`` actors; a short clip must get the
+    bundle's own padding there (CLAP's repeatpad) exactly as the service's ``encode_audio`` gives it.
+    The actor runs in-process here (the Ray Data plumbing is tests/index/test_ray_embed.py's)."""
+    from index.own_audio import decode_file
+    from index.ray_embed import AudioEmbedder
+
+    manifest = bundle.manifest
+    path = tmp_path / "short.wav"
+    sf.write(path, signal(1.5, manifest.sample_rate, 7), manifest.sample_rate)
+    model = (real_clap_pretrained_bundle / manifest.audio_encoder.file).read_bytes()
+    batch = {"row": np.array([0]), "path": np.array([str(path)], dtype=object)}
+
+    def actor(frontend):
+        return AudioEmbedder(model, decode=decode_file, embed_dim=manifest.embed_dim, sample_rate=manifest.sample_rate,
+                             clip_samples=manifest.clip_samples, policy="chunk", threads=1, frontend=frontend)
+
+    served = bundle.encode_audio([decode_file(path, manifest.sample_rate)])
+    assert manifest.audio_frontend is not None and manifest.audio_frontend.padding == "repeatpad"
+    on_ray = actor(manifest.audio_frontend)(batch)["embedding"]
+    assert cosines(on_ray, served).min() >= 0.99999
+    zero_padded = actor(None)(batch)["embedding"]  # what the actor did before: the test can fail
+    assert cosines(zero_padded, served).min() < 0.9999

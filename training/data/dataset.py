@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import Dataset
 
 from index.audio import decode_audio, decode_window, eval_chunks
+from index.audio_frontend import Padding
 from index.errors import AudioDecodeError, DataError
 from training.data.manifest import ClipRecord
 from training.objectives.base import Strategy
@@ -71,10 +72,12 @@ class TrainItem:
 class TrainClipDataset(Dataset):
     """Decoded, resampled, randomly cropped (zero-padded) training clips."""
 
-    def __init__(self, records: Sequence[ClipRecord], *, sample_rate: int, clip_samples: int, seed: int) -> None:
+    def __init__(self, records: Sequence[ClipRecord], *, sample_rate: int, clip_samples: int, seed: int,
+                 padding: Padding = "pad") -> None:
         self.records = list(records)
         self.sample_rate = sample_rate
         self.clip_samples = clip_samples
+        self.padding = padding  # short clips reach the tower as its own extractor pads them
         self.seed = seed
         self.epoch = 0
 
@@ -95,7 +98,8 @@ class TrainClipDataset(Dataset):
             try:
                 # Only the crop is decoded and resampled: a 10-min file costs what a 10-s one does (SPEC §13).
                 wave = decode_window(
-                    record.audio, sample_rate=self.sample_rate, n=self.clip_samples, mode="random", rng=rng
+                    record.audio, sample_rate=self.sample_rate, n=self.clip_samples, mode="random", rng=rng,
+                    padding=self.padding,
                 )
             except AudioDecodeError as err:
                 skipped.append(str(err))  # the message starts with the file's name
@@ -220,11 +224,14 @@ def eval_captions(records: Sequence[ClipRecord], languages: Sequence[str]) -> Ev
 
 
 def eval_audio_chunks(
-    record: ClipRecord, *, sample_rate: int, clip_samples: int, policy: Literal["center", "chunk"]
+    record: ClipRecord, *, sample_rate: int, clip_samples: int, policy: Literal["center", "chunk"],
+    padding: Padding = "pad",
 ) -> np.ndarray:
-    """(C, clip_samples) float32 windows of one clip: one center crop, or every chunk (chunk-and-average)."""
+    """(C, clip_samples) float32 windows of one clip: one center crop, or every chunk (chunk-and-average);
+    a clip shorter than a window is padded with ``padding`` (the bundle's ``audio_frontend`` does the same)."""
     if policy == "center":  # only the middle window is decoded
-        return decode_window(record.audio, sample_rate=sample_rate, n=clip_samples, mode="center")[None, :]
+        return decode_window(record.audio, sample_rate=sample_rate, n=clip_samples, mode="center",
+                             padding=padding)[None, :]
     if policy == "chunk":  # every window of the clip: the whole file
-        return eval_chunks(decode_audio(record.audio, sample_rate=sample_rate), clip_samples)
+        return eval_chunks(decode_audio(record.audio, sample_rate=sample_rate), clip_samples, padding)
     raise ValueError(f"unknown evaluation policy {policy!r}; use center or chunk")

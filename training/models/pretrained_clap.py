@@ -11,7 +11,7 @@ RoBERTa tokenizer files. :func:`load_pretrained_clap` checks it and returns
 * :class:`ClapTextEmbedder` — token ids → ``get_text_features``;
 * :class:`ClapSettings` — the extractor's settings the bundle records and the service applies.
 
-What the encoders see per clip (docs/models.md, "Serve a pretrained CLAP"):
+What the encoders see per clip (docs/models.md, "A pretrained CLAP as a bundle"):
 
 * shorter than ``max_length_s``: the extractor's ``padding`` (``repeatpad``: tiled
   ``⌊N / len⌋`` times, then zero-padded to N samples; ``repeat``; ``pad``), applied to the

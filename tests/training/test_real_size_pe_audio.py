@@ -1,0 +1,95 @@
+"""`tonearm export --pretrained` of Meta PE-Audio at its FULL default size (random weights, 606 M).
+
+One fp32 export is shared by every assert (`--quantize` is family-independent code,
+``training.export.quantization_records``, exercised at full size on CLAP by
+tests/training/test_pretrained_quantize.py; quantizing this 1.3-GB text tower here would add
+minutes to the suite). The references are the transformers model itself: ``PeAudioFeatureExtractor`` +
+``get_audio_embeds`` per window (the mean of the normalised window embeddings for a clip longer
+than the window, the bundle's recorded long-clip policy) and ``text_audio_embeds`` as
+``PeAudioModel.forward`` computes them. The bundle side is the service's own path:
+``LoadedBundle.encode_audio`` / ``encode_text`` (decode-free: waveforms at 48 kHz).
+
+* audio: cosine ≥ 0.999 per clip of 0.5 s and 3 s (reflect-padded to the hop multiple, embedded
+  at their own length); the exactly-one-window clip is the export's own parity check (recorded in
+  the manifest, asserted here); longer clips are the loader's chunk-and-average, family-independent;
+* text: cosine ≥ 0.999 per caption, including one past ModernBERT's usual lengths.
+
+Costs ~1 s of CPU per second of audio in each of torch and onnxruntime; the clips are few.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from index import bundle as fmt
+from index.loader import LoadedBundle
+from tests.real_size_models import mini_manifest
+from tonearm.cli import main
+
+RATE = 48_000
+
+
+@pytest.fixture(scope="module")
+def pe_bundle(real_pe_audio_dir: Path, tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fp32 export of the full-size folder over three clips (one per split)."""
+    base = tmp_path_factory.mktemp("pe_audio")
+    manifest = mini_manifest(tiny_corpus, base / "manifest.jsonl", per_split=1)
+    code = main(["export", "--pretrained", str(real_pe_audio_dir), "--data", str(manifest), "--out",
+                 str(base / "bundles"), "--languages", "eng"])
+    assert code == 0
+    gc.collect()
+    (path,) = [p for p in (base / "bundles").iterdir() if p.is_dir()]
+    return path
+
+
+def test_pe_audio_bundle_matches_the_model_through_the_service_path(real_pe_audio_dir: Path, pe_bundle: Path) -> None:
+    import torch
+    import transformers
+
+    manifest = fmt.read_manifest(pe_bundle)
+    frontend = manifest.audio_frontend
+    assert frontend is not None and frontend.source == "pe_audio_feature_extractor"
+    assert (frontend.padding, frontend.pad_multiple, frontend.long_clips) == ("reflect", 1920, "chunk")
+    assert manifest.sample_rate == RATE and manifest.clip_samples == 10 * RATE and manifest.embed_dim == 1024
+    assert manifest.audio_encoder.quantization == "none" and manifest.audio_encoder.parity_min_cosine >= 0.999
+    assert manifest.text_encoder.quantization == "none" and manifest.text_encoder.parity_min_cosine >= 0.999
+
+    rng = np.random.default_rng(0)
+    clips = [(0.1 * rng.standard_normal(int(s * RATE))).astype(np.float32) for s in (0.5, 3.0)]
+    texts = ["a dog barks twice", "rain falls on a tin roof", "犬が吠える", "people talk in a busy cafe " * 6]
+    bundle = LoadedBundle.open(pe_bundle)
+    got_audio, got_text = bundle.encode_audio(clips), bundle.encode_text(texts)
+    bundle.close()
+
+    model = transformers.PeAudioModel.from_pretrained(real_pe_audio_dir).eval()
+    extractor = transformers.PeAudioFeatureExtractor.from_pretrained(real_pe_audio_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(real_pe_audio_dir)
+    n = manifest.clip_samples
+    with torch.no_grad():
+        expected_audio = []
+        for clip in clips:
+            windows = [clip] if clip.shape[0] <= n else [clip[:n], clip[-n:]]
+            embeds = []
+            for window in windows:
+                inputs = extractor(window, sampling_rate=RATE, return_tensors="pt")
+                embeds.append(torch.nn.functional.normalize(
+                    model.get_audio_embeds(inputs["input_values"], padding_mask=inputs["padding_mask"])[0], dim=-1))
+            expected_audio.append(torch.stack(embeds).mean(0).numpy())
+        batch = tokenizer(texts, padding=True, return_tensors="pt")
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    input_values=torch.zeros(1, 1, 1920))
+        expected_text = out.text_audio_embeds.numpy()
+    del model, out
+    gc.collect()
+
+    def cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+    audio_cos, text_cos = cos(got_audio, np.stack(expected_audio)), cos(got_text, expected_text)
+    print(f"PE-Audio bundle vs model: audio {np.round(audio_cos, 6)}, text {np.round(text_cos, 6)}")
+    assert (audio_cos >= 0.999).all(), audio_cos
+    assert (text_cos >= 0.999).all(), text_cos

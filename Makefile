@@ -14,7 +14,7 @@ test:
 	@scripts/ensure-chromium.sh
 	.venv/bin/ruff check .
 	.venv/bin/mypy
-	.venv/bin/python -m pytest -q --durations=30
+	.venv/bin/python -m pytest -q --durations=30 --basetemp=.pytest-tmp
 
 lint:
 	.venv/bin/ruff check .

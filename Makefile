@@ -14,7 +14,9 @@ test:
 	@scripts/ensure-chromium.sh
 	.venv/bin/ruff check .
 	.venv/bin/mypy
-	.venv/bin/python -m pytest -q --durations=30 --basetemp=.pytest-tmp
+	@# one run's temp files (~10 GB at the peak: real-size models) under the checkout, replaced by
+	@# the next run and deleted after a passing one (README "Set-up": disk)
+	.venv/bin/python -m pytest -q --durations=30 --basetemp=.pytest-tmp && rm -rf .pytest-tmp
 
 lint:
 	.venv/bin/ruff check .

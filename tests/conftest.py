@@ -6,6 +6,9 @@ part's tests (training, export, service). Treat them as read-only.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,10 +68,53 @@ DEMO_TEST_TIMEOUT = 600
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests using ``demo_home`` time only their body: the demo build they may wait for (5 min
-    idle, 30+ min at load 10) is watched for progress by the fixture instead of a clock."""
+    idle, 30+ min at load 10) is watched for progress by the fixture instead of a clock. When
+    any collected test needs the demo and it is not built yet, its build starts now in the
+    background (:func:`_start_background_demo_build`)."""
+    wanted = False
     for item in items:
         if "demo_home" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.timeout(DEMO_TEST_TIMEOUT, func_only=True), append=False)
+            wanted = True
+    if wanted:
+        _start_background_demo_build()
+
+
+_background_build: subprocess.Popen[bytes] | None = None
+
+
+def _demo_test_home() -> Path:
+    from service.settings import default_home
+
+    given = os.environ.get("TONEARM_DEMO_TEST_HOME") or os.environ.get("TONEARM_HOME")
+    return Path(given).expanduser() if given else default_home()
+
+
+def _start_background_demo_build() -> None:
+    """Start the demo build at nice 19 when the session begins, so that it runs on the CPU time
+    the tests before the first demo test leave idle (they wait on servers and subprocesses much
+    of the time) instead of adding its 5 minutes to the run; the weight of nice 19 leaves busy
+    tests their cores. ``demo_home`` then waits for this build: a second builder waits for the
+    build lock and reuses the result (tonearm/demo.py), and the fixture's watchdog follows the
+    same build log."""
+    global _background_build
+    from tonearm.demo import build_log_path, cached_demo_bundle
+
+    home = _demo_test_home()
+    if cached_demo_bundle(home) is not None:
+        return
+    log = build_log_path(home)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log.parent / "builder.out", "ab") as sink:
+        _background_build = subprocess.Popen([sys.executable, "-m", "tonearm.demo", "--home", str(home)],
+                                             stdout=sink, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(19))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A background demo build still running (no demo test reached, e.g. after -x) is stopped."""
+    if _background_build is not None and _background_build.poll() is None:
+        _background_build.terminate()
+        _background_build.wait(timeout=30)
 
 
 @pytest.fixture(scope="session")
@@ -83,13 +129,9 @@ def demo_home() -> Path:
     test session waits for the one build) and is waited for on progress: the fixture fails when
     the build fails or its log stops growing for ``TONEARM_DEMO_STALL_SECONDS`` (default 900),
     never because a loaded machine is slow."""
-    import os
-
-    from service.settings import default_home
     from tonearm.demo_wait import DEFAULT_STALL_SECONDS, wait_for_demo_bundle
 
-    given = os.environ.get("TONEARM_DEMO_TEST_HOME") or os.environ.get("TONEARM_HOME")
-    home = Path(given).expanduser() if given else default_home()
+    home = _demo_test_home()
     stall = float(os.environ.get("TONEARM_DEMO_STALL_SECONDS", DEFAULT_STALL_SECONDS))
     wait_for_demo_bundle(home, stall_seconds=stall)
     return home

@@ -146,6 +146,23 @@ def test_smoke_runs_the_whole_pipeline_and_resumes(tmp_path: Path, capsys: pytes
     assert json.loads(stale.read_text(encoding="utf-8"))["job"]["overrides"] != edited["job"]["overrides"]
 
 
+def test_a_failing_job_names_itself_its_error_and_its_log(tmp_path: Path) -> None:
+    # jobs run in spawned worker processes (bench/quality.py _JobWorkers): the error crosses the
+    # process boundary and the traceback lands in the job's log. ~4 s: one worker imports torch.
+    from bench.quality import Job, _JobWorkers
+
+    job = Job("clean", "infonce", 0, tmp_path / "out", [], Path("configs/nope.yaml"), tmp_path / "m.jsonl",
+              noisy=False)
+    workers = _JobWorkers(1)
+    try:
+        with pytest.raises(TonearmError, match=r"^clean/infonce/seed0 failed: .*nope\.yaml.* — full log .*\.log$"):
+            workers.run(job, tmp_path / "logs")
+    finally:
+        workers.close()
+    (log,) = (tmp_path / "logs").iterdir()
+    assert "Traceback" in log.read_text(encoding="utf-8") and "nope.yaml" in log.read_text(encoding="utf-8")
+
+
 def test_a_job_fingerprint_ignores_where_the_runs_folder_lives(tmp_path: Path) -> None:
     from bench.quality import Job
 

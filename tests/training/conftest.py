@@ -10,7 +10,6 @@ from tests.real_size_models import (  # noqa: F401  (pytest fixtures, used by na
     real_marian_dir,
     real_minilm_dir,
     real_minilm_run,
-    real_pe_audio_dir,
     real_train_manifest,
     real_xlmr_dir,
 )

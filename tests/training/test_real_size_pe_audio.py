@@ -20,6 +20,8 @@ Costs ~1 s of CPU per second of audio in each of torch and onnxruntime; the clip
 from __future__ import annotations
 
 import gc
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,15 +29,25 @@ import pytest
 
 from index import bundle as fmt
 from index.loader import LoadedBundle
-from tests.real_size_models import mini_manifest
+from tests.real_size_models import mini_manifest, real_model_dir
 from tonearm.cli import main
 
 RATE = 48_000
 
 
 @pytest.fixture(scope="module")
-def pe_bundle(real_pe_audio_dir: Path, tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The fp32 export of the full-size folder over three clips (one per split)."""
+def real_pe_audio_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The full-size random-weight folder (2.4 GB), for this module only: deleted when it ends,
+    so that it does not sit on the test run's disk beside the other real-size models."""
+    base = tmp_path_factory.mktemp("pe_audio_model")
+    yield real_model_dir("pe_audio", base)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pe_bundle(real_pe_audio_dir: Path, tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The fp32 export of the full-size folder over three clips (one per split); 2.3 GB, deleted
+    when the module ends."""
     base = tmp_path_factory.mktemp("pe_audio")
     manifest = mini_manifest(tiny_corpus, base / "manifest.jsonl", per_split=1)
     code = main(["export", "--pretrained", str(real_pe_audio_dir), "--data", str(manifest), "--out",
@@ -43,7 +55,8 @@ def pe_bundle(real_pe_audio_dir: Path, tiny_corpus: Path, tmp_path_factory: pyte
     assert code == 0
     gc.collect()
     (path,) = [p for p in (base / "bundles").iterdir() if p.is_dir()]
-    return path
+    yield path
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def test_pe_audio_bundle_matches_the_model_through_the_service_path(real_pe_audio_dir: Path, pe_bundle: Path) -> None:

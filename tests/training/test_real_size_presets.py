@@ -58,7 +58,7 @@ def test_training_steps_have_finite_losses_and_move_both_towers(preset: PresetRu
     rows = [json.loads(line) for line in (preset.run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [row["loss"] for row in rows if "loss" in row]
     assert losses and all(math.isfinite(v) for v in losses)
-    checkpoint = preset.run_dir / "last" / "model.safetensors"
+    checkpoint = preset.checkpoint / "model.safetensors"
     trained = tensors(checkpoint)
     for tower, prefix in TOWER_PREFIXES.items():
         assert any(key.startswith(prefix) for key in trained), f"no {tower} tower in {checkpoint}"

@@ -98,6 +98,22 @@ def first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def load_model_and_tokenizer(folder: Path, model_class: Any, *, key: str) -> tuple[Any, Any]:
+    """A pretrained folder's model (in eval mode) and its transformers tokenizer, for the
+    ``--pretrained`` families; a failure is one line naming the folder."""
+    import transformers
+
+    try:
+        model = model_class.from_pretrained(folder).eval()
+    except Exception as err:  # safetensors, torch and transformers raise unrelated types for bad weights
+        raise ConfigError(f"{key}: cannot load {folder} as {model_class.__name__}: {first_line(err)}") from None
+    try:
+        hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    except Exception as err:  # tokenizers raises a bare Exception for a broken tokenizer.json
+        raise ConfigError(f"{key}: the tokenizer in {folder} cannot be loaded: {first_line(err)}") from None
+    return model, hf_tokenizer
+
+
 def load_hf_model(
     class_name: str, *, path: str | None, config: dict[str, Any] | None, key: str
 ) -> Any:

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from index.tokenizer import TextTokenizer
 from training.config import ConfigError
 from training.models.clap_frontend import ClapWaveFrontend
-from training.models.hf import check_model_folder, first_line
+from training.models.hf import check_model_folder, first_line, load_model_and_tokenizer
 from training.models.tokenizer import load_hf_tokenizer
 
 PREPROCESSOR = "preprocessor_config.json"
@@ -187,14 +187,7 @@ def load_pretrained_clap(path: Path | str) -> PretrainedClap:
     except (OSError, ValueError, TypeError) as err:
         raise ConfigError(f"{KEY}: {folder / PREPROCESSOR} cannot be loaded: {first_line(err)}") from None
     settings = _settings(extractor, config.audio_config, folder)
-    try:
-        model = transformers.ClapModel.from_pretrained(folder).eval()
-    except Exception as err:  # safetensors, torch and transformers raise unrelated types for bad weights
-        raise ConfigError(f"{KEY}: cannot load {folder} as ClapModel: {first_line(err)}") from None
-    try:
-        hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    except Exception as err:  # tokenizers raises a bare Exception for a broken tokenizer.json
-        raise ConfigError(f"{KEY}: the tokenizer in {folder} cannot be loaded: {first_line(err)}") from None
+    model, hf_tokenizer = load_model_and_tokenizer(folder, transformers.ClapModel, key=KEY)
     max_length = text_max_length(hf_tokenizer, config.text_config)
     tokenizer = load_hf_tokenizer(str(folder), max_length=max_length)
     frontend = ClapWaveFrontend(extractor)  # the module the training tower runs too

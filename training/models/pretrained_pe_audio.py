@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from index.tokenizer import TextTokenizer
 from training.config import ConfigError
-from training.models.hf import check_model_folder, first_line
+from training.models.hf import check_model_folder, first_line, load_model_and_tokenizer
 from training.models.tokenizer import load_hf_tokenizer
 
 PREPROCESSOR = "preprocessor_config.json"
@@ -167,14 +167,7 @@ def load_pretrained_pe_audio(path: Path | str) -> PretrainedPeAudio:
     except (OSError, ValueError, TypeError) as err:
         raise ConfigError(f"{KEY}: {folder / PREPROCESSOR} cannot be loaded: {first_line(err)}") from None
     settings = _settings(extractor, config, folder)
-    try:
-        model = transformers.PeAudioModel.from_pretrained(folder).eval()
-    except Exception as err:  # safetensors, torch and transformers raise unrelated types for bad weights
-        raise ConfigError(f"{KEY}: cannot load {folder} as PeAudioModel: {first_line(err)}") from None
-    try:
-        hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    except Exception as err:  # tokenizers raises a bare Exception for a broken tokenizer.json
-        raise ConfigError(f"{KEY}: the tokenizer in {folder} cannot be loaded: {first_line(err)}") from None
+    model, hf_tokenizer = load_model_and_tokenizer(folder, transformers.PeAudioModel, key=KEY)
     declared = int(min(getattr(hf_tokenizer, "model_max_length", TEXT_MAX_LENGTH), 10**6))
     max_length = max(4, min(declared, TEXT_MAX_LENGTH, int(config.text_config.max_position_embeddings)))
     tokenizer = load_hf_tokenizer(str(folder), max_length=max_length)

@@ -11,8 +11,7 @@ how well the model fits the noisy training pairs. A job writes `job.json` (its p
 overrides) when it starts and `result.json` when it is done; a rerun skips finished jobs
 whose `job.json` still matches (a changed budget or preset reruns them rather than
 reporting a stale number) and resumes an interrupted training from its `last/`.
-Jobs run in parallel (``--workers``, default: the cores) with one thread each, in worker
-processes that each run a few jobs before they are replaced (see `JOBS_PER_WORKER`); the
+Jobs run in parallel (``--workers``, default: the cores) with one thread each; the
 distillation students start when their stage-1 teachers are done. Once the jobs are done,
 the noisy jobs' per-pair weights are audited (bench/noise_weights.py: how each method's own
 signal weighs the noisy pairs). After every job the tables, plots and verdicts under the
@@ -23,21 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import shutil
+import subprocess
 import sys
-import threading
 import time
 from collections import defaultdict
-from concurrent.futures import (
-    FIRST_COMPLETED,
-    Future,
-    ProcessPoolExecutor,
-    ThreadPoolExecutor,
-    wait,
-)
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -440,77 +431,20 @@ def backfill_pair_weights(jobs: list[Job]) -> int:
     return len(todo)
 
 
-JOBS_PER_WORKER = 8
-"""A worker process runs this many jobs, then is replaced: torch and the project are imported
-once per 8 jobs instead of once per job (about 4 s each on two cores), while whatever a job
-leaves behind in its process (allocator pools, caches) cannot pile up over a 2-hour run."""
-
-
-def _worker_init() -> None:
-    """One thread per job, set before torch is imported in this fresh (spawned) process."""
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[name] = "1"
-    import torch
-
-    torch.set_num_threads(1)
-
-
-def _job_in_worker(job: Job, log_path: Path) -> dict[str, Any]:
-    """Run one job in a worker process with its stdout and stderr (file descriptors, so native
-    libraries and tqdm too) written to its own log file."""
-    import traceback
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
+def _job_process(job: Job, log_dir: Path) -> dict[str, Any]:
+    """Run one job in its own Python process (one thread), its output in a log file."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / (job.key.replace("/", "__") + ".log")
+    spec = json.dumps({**job.__dict__, "out_dir": str(job.out_dir), "preset": str(job.preset),
+                       "manifest": str(job.manifest)})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with log_path.open("w", encoding="utf-8") as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-        try:
-            return run_job(job)
-        except BaseException:
-            traceback.print_exc()
-            raise
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])
-
-
-class _JobWorkers:
-    """Long-lived worker processes for the jobs (spawned: no state inherited from the parent),
-    replaced after `JOBS_PER_WORKER` jobs, and all of them when one dies (a crash or the OOM
-    killer breaks the whole pool; the jobs it was running fail with that reason)."""
-
-    def __init__(self, workers: int) -> None:
-        self._workers = workers
-        self._lock = threading.Lock()
-        self._pool = self._new_pool()
-
-    def _new_pool(self) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_worker_init, max_tasks_per_child=JOBS_PER_WORKER)
-
-    def run(self, job: Job, log_dir: Path) -> dict[str, Any]:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = log_dir / (job.key.replace("/", "__") + ".log")
-        with self._lock:
-            pool = self._pool
-        try:
-            return pool.submit(_job_in_worker, job, log_path).result()
-        except BrokenProcessPool as err:
-            with self._lock:
-                if self._pool is pool:
-                    self._pool = self._new_pool()
-            raise TonearmError(f"{job.key} failed: its worker process died ({err}) — log {log_path}") from None
-        except Exception as err:  # the job's own error, pickled back from the worker
-            raise TonearmError(f"{job.key} failed: {type(err).__name__}: {err} — full log {log_path}") from None
-
-    def close(self) -> None:
-        self._pool.shutdown()
+        code = subprocess.run([sys.executable, str(Path(__file__)), "--run-job", spec], cwd=ROOT, env=env,
+                              stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:] or [""]
+        raise TonearmError(f"{job.key} failed (exit {code}): {tail[0]} — full log {log_path}")
+    return json.loads(job.result_path.read_text(encoding="utf-8"))
 
 
 def run_all(cfg: QualityConfig, jobs: list[Job], *, workers: int, on_result: Any) -> list[str]:
@@ -527,41 +461,37 @@ def run_all(cfg: QualityConfig, jobs: list[Job], *, workers: int, on_result: Any
     finished_now = 0
     running: dict[Future[dict[str, Any]], Job] = {}
     log_dir = ROOT / cfg.runs_dir / "logs"
-    job_workers = _JobWorkers(workers)
-    try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            while pending or running:
-                for job in [j for j in pending if set(j.depends) & set(failed)]:
-                    pending.remove(job)
-                    failed.append(job.key)
-                    print(f"   skipped {job.key}: a teacher failed", flush=True)
-                for job in [j for j in pending if set(j.depends) <= done]:
-                    if len(running) >= workers:
-                        break
-                    pending.remove(job)
-                    running[pool.submit(job_workers.run, job, log_dir)] = job
-                if not running:
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        while pending or running:
+            for job in [j for j in pending if set(j.depends) & set(failed)]:
+                pending.remove(job)
+                failed.append(job.key)
+                print(f"   skipped {job.key}: a teacher failed", flush=True)
+            for job in [j for j in pending if set(j.depends) <= done]:
+                if len(running) >= workers:
                     break
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    job = running.pop(future)
-                    try:
-                        result = future.result()
-                    except TonearmError as err:
-                        failed.append(job.key)
-                        print(f"   FAILED {err}", flush=True)
-                        continue
-                    done.add(job.key)
-                    finished_now += 1
-                    elapsed = time.monotonic() - started
-                    left = len(pending) + len(running)
-                    eta = elapsed / finished_now * left
-                    print(f"[{len(done)}/{total}] {job.key}: r1 {100 * _r1(result['metrics']):.1f}% "
-                          f"({result['train_seconds'] / 60:.1f} min) — elapsed {elapsed / 60:.1f} min, "
-                          f"about {eta / 60:.0f} min left", flush=True)
-                    on_result()
-    finally:
-        job_workers.close()
+                pending.remove(job)
+                running[pool.submit(_job_process, job, log_dir)] = job
+            if not running:
+                break
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                job = running.pop(future)
+                try:
+                    result = future.result()
+                except TonearmError as err:
+                    failed.append(job.key)
+                    print(f"   FAILED {err}", flush=True)
+                    continue
+                done.add(job.key)
+                finished_now += 1
+                elapsed = time.monotonic() - started
+                left = len(pending) + len(running)
+                eta = elapsed / finished_now * left
+                print(f"[{len(done)}/{total}] {job.key}: r1 {100 * _r1(result['metrics']):.1f}% "
+                      f"({result['train_seconds'] / 60:.1f} min) — elapsed {elapsed / 60:.1f} min, "
+                      f"about {eta / 60:.0f} min left", flush=True)
+                on_result()
     return failed
 
 
@@ -583,7 +513,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="+", type=int, help="run and report only these of the config's seeds (distillation M=3 then uses their teachers only)")
     parser.add_argument("--report-only", action="store_true", help="rewrite docs/results from finished jobs")
     parser.add_argument("--machine", help="machine description written into the results (default: this CPU)")
+    parser.add_argument("--run-job", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.run_job:
+        spec = json.loads(args.run_job)
+        run_job(Job(**{**spec, "out_dir": Path(spec["out_dir"]), "preset": Path(spec["preset"]),
+                       "manifest": Path(spec["manifest"])}))
+        return 0
     from bench.quality_report import write_results
 
     cfg = load_quality_config(Path(args.config))

@@ -599,12 +599,20 @@ def like_for_like(results: list[dict]) -> str:
             + " |\n|---|---|---|" + "---:|" * len(clients) + "\n" + "".join(lines))
 
 
+def _rate_fmt(rps: float) -> str:
+    return f"{rps:.2f}" if rps < 1 else f"{rps:.1f}"
+
+
 def pretrained_table(results: list[dict]) -> str:
-    """PE-Audio beside the CLAP-size pretrained bundle (issue 32): export, ONNX sizes, startup, req/s."""
+    """PE-Audio beside the CLAP-size pretrained bundle (issue 32): export, ONNX sizes, startup, req/s
+    (the newest row of each cell on the newest CPU)."""
     lines = []
     clients: list[int] = []
     for preset in ("pe_audio", "clap_pretrained"):
-        rows = _latest_run(results, "tonearm", preset)
+        # every command's rows on the newest CPU that served the preset, a later row replacing an earlier one
+        # of the same server, workload and clients (e.g. a longer audio-only run after the first)
+        mine = [r for r in results if r.get("preset") == preset and r.get("kind") in ("serve", "startup")]
+        rows = [r for r in mine if r.get("cpu") == mine[-1]["cpu"]] if mine else []
         serve = {(r["server"], r["workload"], r["clients"]): r for r in rows if r.get("kind") == "serve"}
         startup = {r["server"]: r for r in rows if r.get("kind") == "startup"}
         clients = clients or sorted({c for _, _, c in serve})
@@ -614,19 +622,21 @@ def pretrained_table(results: list[dict]) -> str:
             build = builds[-1] if builds else {}
             sizes = ", ".join(f"{k.removesuffix('_encoder.onnx')} {v / 1000:.2f} GB" for k, v in build.get("onnx_mb", {}).items())
             up = startup.get(server, {})
-            rates = [_fmt(serve[server, kind, c]["rps"]) if (server, kind, c) in serve else "–"
+            rates = [_rate_fmt(serve[server, kind, c]["rps"]) if (server, kind, c) in serve else "–"
                      for kind in ("text-cold", "audio") for c in clients]
             lines.append(f"| {preset} | {server} | {_fmt(build.get('export_s', '–'))} | {sizes} | "
-                         f"{_fmt(up.get('ready_s', '–'))} | {_fmt(up.get('rss_mib', '–'))} | " + " | ".join(rates)
+                         f"{_fmt(up.get('ready_s', '–'))} | {_fmt(up.get('rss_mib', '–'))} | "
+                         f"{_fmt(up.get('rss_after_mib', '–'))} | " + " | ".join(rates)
                          + f" | {up.get('date', '–')}, load {up.get('load', '–')} |\n")
     if not lines:
         return ""
     head = " | ".join([f"text {c}" for c in clients] + [f"audio {c}" for c in clients])
     return ("\n### Pretrained bundles: PE-Audio beside CLAP-size (`build pe_audio|clap_pretrained`, `tonearm export "
             "--pretrained`, no training)\n\nreq/s at 1/8/16 clients (cold text, 10-s clips); export s and ONNX sizes "
-            "(`.onnx` + external data) from the newest build of that bundle; startup to /readyz and RSS.\n\n"
-            f"| bundle | server | export s | ONNX | ready s | RSS MiB | {head} | started, load |\n"
-            "|---|---|---:|---|---:|---:|" + "---:|" * (2 * len(clients)) + "---|\n" + "".join(lines))
+            "(`.onnx` + external data) from the newest build of that bundle; startup to /readyz, RSS then and after the "
+            "server's last workload.\n\n"
+            f"| bundle | server | export s | ONNX | ready s | RSS MiB | RSS after load MiB | {head} | startup recorded, load |\n"
+            "|---|---|---:|---|---:|---:|---:|" + "---:|" * (2 * len(clients)) + "---|\n" + "".join(lines))
 
 
 def write_report(*, write: bool = True) -> str:

@@ -647,11 +647,13 @@ def write_report(*, write: bool = True) -> str:
              "serves on the CPU. GPU training steps and encoder throughput: section \"GPU at real size\". Rendered "
              f"on {cpu_tag()}, {platform.system()} {platform.release()}, Python {platform.python_version()}\n"
              "- models: random weights at full default size (tests/real_size_models.py), trained two steps "
-             "(configs/real/*.yaml) and exported by `tonearm export`; speed does not depend on the weights' values\n"
+             "(configs/real/*.yaml) and exported by `tonearm export`, or for `pe_audio` / `clap_pretrained` exported "
+             "untrained by `tonearm export --pretrained`; speed does not depend on the weights' values\n"
              "- each row carries its command, date and the 1-min load average **when the row was recorded, i.e. right "
              "after its measurement**: for startup/serve rows that load is the benchmark's own (the load generator and "
              "the server share the two cores; the reference server's thread pool alone reaches 5–14). Each command "
-             "started quiet: `quiet-run` waits for load < 1.5 and the notes below give the load at start\n"]
+             "started quiet (`quiet-run` waits for load < 1.5) unless the notes below say otherwise; they give the load at "
+             "start\n"]
     sections = [
         ("build", "Build (model folders, 2 training steps, export)",
          ["preset", "bundle", "models_s", "train_s", "export_s", "onnx_mb", "date", "load", "cpu"]),

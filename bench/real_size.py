@@ -28,7 +28,7 @@ Issue 32: tonearm beside Infinity at equal query length and precision, and PE-Au
     python bench/real_size.py serve clap_pretrained --servers tonearm
 
 Both servers are sent the same texts (bench/service_load.py ``text_query``). ``infinity`` on the CLAP
-folder encodes at most 20 tokens of a query (:data:`INFINITY_CLAP_TOKENS`); ``infinity-roberta[-int8]``
+folder encodes every query as 20 tokens (:data:`INFINITY_CLAP_TOKENS`); ``infinity-roberta[-int8]``
 serves the CLAP text tower saved as a RoBERTa folder and encodes whole queries, like tonearm.
 
 Models, runs and bundles live in WORK (``--work``, default ``~/.cache/tonearm/real-bench``). Every
@@ -73,8 +73,9 @@ PRETRAINED = {"pe_audio": "pe_audio", "clap_pretrained": "clap"}
 """Presets exported from a model folder with no training (`tonearm export --pretrained`) → that folder."""
 QUERY = "a dog barks twice then a siren passes by in the rain"
 INFINITY_CLAP_TOKENS = 20
-"""Infinity 0.0.78's CLAP path cuts every text to this many tokens: its transformers 4.57 ``ClapConfig``
-carries the old default ``max_length`` 20 and its audio model slices ``input_ids[:, :max_length]``."""
+"""Infinity 0.0.78's CLAP path encodes every text as this many tokens (cut, or padded up to it): its
+transformers 4.57 ``ClapConfig`` carries the old default ``max_length`` 20, and its CLAP model tokenizes with
+``padding="max_length"`` and slices ``input_ids[:, :max_length]`` (infinity_emb/transformer/audio/torch.py)."""
 INFINITY_SERVERS = {
     # --servers name: (model folder per preset and workload, --dtype); None = Infinity's default
     "infinity": ({"clap": {"text-cold": "clap", "audio": "clap"}, "ast_xlmr": {"text-cold": "xlmr"}}, None),
@@ -193,7 +194,7 @@ def cmd_build(args: argparse.Namespace) -> None:
 
 def onnx_sizes(bundle: Path) -> dict[str, float]:
     """MB of each ONNX model of a bundle: the ``.onnx`` file plus its external data file (``.onnx.data``,
-    written for models above 2 GB, e.g. PE-Audio's fp32 towers)."""
+    written for a model above ~2 GB; PE-Audio's fp32 towers, 1.1 and 1.3 GB, have none)."""
     from training.onnx_export import external_data_file
 
     sizes = {}

@@ -17,6 +17,20 @@ Steps (each one call, under ``heavy`` / ``quiet-run``, ≤ 10 min):
     python bench/real_size.py serve ast_xlmr --servers tonearm,reference,infinity
     python bench/real_size.py tail                # demo bundle: cold text p99 at 16 clients, batching on/off
 
+Issue 32: tonearm beside Infinity at equal query length and precision, and PE-Audio beside CLAP:
+
+    python bench/real_size.py serve clap --kinds text-cold \
+        --servers tonearm,tonearm+int8-text,infinity,infinity-roberta,infinity-roberta-int8
+    python bench/real_size.py build pe_audio      # `tonearm export --pretrained` of the folder (no training)
+    python bench/real_size.py build pe_audio --quantize both
+    python bench/real_size.py build clap_pretrained
+    python bench/real_size.py serve pe_audio --servers tonearm,tonearm+int8-both
+    python bench/real_size.py serve clap_pretrained --servers tonearm
+
+Both servers are sent the same texts (bench/service_load.py ``text_query``). ``infinity`` on the CLAP
+folder encodes every query as 20 tokens (:data:`INFINITY_CLAP_TOKENS`); ``infinity-roberta[-int8]``
+serves the CLAP text tower saved as a RoBERTa folder and encodes whole queries, like tonearm.
+
 Models, runs and bundles live in WORK (``--work``, default ``~/.cache/tonearm/real-bench``). Every
 step adds its rows to ``bench/results/real_size.json`` (in the repository, so that measurements
 outlive the machine they were taken on) and rewrites the ``real_size`` section of
@@ -45,7 +59,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from service_load import Connection, Server, free_port, measure, wav_clip  # noqa: E402
+from service_load import Connection, Server, free_port, measure, text_query, wav_clip  # noqa: E402
 
 from benchlib import cpu_model, write_section  # noqa: E402
 
@@ -54,8 +68,24 @@ END = "<!-- bench:real_size:end -->"
 RESULTS = ROOT / "bench" / "results" / "real_size.json"
 NOTES = ROOT / "bench" / "results" / "real_size_notes.md"
 INFINITY = Path(os.environ.get("INFINITY_VENV", "/root/infinity-venv")) / "bin" / "infinity_emb"
-MODELS = {"clap": ["clap"], "ast_xlmr": ["ast", "xlmr"]}
+MODELS = {"clap": ["clap"], "ast_xlmr": ["ast", "xlmr"], "pe_audio": ["pe_audio"], "clap_pretrained": ["clap"]}
+PRETRAINED = {"pe_audio": "pe_audio", "clap_pretrained": "clap"}
+"""Presets exported from a model folder with no training (`tonearm export --pretrained`) → that folder."""
 QUERY = "a dog barks twice then a siren passes by in the rain"
+INFINITY_CLAP_TOKENS = 20
+"""Infinity 0.0.78's CLAP path encodes every text as this many tokens (cut, or padded up to it): its
+transformers 4.57 ``ClapConfig`` carries the old default ``max_length`` 20, and its CLAP model tokenizes with
+``padding="max_length"`` and slices ``input_ids[:, :max_length]`` (infinity_emb/transformer/audio/torch.py)."""
+INFINITY_SERVERS = {
+    # --servers name: (model folder per preset and workload, --dtype); None = Infinity's default
+    "infinity": ({"clap": {"text-cold": "clap", "audio": "clap"}, "ast_xlmr": {"text-cold": "xlmr"}}, None),
+    "infinity-roberta": ({"clap": {"text-cold": "clap_text_roberta"}}, "float32"),
+    "infinity-roberta-int8": ({"clap": {"text-cold": "clap_text_roberta"}}, "int8"),
+}
+"""Infinity variants: ``infinity`` serves the preset's own folders (for CLAP: text cut to
+:data:`INFINITY_CLAP_TOKENS` tokens, and audio); ``infinity-roberta[-int8]`` serves the CLAP text tower as
+a plain RoBERTa folder (tests/real_size_models.py ``clap_text_roberta``), so it encodes whole queries,
+in fp32 or with Infinity's int8 (``--dtype int8``)."""
 
 
 def work_dir(args: argparse.Namespace) -> Path:
@@ -114,7 +144,8 @@ def rss_mib(pid: int) -> float:
 
 
 def cmd_build(args: argparse.Namespace) -> None:
-    """Model folders (random weights, full size), two training steps of the preset, `tonearm export`."""
+    """Model folders (random weights, full size), two training steps of the preset, `tonearm export`;
+    for :data:`PRETRAINED` presets the folder exported as it is (`tonearm export --pretrained`)."""
     from real_size_models import (  # tests/real_size_models.py
         mini_manifest,
         real_model_dir,
@@ -123,6 +154,7 @@ def cmd_build(args: argparse.Namespace) -> None:
 
     from training.data.synth import generate_corpus
     from training.export import export_bundle
+    from training.pretrained import export_pretrained_bundle
     from training.quantize import QuantizeConfig
 
     work = work_dir(args)
@@ -133,6 +165,17 @@ def cmd_build(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     dirs = {name: real_model_dir(name, work) for name in MODELS[args.preset]}
     made = time.perf_counter()
+    # random weights: the held-out R@10 of such a model means nothing, so a drop only warns here
+    quantize = QuantizeConfig.from_choice(args.quantize, on_loss="warn")
+    key = bundle_key(args.preset, args.quantize)
+    if args.preset in PRETRAINED:
+        bundle = export_pretrained_bundle(dirs[PRETRAINED[args.preset]], manifest=manifest,
+                                          out_dir=work / "bundles" / args.preset, progress=False, quantize=quantize)
+        exported = time.perf_counter()
+        (work / f"{key}.bundle").write_text(str(bundle))
+        add_results([{"kind": "build", "preset": key, "bundle": bundle.name, "models_s": made - started,
+                      "export_s": exported - made, "onnx_mb": onnx_sizes(bundle)}])
+        return
     run_marker = work / f"{args.preset}.run"
     if args.quantize != "none" and run_marker.exists():  # the int8 variant of an already trained preset
         run = Path(run_marker.read_text().strip())
@@ -141,20 +184,28 @@ def cmd_build(args: argparse.Namespace) -> None:
         run_marker.write_text(str(run))
     trained = time.perf_counter()
     checkpoint = run / "best" if (run / "best").is_dir() else run / "last"
-    # random weights: the held-out R@10 of a two-step model means nothing, so a drop only warns here
-    quantize = QuantizeConfig.from_choice(args.quantize, on_loss="warn")
     bundle = export_bundle(checkpoint, manifest=manifest, out_dir=work / "bundles" / args.preset, progress=False,
                            quantize=quantize)
     exported = time.perf_counter()
-    (work / f"{bundle_key(args.preset, args.quantize)}.bundle").write_text(str(bundle))
-    sizes = {p.name: round(p.stat().st_size / 1e6, 1) for p in bundle.glob("*.onnx*")}
-    add_results([{"kind": "build", "preset": bundle_key(args.preset, args.quantize), "bundle": bundle.name,
-                  "models_s": made - started, "train_s": trained - made, "export_s": exported - trained,
-                  "onnx_mb": sizes}])
+    (work / f"{key}.bundle").write_text(str(bundle))
+    add_results([{"kind": "build", "preset": key, "bundle": bundle.name, "models_s": made - started,
+                  "train_s": trained - made, "export_s": exported - trained, "onnx_mb": onnx_sizes(bundle)}])
+
+
+def onnx_sizes(bundle: Path) -> dict[str, float]:
+    """MB of each ONNX model of a bundle: the ``.onnx`` file plus its external data file (``.onnx.data``,
+    written for a model above ~2 GB; PE-Audio's fp32 towers, 1.1 and 1.3 GB, have none)."""
+    from training.onnx_export import external_data_file
+
+    sizes = {}
+    for path in sorted(bundle.glob("*.onnx")):
+        data = external_data_file(path)
+        sizes[path.name] = round((path.stat().st_size + (data.stat().st_size if data.exists() else 0)) / 1e6, 1)
+    return sizes
 
 
 def bundle_key(preset: str, quantize: str = "none") -> str:
-    """``clap`` (fp32) or ``clap+int8-text`` (exported with ``--quantize text``)."""
+    """``clap`` (fp32) or ``clap+int8-text`` (exported with ``--quantize text``), ``pe_audio+int8-both``, ..."""
     return preset if quantize == "none" else f"{preset}+int8-{quantize}"
 
 
@@ -273,7 +324,7 @@ def served_mix_ceiling(path: Path, tokenizer: Any, *, dim: int, batch: int, seco
 class Infinity:
     """`infinity_emb v2` (its own venv) serving a model folder on the CPU, ready when /health answers."""
 
-    def __init__(self, model: Path, *, log: Path, batch_size: int = 32) -> None:
+    def __init__(self, model: Path, *, log: Path, batch_size: int = 32, dtype: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = model.name
@@ -281,7 +332,7 @@ class Infinity:
                "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "2"}
         cmd = [str(INFINITY), "v2", "--model-id", str(model), "--served-model-name", self.name, "--port", str(self.port),
                "--engine", "torch", "--device", "cpu", "--batch-size", str(batch_size), "--no-bettertransformer",
-               "--no-model-warmup"]
+               "--no-model-warmup"] + (["--dtype", dtype] if dtype else [])
         self.log = log
         with log.open("w") as sink:
             self.process = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
@@ -312,6 +363,7 @@ class Infinity:
 
 async def _infinity_worker(server: Infinity, kind: str, clip: bytes, stop_at: float, out: list, errors: list,
                            wid: int) -> None:
+    """One closed-loop client: the texts tonearm's text workload sends (service_load.text_query), or ``clip``."""
     connection = Connection("127.0.0.1", server.port)
     audio_uri = "data:audio/wav;base64," + base64.b64encode(clip).decode()
     i = 0
@@ -320,7 +372,7 @@ async def _infinity_worker(server: Infinity, kind: str, clip: bytes, stop_at: fl
             if kind == "audio":
                 path, item = "/embeddings_audio", audio_uri
             else:
-                path, item = "/embeddings", f"{QUERY} {wid}-{i}-{time.perf_counter_ns()}"
+                path, item = "/embeddings", text_query(kind, wid, i)
             body = json.dumps({"model": server.name, "input": [item]}).encode()
             started = time.perf_counter()
             try:
@@ -346,6 +398,18 @@ async def measure_infinity(server: Infinity, *, kind: str, clients: int, seconds
     return {"requests": len(out), "errors": len(errors), "p50_ms": p50, "p99_ms": p99, "rps": len(out) / elapsed}
 
 
+def query_tokens(tokenizer_json: Path, *, limit: int | None = None, padded: bool = False) -> float:
+    """Mean tokens per cold-text query (service_load.text_query, 16 clients × 16 queries) with the
+    tokenizer of ``tokenizer_json``, special tokens included, cut to ``limit``; ``padded``: a bundle's
+    tokenizer (fixed padding: count the attention mask, it cuts at the bundle's max length)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    queries = [text_query("text-cold", w, i) for w in range(16) for i in range(16)]
+    lengths = [sum(e.attention_mask) if padded else len(e.ids) for e in tokenizer.encode_batch(queries)]
+    return round(float(np.mean([min(n, limit) if limit else n for n in lengths])), 1)
+
+
 def _row(preset: str, server: str, kind: str, clients: int, stats: dict, **extra: Any) -> dict[str, Any]:
     return {"kind": "serve", "preset": preset, "server": server, "workload": kind, "clients": clients,
             **{k: stats[k] for k in ("requests", "errors", "p50_ms", "p99_ms", "rps")}, **extra}
@@ -359,6 +423,7 @@ def _result_stats(result: Any) -> dict:
 
 def serve_tonearm(bundle: Path, *, preset: str, label: str, env: dict[str, str], kinds: list[str],
                   clients: list[int], seconds: float, clip: bytes, scratch: Path, reference: bool = False) -> list[dict]:
+    tokens = query_tokens(bundle / "tokenizer.json", padded=True)
     saved = dict(os.environ)
     os.environ.update(env)
     try:
@@ -377,7 +442,8 @@ def serve_tonearm(bundle: Path, *, preset: str, label: str, env: dict[str, str],
                 for c in clients:
                     result = asyncio.run(measure(server.url, server=label, target=preset, kind=kind, clients=c,
                                                  seconds=seconds, clip=clip))
-                    rows.append(_row(preset, label, kind, c, _result_stats(result)))
+                    rows.append(_row(preset, label, kind, c, _result_stats(result),
+                                     **({"tokens": tokens} if kind.startswith("text") else {})))
                     print(rows[-1], f"load {os.getloadavg()[0]:.1f}", flush=True)
             rows[0]["rss_after_mib"] = rss_mib(server.process.pid)
     finally:
@@ -397,8 +463,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as scratch_dir:
         scratch = Path(scratch_dir)
         for server in args.servers.split(","):
-            if server == "infinity":
-                rows += serve_infinity(args.preset, work, kinds, clients, args.seconds, clip, scratch)
+            if server in INFINITY_SERVERS:
+                rows += serve_infinity(server, args.preset, work, kinds, clients, args.seconds, clip, scratch)
             elif server in ("reference", "reference-cuda"):  # reference-cuda: its encoders on the GPU
                 env = {"TONEARM_REFERENCE_DEVICE": "cuda"} if server == "reference-cuda" else {}
                 served = serve_tonearm(bundle, preset=args.preset, label=server, env=env, kinds=kinds,
@@ -417,35 +483,50 @@ def cmd_serve(args: argparse.Namespace) -> None:
     write_report()
 
 
-def serve_infinity(preset: str, work: Path, kinds: list[str], clients: list[int], seconds: float, clip: bytes,
-                   scratch: Path) -> list[dict]:
-    """Infinity on the preset's model folders: the text folder for text, the CLAP folder for audio too."""
+def serve_infinity(server: str, preset: str, work: Path, kinds: list[str], clients: list[int], seconds: float,
+                   clip: bytes, scratch: Path) -> list[dict]:
+    """Infinity variant ``server`` (:data:`INFINITY_SERVERS`) on the preset's model folders, one
+    Infinity per folder; text rows carry ``tokens``, the mean tokens per query as Infinity encodes it."""
+    from real_size_models import real_model_dir  # tests/real_size_models.py
+
     rows: list[dict] = []
-    folders = {"clap": {"text-cold": "clap", "audio": "clap"}, "ast_xlmr": {"text-cold": "xlmr"}}[preset]
+    presets, dtype = INFINITY_SERVERS[server]
+    if preset not in presets:
+        return [{"kind": "failed", "preset": preset, "server": server,
+                 "why": f"{server} is defined for {', '.join(sorted(presets))} only"}]
+    folders = presets[preset]
     for folder in sorted(set(folders.values())):
         wanted = [k for k in kinds if folders.get(k) == folder]
         if not wanted:
             continue
-        model = work / "real_models" / folder
+        model = real_model_dir(folder, work)  # built on first use (clap_text_roberta: from the clap folder)
+        limit = INFINITY_CLAP_TOKENS if folder == "clap" else None
+        tokens = query_tokens(model / "tokenizer.json", limit=limit)
         started = time.perf_counter()
         try:
-            server = Infinity(model, log=scratch / f"infinity-{folder}.log")
-            with server:
-                rows.append({"kind": "startup", "preset": preset, "server": f"infinity ({folder})",
-                             "ready_s": time.perf_counter() - started, "rss_mib": rss_mib(server.process.pid)})
+            infinity = Infinity(model, log=scratch / f"{server}-{folder}.log", dtype=dtype)
+            with infinity:
+                startup = {"kind": "startup", "preset": preset, "server": f"{server} ({folder})",
+                           "ready_s": time.perf_counter() - started, "rss_mib": rss_mib(infinity.process.pid)}
+                rows.append(startup)
+                print(startup, flush=True)
                 for kind in wanted:
                     for c in clients:
-                        stats = asyncio.run(measure_infinity(server, kind=kind, clients=c, seconds=seconds, clip=clip))
-                        rows.append(_row(preset, "infinity", kind, c, stats, model=folder))
+                        stats = asyncio.run(measure_infinity(infinity, kind=kind, clients=c, seconds=seconds, clip=clip))
+                        rows.append(_row(preset, server, kind, c, stats, model=folder,
+                                         **({"tokens": tokens} if kind.startswith("text") else {})))
                         print(rows[-1], f"load {os.getloadavg()[0]:.1f}", flush=True)
+                startup["rss_after_mib"] = rss_mib(infinity.process.pid)
         except RuntimeError as err:
-            rows.append({"kind": "failed", "preset": preset, "server": f"infinity ({folder})",
+            rows.append({"kind": "failed", "preset": preset, "server": f"{server} ({folder})",
                          "why": str(err).strip().splitlines()[-1][:300]})
             print(rows[-1], flush=True)
-    for kind in kinds:
-        if kind not in folders:
-            rows.append({"kind": "failed", "preset": preset, "server": "infinity", "workload": kind,
-                         "why": f"Infinity has no {kind} embedding for this model folder (AST is not one of its audio models)"})
+    if server == "infinity":
+        for kind in kinds:
+            if kind not in folders:
+                rows.append({"kind": "failed", "preset": preset, "server": server, "workload": kind,
+                             "why": f"Infinity has no {kind} embedding for this model folder (AST is not one of its "
+                                    "audio models)"})
     return rows
 
 
@@ -481,6 +562,84 @@ def _table(rows: list[dict], columns: list[str]) -> str:
     return head + "".join("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |\n" for r in rows)
 
 
+def _latest_run(results: list[dict], server: str, preset: str) -> list[dict]:
+    """Rows of the newest command that served ``server`` on ``preset``, on that command's CPU."""
+    marks = [r for r in results if r.get("kind") == "serve" and r.get("server") == server and r.get("preset") == preset]
+    if not marks:
+        return []
+    command, cpu = marks[-1]["command"], marks[-1]["cpu"]
+    return [r for r in results if r.get("command") == command and r.get("cpu") == cpu and r.get("preset") == preset]
+
+
+def like_for_like(results: list[dict]) -> str:
+    """Cold text req/s, tonearm beside Infinity at equal query length and precision (issue 32), from the
+    newest `serve clap` run that had ``infinity-roberta``; the CLAP-folder row (20 tokens) for contrast."""
+    rows = _latest_run(results, "infinity-roberta", "clap")
+    serve = {(r["server"], r["clients"]): r for r in rows if r.get("kind") == "serve" and r.get("workload") == "text-cold"}
+    if not serve:
+        return ""
+    clients = sorted({c for _, c in serve})
+    pairs = [("tonearm", "infinity-roberta", "fp32, whole queries"),
+             ("tonearm+int8-text", "infinity-roberta-int8", "int8 text tower, whole queries"),
+             ("tonearm", "infinity", "**not like for like**: Infinity's CLAP folder cuts queries to 20 tokens")]
+    lines = []
+    for ours, theirs, what in pairs:
+        cells = []
+        for c in clients:
+            a, b = serve.get((ours, c)), serve.get((theirs, c))
+            cells.append(f"{a['rps']:.1f} / {b['rps']:.1f} = **{a['rps'] / b['rps']:.2f}×**" if a and b and b["rps"]
+                         else "–")
+        tokens = "/".join(_fmt(serve.get((s, clients[-1]), {}).get("tokens", "?")) for s in (ours, theirs))
+        lines.append(f"| {ours} ÷ {theirs} | {what} | {tokens} | " + " | ".join(cells) + " |\n")
+    first = rows[0]
+    return (f"\n### Like for like: cold text, tonearm ÷ Infinity at equal tokens and precision (CLAP-size)\n\n"
+            f"`{first['command']}` ({first['date']}, {first['cpu']}; same queries for both servers: "
+            f"bench/service_load.py `text_query`). Cells: tonearm req/s / Infinity req/s = ratio; tokens: mean "
+            f"tokens per query as each server encodes it (tonearm / Infinity).\n\n"
+            "| tonearm ÷ peer | what | tokens | " + " | ".join(f"{c} client{'s' * (c > 1)}" for c in clients)
+            + " |\n|---|---|---|" + "---:|" * len(clients) + "\n" + "".join(lines))
+
+
+def _rate_fmt(rps: float) -> str:
+    return f"{rps:.2f}" if rps < 1 else f"{rps:.1f}"
+
+
+def pretrained_table(results: list[dict]) -> str:
+    """PE-Audio beside the CLAP-size pretrained bundle (issue 32): export, ONNX sizes, startup, req/s
+    (the newest row of each cell on the newest CPU)."""
+    lines = []
+    clients: list[int] = []
+    for preset in ("pe_audio", "clap_pretrained"):
+        # every command's rows on the newest CPU that served the preset, a later row replacing an earlier one
+        # of the same server, workload and clients (e.g. a longer audio-only run after the first)
+        mine = [r for r in results if r.get("preset") == preset and r.get("kind") in ("serve", "startup")]
+        rows = [r for r in mine if r.get("cpu") == mine[-1]["cpu"]] if mine else []
+        serve = {(r["server"], r["workload"], r["clients"]): r for r in rows if r.get("kind") == "serve"}
+        startup = {r["server"]: r for r in rows if r.get("kind") == "startup"}
+        clients = clients or sorted({c for _, _, c in serve})
+        for server in dict.fromkeys(s for s, _, _ in serve):
+            quantize = server.partition("+int8-")[2] or "none"
+            builds = [r for r in results if r.get("kind") == "build" and r.get("preset") == bundle_key(preset, quantize)]
+            build = builds[-1] if builds else {}
+            sizes = ", ".join(f"{k.removesuffix('_encoder.onnx')} {v / 1000:.2f} GB" for k, v in build.get("onnx_mb", {}).items())
+            up = startup.get(server, {})
+            rates = [_rate_fmt(serve[server, kind, c]["rps"]) if (server, kind, c) in serve else "–"
+                     for kind in ("text-cold", "audio") for c in clients]
+            lines.append(f"| {preset} | {server} | {_fmt(build.get('export_s', '–'))} | {sizes} | "
+                         f"{_fmt(up.get('ready_s', '–'))} | {_fmt(up.get('rss_mib', '–'))} | "
+                         f"{_fmt(up.get('rss_after_mib', '–'))} | " + " | ".join(rates)
+                         + f" | {up.get('date', '–')}, load {up.get('load', '–')} |\n")
+    if not lines:
+        return ""
+    head = " | ".join([f"text {c}" for c in clients] + [f"audio {c}" for c in clients])
+    return ("\n### Pretrained bundles: PE-Audio beside CLAP-size (`build pe_audio|clap_pretrained`, `tonearm export "
+            "--pretrained`, no training)\n\nreq/s at 1/8/16 clients (cold text, 10-s clips); export s and ONNX sizes "
+            "(`.onnx` + external data) from the newest build of that bundle; startup to /readyz, RSS then and after the "
+            "server's last workload.\n\n"
+            f"| bundle | server | export s | ONNX | ready s | RSS MiB | RSS after load MiB | {head} | startup recorded, load |\n"
+            "|---|---|---:|---|---:|---:|---:|" + "---:|" * (2 * len(clients)) + "---|\n" + "".join(lines))
+
+
 def write_report(*, write: bool = True) -> str:
     results = load_results()
     parts = [f"{START}\n## real_size — real-size encoders served on CPU cores, two unless a row says more (bench/real_size.py)\n\n",
@@ -489,11 +648,13 @@ def write_report(*, write: bool = True) -> str:
              "serves on the CPU. GPU training steps and encoder throughput: section \"GPU at real size\". Rendered "
              f"on {cpu_tag()}, {platform.system()} {platform.release()}, Python {platform.python_version()}\n"
              "- models: random weights at full default size (tests/real_size_models.py), trained two steps "
-             "(configs/real/*.yaml) and exported by `tonearm export`; speed does not depend on the weights' values\n"
+             "(configs/real/*.yaml) and exported by `tonearm export`, or for `pe_audio` / `clap_pretrained` exported "
+             "untrained by `tonearm export --pretrained`; speed does not depend on the weights' values\n"
              "- each row carries its command, date and the 1-min load average **when the row was recorded, i.e. right "
              "after its measurement**: for startup/serve rows that load is the benchmark's own (the load generator and "
              "the server share the two cores; the reference server's thread pool alone reaches 5–14). Each command "
-             "started quiet: `quiet-run` waits for load < 1.5 and the notes below give the load at start\n"]
+             "started quiet (`quiet-run` waits for load < 1.5) unless the notes below say otherwise; they give the load at "
+             "start\n"]
     sections = [
         ("build", "Build (model folders, 2 training steps, export)",
          ["preset", "bundle", "models_s", "train_s", "export_s", "onnx_mb", "date", "load", "cpu"]),
@@ -504,11 +665,13 @@ def write_report(*, write: bool = True) -> str:
          ["preset", "modality", "threads", "min_cosine", "mean_cosine", "cpu"]),
         ("startup", "Startup to /readyz 200 and resident memory",
          ["preset", "server", "ready_s", "rss_mib", "rss_after_mib", "date", "load", "cpu", "gpu"]),
-        ("serve", "Search under load (closed-loop clients, 10-s clips for audio)",
-         ["preset", "server", "workload", "clients", "requests", "errors", "p50_ms", "p99_ms", "rps", "date", "load",
-          "cpu", "gpu"]),
+        ("serve", "Search under load (closed-loop clients, 10-s clips for audio; `tokens`: mean tokens per text "
+                  "query as that server encodes it)",
+         ["preset", "server", "workload", "tokens", "clients", "requests", "errors", "p50_ms", "p99_ms", "rps", "date",
+          "load", "cpu", "gpu"]),
         ("failed", "Peers that could not run", ["preset", "server", "workload", "why"]),
     ]
+    parts += [like_for_like(results), pretrained_table(results)]
     for kind, title, columns in sections:
         rows = [r for r in results if r.get("kind") == kind]
         if rows:
@@ -539,8 +702,10 @@ def main() -> int:
     serve.add_argument("preset", choices=sorted(MODELS))
     serve.add_argument("--servers", default="tonearm,reference,infinity",
                        help="comma-separated: reference, reference-cuda (its encoders on the GPU), infinity, "
-                            "tonearm[+int8-text][:NAME=VALUE;...] (a bundle built with `build --quantize text`; "
-                            "TONEARM_NAME settings for that server)")
+                            "infinity-roberta, infinity-roberta-int8 (the CLAP text tower as a RoBERTa folder: whole "
+                            "queries; fp32 / Infinity's --dtype int8), "
+                            "tonearm[+int8-text|+int8-both][:NAME=VALUE;...] (a bundle built with `build --quantize "
+                            "text|both`; TONEARM_NAME settings for that server)")
     serve.add_argument("--kinds", default="text-cold,audio")
     serve.add_argument("--clients", default="1,8,16")
     serve.add_argument("--seconds", type=float, default=8.0)

@@ -231,11 +231,18 @@ class Connection:
             self.writer.close()
 
 
-def _text_body(kind: str, wid: int, i: int) -> bytes:
+def text_query(kind: str, wid: int, i: int) -> str:
+    """Query ``i`` of client ``wid``: the :data:`QUERIES` mix, made unique for ``text-cold`` (a suffix
+    of client, count and clock). Every server a benchmark compares is sent these texts
+    (bench/real_size.py sends them to Infinity too)."""
     query = QUERIES[(wid + i) % len(QUERIES)]
     if kind == "text-cold":
         query = f"{query} {wid}-{i}-{time.perf_counter_ns()}"
-    return json.dumps({"query": query, "k": 10}).encode()
+    return query
+
+
+def _text_body(kind: str, wid: int, i: int) -> bytes:
+    return json.dumps({"query": text_query(kind, wid, i), "k": 10}).encode()
 
 
 async def _worker(url: str, kind: str, stop_at: float, out: list, errors: list, wid: int, clip: bytes | None = None) -> None:

@@ -12,6 +12,8 @@ user's real checkpoint would be, read by the same code:
 * ``xlmr``: ``XLMRobertaModel`` with xlm-roberta-base's config (278 M, vocab 250 002);
 * ``minilm``: ``BertModel`` with paraphrase-multilingual-MiniLM-L12-v2's config
   (118 M: hidden 384, 12 layers, vocab 250 037);
+* ``clap_text_roberta``: the ``clap`` folder's text tower saved as a plain ``RobertaModel``
+  folder (:func:`save_clap_text_roberta`);
 * ``pe_audio``: ``PeAudioModel(PeAudioConfig())`` (606 M: DAC-style codec encoder + 6-layer
   transformer 282 M, ModernBERT-large 321 M; ~34 s to create on 2 cores), its default
   ``PeAudioFeatureExtractor`` and a byte-level BPE trained here with ``[CLS]``-first ids.
@@ -166,8 +168,49 @@ def save_pe_audio(directory: Path) -> None:
     PeAudioFeatureExtractor().save_pretrained(directory)
 
 
+CLAP_TEXT_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
+"""Persistent buffers of ``ClapTextModel`` that ``RobertaModel`` keeps non-persistent (an arange and zeros)."""
+
+
+def save_clap_text_roberta(directory: Path) -> None:
+    """The text tower of the ``clap`` folder beside it, saved as a plain ``RobertaModel`` folder.
+
+    ``ClapTextModel`` is RoBERTa under another name: its weights load strictly into
+    ``RobertaModel(RobertaConfig(**text_config))`` (only the two index buffers of
+    :data:`CLAP_TEXT_BUFFERS` are dropped) and give the same hidden states. A server that
+    embeds RoBERTa folders (Infinity's sentence-transformers path) then encodes whole queries,
+    where its CLAP path cuts them to ``text_config.max_length``. The CLAP folder's tokenizer is
+    copied with ``tokenizer_class`` ``PreTrainedTokenizerFast``, a name older transformers know too.
+    """
+    import json
+    import shutil
+
+    import torch
+    from transformers import ClapModel, RobertaConfig, RobertaModel
+
+    clap_dir = real_model_dir("clap", directory.parent.parent)
+    clap = ClapModel.from_pretrained(clap_dir)
+    state = clap.text_model.state_dict()
+    for name in CLAP_TEXT_BUFFERS:
+        expected = torch.arange(state[name].shape[-1]) if name.endswith("position_ids") else torch.zeros_like(state[name])
+        if not torch.equal(state.pop(name).flatten(), expected.flatten().to(torch.long)):
+            raise ValueError(f"{clap_dir}: {name} is not the buffer RobertaModel builds itself")
+    text_config = clap.config.text_config.to_dict()
+    model = RobertaModel(RobertaConfig(**text_config), add_pooling_layer=any(k.startswith("pooler.") for k in state))
+    model.load_state_dict(state, strict=True)
+    model.save_pretrained(directory)
+    del clap, model
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (clap_dir / name).is_file():
+            shutil.copyfile(clap_dir / name, directory / name)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 BUILDERS: dict[str, Callable[[Path], None]] = {
     "pe_audio": save_pe_audio, "clap": save_clap, "ast": save_ast, "xlmr": save_xlmr, "minilm": save_minilm, "marian": save_marian,
+    "clap_text_roberta": save_clap_text_roberta,
 }
 
 

@@ -45,8 +45,31 @@ def load() -> str:
     return f"{os.getloadavg()[0]:.2f}"
 
 
-def make_corpus(work: Path, *, clips: int, corrupt: float, seed: int) -> dict[str, Any]:
-    """Long stereo FLACs with the captions of the synthetic small corpus; returns the stage's record."""
+def _write_clip(task: tuple[Path, Path, float, bool, int]) -> tuple[float, int]:
+    """One corpus clip: the source sound looped to ``seconds`` at 44.1 kHz, stereo FLAC, made
+    unreadable when ``corrupt``; returns its seconds and bytes. Runs in a worker process."""
+    source, path, seconds, corrupt, seed = task
+    wave, rate = sf.read(source, dtype="float32", always_2d=True)
+    # Loop the source to length at 44.1 kHz (linear interpolation is enough for a load test).
+    mono = wave.mean(axis=1)
+    positions = np.arange(int(seconds * SOURCE_RATE)) * (rate / SOURCE_RATE)
+    looped = np.interp(positions % len(mono), np.arange(len(mono)), mono).astype(np.float32)
+    stereo = np.stack([looped, np.roll(looped, 441) * 0.8], axis=1)
+    sf.write(path, stereo, SOURCE_RATE, subtype="PCM_16", format="FLAC")
+    if corrupt:
+        data = path.read_bytes()
+        garbage = np.random.default_rng(seed).bytes(4096)
+        path.write_bytes(b"fLaC" + garbage if seed % 2 else data[: len(data) // 10])
+    return seconds, path.stat().st_size
+
+
+def make_corpus(work: Path, *, clips: int, corrupt: float, seed: int, workers: int = 2) -> dict[str, Any]:
+    """Long stereo FLACs with the captions of the synthetic small corpus, written by ``workers``
+    processes; returns the stage's record."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from tqdm import tqdm
+
     from training.data.synth import generate_corpus
 
     corpus = work / "corpus"
@@ -63,28 +86,18 @@ def make_corpus(work: Path, *, clips: int, corrupt: float, seed: int) -> dict[st
     rng = np.random.default_rng(seed)
     (corpus / "audio").mkdir(parents=True, exist_ok=True)
     bad = set(rng.choice(clips, size=int(round(corrupt * clips)), replace=False).tolist())
+    durations = rng.uniform(10.0, 60.0, size=clips)
+    tasks = [(source_manifest.parent / sources[i % len(sources)]["audio"], corpus / "audio" / f"clip-{i:06d}.flac",
+              float(durations[i]), i in bad, seed * 1_000_003 + i) for i in range(clips)]
     lines, total_seconds, total_bytes = [], 0.0, 0
-    from tqdm import tqdm
-
-    for i in tqdm(range(clips), desc="corpus", unit="clip"):
-        src = sources[i % len(sources)]
-        wave, rate = sf.read(source_manifest.parent / src["audio"], dtype="float32", always_2d=True)
-        seconds = float(rng.uniform(10.0, 60.0))
-        # Loop the source to length at 44.1 kHz (linear interpolation is enough for a load test).
-        mono = wave.mean(axis=1)
-        positions = np.arange(int(seconds * SOURCE_RATE)) * (rate / SOURCE_RATE)
-        looped = np.interp(positions % len(mono), np.arange(len(mono)), mono).astype(np.float32)
-        stereo = np.stack([looped, np.roll(looped, 441) * 0.8], axis=1)
-        path = corpus / "audio" / f"clip-{i:06d}.flac"
-        sf.write(path, stereo, SOURCE_RATE, subtype="PCM_16", format="FLAC")
-        if i in bad:
-            data = path.read_bytes()
-            path.write_bytes(b"fLaC" + rng.bytes(4096) if i % 2 else data[: len(data) // 10])
-        total_seconds += seconds
-        total_bytes += path.stat().st_size
-        split = "val" if i % 20 == 19 else "train"
-        lines.append(json.dumps({"id": f"clip-{i:06d}", "audio": f"audio/{path.name}", "split": split,
-                                 "captions": src["captions"]}, ensure_ascii=False))
+    with ProcessPoolExecutor(workers) as pool:
+        written = pool.map(_write_clip, tasks, chunksize=16)
+        for i, (seconds, size) in enumerate(tqdm(written, total=clips, desc="corpus", unit="clip")):
+            total_seconds += seconds
+            total_bytes += size
+            split = "val" if i % 20 == 19 else "train"
+            lines.append(json.dumps({"id": f"clip-{i:06d}", "audio": f"audio/clip-{i:06d}.flac", "split": split,
+                                     "captions": sources[i % len(sources)]["captions"]}, ensure_ascii=False))
     manifest.write_text("\n".join(lines) + "\n", encoding="utf-8")
     record = {"clips": clips, "corrupt": len(bad), "hours": total_seconds / 3600, "gb": total_bytes / 1e9,
               "seconds": time.monotonic() - started}
@@ -170,7 +183,7 @@ def main() -> None:
     args = parser.parse_args()
     stages = set(args.stages.split(","))
     results: dict[str, Any] = {"date": dt.date.today().isoformat(), "cpu": cpu_model()}
-    results["corpus"] = make_corpus(args.work, clips=args.clips, corrupt=args.corrupt, seed=0)
+    results["corpus"] = make_corpus(args.work, clips=args.clips, corrupt=args.corrupt, seed=0, workers=args.workers)
     if "shard" in stages:
         results["shard"] = shard(args.work, sample_rate=args.sample_rate, workers=args.workers)
     if "train" in stages:

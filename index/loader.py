@@ -100,11 +100,14 @@ class SessionConfig:
 
     ``threads`` intra-op threads (None/0: ONNX Runtime's default, one per core); one inter-op
     thread (the towers are sequential graphs); ``spinning`` off by default so idle ORT threads
-    sleep instead of busy-waiting on cores FAISS, the other encoder and the HTTP worker need."""
+    sleep instead of busy-waiting on cores FAISS, the other encoder and the HTTP worker need;
+    ``memory_arena`` is ONNX Runtime's CPU arena (its default, on: right for bulk embedding at a
+    few fixed shapes; the service turns it off, ``TONEARM_ONNX_MEMORY_ARENA``)."""
 
     threads: int | None = 1
     optimization: GraphOptimization = "all"
     spinning: bool = False
+    memory_arena: bool = True
 
     def options(self) -> ort.SessionOptions:
         options = ort.SessionOptions()
@@ -113,6 +116,7 @@ class SessionConfig:
         options.graph_optimization_level = _GRAPH_LEVELS[self.optimization]
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
+        options.enable_cpu_mem_arena = self.memory_arena
         options.log_severity_level = 3
         return options
 

@@ -182,6 +182,7 @@ def session_config(settings: Settings, *, threads: int | None = None) -> Any:
     return SessionConfig(
         threads=threads if threads is not None else settings.onnx_threads or None,
         optimization=settings.onnx_graph_optimization, spinning=settings.onnx_spinning,
+        memory_arena=settings.onnx_memory_arena,
     )
 
 

@@ -56,6 +56,11 @@ class Settings(BaseSettings):
     onnx_spinning: bool = False
     """Let idle onnxruntime intra-op threads busy-wait for work (lower latency on a dedicated
     machine; off: the spinning threads take cores FAISS and the HTTP worker need)."""
+    onnx_memory_arena: bool = False
+    """onnxruntime's CPU memory arena for the encoder sessions. Off by default: the service's calls
+    vary in shape (text lengths, batch sizes, clip lengths, the gate's evaluation batches), the
+    arena keeps every high-water mark it reaches and never gives memory back, and resident memory
+    crept up for the whole of a 30-min soak with it on (docs/service.md, "Memory")."""
     faiss_threads: int = Field(default=1, ge=1, le=256)
     """OpenMP threads of FAISS searches; a micro-batch is one search, and the batch workers already
     run in parallel, so more threads only contend with the encoders on small machines."""

@@ -56,6 +56,8 @@ def test_session_config_sets_the_ort_options():
     assert spinning.intra_op_num_threads == 0  # ORT default: one per core
     assert str(spinning.graph_optimization_level).endswith("ORT_ENABLE_ALL")
     assert spinning.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert options.enable_cpu_mem_arena  # ORT's default for bulk embedding
+    assert not SessionConfig(memory_arena=False).options().enable_cpu_mem_arena
 
 
 def test_service_settings_reach_the_loaded_sessions(tiny_bundle, monkeypatch):
@@ -63,7 +65,8 @@ def test_service_settings_reach_the_loaded_sessions(tiny_bundle, monkeypatch):
     monkeypatch.setenv("TONEARM_ONNX_GRAPH_OPTIMIZATION", "extended")
     monkeypatch.setenv("TONEARM_FAISS_THREADS", "1")
     settings = Settings()
-    assert session_config(settings) == SessionConfig(threads=2, optimization="extended", spinning=False)
+    assert session_config(settings) == SessionConfig(threads=2, optimization="extended", spinning=False,
+                                                     memory_arena=False)
     before = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(2)
     try:
@@ -76,4 +79,7 @@ def test_service_settings_reach_the_loaded_sessions(tiny_bundle, monkeypatch):
         assert options.intra_op_num_threads == 2
         assert str(options.graph_optimization_level).endswith("ORT_ENABLE_EXTENDED")
         assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+        assert not options.enable_cpu_mem_arena  # the service's default (the soak's memory, docs/service.md)
     opened.close()
+    monkeypatch.setenv("TONEARM_ONNX_MEMORY_ARENA", "true")
+    assert session_config(Settings()).memory_arena

@@ -24,6 +24,7 @@ from starlette.routing import Match
 
 import tonearm
 from index.errors import BundleError
+from service.allocator import limit_arenas
 from service.apidocs import install_api_docs
 from service.batching import BatchMetrics
 from service.bundles import BUNDLE_ID_PATTERN, BundleRegistry, Opener
@@ -265,5 +266,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def app_from_env() -> FastAPI:
-    """uvicorn factory (``service.app:app_from_env``): settings from ``TONEARM_*`` variables."""
-    return create_app(Settings())
+    """uvicorn factory (``service.app:app_from_env``): settings from ``TONEARM_*`` variables; the
+    process's malloc arenas are capped first, before any of its threads allocates."""
+    settings = Settings()
+    limit_arenas(settings.malloc_arenas)
+    return create_app(settings)

@@ -29,6 +29,7 @@ import numpy as np
 
 from index.bundle import read_manifest
 from index.errors import BundleError, BundleNotPublished, IndexBackendError
+from service.allocator import trim
 from service.cache import QueryCache
 from service.errors import ServiceError
 from service.gate import GateThresholds, GateVerdict, run_gate
@@ -491,6 +492,7 @@ class BundleRegistry:
             bundle_id=new.bundle_id, embed_dim=int(new.bundle.embed_dim), languages=list(new.bundle.languages)
         )
         self.ready.set()
+        trim()  # the gate's evaluation batches and a closed bundle were just freed
 
     def _publish(self, bundle_id: str) -> None:
         if self.publisher is not None:

@@ -61,6 +61,9 @@ class Settings(BaseSettings):
     vary in shape (text lengths, batch sizes, clip lengths, the gate's evaluation batches), the
     arena keeps every high-water mark it reaches and never gives memory back, and resident memory
     crept up for the whole of a 30-min soak with it on (docs/service.md, "Memory")."""
+    malloc_arenas: int = Field(default=2, ge=0, le=1024)
+    """glibc malloc arenas of the service process (`mallopt(M_ARENA_MAX)` at start; 0: glibc's
+    default, 8 per core); `MALLOC_ARENA_MAX` in the environment wins (docs/service.md, "Memory")."""
     faiss_threads: int = Field(default=1, ge=1, le=256)
     """OpenMP threads of FAISS searches; a micro-batch is one search, and the batch workers already
     run in parallel, so more threads only contend with the encoders on small machines."""

@@ -1,0 +1,56 @@
+"""glibc malloc settings for the long-running service process (docs/service.md, "Memory").
+
+A thread that allocates gets a glibc malloc arena of its own, up to 8 per core, and memory freed
+in one arena is not reused by threads of another, so a service whose batch workers, thread pool
+and event loop all allocate large short-lived arrays (decoded uploads, encoder outputs, the gate's
+evaluation batches) holds more and more of it. Two measures, both no-ops where the C library is
+not glibc (musl, macOS):
+
+- :func:`limit_arenas` caps the arenas (``mallopt(M_ARENA_MAX)``) when the service starts, before
+  its threads allocate — the same as ``MALLOC_ARENA_MAX``, which glibc reads only at process start
+  and which, when set, is left to win;
+- :func:`trim` hands freed pages back to the kernel (``malloc_trim(0)``) after a bundle swap, when
+  the gate's and the loader's temporaries have just been freed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from functools import cache
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+M_ARENA_MAX = -8  # glibc's <malloc.h>
+
+
+@cache
+def _glibc() -> Any | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    if not (hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")):
+        return None
+    return libc
+
+
+def limit_arenas(count: int) -> bool:
+    """Cap glibc's malloc arenas at ``count`` (0: leave glibc's default). Returns whether a cap
+    was set; not when ``MALLOC_ARENA_MAX`` is in the environment (glibc already applied it)."""
+    if count <= 0 or os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    libc = _glibc()
+    if libc is None:
+        log.debug("not glibc: malloc arenas left as they are")
+        return False
+    return bool(libc.mallopt(M_ARENA_MAX, count))
+
+
+def trim() -> None:
+    """Give the pages of freed malloc memory back to the kernel (glibc only)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -1,0 +1,60 @@
+"""glibc malloc arenas of the service process (service/allocator.py, docs/service.md "Memory").
+
+Each case runs in a fresh interpreter (glibc's arena count only grows) that starts eight threads
+allocating at once and counts the heaps glibc's own ``malloc_info`` reports. ~1 s in all."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROGRAM = r"""
+import ctypes, re, sys, tempfile, threading
+from service.allocator import limit_arenas, trim
+print("capped" if limit_arenas(int(sys.argv[1])) else "not-capped")
+barrier = threading.Barrier(8)
+def work():
+    barrier.wait()
+    kept = [bytearray(200_000) for _ in range(50)]  # malloc'd (past pymalloc's 512-byte limit)
+    barrier.wait()
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+trim()
+libc = ctypes.CDLL("libc.so.6")
+libc.fopen.restype = ctypes.c_void_p
+libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.fclose.argtypes = [ctypes.c_void_p]
+with tempfile.NamedTemporaryFile(suffix=".xml") as f:
+    stream = libc.fopen(f.name.encode(), b"w")
+    libc.malloc_info(0, stream)
+    libc.fclose(stream)
+    print(len(re.findall(r'<heap nr="\d+"', open(f.name).read())))
+"""
+
+
+def _heaps(cap: int, env_cap: str | None = None) -> tuple[str, int]:
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    env["PYTHONPATH"] = str(ROOT)
+    if env_cap is not None:
+        env["MALLOC_ARENA_MAX"] = env_cap
+    out = subprocess.run([sys.executable, "-c", PROGRAM, str(cap)], capture_output=True, text=True, env=env,
+                         timeout=60, check=True).stdout.split()
+    return out[0], int(out[1])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc (Linux) only")
+def test_the_service_caps_glibc_arenas_and_an_explicit_environment_wins():
+    assert Settings().malloc_arenas == 2
+    assert _heaps(2) == ("capped", 2)
+    status, uncapped = _heaps(0)
+    assert status == "not-capped" and uncapped > 2  # glibc's default: a new arena per allocating thread
+    assert _heaps(2, env_cap="4") == ("not-capped", 4)  # MALLOC_ARENA_MAX, read by glibc at start, wins

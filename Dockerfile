@@ -81,10 +81,7 @@ ENV PYTHONPATH=/app \
     TONEARM_ENVIRONMENT=production \
     TONEARM_ADMIN_ENABLED=true \
     TONEARM_BUNDLES_DIR=/bundles \
-    TONEARM_HOME=/var/lib/tonearm \
-    MALLOC_ARENA_MAX=2
-# MALLOC_ARENA_MAX: two glibc malloc arenas instead of 8 per core for the batch and pool threads —
-# flat, lower resident memory under soak-like traffic (docs/service.md, "Memory")
+    TONEARM_HOME=/var/lib/tonearm
 VOLUME ["/bundles", "/var/lib/tonearm"]
 USER 10001:10001
 EXPOSE 8000

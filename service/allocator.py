@@ -10,7 +10,10 @@ not glibc (musl, macOS):
   its threads allocate — the same as ``MALLOC_ARENA_MAX``, which glibc reads only at process start
   and which, when set, is left to win;
 - :func:`trim` hands freed pages back to the kernel (``malloc_trim(0)``) after a bundle swap, when
-  the gate's and the loader's temporaries have just been freed.
+  the gate's and the loader's temporaries have just been freed, and :class:`PeriodicTrim` does the
+  same every ``TONEARM_MALLOC_TRIM_INTERVAL_S`` seconds: glibc returns memory on its own only from
+  the top of a heap, so pages freed below a live allocation stay resident — in a 9-min soak
+  (AMD EPYC, 2 cores) the heap held ~280 MiB free beside ~210 MiB in use.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 from functools import cache
 from typing import Any
 
@@ -54,3 +58,34 @@ def trim() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+class PeriodicTrim:
+    """A daemon thread calling :func:`trim` every ``interval_s`` seconds until :meth:`stop`.
+
+    ``malloc_trim`` walks the free chunks of every arena under its lock (milliseconds for a few
+    hundred MiB of heap), so once a minute costs nothing a request would notice."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.trims = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tonearm-malloc-trim", daemon=True)
+
+    @classmethod
+    def start(cls, interval_s: float) -> PeriodicTrim | None:
+        """Started when ``interval_s`` > 0 and the C library is glibc; else None."""
+        if interval_s <= 0 or _glibc() is None:
+            return None
+        periodic = cls(interval_s)
+        periodic._thread.start()
+        return periodic
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            trim()
+            self.trims += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -24,7 +24,7 @@ from starlette.routing import Match
 
 import tonearm
 from index.errors import BundleError
-from service.allocator import limit_arenas
+from service.allocator import PeriodicTrim, limit_arenas
 from service.apidocs import install_api_docs
 from service.batching import BatchMetrics
 from service.bundles import BUNDLE_ID_PATTERN, BundleRegistry, Opener
@@ -255,9 +255,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     loader = threading.Thread(target=_startup, args=(state,), name="tonearm-startup", daemon=True)
     loader.start()
     state.batchers = Batchers.start(state.settings, state.batch_metrics)
+    trimmer = PeriodicTrim.start(state.settings.malloc_trim_interval_s)
     try:
         yield
     finally:
+        if trimmer is not None:
+            trimmer.stop()
         state.batchers.close()
         loader.join(timeout=60)
         if state.bus is not None:

@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     malloc_arenas: int = Field(default=2, ge=0, le=1024)
     """glibc malloc arenas of the service process (`mallopt(M_ARENA_MAX)` at start; 0: glibc's
     default, 8 per core); `MALLOC_ARENA_MAX` in the environment wins (docs/service.md, "Memory")."""
+    malloc_trim_interval_s: float = Field(default=60.0, ge=0.0)
+    """Seconds between `malloc_trim(0)` calls that hand freed heap pages back to the kernel (0: only
+    after bundle swaps); glibc alone returns only the top of a heap (docs/service.md, "Memory")."""
     faiss_threads: int = Field(default=1, ge=1, le=256)
     """OpenMP threads of FAISS searches; a micro-batch is one search, and the batch workers already
     run in parallel, so more threads only contend with the encoders on small machines."""

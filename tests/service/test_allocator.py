@@ -58,3 +58,35 @@ def test_the_service_caps_glibc_arenas_and_an_explicit_environment_wins():
     status, uncapped = _heaps(0)
     assert status == "not-capped" and uncapped > 2  # glibc's default: a new arena per allocating thread
     assert _heaps(2, env_cap="4") == ("not-capped", 4)  # MALLOC_ARENA_MAX, read by glibc at start, wins
+
+
+TRIM_PROGRAM = r"""
+import sys, time
+from service.allocator import PeriodicTrim
+def rss_mib():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) / 1024
+blocks = [bytearray(b"\x01") * 100_000 for _ in range(2000)]  # 200 MB in the heap (below the mmap threshold)
+keep = bytearray(b"\x01") * 100_000  # a live block above them: free() alone can only trim the heap's top
+del blocks
+before = rss_mib()
+periodic = PeriodicTrim.start(float(sys.argv[1]))
+time.sleep(0.6)
+print(before, rss_mib(), periodic.trims if periodic else -1)
+if periodic: periodic.stop()
+"""
+
+
+def _trimmed(interval_s: float) -> tuple[float, float, int]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", TRIM_PROGRAM, str(interval_s)], capture_output=True, text=True,
+                         env=env, timeout=60, check=True).stdout.split()
+    return float(out[0]), float(out[1]), int(out[2])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc (Linux) only")
+def test_the_periodic_trim_returns_freed_heap_pages_below_a_live_block():
+    assert Settings().malloc_trim_interval_s == 60
+    before, after, trims = _trimmed(0.1)
+    assert trims >= 1 and before - after > 150, (before, after)  # the 200 MB hole went back to the kernel
+    before, after, trims = _trimmed(0)  # off: nothing started, the hole stays resident
+    assert trims == -1 and before - after < 50, (before, after)

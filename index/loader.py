@@ -32,8 +32,14 @@ from index.evalset import EvalSet, read_eval_set, read_jsonl
 from index.faiss_index import DEFAULT_MMAP_THRESHOLD
 from index.length_groups import length_groups
 from index.tokenizer import TextTokenizer
+from index.vector_index import (
+    PREFILTER_FRACTION,
+    VectorIndex,
+    exact_subset_search,
+    open_faiss_index,
+    overfetch_search,
+)
 from index.vector_index import FaissVectorIndex as FaissVectorIndex  # re-exported
-from index.vector_index import VectorIndex, open_faiss_index
 
 log = logging.getLogger(__name__)
 
@@ -418,9 +424,23 @@ class LoadedBundle:
 
     # ------------------------------------------------------------------ search
 
-    def search_audio(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k clips: (scores (n, k), rows (n, k) into ``audio_items``; -1 / -inf past the end)."""
-        return self._need(self._audio_index).search(queries, k)
+    def search_audio(
+        self, queries: np.ndarray, k: int, *, allowed: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k clips: (scores (n, k), rows (n, k) into ``audio_items``; -1 / -inf past the end).
+
+        ``allowed`` (a boolean mask over the clips, :meth:`index.filters.MetadataTable.mask`) keeps
+        only the clips that pass: FAISS pre-filters or over-fetches (:mod:`index.vector_index`);
+        other backends over-fetch, and rank the passing clips' vectors exactly when few pass."""
+        index = self._need(self._audio_index)
+        if allowed is None:
+            return index.search(queries, k)
+        if isinstance(index, FaissVectorIndex):
+            return index.search(queries, k, allowed=allowed)
+        allowed = np.asarray(allowed, dtype=bool)
+        if np.count_nonzero(allowed) <= PREFILTER_FRACTION * index.ntotal:
+            return exact_subset_search(index.vectors(), queries, k, allowed)
+        return overfetch_search(lambda kk: index.search(queries, kk), k, allowed, ntotal=index.ntotal)
 
     def audio_embeddings(self) -> np.ndarray:
         """All clip vectors (N, d), row order = ``audio_items``, read back from the audio index.

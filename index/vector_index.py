@@ -9,11 +9,18 @@ Per-language caption search (FAISS): the caption rows of ``text.faiss`` are stor
 language (``manifest.text_index.language_ranges``), so a language filter is an
 ``IDSelectorRange`` (or an ``IDSelectorOr`` of several) passed in a fresh per-call
 ``SearchParameters`` — never by changing the shared index.
+
+Metadata-filtered search (:mod:`index.filters` makes the mask): ``allowed`` is a boolean mask over
+the rows. When few rows pass (at most :data:`PREFILTER_FRACTION` of them, or at most
+:data:`PREFILTER_ROWS`) the search runs with an ``IDSelectorBitmap`` (IVF: over every list, so
+the rows that pass are all scanned); otherwise it over-fetches ``k / fraction`` hits (× 2) and
+drops the rows that fail, doubling until ``k`` pass or the whole index was fetched. Either way a
+``Flat`` index returns exactly the brute-force top-k over the passing rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -23,6 +30,12 @@ import numpy as np
 from index.bundle import IndexInfo
 from index.errors import BundleError
 from index.faiss_index import all_vectors, load_index, parse_factory, search
+
+PREFILTER_FRACTION = 0.05
+"""Filters passing at most this share of the rows search with an ID selector (pre-filter)."""
+PREFILTER_ROWS = 2048
+"""…and so do filters passing at most this many rows, whatever their share."""
+OVERFETCH = 2.0
 
 
 class VectorIndex(Protocol):
@@ -52,8 +65,16 @@ class FaissVectorIndex:
         self._selectors = {lang: faiss.IDSelectorRange(lo, hi) for lang, (lo, hi) in (ranges or {}).items()}
 
     def search(
-        self, queries: np.ndarray, k: int, languages: Sequence[str] | None = None
+        self,
+        queries: np.ndarray,
+        k: int,
+        languages: Sequence[str] | None = None,
+        allowed: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
+        if allowed is not None:
+            if languages:
+                raise ValueError("a metadata filter applies to the clip index, not to per-language caption search")
+            return self._search_allowed(queries, k, np.asarray(allowed, dtype=bool))
         if not languages:
             return search(self.index, queries, k, params=self.params)
         selectors = [self._selectors[lang] for lang in sorted(languages)]
@@ -66,8 +87,68 @@ class FaissVectorIndex:
         del keep_alive
         return result
 
+    def _search_allowed(self, queries: np.ndarray, k: int, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if allowed.shape != (self.ntotal,):
+            raise ValueError(f"filter mask has shape {allowed.shape}; the index holds {self.ntotal} rows")
+        passing = int(np.count_nonzero(allowed))
+        n = int(np.asarray(queries).shape[0])
+        if passing == 0:
+            return np.full((n, k), -np.inf, np.float32), np.full((n, k), -1, np.int64)
+        if passing <= PREFILTER_ROWS or passing <= PREFILTER_FRACTION * self.ntotal:
+            return self._prefiltered(queries, k, allowed)
+        return overfetch_search(lambda kk: search(self.index, queries, kk, params=self.params),
+                                k, allowed, ntotal=self.ntotal)
+
+    def _prefiltered(self, queries: np.ndarray, k: int, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        selector = faiss.IDSelectorBitmap(np.packbits(allowed, bitorder="little"))  # keeps the bitmap alive
+        params = dict(self.params)
+        if "nprobe" in params:  # scan every list: the few passing rows may lie in any of them
+            params["nprobe"] = int(faiss.extract_index_ivf(self.index).nlist)
+        return search(self.index, queries, k, params=params, selector=selector)
+
     def vectors(self) -> np.ndarray:
         return all_vectors(self.index)
+
+
+def exact_subset_search(
+    vectors: np.ndarray, queries: np.ndarray, k: int, allowed: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-``k`` by inner product over the rows ``allowed`` passes (numpy; for few rows)."""
+    rows = np.flatnonzero(allowed)
+    n = int(np.asarray(queries).shape[0])
+    out_scores = np.full((n, k), -np.inf, np.float32)
+    out_rows = np.full((n, k), -1, np.int64)
+    if rows.size == 0:
+        return out_scores, out_rows
+    scores = np.asarray(queries, dtype=np.float32) @ np.asarray(vectors[rows], dtype=np.float32).T
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    out_scores[:, : order.shape[1]] = np.take_along_axis(scores, order, axis=1)
+    out_rows[:, : order.shape[1]] = rows[order]
+    return out_scores, out_rows
+
+
+def overfetch_search(
+    fetch: Callable[[int], tuple[np.ndarray, np.ndarray]], k: int, allowed: np.ndarray, *, ntotal: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Top-``k`` of the rows ``allowed`` passes from unfiltered searches ``fetch(kk)``: ``kk`` starts at
+    ``k`` / (passing share) × :data:`OVERFETCH` and doubles until every query has ``k`` passing hits
+    or the whole index was fetched (exact for an exact index: the best passing rows rank first)."""
+    share = max(float(np.count_nonzero(allowed)) / max(ntotal, 1), 1e-12)
+    kk = min(ntotal, max(k, int(np.ceil(k / share * OVERFETCH))))
+    while True:
+        scores, rows = fetch(kk)
+        keep = (rows >= 0) & allowed[np.clip(rows, 0, None)]
+        if kk >= ntotal or bool(np.all(keep.sum(axis=1) >= k)):
+            break
+        kk = min(ntotal, kk * 2)
+    n = rows.shape[0]
+    out_scores = np.full((n, k), -np.inf, np.float32)
+    out_rows = np.full((n, k), -1, np.int64)
+    for i in range(n):
+        picked = np.flatnonzero(keep[i])[:k]
+        out_scores[i, : picked.size] = scores[i, picked]
+        out_rows[i, : picked.size] = rows[i, picked]
+    return out_scores, out_rows
 
 
 def open_faiss_index(root: Path, info: IndexInfo, *, embed_dim: int, mmap_threshold_bytes: int) -> FaissVectorIndex:

@@ -1,0 +1,364 @@
+"""Metadata filters over a catalogue's items: the structured filter language and its evaluation.
+
+Where a filter is evaluated: here, in numpy, over a columnar :class:`MetadataTable` built from the
+items' metadata (``audio_ids.jsonl`` rows of a bundle). The result is a boolean mask over the
+index rows that the vector backends take (:meth:`index.vector_index.FaissVectorIndex.search`).
+No expression string is ever evaluated: a filter is a small JSON object (docs/service.md, Filters).
+
+Grammar (JSON):
+
+* ``{}`` — every item.
+* ``{"license": "cc0"}`` — equality on a field (on a list-of-strings field: the list holds it).
+* ``{"duration": {"lte": 5}}`` — operators on a field: ``eq``, ``ne``, ``in`` (a list),
+  ``lt``/``lte``/``gt``/``gte`` (numbers), ``any``/``all`` (lists of strings, on list fields);
+  several operators on one field all hold.
+* ``{"and": [f, ...]}``, ``{"or": [f, ...]}``, ``{"not": f}`` — combinations; several keys in one
+  object all hold (an implicit ``and``).
+
+An item without a value for a field fails every comparison on that field (``ne`` included);
+``not`` inverts, so ``{"not": {"license": "cc0"}}`` keeps items without a license.
+
+Two checks, two moments: :func:`parse_filter` checks the form and its limits (depth, clauses,
+list sizes, string lengths: :data:`MAX_DEPTH` …) without knowing a catalogue;
+:meth:`MetadataTable.mask` checks fields and operand types against the catalogue. Both raise
+:class:`FilterError`, a user error (the service's 422).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from index.errors import TonearmError
+
+MAX_DEPTH = 8
+"""Deepest nesting of ``and``/``or``/``not`` (the top-level object is depth 1)."""
+MAX_CLAUSES = 64
+"""Most field comparisons and combinators in one filter, all levels together."""
+MAX_VALUES = 1024
+"""Most values in one ``in``/``any``/``all`` list."""
+MAX_FIELD_CHARS = 64
+MAX_STRING_CHARS = 256
+COMBINATORS = ("and", "or", "not")
+OPERATORS = ("eq", "ne", "in", "lt", "lte", "gt", "gte", "any", "all")
+RANGE_OPERATORS = ("lt", "lte", "gt", "gte")
+SKIPPED_FIELDS = ("captions",)
+"""Item keys that are not metadata (captions are searched as text, not filtered)."""
+
+Kind = Literal["string", "number", "boolean", "strings"]
+Scalar = str | float | bool
+
+
+class FilterError(TonearmError):
+    """A filter that is malformed, too large, or names a field or type the catalogue does not have."""
+
+
+# ----------------------------------------------------------------------------- the parsed form
+
+
+@dataclass(frozen=True)
+class Compare:
+    field: str
+    op: str
+    value: Scalar | tuple[Scalar, ...]
+
+
+@dataclass(frozen=True)
+class Combine:
+    op: Literal["and", "or", "not"]
+    parts: tuple[Node, ...]
+
+
+Node = Compare | Combine
+
+
+@dataclass(frozen=True)
+class Filter:
+    """A parsed filter: its tree and its canonical JSON (a stable key for caches and logs)."""
+
+    root: Node
+    canonical: str
+
+    @property
+    def matches_all(self) -> bool:
+        return isinstance(self.root, Combine) and self.root.op == "and" and not self.root.parts
+
+
+def _scalar(value: Any, where: str) -> Scalar:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        if not math.isfinite(value):
+            raise FilterError(f"{where}: numbers must be finite")
+        return float(value)
+    if isinstance(value, str):
+        if len(value) > MAX_STRING_CHARS:
+            raise FilterError(f"{where}: strings are limited to {MAX_STRING_CHARS} characters")
+        return value
+    raise FilterError(f"{where}: expected a string, number or boolean, got {_json_type(value)}")
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list | tuple):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+class _Parser:
+    def __init__(self) -> None:
+        self.clauses = 0
+
+    def count(self, where: str) -> None:
+        self.clauses += 1
+        if self.clauses > MAX_CLAUSES:
+            raise FilterError(f"{where}: a filter has at most {MAX_CLAUSES} clauses")
+
+    def node(self, obj: Any, depth: int, where: str) -> Node:
+        if depth > MAX_DEPTH:
+            raise FilterError(f"{where}: filters nest at most {MAX_DEPTH} levels deep")
+        if not isinstance(obj, dict):
+            raise FilterError(f"{where}: a filter is a JSON object, got {_json_type(obj)}")
+        parts = [self.clause(key, value, depth, f"{where}.{key}") for key, value in obj.items()]
+        return parts[0] if len(parts) == 1 else Combine("and", tuple(parts))
+
+    def clause(self, key: Any, value: Any, depth: int, where: str) -> Node:
+        if not isinstance(key, str) or not 1 <= len(key) <= MAX_FIELD_CHARS:
+            raise FilterError(f"{where}: field names are 1–{MAX_FIELD_CHARS} characters")
+        self.count(where)
+        if key in ("and", "or"):
+            if not isinstance(value, list) or not value:
+                raise FilterError(f"{where}: '{key}' takes a non-empty list of filters")
+            if len(value) > MAX_CLAUSES:
+                raise FilterError(f"{where}: '{key}' takes at most {MAX_CLAUSES} filters")
+            return Combine(key, tuple(self.node(v, depth + 1, f"{where}[{i}]") for i, v in enumerate(value)))
+        if key == "not":
+            return Combine("not", (self.node(value, depth + 1, where),))
+        if isinstance(value, dict):
+            if not value:
+                raise FilterError(f"{where}: an operator object needs at least one of {', '.join(OPERATORS)}")
+            ops = [self.operator(key, op, operand, f"{where}.{op}") for op, operand in value.items()]
+            return ops[0] if len(ops) == 1 else Combine("and", tuple(ops))
+        return Compare(key, "eq", _scalar(value, where))
+
+    def operator(self, field: str, op: Any, operand: Any, where: str) -> Compare:
+        if op not in OPERATORS:
+            raise FilterError(f"{where}: unknown operator {op!r}; use one of {', '.join(OPERATORS)}")
+        if op in ("in", "any", "all"):
+            if not isinstance(operand, list) or not operand:
+                raise FilterError(f"{where}: '{op}' takes a non-empty list")
+            if len(operand) > MAX_VALUES:
+                raise FilterError(f"{where}: '{op}' takes at most {MAX_VALUES} values, got {len(operand)}")
+            values = tuple(_scalar(v, f"{where}[{i}]") for i, v in enumerate(operand))
+            if op in ("any", "all") and not all(isinstance(v, str) for v in values):
+                raise FilterError(f"{where}: '{op}' takes a list of strings")
+            if len({type(v) for v in values}) > 1:
+                raise FilterError(f"{where}: the values of '{op}' must all have one type")
+            return Compare(field, op, values)
+        value = _scalar(operand, where)
+        if op in RANGE_OPERATORS and (isinstance(value, bool) or not isinstance(value, float)):
+            raise FilterError(f"{where}: '{op}' takes a number, got {_json_type(operand)}")
+        return Compare(field, op, value)
+
+
+def parse_filter(obj: Any) -> Filter:
+    """Check a filter's form and limits (no catalogue needed); :class:`FilterError` if it is not one."""
+    root = _Parser().node(obj, 1, "filter")
+    return Filter(root=root, canonical=json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
+
+
+# ----------------------------------------------------------------------------- the columnar table
+
+
+def _kind_of(value: Any) -> Kind | None:
+    """The filterable kind of one metadata value (None: not filterable, e.g. an object)."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return "strings"
+    return None
+
+
+def item_metadata(item: Mapping[str, Any]) -> dict[str, Any]:
+    """The filterable metadata of one catalogue row: its top-level keys (``captions`` aside) and the
+    keys of its ``metadata`` object, a top-level key winning over a metadata key of the same name."""
+    nested = item.get("metadata")
+    out = dict(nested) if isinstance(nested, dict) else {}
+    out.update({k: v for k, v in item.items() if k not in SKIPPED_FIELDS and k != "metadata"})
+    return out
+
+
+class _Vocabulary:
+    def __init__(self) -> None:
+        self.codes: dict[str, int] = {}
+
+    def code(self, value: str) -> int:
+        return self.codes.setdefault(value, len(self.codes))
+
+    def lookup(self, values: Iterable[Any]) -> np.ndarray:
+        return np.array([self.codes.get(v, -2) for v in values if isinstance(v, str)], dtype=np.int64)
+
+
+@dataclass
+class Column:
+    """One field's values over every row: strings as vocabulary codes (-1 missing), numbers as
+    float64 (NaN missing), booleans as int8 (-1 missing), lists of strings as (row, code) pairs."""
+
+    kind: Kind | Literal["mixed"]
+    values: np.ndarray  # per row; for "strings": codes of the (row, code) pairs
+    vocabulary: _Vocabulary | None = None
+    rows: np.ndarray | None = None  # "strings": the row of each pair
+
+
+class MetadataTable:
+    """The catalogue's metadata as columns, one row per index row; :meth:`mask` evaluates a filter."""
+
+    def __init__(self, n_rows: int, columns: dict[str, Column]) -> None:
+        self.n_rows = n_rows
+        self.columns = columns
+
+    @classmethod
+    def from_items(cls, items: Sequence[Mapping[str, Any]]) -> MetadataTable:
+        """Columns of every field any item carries; a field whose values have several kinds is
+        ``mixed`` (named in errors, never filterable); ``null`` is a missing value."""
+        n = len(items)
+        metas = [item_metadata(item) for item in items]
+        kinds: dict[str, set[str]] = {}
+        for meta in metas:
+            for key, value in meta.items():
+                if value is None:
+                    continue
+                kinds.setdefault(key, set()).add(_kind_of(value) or "other")
+        columns: dict[str, Column] = {}
+        for key, seen in kinds.items():
+            if seen == {"other"}:
+                continue  # objects only (not filterable)
+            if len(seen) > 1:
+                columns[key] = Column("mixed", np.zeros(0))
+                continue
+            kind: Kind = seen.pop()  # type: ignore[assignment]
+            columns[key] = _column(kind, [meta.get(key) for meta in metas], n)
+        return cls(n, columns)
+
+    def fields(self) -> dict[str, str]:
+        """Field name → kind (``string``, ``number``, ``boolean``, ``strings``, ``mixed``)."""
+        return {name: column.kind for name, column in sorted(self.columns.items())}
+
+    def mask(self, flt: Filter) -> np.ndarray:
+        """Boolean mask of the rows that pass; :class:`FilterError` for unknown fields or wrong types."""
+        return self._eval(flt.root)
+
+    def _eval(self, node: Node) -> np.ndarray:
+        if isinstance(node, Combine):
+            if node.op == "not":
+                return ~self._eval(node.parts[0])
+            out = np.full(self.n_rows, node.op == "and", dtype=bool)
+            for part in node.parts:
+                if node.op == "and":
+                    out &= self._eval(part)
+                else:
+                    out |= self._eval(part)
+            return out
+        return self._compare(node)
+
+    def _column(self, name: str) -> Column:
+        column = self.columns.get(name)
+        if column is None:
+            known = ", ".join(sorted(self.columns)) or "none"
+            raise FilterError(f"filter field {name!r} is not in the catalogue; fields: {known}")
+        if column.kind == "mixed":
+            raise FilterError(f"filter field {name!r} holds values of several types and cannot be filtered on")
+        return column
+
+    def _compare(self, node: Compare) -> np.ndarray:
+        column = self._column(node.field)
+        values = node.value if isinstance(node.value, tuple) else (node.value,)
+        expected = {"string": str, "number": float, "boolean": bool, "strings": str}[column.kind]
+        if any(type(v) is not expected for v in values):
+            got = _json_type(values[0]) if values else "nothing"
+            raise FilterError(
+                f"filter field {node.field!r} holds {_kind_name(column.kind)}; '{node.op}' was given {got}"
+            )
+        if node.op in RANGE_OPERATORS and column.kind != "number":
+            raise FilterError(f"filter field {node.field!r} holds {_kind_name(column.kind)}: '{node.op}' needs numbers")
+        if node.op in ("any", "all") and column.kind != "strings":
+            raise FilterError(f"filter field {node.field!r} holds {_kind_name(column.kind)}: '{node.op}' needs a list field")
+        if column.kind == "strings":
+            return self._strings(column, node.op, values, node.field)
+        data = column.values
+        if column.kind == "number":
+            present = ~np.isnan(data)
+            wanted = np.asarray(values, dtype=np.float64)
+        elif column.kind == "boolean":
+            present = data >= 0
+            wanted = np.asarray(values, dtype=np.int8)
+        else:
+            assert column.vocabulary is not None
+            present = data >= 0
+            wanted = column.vocabulary.lookup(values)
+        op = node.op
+        if op == "eq":
+            return data == wanted[0] if wanted.size else np.zeros(self.n_rows, bool)
+        if op == "ne":
+            return present & (data != wanted[0]) if wanted.size else present
+        if op == "in":
+            return np.isin(data, wanted)
+        bound = float(values[0])
+        with np.errstate(invalid="ignore"):
+            return {"lt": data < bound, "lte": data <= bound, "gt": data > bound, "gte": data >= bound}[op]
+
+    def _strings(self, column: Column, op: str, values: tuple[Scalar, ...], field: str) -> np.ndarray:
+        assert column.vocabulary is not None and column.rows is not None
+        if op not in ("eq", "ne", "in", "any", "all"):
+            raise FilterError(f"filter field {field!r} holds lists of strings: use eq, ne, any, all or in")
+        wanted = np.unique(column.vocabulary.lookup(values))
+        hit = np.isin(column.values, wanted)
+        counts = np.bincount(column.rows[hit], minlength=self.n_rows)
+        if op == "all":
+            return counts >= len(set(values)) if wanted.size == len(set(values)) else np.zeros(self.n_rows, bool)
+        if op == "ne":
+            has_list = np.bincount(column.rows, minlength=self.n_rows) > 0
+            return has_list & (counts == 0)
+        return counts > 0
+
+
+def _kind_name(kind: str) -> str:
+    return {"string": "strings", "number": "numbers", "boolean": "booleans", "strings": "lists of strings"}.get(
+        kind, kind
+    )
+
+
+def _column(kind: Kind, values: list[Any], n: int) -> Column:
+    if kind == "number":
+        return Column(kind, np.array([v if _kind_of(v) == "number" else np.nan for v in values], dtype=np.float64))
+    if kind == "boolean":
+        return Column(kind, np.array([-1 if v is None else int(v) for v in values], dtype=np.int8))
+    vocabulary = _Vocabulary()
+    if kind == "string":
+        return Column(kind, np.array([-1 if v is None else vocabulary.code(v) for v in values], dtype=np.int64),
+                      vocabulary)
+    rows: list[int] = []
+    codes: list[int] = []
+    for row, value in enumerate(values):
+        for code in sorted({vocabulary.code(v) for v in value or ()}):  # a repeated tag counts once
+            rows.append(row)
+            codes.append(code)
+    return Column(kind, np.array(codes, dtype=np.int64), vocabulary, np.array(rows, dtype=np.int64))

@@ -1,0 +1,215 @@
+"""The filter language (index.filters) and filtered FAISS search (index.vector_index).
+
+References are written here: the passing rows are picked with plain Python over the items'
+dicts, and the top-k over them by numpy brute force — never the code under test called twice.
+"""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+import pytest
+
+from index.filters import (
+    MAX_CLAUSES,
+    MAX_DEPTH,
+    MAX_VALUES,
+    FilterError,
+    MetadataTable,
+    parse_filter,
+)
+from index.vector_index import PREFILTER_ROWS, FaissVectorIndex
+
+N, D = 6000, 16
+LICENSES = ["cc0", "by", "by-nc"]
+
+
+def _items(n: int = N) -> list[dict]:
+    rng = np.random.default_rng(3)
+    items = []
+    for i in range(n):
+        meta: dict = {"license": LICENSES[i % 3], "duration": float(rng.uniform(0, 20)),
+                      "tags": [t for t in ("foley", "rain", "door") if rng.random() < 0.4], "loop": bool(i % 5 == 0)}
+        if i % 7 == 0:
+            del meta["license"]  # a missing value
+        items.append({"id": f"c{i:05d}", "uri": f"file:///{i}.wav", "captions": {}, "split": "test", "metadata": meta})
+    return items
+
+
+ITEMS = _items()
+
+
+def _passes(item: dict, flt: dict) -> bool:
+    """An independent reference evaluator of the documented semantics (plain Python)."""
+    meta = {**item["metadata"], **{k: v for k, v in item.items() if k not in ("captions", "metadata")}}
+    for key, cond in flt.items():
+        if key == "and":
+            ok = all(_passes(item, f) for f in cond)
+        elif key == "or":
+            ok = any(_passes(item, f) for f in cond)
+        elif key == "not":
+            ok = not _passes(item, cond)
+        else:
+            value = meta.get(key)
+            ops = cond if isinstance(cond, dict) else {"eq": cond}
+            ok = value is not None
+            for op, arg in ops.items():
+                if not ok:
+                    break
+                ok = _holds(op, value, arg)
+        if not ok:
+            return False
+    return True
+
+
+def _holds(op: str, value, arg) -> bool:
+    if isinstance(value, list):
+        if op == "eq":
+            return arg in value
+        if op == "ne":
+            return arg not in value
+        if op in ("in", "any"):
+            return bool(set(value) & set(arg))
+        return set(arg) <= set(value)  # all
+    if op == "eq":
+        return value == arg
+    if op == "ne":
+        return value != arg
+    if op == "in":
+        return value in arg
+    return {"lt": value < arg, "lte": value <= arg, "gt": value > arg, "gte": value >= arg}[op]
+
+
+FILTERS = [
+    {"license": "cc0"},
+    {"duration": {"lte": 5}},
+    {"tags": {"any": ["rain", "door"]}},
+    {"tags": "foley", "loop": False},
+    {"not": {"license": "cc0"}},
+    {"license": {"ne": "by"}},
+    {"or": [{"license": {"in": ["by-nc"]}}, {"duration": {"gt": 19.5}}]},
+    {"and": [{"tags": {"all": ["rain", "door"]}}, {"not": {"duration": {"gte": 3, "lt": 17}}}]},
+    {"id": "c04242"},  # one item of 6,000
+    {"id": {"in": ["c00001", "c00010", "c05999"]}},
+    {"split": "test"},
+    {"license": "pd"},  # nothing passes
+]
+
+
+@pytest.mark.parametrize("flt", FILTERS, ids=[str(f) for f in FILTERS])
+def test_mask_matches_a_plain_python_reference(flt):
+    table = MetadataTable.from_items(ITEMS)
+    expected = np.array([_passes(item, flt) for item in ITEMS])
+    np.testing.assert_array_equal(table.mask(parse_filter(flt)), expected)
+
+
+def _brute_force(vectors, queries, allowed, k):
+    rows = np.flatnonzero(allowed)
+    scores = queries @ vectors[rows].T
+    return [[(float(scores[i, j]), int(rows[j])) for j in np.argsort(-scores[i], kind="stable")[:k]]
+            for i in range(len(queries))]
+
+
+def _assert_same_top_k(got_scores, got_rows, reference, k):
+    for i, ref in enumerate(reference):
+        rows = [int(r) for r in got_rows[i] if r >= 0]
+        assert len(rows) == min(k, len(ref)) == len(ref)
+        np.testing.assert_allclose(got_scores[i, : len(rows)], [s for s, _ in ref], rtol=0, atol=1e-5)
+        assert rows == [r for _, r in ref] or np.allclose(np.diff([s for s, _ in ref]), 0, atol=1e-5)
+
+
+@pytest.mark.parametrize("flt", FILTERS, ids=[str(f) for f in FILTERS])
+def test_filtered_flat_top_k_equals_brute_force_over_the_passing_items(flt):
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((N, D)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    queries = vectors[rng.choice(N, 7, replace=False)] + 0.1 * rng.standard_normal((7, D)).astype(np.float32)
+    index = faiss.IndexFlatIP(D)
+    index.add(vectors)
+    allowed = np.array([_passes(item, flt) for item in ITEMS])
+    table = MetadataTable.from_items(ITEMS)
+    for k in (1, 10, 50):
+        scores, rows = FaissVectorIndex(index, {}).search(queries, k, allowed=table.mask(parse_filter(flt)))
+        assert rows.shape == (7, k)
+        assert np.all(allowed[rows[rows >= 0]])
+        _assert_same_top_k(scores, rows, _brute_force(vectors, queries, allowed, k), k)
+
+
+def test_both_strategies_are_exercised_and_ivf_finds_a_one_in_many_item():
+    """Broad filters over-fetch, selective ones pre-filter; on IVF with nprobe 1 the pre-filter
+    scans every list, so a lone passing item far from the query is still found."""
+    rng = np.random.default_rng(1)
+    n = 20_000
+    vectors = rng.standard_normal((n, D)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    quantizer = faiss.IndexFlatIP(D)
+    ivf = faiss.IndexIVFFlat(quantizer, D, 64, faiss.METRIC_INNER_PRODUCT)
+    ivf.train(vectors)
+    ivf.add(vectors)
+    index = FaissVectorIndex(ivf, {"nprobe": 1})
+    query = -vectors[:1]  # the lone passing row 0 is the farthest one from the query
+    allowed = np.zeros(n, bool)
+    allowed[0] = True
+    scores, rows = index.search(query, 5, allowed=allowed)
+    assert rows[0].tolist() == [0, -1, -1, -1, -1]
+    np.testing.assert_allclose(scores[0, 0], -1.0, atol=1e-5)
+    assert PREFILTER_ROWS < n // 2
+    broad = rng.random(n) < 0.5
+    flat = faiss.IndexFlatIP(D)
+    flat.add(vectors)
+    scores, rows = FaissVectorIndex(flat, {}).search(vectors[:3], 10, allowed=broad)
+    _assert_same_top_k(scores, rows, _brute_force(vectors, vectors[:3], broad, 10), 10)
+
+
+def _nested(depth: int) -> dict:
+    flt: dict = {"license": "cc0"}
+    for _ in range(depth - 1):
+        flt = {"not": flt}
+    return flt
+
+
+@pytest.mark.parametrize(
+    ("flt", "message"),
+    [
+        (_nested(MAX_DEPTH + 1), "nest at most"),
+        ({"license": {"in": ["x"] * (MAX_VALUES + 1)}}, "at most"),
+        ({"or": [{"license": "cc0"}] * (MAX_CLAUSES + 1)}, "at most"),
+        ({"license": {"lt": "z"}}, "takes a number"),
+        ({"license": {"regex": ".*"}}, "unknown operator"),
+        ({"license": None}, "expected a string"),
+        ({"license": ["cc0"]}, "expected a string"),
+        ({"and": {"license": "cc0"}}, "non-empty list"),
+        ({"license": {}}, "at least one"),
+        ({"tags": {"any": [1]}}, "list of strings"),
+        ({"license": {"in": ["a", 1]}}, "one type"),
+        ([], "JSON object"),
+    ],
+)
+def test_malformed_filters_are_rejected_before_any_catalogue(flt, message):
+    with pytest.raises(FilterError, match=message):
+        parse_filter(flt)
+
+
+@pytest.mark.parametrize(
+    ("flt", "message"),
+    [
+        ({"owner": "me"}, "not in the catalogue"),
+        ({"duration": "long"}, "holds numbers"),
+        ({"license": {"gt": 1}}, "holds strings"),
+        ({"license": {"any": ["cc0"]}}, "needs a list field"),
+        ({"loop": 1}, "holds booleans"),
+        ({"tags": {"lt": 2}}, "lists of strings"),
+    ],
+)
+def test_unknown_fields_and_wrong_types_are_user_errors(flt, message):
+    table = MetadataTable.from_items(ITEMS[:50])
+    with pytest.raises(FilterError, match=message):
+        table.mask(parse_filter(flt))
+
+
+def test_the_deepest_allowed_filter_and_the_largest_list_are_accepted():
+    table = MetadataTable.from_items(ITEMS[:50])
+    assert table.mask(parse_filter(_nested(MAX_DEPTH))).dtype == bool
+    big = {"id": {"in": [f"c{i:05d}" for i in range(MAX_VALUES)]}}
+    assert table.mask(parse_filter(big)).all()
+    assert parse_filter({}).matches_all and table.mask(parse_filter({})).all()

@@ -93,9 +93,13 @@ def _scalar(value: Any, where: str) -> Scalar:
     if isinstance(value, bool):
         return value
     if isinstance(value, int | float):
-        if not math.isfinite(value):
-            raise FilterError(f"{where}: numbers must be finite")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise FilterError(f"{where}: numbers must be finite (and within ±1.8e308)")
+        return number
     if isinstance(value, str):
         if len(value) > MAX_STRING_CHARS:
             raise FilterError(f"{where}: strings are limited to {MAX_STRING_CHARS} characters")
@@ -362,3 +366,75 @@ def _column(kind: Kind, values: list[Any], n: int) -> Column:
             rows.append(row)
             codes.append(code)
     return Column(kind, np.array(codes, dtype=np.int64), vocabulary, np.array(rows, dtype=np.int64))
+
+
+# ----------------------------------------------------------------------------- JSON Schema
+
+_STRING = {"type": "string", "maxLength": MAX_STRING_CHARS}
+_SCALARS: dict[str, dict[str, Any]] = {
+    "string": _STRING,
+    "number": {"type": "number"},
+    "boolean": {"type": "boolean"},
+    "strings": _STRING,
+}
+
+
+def _values(item: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "array", "minItems": 1, "maxItems": MAX_VALUES, "items": item}
+
+
+def _condition(kind: str) -> dict[str, Any]:
+    """What a field of ``kind`` may be compared with: a value (equality) or an operator object."""
+    scalar = _SCALARS[kind]
+    ops: dict[str, Any] = {"eq": scalar, "ne": scalar, "in": _values(scalar)}
+    if kind == "number":
+        ops.update(dict.fromkeys(RANGE_OPERATORS, scalar))
+    if kind == "strings":
+        ops.update({"any": _values(scalar), "all": _values(scalar)})
+    return {"anyOf": [scalar, {"type": "object", "properties": ops, "additionalProperties": False, "minProperties": 1}]}
+
+
+def _generic_condition() -> dict[str, Any]:
+    scalar = {"anyOf": [_STRING, {"type": "number"}, {"type": "boolean"}]}
+    ops: dict[str, Any] = dict.fromkeys(("eq", "ne", *RANGE_OPERATORS), scalar)
+    ops.update({op: _values(scalar) for op in ("in", "any", "all")})
+    return {"anyOf": [*scalar["anyOf"], {"type": "object", "properties": ops, "additionalProperties": False,
+                                          "minProperties": 1}]}
+
+
+def filter_json_schema_name(depth: int) -> str:
+    return "Filter" if depth == 1 else f"FilterLevel{depth}"
+
+
+def filter_json_schemas(fields: Mapping[str, str] | None, *, ref_prefix: str = "#/components/schemas/") -> dict[str, Any]:
+    """JSON Schemas of the filter language, one per nesting level (``Filter`` is the top; JSON Schema
+    cannot count depth, so the levels are unrolled to :data:`MAX_DEPTH`). With ``fields`` (a
+    catalogue's :meth:`MetadataTable.fields`) only those fields, each with the operators of its kind;
+    without, any field name. The total clause count (:data:`MAX_CLAUSES`) is checked by the server."""
+    if fields is None:
+        conditions: dict[str, Any] = {}
+        extra: Any = _generic_condition()
+    else:
+        conditions = {name: _condition(kind) for name, kind in fields.items()
+                      if kind != "mixed" and name not in COMBINATORS and len(name) <= MAX_FIELD_CHARS}
+        extra = False
+    schemas = {}
+    for depth in range(1, MAX_DEPTH + 1):
+        properties = dict(conditions)
+        if depth < MAX_DEPTH:
+            child = {"$ref": ref_prefix + filter_json_schema_name(depth + 1)}
+            combined = {"type": "array", "minItems": 1, "maxItems": MAX_CLAUSES, "items": child}
+            properties.update({"and": combined, "or": combined, "not": child})
+        schema: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": extra}
+        if fields is None:
+            schema["propertyNames"] = {"minLength": 1, "maxLength": MAX_FIELD_CHARS}
+        if depth == 1:
+            schema["title"] = "Filter"
+            schema["description"] = (
+                "Metadata filter (docs/service.md, Filters): `{field: value}` is equality, "
+                "`{field: {op: value}}` applies eq, ne, in, lt, lte, gt, gte, any, all; `and`/`or` take lists "
+                f"of filters, `not` one; several keys all hold. At most {MAX_DEPTH} levels, {MAX_CLAUSES} clauses, "
+                f"{MAX_VALUES} values in a list."
+            )
+        schemas[filter_json_schema_name(depth)] = schema
+    return schemas

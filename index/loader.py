@@ -280,6 +280,7 @@ class LoadedBundle:
         self.has_captions = manifest.text_index is not None
         """False for an index-only bundle (`tonearm index`): audio→text search is impossible."""
         self.milvus: Any = None
+        self._clip_rows: np.ndarray | None = None  # clip row of each caption row (filtered caption search)
         """The :class:`index.milvus_index.MilvusTarget` the vectors live in (None: FAISS in the bundle)."""
 
     @property
@@ -435,12 +436,7 @@ class LoadedBundle:
         index = self._need(self._audio_index)
         if allowed is None:
             return index.search(queries, k)
-        if isinstance(index, FaissVectorIndex):
-            return index.search(queries, k, allowed=allowed)
-        allowed = np.asarray(allowed, dtype=bool)
-        if np.count_nonzero(allowed) <= PREFILTER_FRACTION * index.ntotal:
-            return exact_subset_search(index.vectors(), queries, k, allowed)
-        return overfetch_search(lambda kk: index.search(queries, kk), k, allowed, ntotal=index.ntotal)
+        return filtered_search(index, queries, k, np.asarray(allowed, dtype=bool))
 
     def audio_embeddings(self) -> np.ndarray:
         """All clip vectors (N, d), row order = ``audio_items``, read back from the audio index.
@@ -451,21 +447,44 @@ class LoadedBundle:
         return self._need(self._audio_index).vectors()
 
     def search_text(
-        self, queries: np.ndarray, k: int, *, languages: Collection[str] | None = None
+        self,
+        queries: np.ndarray,
+        k: int,
+        *,
+        languages: Collection[str] | None = None,
+        allowed_clips: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k captions (rows into ``text_items``), only in ``languages`` when given (empty = all)."""
+        """Top-k captions (rows into ``text_items``), only in ``languages`` when given (empty = all),
+        only of the clips ``allowed_clips`` passes when given (a mask over ``audio_items``)."""
         if not self.has_captions:
             raise NoCaptionIndex(
                 f"bundle {self.bundle_id} has no caption index (built by `tonearm index` from audio files only); "
                 "audio→text search needs a bundle from `tonearm export`"
             )
         index = self._need(self._text_index)
-        if not languages or set(languages) >= set(self.languages):
+        every_language = not languages or set(languages) >= set(self.languages)
+        if not every_language:
+            unknown = sorted(set(languages or ()) - set(self.languages))
+            if unknown:
+                raise ValueError(f"unknown language(s) {unknown}; bundle languages: {self.languages}")
+        if allowed_clips is not None:
+            rows = np.asarray(allowed_clips, dtype=bool)[self._caption_clip_rows()]
+            if not every_language:
+                ranges = (self.manifest.text_index.language_ranges or {}) if self.manifest.text_index else {}
+                in_language = np.zeros(rows.size, dtype=bool)
+                for lang in languages or ():
+                    lo, hi = ranges[lang]
+                    in_language[lo:hi] = True
+                rows &= in_language
+            return filtered_search(index, queries, k, rows)
+        if every_language:
             return index.search(queries, k)
-        unknown = sorted(set(languages) - set(self.languages))
-        if unknown:
-            raise ValueError(f"unknown language(s) {unknown}; bundle languages: {self.languages}")
-        return index.search(queries, k, sorted(languages))
+        return index.search(queries, k, sorted(languages or ()))
+
+    def _caption_clip_rows(self) -> np.ndarray:
+        if self._clip_rows is None:
+            self._clip_rows = np.array([int(t["clip_row"]) for t in self.text_items], dtype=np.int64)
+        return self._clip_rows
 
     # ------------------------------------------------------------------ held-out set, warm-up
 
@@ -483,6 +502,18 @@ class LoadedBundle:
         if self.has_captions:
             self.search_text(audio, 1, languages=self.languages[:1])
             self.search_text(audio, 1)
+
+
+def filtered_search(
+    index: VectorIndex, queries: np.ndarray, k: int, allowed: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k of the rows ``allowed`` passes: FAISS decides itself (:mod:`index.vector_index`); other
+    backends (Milvus) over-fetch, or rank the passing rows' vectors exactly when few pass."""
+    if isinstance(index, FaissVectorIndex):
+        return index.search(queries, k, allowed=allowed)
+    if np.count_nonzero(allowed) <= PREFILTER_FRACTION * index.ntotal:
+        return exact_subset_search(index.vectors(), queries, k, allowed)
+    return overfetch_search(lambda kk: index.search(queries, kk), k, allowed, ntotal=index.ntotal)
 
 
 def _load_tokenizer(path: Path) -> TextTokenizer:

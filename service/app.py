@@ -209,7 +209,7 @@ def create_app(settings: Settings | None = None, *, opener: Opener | None = None
     app.add_middleware(LatencyMiddleware, metrics=metrics)
     install_error_handlers(app)
     install_api_docs(app)
-    install_language_enums(app, registry.active_languages)
+    install_language_enums(app, registry.active_languages, registry.active_filter_fields)
     for module in (search, diagnostics, health, audio, demo):
         app.include_router(module.router)
     if settings.admin_on:

@@ -254,6 +254,11 @@ class BundleRegistry:
         entry = self._active
         return entry.searcher.languages if entry else None
 
+    def active_filter_fields(self) -> dict[str, str] | None:
+        """Metadata fields (name → kind) of the active bundle's clips (None before one is loaded)."""
+        entry = self._active
+        return entry.searcher.catalogue.fields() if entry else None
+
     @property
     def previous_id(self) -> str | None:
         entry = self._previous

@@ -27,6 +27,7 @@ PROBLEMS: dict[str, Problem] = {
     "invalid-query": Problem(422, "Query text is empty or too long"),
     "unknown-language": Problem(422, "Language not supported by the active bundle"),
     "unknown-target": Problem(404, "Target clip id not in the active bundle"),
+    "invalid-filter": Problem(422, "Filter names a field or a type the catalogue does not have"),
     "upload-too-large": Problem(413, "Upload exceeds the size limit"),
     "bad-upload": Problem(400, "Malformed upload (multipart without one audio file part)"),
     "unsupported-audio": Problem(415, "Upload is not a supported audio format"),

@@ -17,6 +17,9 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from index.filters import filter_json_schema_name as filter_schema_name
+from index.filters import filter_json_schemas
+
 TEXT_REQUESTS = ("TextSearchRequest", "TextBatchRequest")
 
 
@@ -44,12 +47,39 @@ def with_languages(doc: dict[str, Any], languages: list[str]) -> dict[str, Any]:
     return doc
 
 
-def install_language_enums(app: FastAPI, languages: Callable[[], list[str] | None]) -> None:
-    """Serve ``app``'s OpenAPI document with the languages ``languages()`` returns (None: as is)."""
+def install_language_enums(
+    app: FastAPI,
+    languages: Callable[[], list[str] | None],
+    filter_fields: Callable[[], dict[str, str] | None] = lambda: None,
+) -> None:
+    """Serve ``app``'s OpenAPI document with the languages ``languages()`` returns (None: as is) and
+    the filter language over the fields ``filter_fields()`` returns (None: any field)."""
     static = app.openapi  # FastAPI's generator; it caches the document itself
 
     def openapi() -> dict[str, Any]:
         served = languages()
-        return with_languages(static(), served) if served else static()
+        doc = with_languages(static(), served) if served else static()
+        return with_filter_fields(doc, filter_fields())
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+FILTER_MARK = "x-tonearm-filter"
+
+
+def _replace_filter_marks(node: Any) -> Any:
+    if isinstance(node, dict):
+        if node.get(FILTER_MARK):
+            return {"$ref": "#/components/schemas/" + filter_schema_name(1)}
+        return {key: _replace_filter_marks(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_replace_filter_marks(value) for value in node]
+    return node
+
+
+def with_filter_fields(doc: dict[str, Any], fields: dict[str, str] | None) -> dict[str, Any]:
+    """A copy of ``doc`` whose ``filter`` schemas are the filter language over ``fields`` (the active
+    catalogue's metadata fields and kinds; None: any field name)."""
+    doc = _replace_filter_marks(doc)
+    doc.setdefault("components", {}).setdefault("schemas", {}).update(filter_json_schemas(fields))
+    return doc

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StringConstraints
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StringConstraints,
+    WithJsonSchema,
+)
 
+from index.filters import FilterError, parse_filter
 from service.limits import BATCH_MAX, CAPTIONS_MAX, K_MAX, QUERY_MAX_CHARS
 
 LANG_FIELD = Field(
@@ -35,6 +44,29 @@ HitCount = Annotated[int, Field(ge=1, le=K_MAX), BeforeValidator(_json_number)]
 Score = Annotated[float, Field(ge=-1.0, le=1.0), BeforeValidator(_json_number)]
 
 
+def _filter_form(value: Any) -> Any:
+    """A filter's form and limits (index.filters.parse_filter); fields are checked against the catalogue
+    when the search runs (``invalid-filter``)."""
+    try:
+        parse_filter(value)
+    except FilterError as err:
+        raise ValueError(str(err)) from None
+    return value
+
+
+FILTER_PLACEHOLDER = {"type": "object", "x-tonearm-filter": True}
+"""Where the filter language's schema goes: service.openapi_contract replaces it by a reference to
+the components ``Filter`` (and its nested levels), stated for the active bundle's metadata fields."""
+ClipFilterField = Annotated[
+    dict[str, Any] | None, BeforeValidator(_filter_form), WithJsonSchema(FILTER_PLACEHOLDER)
+]
+FILTER_FIELD = Field(
+    None,
+    description="Only clips whose metadata pass this filter (docs/service.md, Filters).",
+    examples=[{"license": "cc0", "duration": {"lte": 5}}],
+)
+
+
 class _Request(BaseModel):
     # booleans are StrictBool (JSON `0` or `"true"` is not a boolean), numbers `HitCount`/`Score`
     model_config = ConfigDict(extra="forbid")
@@ -54,6 +86,7 @@ class TextSearchRequest(_Request):
     k: HitCount = K_FIELD
     min_score: Score | None = MIN_SCORE_FIELD
     include_captions: StrictBool = Field(False, description="Attach each clip's captions to its hit.")
+    filter: ClipFilterField = FILTER_FIELD
 
 
 class TextBatchRequest(_Request):
@@ -69,6 +102,7 @@ class TextBatchRequest(_Request):
     k: HitCount = K_FIELD
     min_score: Score | None = MIN_SCORE_FIELD
     include_captions: StrictBool = False
+    filter: ClipFilterField = FILTER_FIELD
 
 
 class AudioHitOut(BaseModel):
@@ -94,6 +128,13 @@ class TextBatchResponse(BaseModel):
     bundle_id: str
     lang: str | None = None
     results: list[TextBatchItem]
+
+
+class SimilarResponse(BaseModel):
+    bundle_id: str
+    id: str | None = Field(None, description="The catalogue clip the hits are like (GET); absent for an upload.")
+    duration_seconds: float | None = Field(None, description="Decoded duration of the upload (POST).")
+    hits: list[AudioHitOut] = Field(description="Clips by audio–audio cosine, best first; the clip itself excluded.")
 
 
 class CaptionHitOut(BaseModel):

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from index.errors import IndexBackendError, IndexTimeout
+from index.filters import Filter, FilterError, MetadataTable, parse_filter
 from index.languages import ENGLISH
 from index.metrics import dis, gap, mean_rank_std, mean_rank_variance, t2a_ranks_from_embeddings
 from index.report import METRIC_CONVENTION
@@ -80,15 +81,34 @@ class BundleLike(Protocol):
 
     def encode_audio(self, waveforms: Sequence[np.ndarray]) -> np.ndarray: ...
 
-    def search_audio(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]: ...
+    def search_audio(
+        self, queries: np.ndarray, k: int, *, allowed: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]: ...
 
     def search_text(
-        self, queries: np.ndarray, k: int, *, languages: Collection[str] | None = None
+        self,
+        queries: np.ndarray,
+        k: int,
+        *,
+        languages: Collection[str] | None = None,
+        allowed_clips: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]: ...
 
     def warmup(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ClipFilter:
+    """A parsed filter and the clips it passes (a mask over ``audio_items``)."""
+
+    filter: Filter
+    allowed: np.ndarray
+
+    @property
+    def key(self) -> str:
+        return self.filter.canonical
 
 
 @dataclass(frozen=True)
@@ -98,6 +118,7 @@ class TextLookup:
     texts: list[str]
     k: int
     results: list[tuple[np.ndarray, np.ndarray] | None]
+    clip_filter: ClipFilter | None = None
 
     @property
     def complete(self) -> bool:
@@ -112,6 +133,7 @@ class AudioQuery:
     languages: tuple[str, ...]
     k: int
     min_score: float | None = None
+    clip_filter: ClipFilter | None = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +188,30 @@ class Searcher:
         self._gallery: np.ndarray | None = None  # loaded on first diagnosis
         self._gallery_lock = threading.Lock()
         self._heldout: HeldoutReport | None = None
+        self._catalogue: MetadataTable | None = None  # built on first filter
+
+    # ------------------------------------------------------------------ filters
+
+    @property
+    def catalogue(self) -> MetadataTable:
+        """The clips' metadata as columns (:mod:`index.filters`), built once on first use."""
+        with self._gallery_lock:
+            if self._catalogue is None:
+                self._catalogue = MetadataTable.from_items(self.bundle.audio_items)
+            return self._catalogue
+
+    def clip_filter(self, obj: Any) -> ClipFilter | None:
+        """The clips a request's ``filter`` passes (None: no filter); ``invalid-filter`` for a field
+        or a type the catalogue does not have (the form was checked by the request schema)."""
+        if obj is None:
+            return None
+        try:
+            flt = parse_filter(obj)
+            if flt.matches_all:
+                return None
+            return ClipFilter(flt, self.catalogue.mask(flt))
+        except FilterError as err:
+            raise ServiceError("invalid-filter", str(err), fields=self.catalogue.fields()) from None
 
     @property
     def bundle_id(self) -> str:
@@ -231,12 +277,21 @@ class Searcher:
         k: int,
         min_score: float | None = None,
         include_captions: bool = False,
+        clip_filter: ClipFilter | None = None,
     ) -> list[list[AudioHit]]:
-        """Top-``k`` clips for each query; results are cached per (bundle, query, k)."""
-        lookup = self.lookup_text(queries, lang=lang, k=k)
+        """Top-``k`` clips for each query; results are cached per (bundle, query, k, filter)."""
+        lookup = self.lookup_text(queries, lang=lang, k=k, clip_filter=clip_filter)
         return self.hits_of(self.complete_text(lookup), min_score=min_score, include_captions=include_captions)
 
-    def lookup_text(self, queries: Sequence[str], *, lang: str | None, k: int) -> TextLookup:
+    @staticmethod
+    def _results_kind(k: int, clip_filter: ClipFilter | None) -> str:
+        if clip_filter is None:
+            return f"t2a-k{k}"
+        return f"t2a-k{k}-f{clip_filter.key}"
+
+    def lookup_text(
+        self, queries: Sequence[str], *, lang: str | None, k: int, clip_filter: ClipFilter | None = None
+    ) -> TextLookup:
         """Validate and normalize the queries and look their results up in the cache.
 
         Cheap and non-blocking with the in-process cache, so the app runs it on the event
@@ -245,9 +300,9 @@ class Searcher:
         texts = [self.normalized(q) for q in queries]
         results: list[tuple[np.ndarray, np.ndarray] | None] = []
         for text in texts:
-            raw = self.cache.get(self._key(f"t2a-k{k}", text), kind="results")
+            raw = self.cache.get(self._key(self._results_kind(k, clip_filter), text), kind="results")
             results.append(decode_hits(raw) if raw is not None else None)
-        return TextLookup(texts=texts, k=k, results=results)
+        return TextLookup(texts=texts, k=k, results=results, clip_filter=clip_filter)
 
     def complete_text(self, lookup: TextLookup) -> list[tuple[np.ndarray, np.ndarray]]:
         """Encode and search the queries the cache did not answer (blocking: encoder + FAISS)."""
@@ -262,15 +317,22 @@ class Searcher:
             texts = list(dict.fromkeys(lookups[r].texts[i] for r, i in missing))  # a repeated query is encoded once
             embeddings = self.embed_texts(texts)
             row_of = {text: row for row, text in enumerate(texts)}
-            for k in sorted({lookups[r].k for r, _ in missing}):
-                group = [(r, i) for r, i in missing if lookups[r].k == k]
+            groups: dict[tuple[int, str], list[tuple[int, int]]] = {}
+            for r, i in missing:
+                flt = lookups[r].clip_filter
+                groups.setdefault((lookups[r].k, flt.key if flt else ""), []).append((r, i))
+            for (k, _), group in sorted(groups.items()):
+                flt = lookups[group[0][0]].clip_filter
+                queries = embeddings[[row_of[lookups[r].texts[i]] for r, i in group]]
                 with index_calls():
-                    scores, rows = self.bundle.search_audio(
-                        embeddings[[row_of[lookups[r].texts[i]] for r, i in group]], k
-                    )
+                    if flt is None:
+                        scores, rows = self.bundle.search_audio(queries, k)
+                    else:
+                        scores, rows = self.bundle.search_audio(queries, k, allowed=flt.allowed)
+                kind = self._results_kind(k, flt)
                 for j, (r, i) in enumerate(group):
                     results[r][i] = (scores[j], rows[j])
-                    self.cache.set(self._key(f"t2a-k{k}", lookups[r].texts[i]), encode_hits(scores[j], rows[j]))
+                    self.cache.set(self._key(kind, lookups[r].texts[i]), encode_hits(scores[j], rows[j]))
         return [[hit for hit in found if hit is not None] for found in results]
 
     def hits_of(
@@ -329,10 +391,20 @@ class Searcher:
                 self.check_language(lang)
         embeddings = np.asarray(self.bundle.encode_audio([q.waveform for q in queries]), dtype=np.float32)
         per_language: dict[tuple[int, str], list[CaptionHit]] = {}
-        for lang, k in sorted({(lang, q.k) for q, langs in zip(queries, requested, strict=True) for lang in langs}):
-            group = [j for j, q in enumerate(queries) if q.k == k and lang in requested[j]]
+        def fkey(q: AudioQuery) -> str:
+            return q.clip_filter.key if q.clip_filter else ""
+
+        jobs = {(lang, q.k, fkey(q)) for q, langs in zip(queries, requested, strict=True) for lang in langs}
+        for lang, k, key in sorted(jobs):
+            group = [j for j, q in enumerate(queries) if q.k == k and fkey(q) == key and lang in requested[j]]
+            flt = queries[group[0]].clip_filter
             with index_calls():
-                scores, rows = self.bundle.search_text(embeddings[group], k, languages=[lang])
+                if flt is None:
+                    scores, rows = self.bundle.search_text(embeddings[group], k, languages=[lang])
+                else:
+                    scores, rows = self.bundle.search_text(
+                        embeddings[group], k, languages=[lang], allowed_clips=flt.allowed
+                    )
             for g, j in enumerate(group):
                 per_language[j, lang] = self._caption_hits(scores[g], rows[g], min_score=queries[j].min_score)
         return [[hit for lang in langs for hit in per_language[j, lang]] for j, langs in enumerate(requested)]
@@ -354,6 +426,46 @@ class Searcher:
                 )
             )
         return hits
+
+    # ------------------------------------------------------------------ audio → audio
+
+    def similar_to_item(
+        self, item_id: str, *, k: int, min_score: float | None = None, clip_filter: ClipFilter | None = None
+    ) -> list[AudioHit]:
+        """Top-``k`` clips by audio–audio cosine to the catalogue's clip ``item_id`` (itself excluded)."""
+        row = self.clip_rows.get(item_id)
+        if row is None:
+            raise ServiceError("unknown-target", f"clip {item_id!r} is not in bundle {self.bundle_id}")
+        with index_calls():
+            vector = self.clip_vector(row)
+        allowed = np.ones(len(self.bundle.audio_items), dtype=bool) if clip_filter is None else clip_filter.allowed.copy()
+        allowed[row] = False
+        return self._similar(vector[None, :], k=k, min_score=min_score, allowed=allowed)
+
+    def similar_to_audio(
+        self, waveform: np.ndarray, *, k: int, min_score: float | None = None, clip_filter: ClipFilter | None = None
+    ) -> list[AudioHit]:
+        """Top-``k`` clips by audio–audio cosine to an uploaded (decoded) waveform."""
+        embedding = np.asarray(self.bundle.encode_audio([waveform]), dtype=np.float32)
+        return self._similar(embedding, k=k, min_score=min_score,
+                             allowed=clip_filter.allowed if clip_filter is not None else None)
+
+    def _similar(
+        self, embedding: np.ndarray, *, k: int, min_score: float | None, allowed: np.ndarray | None
+    ) -> list[AudioHit]:
+        with index_calls():
+            if allowed is None:
+                scores, rows = self.bundle.search_audio(embedding, k)
+            else:
+                scores, rows = self.bundle.search_audio(embedding, k, allowed=allowed)
+        return self._audio_hits(scores[0], rows[0], min_score=min_score, include_captions=False)
+
+    def clip_vector(self, row: int) -> np.ndarray:
+        """One clip's stored vector (the audio index's own, as every search scores it)."""
+        gallery = self.gallery()
+        if gallery is None:
+            raise ServiceError("unknown-target", f"bundle {self.bundle_id} does not expose its clip vectors")
+        return gallery[row]
 
     # ------------------------------------------------------------------ diagnostics
 

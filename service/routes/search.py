@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator
 from dataclasses import asdict
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from index.audio_formats import MEDIA_TYPES
+from index.filters import FilterError, parse_filter
 from service.audio_input import AudioLimits, DecodedAudio, decode_upload
 from service.batching import wait_for_disconnect
 from service.deps import BatchersDep, Pool, PoolDep, SearcherDep, SettingsDep
@@ -18,9 +20,11 @@ from service.encoder_queues import Batchers
 from service.errors import ServiceError
 from service.limits import CAPTIONS_MAX, K_MAX
 from service.schemas import (
+    FILTER_PLACEHOLDER,
     AudioHitOut,
     AudioSearchResponse,
     CaptionHitOut,
+    SimilarResponse,
     TextBatchItem,
     TextBatchRequest,
     TextBatchResponse,
@@ -28,7 +32,7 @@ from service.schemas import (
     TextSearchResponse,
     problem_responses,
 )
-from service.searcher import AudioHit, AudioQuery, Searcher
+from service.searcher import AudioHit, AudioQuery, ClipFilter, Searcher, TextLookup
 from service.settings import Settings
 
 router = APIRouter(prefix="/v1/search", tags=["search"])
@@ -51,10 +55,14 @@ async def _text_hits(
 ) -> list[list[AudioHit]]:
     """Cache look-up on the event loop when the cache is in-process (no I/O), in the thread pool
     with Redis; misses go to the text encoder's micro-batcher."""
-    if searcher.cache.backend == "local":
-        lookup = searcher.lookup_text(queries, lang=body.lang, k=body.k)
-    else:
-        lookup = await pool.run(lambda: searcher.lookup_text(queries, lang=body.lang, k=body.k))
+    def look_up() -> TextLookup:
+        clip_filter = searcher.clip_filter(body.filter)
+        return searcher.lookup_text(queries, lang=body.lang, k=body.k, clip_filter=clip_filter)
+
+    if searcher.cache.backend == "local" and body.filter is None:
+        lookup = look_up()
+    else:  # Redis I/O, or a filter's mask over every clip
+        lookup = await pool.run(look_up)
     if lookup.complete:
         results = [r for r in lookup.results if r is not None]
     else:
@@ -155,8 +163,33 @@ AUDIO_BODY = {
 }
 
 
+FILTER_PARAMETER = {
+    "name": "filter",
+    "in": "query",
+    "required": False,
+    "description": "Only clips whose metadata pass this filter: the filter language as JSON "
+    "(docs/service.md, Filters), URL-encoded.",
+    "content": {"application/json": {"schema": FILTER_PLACEHOLDER}},
+}
+
+
+def filter_param(request: Request, searcher: Searcher) -> ClipFilter | None:
+    """The ``filter`` query parameter (JSON) as the clips it passes (None: absent)."""
+    raw = request.query_params.get("filter")
+    if raw is None:
+        return None
+    try:
+        obj: Any = json.loads(raw)
+        parse_filter(obj)
+    except (ValueError, FilterError) as err:
+        raise ServiceError("validation-error", f"query parameter 'filter': {err}") from None
+    return searcher.clip_filter(obj)
+
+
 @router.post(
-    "/audio", openapi_extra=AUDIO_BODY, responses=problem_responses(400, 409, 413, 415, 422, 503, 504)
+    "/audio",
+    openapi_extra={**AUDIO_BODY, "parameters": [FILTER_PARAMETER]},
+    responses=problem_responses(400, 409, 413, 415, 422, 503, 504),
 )
 async def search_audio(
     request: Request,
@@ -182,9 +215,10 @@ async def search_audio(
     captions per language, grouped by language in the order of `lang`, best first."""
     for code in lang or ():
         searcher.check_language(code)
+    clip_filter = await pool.run(filter_param, request, searcher)
     data = await read_upload(request, settings)
     audio = await pool.run(_decode, searcher, data, settings)
-    query = AudioQuery(audio.waveform, tuple(lang or ()), k, min_score)
+    query = AudioQuery(audio.waveform, tuple(lang or ()), k, min_score, clip_filter)
     hits = await batchers.audio.submit((searcher, query), disconnected=lambda: wait_for_disconnect(request.receive))
     return AudioSearchResponse(
         bundle_id=searcher.bundle_id,
@@ -192,3 +226,53 @@ async def search_audio(
         format=audio.format,
         hits=[CaptionHitOut(**asdict(h)) for h in hits],
     )
+
+
+K_QUERY = Query(ge=1, le=K_MAX, description="Number of hits.")
+MIN_SCORE_QUERY = Query(ge=-1.0, le=1.0, description="Drop hits whose cosine score is below this.")
+
+
+@router.post(
+    "/similar",
+    openapi_extra={**AUDIO_BODY, "parameters": [FILTER_PARAMETER]},
+    responses=problem_responses(400, 413, 415, 422, 503, 504),
+)
+async def search_similar_upload(
+    request: Request,
+    searcher: SearcherDep,
+    pool: PoolDep,
+    settings: SettingsDep,
+    k: Annotated[int, K_QUERY] = 10,
+    min_score: Annotated[float | None, MIN_SCORE_QUERY] = None,
+) -> SimilarResponse:
+    """Sounds like an uploaded one: the catalogue's clips by audio–audio cosine, best first."""
+    clip_filter = await pool.run(filter_param, request, searcher)
+    data = await read_upload(request, settings)
+    audio = await pool.run(_decode, searcher, data, settings)
+    hits = await pool.run(
+        lambda: searcher.similar_to_audio(audio.waveform, k=k, min_score=min_score, clip_filter=clip_filter)
+    )
+    return SimilarResponse(bundle_id=searcher.bundle_id, duration_seconds=audio.duration_seconds, hits=_hits_out(hits))
+
+
+@router.get(
+    "/similar/{item_id}",
+    openapi_extra={"parameters": [FILTER_PARAMETER]},
+    responses=problem_responses(404, 422, 503, 504),
+)
+async def search_similar_item(
+    request: Request,
+    searcher: SearcherDep,
+    pool: PoolDep,
+    item_id: Annotated[str, Path(min_length=1, max_length=256, description="A clip id of the catalogue.")],
+    k: Annotated[int, K_QUERY] = 10,
+    min_score: Annotated[float | None, MIN_SCORE_QUERY] = None,
+) -> SimilarResponse:
+    """Sounds like a clip of the catalogue (the clip itself excluded), by audio–audio cosine."""
+
+    def run() -> list[AudioHit]:
+        clip_filter = filter_param(request, searcher)
+        return searcher.similar_to_item(item_id, k=k, min_score=min_score, clip_filter=clip_filter)
+
+    hits = await pool.run(run)
+    return SimilarResponse(bundle_id=searcher.bundle_id, id=item_id, hits=_hits_out(hits))

@@ -18,6 +18,8 @@ import faiss
 import numpy as np
 import soundfile as sf
 
+from index.vector_index import FaissVectorIndex
+
 SAMPLE_RATE = 16_000
 CONCEPTS = ("dog", "siren", "bell", "rain")
 FREQS = (440.0, 1000.0, 2200.0, 3500.0)
@@ -102,7 +104,10 @@ class KeywordBundle:
                 lang: [CAPTION_TEMPLATES[lang].format(" ".join(WORDS[lang][CONCEPTS.index(c)] for c in concepts))]
                 for lang in self.languages
             }
-            self.audio_items.append({"id": clip_id, "uri": f"file:///audio/{clip_id}.wav", "captions": caps})
+            self.audio_items.append({
+                "id": clip_id, "uri": f"file:///audio/{clip_id}.wav", "captions": caps,
+                "metadata": {"license": ("cc0", "by")[row % 2], "duration": float(1 + row), "tags": list(concepts)},
+            })
             for lang in self.languages:
                 self.text_items.append({"clip_id": clip_id, "clip_row": row, "lang": lang, "text": caps[lang][0]})
         self._waves = [tone(c) for c in CLIPS.values()]
@@ -122,13 +127,28 @@ class KeywordBundle:
             out = out[:, [1, 2, 3, 0, 4]]
         return out
 
-    def search_audio(self, queries: np.ndarray, k: int):
+    def search_audio(self, queries: np.ndarray, k: int, *, allowed: np.ndarray | None = None):
+        if allowed is not None:  # the real filtered search of index.vector_index over a Flat index
+            return FaissVectorIndex(self.audio_index, {}).search(queries, k, allowed=allowed)
         return self.audio_index.search(np.ascontiguousarray(queries, dtype=np.float32), k)
 
-    def search_text(self, queries: np.ndarray, k: int, *, languages: Collection[str] | None = None):
+    def audio_embeddings(self) -> np.ndarray:
+        return self.audio_index.reconstruct_n(0, self.audio_index.ntotal)
+
+    def search_text(
+        self,
+        queries: np.ndarray,
+        k: int,
+        *,
+        languages: Collection[str] | None = None,
+        allowed_clips: np.ndarray | None = None,
+    ):
         scores = queries @ self._text_emb.T
         if languages:
             mask = np.array([t["lang"] in languages for t in self.text_items])
+            scores = np.where(mask[None, :], scores, -np.inf)
+        if allowed_clips is not None:
+            mask = np.asarray(allowed_clips)[[t["clip_row"] for t in self.text_items]]
             scores = np.where(mask[None, :], scores, -np.inf)
         order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
         top = np.take_along_axis(scores, order, axis=1)

@@ -210,6 +210,12 @@ def item_metadata(item: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def filterable_metadata(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a clip's free-form metadata a filter can use (strings, numbers, booleans, lists of
+    strings), as written into a bundle's ``audio_ids.jsonl`` ``metadata`` object."""
+    return {str(k): v for k, v in meta.items() if _kind_of(v) is not None}
+
+
 class _Vocabulary:
     def __init__(self) -> None:
         self.codes: dict[str, int] = {}

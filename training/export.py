@@ -47,6 +47,7 @@ from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, load_eval_waveform, read_eval_set, write_eval_set
 from index.faiss_index import BuiltIndex, build_index, parse_factory, save_index
 from index.faiss_ondisk import build_and_save
+from index.filters import filterable_metadata
 from index.loader import (
     AUDIO_INPUTS,
     OUTPUTS,
@@ -503,7 +504,8 @@ def _build_contents(
     text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)
     save_index(text_built.index, staging / fmt.TEXT_INDEX)
     _write_jsonl(staging / fmt.AUDIO_IDS, [
-        {"id": r.id, "uri": audio_uri(r, source_manifest), "captions": r.captions} for r in records
+        {"id": r.id, "uri": audio_uri(r, source_manifest), "captions": r.captions, "split": r.split,
+         "metadata": filterable_metadata(r.meta)} for r in records
     ])
     _write_jsonl(staging / fmt.TEXT_IDS, text_items)
     eval_set = build_held_out(held_out, cfg)

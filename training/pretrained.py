@@ -39,6 +39,7 @@ from index.bundle_eval import evaluate_eval_set
 from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, write_eval_set
 from index.faiss_index import build_index, parse_factory, save_index
+from index.filters import filterable_metadata
 from index.languages import DEFAULT_LANGUAGES
 from index.loader import (
     AUDIO_INPUTS,
@@ -343,7 +344,8 @@ def _build(
     save_index(audio_built.index, staging / fmt.AUDIO_INDEX)
     save_index(text_built.index, staging / fmt.TEXT_INDEX)
     _write_jsonl(staging / fmt.AUDIO_IDS, [
-        {"id": r.id, "uri": audio_uri(r, source_manifest), "captions": r.captions} for r in records
+        {"id": r.id, "uri": audio_uri(r, source_manifest), "captions": r.captions, "split": r.split,
+         "metadata": filterable_metadata(r.meta)} for r in records
     ])
     _write_jsonl(staging / fmt.TEXT_IDS, text_items)
     eval_set = _held_out(held_out, languages, rate)

@@ -34,8 +34,31 @@ def test_attributes_follow_the_manifest(bundle, tiny_bundle):
     assert bundle.embed_dim == m.embed_dim == 32
     assert bundle.clip_samples == round(m.clip_seconds * m.sample_rate) == 32000
     assert len(bundle.audio_items) == m.audio_index.ntotal
-    assert set(bundle.audio_items[0]) == {"id", "uri", "captions"}
+    assert set(bundle.audio_items[0]) == {"id", "uri", "captions", "split", "metadata"}
     assert set(bundle.text_items[0]) == {"clip_id", "clip_row", "lang", "text"}
+
+
+def test_clips_carry_their_manifest_metadata_and_filtered_search_is_exact(bundle):
+    """The export writes each clip's split and filterable metadata; a filtered search over the
+    bundle's Flat index equals numpy over the passing clips (picked here in plain Python)."""
+    from index.filters import MetadataTable, parse_filter
+
+    item = bundle.audio_items[0]
+    assert item["split"] in ("train", "val", "test") and isinstance(item["metadata"]["duration"], float)
+    assert "events" not in item["metadata"]  # a list of objects is not filterable
+    flt = {"duration": {"lte": 3.0}, "relation": {"ne": "repeat"}}
+    allowed = np.array([i["metadata"]["duration"] <= 3.0 and i["metadata"]["relation"] != "repeat"
+                        for i in bundle.audio_items])
+    assert 0 < allowed.sum() < len(allowed)
+    np.testing.assert_array_equal(MetadataTable.from_items(bundle.audio_items).mask(parse_filter(flt)), allowed)
+    queries = bundle.encode_text(["a dog barks", "rain"])
+    scores, rows = bundle.search_audio(queries, 5, allowed=allowed)
+    vectors = bundle.audio_embeddings()
+    for i in range(2):
+        passing = np.flatnonzero(allowed)
+        ref = np.sort(vectors[passing] @ queries[i])[::-1][: min(5, passing.size)]
+        np.testing.assert_allclose(scores[i, : ref.size], ref, atol=1e-5)
+        assert allowed[rows[i, : ref.size]].all()
 
 
 def test_encoders_return_unit_vectors(bundle):

@@ -93,8 +93,23 @@ function renderHits(hits) {
     if (caption) item.append(el("p", { class: "caption", lang: captions[lang] ? lang : "eng" }, caption));
     const audio = el("audio", { controls: "", preload: "metadata", src: `/v1/audio/${encodeURIComponent(hit.id)}`,
                                 "aria-label": `Play clip ${hit.id}` });
-    item.append(audio);
+    const more = el("button", { type: "button", class: "more-like-this", "aria-label": `More like ${hit.id}` },
+                    "More like this");
+    more.addEventListener("click", () => moreLikeThis(hit.id));
+    item.append(audio, more);
     list.append(item);
+  }
+}
+
+async function moreLikeThis(id) {
+  // the catalogue's clips by audio–audio cosine (GET /v1/search/similar/{id}), the clip itself excluded
+  setStatus("search-status", `Looking for clips like ${id}…`);
+  try {
+    const body = await api(`/v1/search/similar/${encodeURIComponent(id)}?k=10`);
+    renderHits(body.hits);
+    setStatus("search-status", `${body.hits.length} clips like ${id}.`);
+  } catch (err) {
+    setStatus("search-status", `Search failed: ${err.message}`, true);
   }
 }
 

@@ -100,6 +100,16 @@ def test_demo_page_end_to_end(browser, tiny_bundle: Path, tiny_corpus: Path, uvi
 
         assert _play_first_hit(page) > 1.0
 
+        # "more like this" on a hit: ten other clips, by audio–audio similarity
+        first = page.inner_text("#hits li .hit-id >> nth=0")
+        page.click("#hits li .more-like-this >> nth=0")
+        page.wait_for_function(f"document.getElementById('search-status').textContent.includes('like {first}.')")
+        assert page.locator("#hits li").count() == 10
+        assert first not in [page.inner_text(f"#hits li .hit-id >> nth={i}") for i in range(10)]
+        page.click("#query")  # the search below starts from the text results again
+        page.keyboard.press("Enter")
+        page.wait_for_function("document.getElementById('search-status').textContent.includes('10 clips for')")
+
         # consistency diagnostic: one bar and one table row per language
         page.click("#consistency-button")
         page.wait_for_selector("#consistency-figure:not([hidden])")
@@ -154,6 +164,16 @@ def test_demo_page_on_the_real_demo_finds_what_the_readme_promises(browser, demo
         top = page.locator("#hits li .hit-id").all_inner_texts()[:3]
         assert any(sounds <= events[clip] for clip in top), [(clip, sorted(events[clip])) for clip in top]
         assert _play_first_hit(page) > 1.0
+
+        # "more like this" on a hit: ten other clips, by audio–audio similarity
+        first = page.inner_text("#hits li .hit-id >> nth=0")
+        page.click("#hits li .more-like-this >> nth=0")
+        page.wait_for_function(f"document.getElementById('search-status').textContent.includes('like {first}.')")
+        assert page.locator("#hits li").count() == 10
+        assert first not in [page.inner_text(f"#hits li .hit-id >> nth={i}") for i in range(10)]
+        page.click("#query")  # the search below starts from the text results again
+        page.keyboard.press("Enter")
+        page.wait_for_function("document.getElementById('search-status').textContent.includes('10 clips for')")
         page.screenshot(path=str(shots / "demo-1-search-french.png"), full_page=False)
 
         page.click("#consistency-button")

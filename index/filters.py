@@ -149,7 +149,8 @@ class _Parser:
                 raise FilterError(f"{where}: '{key}' takes a non-empty list of filters")
             if len(value) > MAX_CLAUSES:
                 raise FilterError(f"{where}: '{key}' takes at most {MAX_CLAUSES} filters")
-            return Combine(key, tuple(self.node(v, depth + 1, f"{where}[{i}]") for i, v in enumerate(value)))
+            op: Literal["and", "or"] = "and" if key == "and" else "or"
+            return Combine(op, tuple(self.node(v, depth + 1, f"{where}[{i}]") for i, v in enumerate(value)))
         if key == "not":
             return Combine("not", (self.node(value, depth + 1, where),))
         if isinstance(value, dict):

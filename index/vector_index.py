@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import faiss
 import numpy as np
@@ -30,6 +30,8 @@ import numpy as np
 from index.bundle import IndexInfo
 from index.errors import BundleError
 from index.faiss_index import all_vectors, load_index, parse_factory, search
+
+_faiss: Any = faiss  # the SWIG stubs miss the array form of IDSelectorBitmap
 
 PREFILTER_FRACTION = 0.05
 """Filters passing at most this share of the rows search with an ID selector (pre-filter)."""
@@ -100,7 +102,8 @@ class FaissVectorIndex:
                                 k, allowed, ntotal=self.ntotal)
 
     def _prefiltered(self, queries: np.ndarray, k: int, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        selector = faiss.IDSelectorBitmap(np.packbits(allowed, bitorder="little"))  # keeps the bitmap alive
+        bitmap = np.packbits(allowed, bitorder="little")
+        selector = _faiss.IDSelectorBitmap(bitmap)  # the wrapper takes the array and keeps it alive
         params = dict(self.params)
         if "nprobe" in params:  # scan every list: the few passing rows may lie in any of them
             params["nprobe"] = int(faiss.extract_index_ivf(self.index).nlist)

@@ -8,6 +8,7 @@ it never mutates the bundle's index state.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -108,7 +109,8 @@ class ClipFilter:
 
     @property
     def key(self) -> str:
-        return self.filter.canonical
+        """A short digest of the filter's canonical JSON (cache keys stay small for large filters)."""
+        return hashlib.sha256(self.filter.canonical.encode("utf-8")).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ from service.settings import Settings
 
 router = APIRouter(prefix="/v1/search", tags=["search"])
 
+MULTIPART_MAX_FIELDS = 8
+"""Form fields (parts without a file name) a multipart upload may carry beside its one file part."""
 MULTIPART_OVERHEAD = 64 * 1024
 """Bytes allowed beyond the upload limit for multipart boundaries, headers and small fields."""
 
@@ -114,7 +116,7 @@ async def read_upload(request: Request, settings: Settings) -> bytes:
     if not content_type.startswith("multipart/form-data"):
         return b"".join([chunk async for chunk in _limited_stream(request, limit)])
     parser = MultiPartParser(
-        request.headers, _limited_stream(request, limit + MULTIPART_OVERHEAD), max_files=1, max_fields=8
+        request.headers, _limited_stream(request, limit + MULTIPART_OVERHEAD), max_files=1, max_fields=MULTIPART_MAX_FIELDS
     )
     try:
         form = await parser.parse()
@@ -155,7 +157,12 @@ AUDIO_BODY = {
         "content": {
             **{media_type: {"schema": BINARY} for media_type in AUDIO_MEDIA_TYPES},
             "multipart/form-data": {
-                "schema": {"type": "object", "properties": {"file": BINARY}, "required": ["file"]},
+                "schema": {
+                    "type": "object",
+                    "properties": {"file": BINARY},
+                    "required": ["file"],
+                    "maxProperties": 1 + MULTIPART_MAX_FIELDS,
+                },
                 "encoding": {"file": {"contentType": ", ".join(AUDIO_MEDIA_TYPES)}},
             },
         },

@@ -623,6 +623,9 @@ def run_epochs(
                 run.bad_samples.add(batch.skipped)
                 if isinstance(run.batches, StreamBatches):  # ranks agree on the batch's clips
                     batch = run.batches.lockstep(batch)
+                    if batch is None:  # a rank has < 2 usable clips: every rank skips the step
+                        state.batch_in_epoch += 1
+                        continue
                 values = train_step(run, batch)
                 record_step(run, epoch, values)
                 bar.update()

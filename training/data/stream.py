@@ -522,9 +522,10 @@ class StreamBatches:
         """No world-size-independent clip count for a stream (the plan state says where it is)."""
         return None
 
-    def lockstep(self, batch: TrainBatch) -> TrainBatch:
+    def lockstep(self, batch: TrainBatch) -> TrainBatch | None:
         """The batch every rank trains this step: ranks whose batch lost clips (undecodable, a broken
-        shard) make the others hold back as many — the shapes of the collectives must agree."""
+        shard) make the others hold back as many — the shapes of the collectives must agree. ``None``:
+        some rank has fewer than 2 clips left, and every rank skips the step."""
         from training import distributed
 
         rows = int(batch.waveform.shape[0])
@@ -532,10 +533,12 @@ class StreamBatches:
         if distributed.is_distributed():
             sizes = distributed.all_gather_no_grad(torch.tensor([rows], device=distributed.group_device()))
             agreed = int(sizes.min())
-        if agreed < 2:
-            raise DataError(f"a training batch with {agreed} usable clip(s) (on the worst rank) at epoch "
-                            f"{self.epoch + 1}: the shards are mostly unreadable; first error here: "
-                            f"{batch.skipped[0] if batch.skipped else 'none'}")
+        if agreed < 2:  # no negatives on some rank: every rank skips this step (the loop)
+            log.warning("epoch %d: a rank's batch has %d usable clip(s) (the others lost to errors): every rank "
+                        "skips this step; first error here: %s", self.epoch + 1, agreed,
+                        batch.skipped[0] if batch.skipped else "none")
+            self.held_back.extend(self.stream.plan.ids[int(i)] for i in batch.clip_index)
+            return None
         if agreed < rows:
             ids = [self.stream.plan.ids[int(i)] for i in batch.clip_index[agreed:]]
             if len(self.held_back) < NAMED_HELD_BACK:

@@ -67,6 +67,31 @@ def test_odd_layouts_keep_ranks_in_lockstep_and_batch_sizes_equal_across_ranks()
         assert n - cut.per_rank * world <= 2 * world - 1
 
 
+def test_a_worker_holds_at_most_its_buffer_and_serves_before_it_is_full() -> None:
+    """What a worker holds while emitting draw d: the chunk entries read up to the furthest one drawn
+    so far, less those emitted. It never exceeds the buffer, and the first batch comes early."""
+    for length, buffer, batch in [(1000, 100, 32), (50, 1000, 8), (300, 7, 16)]:
+        order = draw_order(length, buffer=buffer, first=batch, seed=1)
+        furthest = -1
+        for d, j in enumerate(order):
+            furthest = max(furthest, j)
+            assert furthest + 1 - d <= max(buffer, 1)
+        # The first batch is served after reading < 3 batches' worth, whatever the buffer's size.
+        assert max(order[:batch]) < (batch - 1) + min(buffer, 2 * batch - 1) <= 3 * batch
+        assert sorted(order) == list(range(length))
+
+
+def test_shuffle_buffer_auto_is_sized_from_memory() -> None:
+    from training.data.loader import MAX_SHUFFLE_ENTRIES, node_memory, shuffle_entries
+
+    crop = 10 * 48_000 * 4  # a 10-s float32 crop at 48 kHz: 1.92 MB
+    assert shuffle_entries(300, None, entry_bytes=crop, workers=4) == (300, 300 * crop)  # explicit wins
+    assert shuffle_entries("auto", 500 * 10**6, entry_bytes=crop, workers=4) == (260, 260 * crop)
+    assert shuffle_entries("auto", 10**12, entry_bytes=crop, workers=4)[0] == MAX_SHUFFLE_ENTRIES
+    entries, size = shuffle_entries("auto", None, entry_bytes=crop, workers=23, ranks_on_node=8)
+    assert size * 23 * 8 <= 0.2 * node_memory() or entries == 16
+
+
 # --- real shards: a language subset and a corrupt sample ----------------------------------------
 
 
@@ -117,8 +142,8 @@ def make_batches(url: str, *, rank: int, world: int, workers: int, persistent: b
     from training.data.stream import ShardStream, StreamBatches, open_corpus
 
     corpus = open_corpus(url, languages=["eng"], drop_other_languages=True)
-    stream = ShardStream(corpus, rank=rank, layout=Layout(world, workers, BATCH), sample_rate=16_000,
-                         clip_samples=8_000, seed=0, shuffle_buffer=3, languages=["eng"])
+    stream = ShardStream(corpus, rank=rank, layout=Layout(world, workers, BATCH, 3), sample_rate=16_000,
+                         clip_samples=8_000, seed=0, languages=["eng"])
 
     def collate(batch):  # noqa: ANN001, ANN202 - (ids, waves, errors) of the stream's (items, errors)
         items, errors = batch
@@ -234,7 +259,7 @@ def test_two_gloo_processes_from_shards_resume_on_one(subset_shards: tuple[Path,
     mp.spawn(_shard_worker, args=(2, str(folder), str(out), 4, free_port()), nprocs=2, join=True)
     state = json.loads((out / "last" / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and state["data_plan"]["segments"] == [
-        {"world": 2, "workers": 1, "batch_size": 3, "batches": 1}]
+        {"world": 2, "workers": 1, "batch_size": 3, "shuffle_buffer": 3, "batches": 1}]
     train(load_train_config(ROOT / "configs" / "tiny.yaml", shard_run(str(folder), str(out), "resume=true")))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     plans = [r for r in records if r["kind"] == "data_plan"]

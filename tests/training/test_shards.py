@@ -123,8 +123,8 @@ def make_stream(url: str, *, rank: int = 0, world: int = 1, workers: int = 2, la
     from training.data.stream import ShardStream, open_corpus
 
     corpus = open_corpus(url, languages=list(languages), drop_other_languages=drop)
-    return ShardStream(corpus, rank=rank, layout=Layout(world, workers, BATCH), sample_rate=16_000,
-                       clip_samples=16_000, seed=0, shuffle_buffer=buffer, languages=list(languages)), corpus
+    return ShardStream(corpus, rank=rank, layout=Layout(world, workers, BATCH, buffer), sample_rate=16_000,
+                       clip_samples=16_000, seed=0, languages=list(languages)), corpus
 
 
 def loader_of(stream, collate, workers: int = 2, persistent: bool = False):

@@ -6,7 +6,8 @@ the epoch's sequence is every *usable* sample (a clip with a caption in ``data.l
 known from ``records.jsonl`` before any audio is read) of the first shard, then of the next,
 … — ``N`` positions ``(shard, ordinal in the shard)``.
 
-**A segment** is the part of an epoch run under one layout ``(world, workers, batch)``. A fresh
+**A segment** is the part of an epoch run under one layout ``(world, workers, batch, shuffle
+buffer)``. A fresh
 epoch is one segment over the whole sequence; a resume on another layout starts a new segment
 over the positions the earlier segments did not serve (:func:`remaining`), so an epoch never
 serves a clip twice whatever happened to the job.
@@ -47,6 +48,8 @@ class Layout:
     world: int
     workers: int
     batch_size: int
+    buffer: int = 1000
+    """Shuffle-buffer entries of each worker (the draw order depends on it)."""
 
     @property
     def slots(self) -> int:
@@ -61,12 +64,13 @@ class Segment:
     batches: int
 
     def to_json(self) -> dict[str, int]:
-        return {"world": self.layout.world, "workers": self.layout.workers,
-                "batch_size": self.layout.batch_size, "batches": self.batches}
+        return {"world": self.layout.world, "workers": self.layout.workers, "batch_size": self.layout.batch_size,
+                "shuffle_buffer": self.layout.buffer, "batches": self.batches}
 
     @staticmethod
     def from_json(obj: dict[str, int]) -> Segment:
-        return Segment(Layout(int(obj["world"]), int(obj["workers"]), int(obj["batch_size"])), int(obj["batches"]))
+        layout = Layout(int(obj["world"]), int(obj["workers"]), int(obj["batch_size"]), int(obj["shuffle_buffer"]))
+        return Segment(layout, int(obj["batches"]))
 
 
 def epoch_sequence(usable: Sequence[Sequence[int]], *, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -147,8 +151,8 @@ def slot_seed(seed: int, epoch: int, segment: int, rank: int, worker: int) -> in
     return _seed(seed, epoch, segment, rank, worker, 3)
 
 
-def served_in_segment(cut: SegmentCut, layout: Layout, batches: int, *, seed: int, epoch: int, segment: int,
-                      buffer: int) -> np.ndarray:
+def served_in_segment(cut: SegmentCut, layout: Layout, batches: int, *, seed: int, epoch: int,
+                      segment: int) -> np.ndarray:
     """Positions (of the segment's remaining sequence) served by the first ``batches`` batches of
     every rank: the samples drawn for them, served or found undecodable."""
     served = []
@@ -157,19 +161,18 @@ def served_in_segment(cut: SegmentCut, layout: Layout, batches: int, *, seed: in
             done = len(range(worker, min(batches, cut.steps), layout.slots))
             if done == 0:
                 continue
-            order = draw_order(chunk.stop - chunk.start, buffer=buffer, first=layout.batch_size,
+            order = draw_order(chunk.stop - chunk.start, buffer=layout.buffer, first=layout.batch_size,
                                seed=slot_seed(seed, epoch, segment, rank, worker))
             served.append(chunk.start + np.asarray(order[: sum(chunk.sizes[:done])], dtype=np.int64))
     return np.concatenate(served) if served else np.zeros(0, dtype=np.int64)
 
 
-def remaining(total: int, segments: Sequence[Segment], *, seed: int, epoch: int, buffer: int) -> np.ndarray:
+def remaining(total: int, segments: Sequence[Segment], *, seed: int, epoch: int) -> np.ndarray:
     """Positions of the epoch's sequence (0 … total-1) that ``segments`` did not serve, in order."""
     left = np.arange(total, dtype=np.int64)
     for number, segment in enumerate(segments):
         cut = segment_cut(len(left), segment.layout)
-        served = served_in_segment(cut, segment.layout, segment.batches, seed=seed, epoch=epoch, segment=number,
-                                   buffer=buffer)
+        served = served_in_segment(cut, segment.layout, segment.batches, seed=seed, epoch=epoch, segment=number)
         keep = np.ones(len(left), dtype=bool)
         keep[served] = False
         left = left[keep]

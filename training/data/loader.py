@@ -89,3 +89,38 @@ class BadSampleBudget:
     def first(self, n: int = NAMED_BAD_SAMPLES) -> list[str]:
         """The first ``n`` errors, in the order they were met."""
         return list(self.seen)[:n]
+
+
+SHUFFLE_MEMORY_SHARE = 0.2
+"""Share of the node's memory the shuffle buffers of all its loader workers take by default."""
+MAX_SHUFFLE_ENTRIES = 1000
+MIN_SHUFFLE_ENTRIES = 16
+
+
+def node_memory() -> int:
+    """Bytes of memory this node gives the job: the cgroup's limit (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``) where set, else the physical memory."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path, encoding="ascii") as handle:
+                text = handle.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < physical:
+            return int(text)
+    return int(physical)
+
+
+def shuffle_entries(setting: int | Literal["auto"], budget: int | None, *, entry_bytes: int, workers: int,
+                    ranks_on_node: int | None = None) -> tuple[int, int]:
+    """(entries, bytes) of each loader worker's shuffle buffer: ``setting`` itself, or for ``auto``
+    what ``budget`` bytes hold (default: :data:`SHUFFLE_MEMORY_SHARE` of :func:`node_memory` over
+    every loader worker of the node), between :data:`MIN_SHUFFLE_ENTRIES` and :data:`MAX_SHUFFLE_ENTRIES`."""
+    if setting != "auto":
+        return int(setting), int(setting) * entry_bytes
+    if budget is None:
+        processes = max(1, workers) * (ranks_on_node or local_world_size())
+        budget = int(node_memory() * SHUFFLE_MEMORY_SHARE) // processes
+    entries = max(MIN_SHUFFLE_ENTRIES, min(MAX_SHUFFLE_ENTRIES, budget // max(1, entry_bytes)))
+    return entries, entries * entry_bytes

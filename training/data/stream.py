@@ -206,7 +206,8 @@ def read_samples(stream: Any, url: str, wanted: Collection[int]) -> Iterator[tup
                 yield ordinal, sample
         return
     archive = tarfile.open(fileobj=stream, mode="r:")
-    ordinal, key, sample = -1, None, None
+    ordinal, key = -1, None
+    current: dict[str, Any] | None = None
     for info in archive:
         archive.members = []  # type: ignore[attr-defined]  # streamed: keep no list of the shard's members
         if not info.isreg():
@@ -215,18 +216,18 @@ def read_samples(stream: Any, url: str, wanted: Collection[int]) -> Iterator[tup
         if prefix is None:
             continue
         if prefix != key:
-            if sample is not None:
-                yield ordinal, sample
+            if current is not None:
+                yield ordinal, current
             ordinal, key = ordinal + 1, prefix
             if ordinal > last:
                 return
-            sample = {"__key__": prefix, "__url__": url} if ordinal in wanted else None
-        if sample is not None:
+            current = {"__key__": prefix, "__url__": url} if ordinal in wanted else None
+        if current is not None:
             handle = archive.extractfile(info)
             assert handle is not None  # a regular member always has a file object
-            sample[suffix.lower()] = handle.read()
-    if sample is not None:
-        yield ordinal, sample
+            current[suffix.lower()] = handle.read()
+    if current is not None:
+        yield ordinal, current
 
 
 @dataclass
@@ -287,7 +288,7 @@ class ShardStream(IterableDataset):
 
     def __init__(
         self, corpus: ShardCorpus, *, rank: int, layout: Layout, sample_rate: int, clip_samples: int, seed: int,
-        shuffle_buffer: int, languages: Sequence[str], padding: Padding = "pad",
+        languages: Sequence[str], padding: Padding = "pad",
     ) -> None:
         self.url = corpus.url
         self.plan = stream_corpus(corpus)
@@ -295,7 +296,7 @@ class ShardStream(IterableDataset):
         self.languages = set(languages)
         self.rank, self.layout = rank, layout
         self.sample_rate, self.clip_samples, self.padding = sample_rate, clip_samples, padding
-        self.seed, self.shuffle_buffer = seed, max(1, shuffle_buffer)
+        self.seed, self.shuffle_buffer = seed, layout.buffer
         self.segments: list[Segment] = []
         self.segments_epoch = -1
         self.shared = torch.zeros(2, dtype=torch.long).share_memory_()  # epoch, batches to skip
@@ -313,7 +314,7 @@ class ShardStream(IterableDataset):
         earlier = self.earlier(epoch)
         key = (epoch, len(earlier))
         if self._cut_for != key or self._cut is None:
-            left = remaining(self.plan.usable_clips, earlier, seed=self.seed, epoch=epoch, buffer=self.shuffle_buffer)
+            left = remaining(self.plan.usable_clips, earlier, seed=self.seed, epoch=epoch)
             self._cut, self._cut_for = (left, segment_cut(len(left), self.layout)), key
         return self._cut
 
@@ -473,11 +474,10 @@ class StreamBatches:
         layout = self.stream.layout
         self.pending = epoch
         if state is None:  # a checkpoint from before plans were recorded: its layout is assumed
-            state = {"epoch": epoch, "segments": [Segment(Layout(saved_world, layout.workers, layout.batch_size),
-                                                          batch_in_epoch).to_json()] if batch_in_epoch else []}
+            old = Layout(saved_world, layout.workers, layout.batch_size, layout.buffer)
+            state = {"epoch": epoch, "segments": [Segment(old, batch_in_epoch).to_json()] if batch_in_epoch else []}
         mismatch = {key: (state[key], value) for key, value in (("seed", self.stream.seed),
-                    ("corpus", self.stream.plan.digest()), ("shuffle_buffer", self.stream.shuffle_buffer))
-                    if key in state and state[key] != value}
+                    ("corpus", self.stream.plan.digest())) if key in state and state[key] != value}
         segments = [Segment.from_json(s) for s in state.get("segments", [])] if int(state["epoch"]) == epoch else []
         if mismatch and segments:
             # Another corpus or seed: the interrupted epoch's sequence is not this one's.
@@ -495,14 +495,15 @@ class StreamBatches:
             return f"epoch {epoch + 1} starts"
         left = len(self.stream.cut(epoch)[0])
         was = segments[-1].layout
-        return (f"layout changed (world {was.world} × {was.workers} workers × batch {was.batch_size} -> "
-                f"{layout.world} × {layout.workers} × {layout.batch_size}): epoch {epoch + 1} serves its "
+        return (f"layout changed (world {was.world} × {was.workers} workers × batch {was.batch_size}, buffer "
+                f"{was.buffer} -> {layout.world} × {layout.workers} × {layout.batch_size}, {layout.buffer}): epoch "
+                f"{epoch + 1} serves its "
                 f"{left} clips not yet served, cut anew ({self.stream.steps(epoch)} steps)")
 
     def plan_state(self, epoch: int, batch_in_epoch: int) -> dict[str, Any]:
         """What a checkpoint records of the plan (restored by :meth:`restore`)."""
         state: dict[str, Any] = {"epoch": epoch, "seed": self.stream.seed, "corpus": self.stream.plan.digest(),
-                                 "shuffle_buffer": self.stream.shuffle_buffer, "segments": []}
+                                 "segments": []}
         if epoch == self.epoch and batch_in_epoch > 0:
             done = self.skip + max(0, batch_in_epoch - self.before)
             state["segments"] = [s.to_json() for s in self.stream.earlier(epoch)]
@@ -568,13 +569,17 @@ def build_stream_loader(
     tokenizer: Any, sample_rate: int, clip_samples: int,
 ) -> StreamBatches:
     """The DataLoader over this rank's shard stream, with ``options`` from :func:`loader_options`."""
+    from training.data.loader import shuffle_entries
     from training.interrupt import ignore_ctrl_c
 
     workers = int(options.get("num_workers", 0))
-    layout = Layout(world=world, workers=workers, batch_size=cfg.optim.batch_size)
+    entry_bytes = clip_samples * 4  # a float32 crop (the captions are small beside it)
+    buffer, buffer_bytes = shuffle_entries(cfg.data.shuffle_buffer, cfg.data.shuffle_buffer_bytes,
+                                           entry_bytes=entry_bytes, workers=workers)
+    layout = Layout(world=world, workers=workers, batch_size=cfg.optim.batch_size, buffer=buffer)
     stream = ShardStream(
         corpus, rank=rank, layout=layout, sample_rate=sample_rate, clip_samples=clip_samples, seed=cfg.seed,
-        shuffle_buffer=cfg.data.shuffle_buffer, languages=cfg.data.languages, padding=short_clip_padding(cfg.frontend),
+        languages=cfg.data.languages, padding=short_clip_padding(cfg.frontend),
     )
     plan = stream.plan
     cover = coverage(plan.usable_clips, plan.clips, layout)
@@ -583,6 +588,8 @@ def build_stream_loader(
             f"{corpus.url}: {plan.usable_clips} usable train clips do not give each of {world} rank(s) a batch of "
             "2 clips; use fewer processes or a larger corpus")
     log.info("%s", cover.line(layout))
+    log.info("shuffle buffer: %d crops of %.2f MB per loader worker (%.2f GB per rank; data.shuffle_buffer=%s)",
+             buffer, entry_bytes / 1e6, buffer_bytes * max(1, workers) / 1e9, cfg.data.shuffle_buffer)
     if plan.unusable:
         log.info("%d train clip(s) have no caption in data.languages and are left out of every epoch, e.g. %s",
                  len(plan.unusable), ", ".join(plan.unusable[:NAMED_HELD_BACK]))
@@ -593,8 +600,8 @@ def build_stream_loader(
     # A generator of its own: a DataLoader without one draws its workers' base seed from the global
     # torch RNG at every epoch, which would shift dropout after a resume (the draw happened before).
     # batch_size=None: the stream yields whole batches (their size can fall short by a bad sample).
-    loader = DataLoader(stream, batch_size=None,
-                        collate_fn=StreamCollate(TrainCollate(strategy, tokenizer, seed=cfg.seed), clip_samples),
+    collate: Any = StreamCollate(TrainCollate(strategy, tokenizer, seed=cfg.seed), clip_samples)  # one (items, errors)
+    loader = DataLoader(stream, batch_size=None, collate_fn=collate,
                         worker_init_fn=ignore_ctrl_c, generator=torch.Generator().manual_seed(cfg.seed), **options)
     batches = StreamBatches(stream, loader)
     batches.coverage = cover

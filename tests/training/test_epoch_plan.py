@@ -11,6 +11,7 @@ import json
 import os
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -296,3 +297,46 @@ def test_training_from_shards_with_a_bad_sample_resumes_bit_exactly(subset_shard
         resumed = load_file(str(split / "last" / "model.safetensors"))
         for name, tensor in expected.items():
             assert (tensor == resumed[name]).all(), (stop, name)
+
+
+# --- `tonearm train CONFIG --plan` ------------------------------------------------------------------
+
+
+def test_the_plan_dry_run_matches_what_the_stream_serves_and_refuses_what_does_not_fit(
+        subset_shards: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from index.errors import DataError
+    from training.config import load_train_config
+    from training.data.cluster_plan import Cluster, cli_plan, plan_for
+    from training.data.loader import loader_options
+    from training.data.stream import build_stream_loader, cached_corpus
+
+    folder, _ = subset_shards
+    cfg = load_train_config(ROOT / "configs" / "tiny.yaml", shard_run(str(folder), str(tmp_path), "data.num_workers=auto",
+                                                                       "data.shuffle_buffer=auto"))
+    plan = plan_for(cfg, Cluster(nodes=1, gpus_per_node=2, cores_per_node=6, memory_per_node=2**34,
+                                 shm_per_node=2**33))
+    assert plan.fits and plan.layout.world == 2 and plan.layout.workers == 2  # 6 cores / 2 ranks - 1
+    served, steps, holes = [], set(), 0
+    for rank in range(2):  # the stream the run would build on each rank of that cluster
+        options = loader_options(plan.layout.workers, prefetch_factor=2, persistent=False, cuda=False)
+        strategy = SimpleNamespace(num_views=1, views=lambda captions, rng: [next(iter(captions.values()))[0]],
+                                   name="first")
+        batches = build_stream_loader(cfg, cached_corpus(cfg), rank=rank, world=2, options=options, strategy=strategy,
+                                      tokenizer=SimpleNamespace(encode=lambda texts: (np.zeros((len(texts), 3), int),
+                                                                                      np.ones((len(texts), 3), int))),
+                                      sample_rate=16_000, clip_samples=8_000)
+        assert batches.stream.layout.workers == plan.layout.workers
+        batches.set_epoch(0)
+        got = list(batches)
+        steps.add(len(got))
+        served += [int(i) for batch in got for i in batch.clip_index]
+        holes += sum(len(batch.skipped) for batch in got)
+    assert steps == {plan.steps}
+    assert len(set(served)) == len(served)
+    assert len(served) + holes == round(plan.coverage * 21) == 18  # 21 usable; 9 a rank (9 % 3 = 0)
+    args = argparse.Namespace(nodes=1, gpus_per_node=2, cores_per_node=6, memory_per_node="64Mi", shm_per_node="1Mi")
+    with pytest.raises(DataError, match="does not fit"):
+        cli_plan(args, cfg)
+    assert "DOES NOT FIT" in capsys.readouterr().out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -198,6 +199,30 @@ def test_resume_after_a_bad_sample_gives_the_same_batches_bit_for_bit(subset_sha
             assert np.array_equal(waves, waves0)
 
 
+def test_a_shard_cut_short_loses_its_remaining_samples_without_substitutes(subset_shards: tuple[Path, str],
+                                                                         tmp_path: Path) -> None:
+    import webdataset as wds
+
+    folder, bad_id = subset_shards
+    cut = tmp_path / "cut"
+    shutil.copytree(folder, cut)
+    victim = cut / "train-000004.tar"
+    members = [json.loads(s["json"])["id"] for s in wds.WebDataset(str(victim), shardshuffle=False)]
+    data = victim.read_bytes()
+    victim.write_bytes(data[:3000])  # cut inside its first sample: none of its samples arrives
+    english = {clip for clip, meta in shard_members(folder).items() if "eng" in meta["captions"]}
+    batches, _ = make_batches(str(cut), rank=0, world=1, workers=0)
+    batches.set_epoch(0)
+    got = list(batches)
+    served = [clip for ids, _, _ in got for clip in ids]
+    errors = [e for _, _, errs in got for e in errs]
+    assert len(served) == len(set(served)) and set(served) <= english - {bad_id}
+    lost = (english - {bad_id}) - set(served)
+    assert english & set(members) and english & set(members) <= lost  # the cut shard's clips are missing, none repeated instead
+    assert len(lost - set(members)) <= 1  # besides them only the cut's tail (21 usable, batches of 4: 20)
+    assert any("train-000004.tar" in e and "skipped" in e for e in errors), errors
+
+
 @pytest.mark.parametrize(("before", "after"), [((2, 2), (1, 1)), ((1, 2), (2, 1)), ((2, 1), (4, 0))])
 def test_a_resume_on_another_layout_serves_the_epochs_remaining_clips_once(
         subset_shards: tuple[Path, str], before: tuple[int, int], after: tuple[int, int]) -> None:
@@ -238,7 +263,8 @@ def _shard_worker(rank: int, world: int, shards: str, out: str, stop: int | None
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    train(load_train_config(ROOT / "configs" / "tiny.yaml", shard_run(shards, out)), interrupt_after_steps=stop)
+    train(load_train_config(ROOT / "configs" / "tiny.yaml", shard_run(shards, out, "seed=1")),
+          interrupt_after_steps=stop)
 
 
 def shard_run(shards: str, out: str, *extra: str) -> list[str]:
@@ -250,7 +276,7 @@ def shard_run(shards: str, out: str, *extra: str) -> list[str]:
 
 def test_two_gloo_processes_from_shards_resume_on_one(subset_shards: tuple[Path, str], tmp_path: Path) -> None:
     """21 usable English clips (1 of them corrupt) on 2 ranks of batch 3: 9 a rank (9 % 3 = 0), 3 steps an
-    epoch; stopped after 4 (epoch 2, batch 1), resumed on one process: epoch 2 serves the 21 − 6
+    epoch, the ranks agreeing on each step's batch; stopped after 4 (epoch 2, batch 1), resumed on one process: epoch 2 serves the 21 − 6
     clips it had left, 5 steps of 3."""
     from training.config import load_train_config
     from training.loop import train
@@ -261,12 +287,15 @@ def test_two_gloo_processes_from_shards_resume_on_one(subset_shards: tuple[Path,
     state = json.loads((out / "last" / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and state["data_plan"]["segments"] == [
         {"world": 2, "workers": 1, "batch_size": 3, "shuffle_buffer": 3, "batches": 1}]
-    train(load_train_config(ROOT / "configs" / "tiny.yaml", shard_run(str(folder), str(out), "resume=true")))
+    train(load_train_config(ROOT / "configs" / "tiny.yaml", shard_run(str(folder), str(out), "seed=1", "resume=true")))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     plans = [r for r in records if r["kind"] == "data_plan"]
     assert [p["world_size"] for p in plans] == [2, 1] and plans[0]["clips_per_epoch"] == 18
     epochs = [r for r in records if r["kind"] == "epoch"]
     assert [e["step"] for e in epochs] == [3, 4 + 5]
+    # With seed 1 the corrupt clip falls to rank 1 in epoch 1: rank 0 holds back one clip of that
+    # step so both train 2 (rank 0's records).
+    assert (epochs[0]["clips_served"], epochs[0]["clips_held_back"], epochs[0]["bad_samples"]) == (8, 1, 0)
     assert epochs[1]["clips_served"] == 15 - epochs[1]["bad_samples"]  # the corrupt clip, if it was left, is a hole
 
 

@@ -8,7 +8,7 @@ the node. The figures are the loader's own formulas, not a simulation:
 
 * index (per rank): ``records.jsonl`` held as Python objects, :data:`RECORDS_RSS_FACTOR` × its
   bytes (measured: a 124 MB records.jsonl of 40 k clips × 8 languages × 5 captions grew a
-  process by 436 MB), plus the epoch's sequence in each worker (16 bytes per usable clip);
+  process by 297 MB, at its peak too: it is read line by line), plus the epoch's sequence in each worker (16 bytes per usable clip);
 * shuffle buffers: workers × entries × crop bytes (float32 crops);
 * batches in flight, in shared memory: ``prefetch_factor`` × workers × batch × crop bytes.
 
@@ -27,7 +27,7 @@ from training.config import ConfigError, TrainConfig
 from training.data.epoch_plan import Layout, coverage
 from training.data.loader import shuffle_entries
 
-RECORDS_RSS_FACTOR = 3.5
+RECORDS_RSS_FACTOR = 2.4
 """Resident bytes per byte of records.jsonl once read into ClipRecords (measured, module doc)."""
 SEQUENCE_BYTES = 16
 """Bytes per usable clip of the epoch's sequence in each worker (two int64)."""

@@ -100,34 +100,45 @@ class ShardCorpus:
 
 
 def open_corpus(url: str, *, languages: Sequence[str], drop_other_languages: bool) -> ShardCorpus:
-    """Read a shard folder's index and records; captions outside ``languages`` refuse (or drop)."""
+    """Read a shard folder's index and records; captions outside ``languages`` refuse (or drop).
+
+    ``records.jsonl`` is read line by line (never whole as text), and the clips of one shard share
+    its name and path objects: what stays is the captions (docs/training.md, memory per rank)."""
+    import fsspec
+
     try:
         index = json.loads(read_text(_join(url, "index.json")))
-        lines = read_text(_join(url, "records.jsonl")).splitlines()
+        handle = fsspec.open(_join(url, "records.jsonl"), "rt", encoding="utf-8").open()
     except FileNotFoundError as err:
         raise DataError(f"{url}: no index.json / records.jsonl there ({err}); write shards with "
                         "`tonearm data shard MANIFEST --out DIR`") from None
-    if not index.get("complete"):
-        raise DataError(f"{url}: index.json says the shards are incomplete; rerun `tonearm data shard` to finish")
     records: dict[str, list[ClipRecord]] = {}
     unusable: dict[str, list[str]] = {}
     ordinal: dict[str, int] = {}
+    shard_of: dict[str, tuple[str, Any]] = {}
     wanted = set(languages)
-    for line in lines:
-        row = json.loads(line)
-        place = ordinal[row["shard"]] = ordinal.get(row["shard"], -1) + 1  # records.jsonl keeps each shard's order
-        captions = {lang: texts for lang, texts in row["captions"].items() if lang in wanted}
-        if len(captions) < len(row["captions"]) and not drop_other_languages:
-            other = sorted(set(row["captions"]) - wanted)
-            raise DataError(
-                f"{url}: clip {row['id']!r} has captions in {other}, not among data.languages; add them "
-                "or set data.drop_other_languages=true")
-        if captions:
-            records.setdefault(row["split"], []).append(ClipRecord(
-                id=row["id"], audio=_shard_path(url, row["shard"]), captions=captions, split=row["split"],
-                meta={"seconds": row["seconds"], "shard": row["shard"], "ordinal": place}))
-        else:
-            unusable.setdefault(row["split"], []).append(row["id"])
+    with handle:
+        if not index.get("complete"):
+            raise DataError(f"{url}: index.json says the shards are incomplete; rerun `tonearm data shard` to finish")
+        for line in handle:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            shard, path = shard_of.get(row["shard"]) or shard_of.setdefault(
+                row["shard"], (row["shard"], _shard_path(url, row["shard"])))
+            place = ordinal[shard] = ordinal.get(shard, -1) + 1  # records.jsonl keeps each shard's order
+            captions = {lang: texts for lang, texts in row["captions"].items() if lang in wanted}
+            if len(captions) < len(row["captions"]) and not drop_other_languages:
+                other = sorted(set(row["captions"]) - wanted)
+                raise DataError(
+                    f"{url}: clip {row['id']!r} has captions in {other}, not among data.languages; add them "
+                    "or set data.drop_other_languages=true")
+            if captions:
+                records.setdefault(row["split"], []).append(ClipRecord(
+                    id=row["id"], audio=path, captions=captions, split=row["split"],
+                    meta={"seconds": row["seconds"], "shard": shard, "ordinal": place}))
+            else:
+                unusable.setdefault(row["split"], []).append(row["id"])
     return ShardCorpus(url=url, index=index, records=records, unusable=unusable)
 
 

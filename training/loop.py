@@ -251,7 +251,9 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
         steps_per_epoch=steps_per_epoch,
         total_steps=int(total_steps),
         has_validation=bool(val_records),
-        bad_samples=BadSampleBudget(max_fraction=cfg.data.max_bad_fraction, clips=clips_on_rank),
+        bad_samples=BadSampleBudget(
+            max_fraction=cfg.data.max_bad_fraction, clips=clips_on_rank, replaced=cfg.data.shards is None
+        ),
         observer=observer,
     )
     if resume_dir is not None:

@@ -6,7 +6,8 @@ of the node, less one for the rank's own process, which feeds the accelerator (o
 CPU, computes the step). Workers persist across epochs and prefetch
 ``data.prefetch_factor`` batches each; batches are pinned on CUDA.
 
-A clip that cannot be decoded is replaced in its batch (:class:`TrainClipDataset`); the
+A clip that cannot be decoded is replaced in its batch (:class:`TrainClipDataset`; from
+``data.shards`` it is left out instead, training/data/stream.py); the
 loop hands the errors to :class:`BadSampleBudget`, which names the first ones, counts
 them into the epoch records and stops the run in one line when more distinct clips than
 ``data.max_bad_fraction`` of this rank's share have failed.
@@ -59,8 +60,9 @@ def loader_options(
 class BadSampleBudget:
     """Distinct undecodable clips seen by this rank, against ``data.max_bad_fraction``."""
 
-    def __init__(self, *, max_fraction: float, clips: int) -> None:
+    def __init__(self, *, max_fraction: float, clips: int, replaced: bool = True) -> None:
         self.max_fraction = max_fraction
+        self.fate = "replaced in its batch" if replaced else "left out of its batch"
         self.clips = clips
         self.allowed = int(max_fraction * clips)
         self.seen: dict[str, None] = {}  # insertion-ordered set of error messages
@@ -72,7 +74,7 @@ class BadSampleBudget:
                 continue
             self.seen[error] = None
             if len(self.seen) <= NAMED_BAD_SAMPLES:
-                log.warning("skipped an undecodable clip (replaced in its batch): %s", error)
+                log.warning("skipped an undecodable clip (%s): %s", self.fate, error)
             elif len(self.seen) == NAMED_BAD_SAMPLES + 1:
                 log.warning("more undecodable clips: counted in metrics.jsonl (bad_samples), no longer named")
         if len(self.seen) > self.allowed:

@@ -599,6 +599,10 @@ def build_stream_loader(
             f"{corpus.url}: {plan.usable_clips} usable train clips do not give each of {world} rank(s) a batch of "
             "2 clips; use fewer processes or a larger corpus")
     log.info("%s", cover.line(layout))
+    if cover.fraction < 0.99:
+        log.warning("an epoch leaves out %d of %d usable clips (%.1f %%): each of %d rank(s) takes %d, in batches of "
+                    "%d with none of one clip; a larger corpus or fewer ranks cover more", cover.left_out,
+                    cover.usable, 100 * (1 - cover.fraction), world, cover.served // world, layout.batch_size)
     log.info("shuffle buffer: %d crops of %.2f MB per loader worker (%.2f GB per rank; data.shuffle_buffer=%s)",
              buffer, entry_bytes / 1e6, buffer_bytes * max(1, workers) / 1e9, cfg.data.shuffle_buffer)
     if plan.unusable:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -52,9 +52,13 @@ class DataConfig(_Strict):
     shards: str | None = None
     """Train from `tonearm data shard` output instead of `manifest`: a folder, ``s3://``, ``gs://`` or
     ``https://`` URL read through fsspec (docs/training.md, "Training on a large corpus")."""
-    shuffle_buffer: int = Field(1000, ge=1)
-    """With `shards`: clips each loader worker holds to draw its next one from (more = better mixed,
-    more memory: a clip's encoded audio each)."""
+    shuffle_buffer: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    """With `shards`: training crops each loader worker holds to draw its next one from (more = better
+    mixed, more memory: one decoded float32 crop each). ``auto`` = as many as `shuffle_buffer_bytes`
+    holds, at most 1000 (docs/training.md, "Training on a large corpus")."""
+    shuffle_buffer_bytes: int | None = Field(None, ge=1)
+    """Bytes of one loader worker's shuffle buffer for ``shuffle_buffer: auto``; null = 20 % of the
+    node's memory (cgroup limit, else physical) shared by every loader worker of the node."""
     languages: list[str] = Field(default_factory=lambda: list(DEFAULT_LANGUAGES))
     drop_other_languages: bool = False
     """Drop captions in languages outside `languages` (counted and reported) instead of

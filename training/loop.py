@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +34,7 @@ from training.config import ConfigError, TrainConfig, load_train_config, short_c
 from training.context import LoopContext
 from training.data.loader import BadSampleBudget, loader_options, loader_workers
 from training.data.splits import TRAIN_SPLIT
+from training.data.stream import StreamBatches
 from training.elastic import EpochBatches, rederived_seed, resumed_rng_state
 from training.evaluate import (
     EvalSet,
@@ -75,9 +76,6 @@ from training.runtime import (
     unflatten_optimizer_state,
 )
 from training.schedule import Schedule
-
-if TYPE_CHECKING:
-    from training.data.stream import StreamBatches
 
 log = logging.getLogger(__name__)
 
@@ -253,13 +251,21 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
         steps_per_epoch=steps_per_epoch,
         total_steps=int(total_steps),
         has_validation=bool(val_records),
-        bad_samples=BadSampleBudget(max_fraction=cfg.data.max_bad_fraction, clips=clips_on_rank),
+        bad_samples=BadSampleBudget(
+            max_fraction=cfg.data.max_bad_fraction, clips=clips_on_rank, replaced=cfg.data.shards is None
+        ),
         observer=observer,
     )
     if resume_dir is not None:
         restore_trainer_state(run, resume_dir)
     else:
         run.metrics.truncate_after(0)
+    if isinstance(batches, StreamBatches) and batches.coverage is not None:  # printed by the loader, kept here
+        cover = batches.coverage
+        run.metrics.write({"kind": "data_plan", "step": run.state.step, "clips": cover.clips,
+                           "usable_clips": cover.usable, "clips_per_epoch": cover.served,
+                           "coverage": round(cover.fraction, 6), "steps_per_epoch": cover.steps,
+                           "world_size": runtime.world_size, "loader_workers": batches.stream.layout.workers})
     if runtime.is_main:
         (cfg.out_dir / "config.json").write_text(
             cfg.model_dump_json(indent=2) + "\n", encoding="utf-8"
@@ -617,6 +623,11 @@ def run_epochs(
         try:
             for batch in run.observer.batches(run.loader):
                 run.bad_samples.add(batch.skipped)
+                if isinstance(run.batches, StreamBatches):  # ranks agree on the batch's clips
+                    batch = run.batches.lockstep(batch)
+                    if batch is None:  # a rank has < 2 usable clips: every rank skips the step
+                        state.batch_in_epoch += 1
+                        continue
                 values = train_step(run, batch)
                 record_step(run, epoch, values)
                 bar.update()
@@ -761,6 +772,7 @@ def end_epoch(run: Run, epoch: int, *, seconds: float) -> None:
             "loss": mean_loss,
             "seconds": seconds,
             "bad_samples": run.bad_samples.count,
+            **(run.batches.epoch_stats() if isinstance(run.batches, StreamBatches) else {}),
             **summary,
         }
     )
@@ -888,6 +900,8 @@ def save_last(run: Run, report: dict[str, float] | None = None) -> None:
             "scaler": run.scaler.state_dict(),
             "world_size": run.runtime.world_size,
         }
+        if isinstance(run.batches, StreamBatches):
+            meta["data_plan"] = run.batches.plan_state(state.epoch, state.batch_in_epoch)
         save_trainer_state(
             directory, tensors={**optim_tensors, **rng_tensors, **objective_tensors}, meta=meta
         )
@@ -913,17 +927,10 @@ def restore_trainer_state(run: Run, directory: Path) -> None:
         run.scaler.load_state_dict(meta["scaler"])
     run.state = LoopState(**meta["loop"])
     saved_world, world = int(meta.get("world_size", 1)), run.runtime.world_size
-    from training.data.stream import StreamBatches
-
-    if saved_world != world and isinstance(run.batches, StreamBatches):
-        raise ConfigError(
-            f"resume: this run streams data.shards and was saved on {saved_world} process(es); "
-            f"resume it on {saved_world} (a stream resumes by batches of the same world size and "
-            "loader workers), or start a new run"
-        )
-    if saved_world != world:
+    if isinstance(run.batches, StreamBatches):
+        restore_stream_plan(run, meta.get("data_plan"), saved_world=saved_world)
+    elif saved_world != world:
         # Same global clip order, continued from the clips consumed (training/elastic.py).
-        assert isinstance(run.batches, EpochBatches)  # streams were refused above
         state, batch = run.state, run.cfg.optim.batch_size
         if state.samples_in_epoch is None:
             state.samples_in_epoch = state.batch_in_epoch * batch * saved_world
@@ -949,6 +956,22 @@ def restore_trainer_state(run: Run, directory: Path) -> None:
         seed_everything(rederived_seed(run.cfg.seed, step=run.state.step, rank=run.runtime.rank))
     run.metrics.truncate_after(run.state.step)
     log.info("resumed from %s at epoch %d, step %d", directory, run.state.epoch, run.state.step)
+
+
+def restore_stream_plan(run: Run, plan: dict[str, Any] | None, *, saved_world: int) -> None:
+    """Take up the checkpoint's data plan (training/data/stream.py ``StreamBatches.restore``): the same
+    layout resumes exactly; another one serves the epoch's clips not yet served, cut anew, and
+    the run's step count follows."""
+    assert isinstance(run.batches, StreamBatches)
+    state = run.state
+    said = run.batches.restore(plan, epoch=state.epoch, batch_in_epoch=state.batch_in_epoch, saved_world=saved_world)
+    left = run.batches.remaining_steps() + (run.cfg.optim.epochs - state.epoch - 1) * run.steps_per_epoch
+    total = int(min(run.cfg.optim.max_steps or math.inf, state.step + left))
+    if total != run.total_steps:
+        run.total_steps = total
+        run.schedule = build_schedule(run.cfg, steps_per_epoch=run.steps_per_epoch, total_steps=total)
+        said += f"; the run ends at step {total}"
+    log.info("resume from shards: %s", said)
 
 
 # --- batching and metrics files -----------------------------------------------------------

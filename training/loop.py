@@ -177,8 +177,13 @@ def train(
         run = build_run(cfg, runtime)
         with StopRequest() as stop:
             run_epochs(run, interrupt_after_steps=interrupt_after_steps, stop=stop)
-    finally:
+    except TrainingInterrupted:  # every rank stopped at the same step boundary (stop_requested)
         teardown_runtime(runtime)
+        raise
+    except BaseException as err:  # this rank alone may have failed: no barrier, the job ends now
+        teardown_runtime(runtime, error=err)
+        raise
+    teardown_runtime(runtime)
     return cfg.out_dir
 
 

@@ -132,9 +132,15 @@ def setup_runtime(
     )
 
 
-def teardown_runtime(runtime: Runtime) -> None:
-    if runtime.distributed:
+def teardown_runtime(runtime: Runtime, *, error: BaseException | None = None) -> None:
+    """Leave the process group: after a barrier when the run ended the same way on every rank, at
+    once when `error` is propagating (training.distributed, "failing well")."""
+    if not runtime.distributed:
+        return
+    if error is None:
         distributed.destroy_process_group()
+    else:
+        distributed.leave_after_error(error)
 
 
 def barrier(runtime: Runtime) -> None:

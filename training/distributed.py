@@ -466,6 +466,43 @@ def reduce_logged(values: Mapping[str, Tensor | float]) -> dict[str, float]:
         return dict(zip(keys, packed.tolist(), strict=True))
 
 
+WORST_OF = {"data_wait_fraction": "data_wait_fraction_max"}
+"""Window metrics whose worst rank is logged beside the mean (a starved rank slows every rank)."""
+MAX_OF = frozenset({"peak_memory_mib"})
+"""Window metrics logged as their largest value over ranks (the rank that runs out first)."""
+
+
+def reduce_window(values: Mapping[str, float]) -> dict[str, float]:
+    """A logging window's data metrics over every rank, for rank 0 to log: ONE all-gather.
+
+    Each value becomes its mean over ranks (``samples_per_s``: each rank counts the global batch,
+    so the mean is the job's throughput), except :data:`MAX_OF` (largest); ``data_wait_fraction``
+    also gets ``data_wait_fraction_max``, the worst rank's. On one process: the values, with the
+    worst equal to the mean.
+    """
+    keys = list(values)
+    if not is_distributed():
+        rows = [[float(values[k]) for k in keys]]
+    else:
+        with _helper_scope():
+            local = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=group_device())
+            rows = all_gather_no_grad(local.unsqueeze(0)).tolist()
+    out: dict[str, float] = {}
+    for column, key in enumerate(keys):
+        per_rank = [row[column] for row in rows]
+        out[key] = max(per_rank) if key in MAX_OF else sum(per_rank) / len(per_rank)
+        if key in WORST_OF:
+            out[WORST_OF[key]] = max(per_rank)
+    return out
+
+
+def distinct_over_ranks(items: Sequence[str]) -> int:
+    """How many distinct ``items`` every rank together holds (e.g. bad samples): one gather."""
+    if not is_distributed():
+        return len(set(items))
+    return len({item for part in gather_objects(list(items)) for item in part})
+
+
 def _first_device(values: Mapping[str, Tensor | float]) -> torch.device:
     return next((v.device for v in values.values() if isinstance(v, Tensor)), torch.device("cpu"))
 

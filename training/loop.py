@@ -765,7 +765,7 @@ def end_epoch(run: Run, epoch: int, *, seconds: float) -> None:
             "step": state.step,
             "loss": mean_loss,
             "seconds": seconds,
-            "bad_samples": run.bad_samples.count,
+            "bad_samples": distributed.distinct_over_ranks(list(run.bad_samples.seen)),  # all ranks
             **summary,
         }
     )

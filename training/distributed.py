@@ -91,8 +91,12 @@ def init_process_group(device: torch.device, *, timeout_s: float) -> int:
         return dist.get_rank()
     address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     rank_env, size = os.environ.get("RANK", "?"), launched_world_size()
+    extra: dict[str, Any] = {}
+    if size == 1 and "MASTER_ADDR" not in os.environ:  # one plain process (a forced group): a private store
+        address = f"127.0.0.1:{_free_port()}"
+        extra = {"init_method": f"tcp://{address}", "rank": 0, "world_size": 1}
     try:
-        dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=timeout_s), **extra)
     except (RuntimeError, ValueError, OSError) as err:  # DistStoreError/DistNetworkError are RuntimeErrors
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TonearmError(
@@ -103,6 +107,14 @@ def init_process_group(device: torch.device, *, timeout_s: float) -> int:
         ) from err
     _GROUP_DEVICE = device
     return dist.get_rank()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 # --- the group's device and the collective boundary ------------------------------------------

@@ -170,6 +170,7 @@ def train(
         amp_dtype=cfg.optim.amp_dtype,
         threads=cfg.threads,
         timeout_s=cfg.distributed.timeout_s,
+        force_group=cfg.distributed.force_process_group,
     )
     try:
         prepare_out_dir(cfg, runtime, command=command)

@@ -364,3 +364,43 @@ def test_a_run_stopped_mid_way_resumes_from_its_progress(corpus_with_corrupt: Pa
     assert again["splits"] == done["splits"] and again["skipped"] == done["skipped"]
     assert (out / "records.jsonl").read_text() == (shards / "records.jsonl").read_text()
     assert not (out / ".progress").exists()
+
+
+# --- what `tonearm data shard` refuses (issue 39 item 6) ----------------------------------------
+
+TRUNCATABLE = [("wav", "WAV", "PCM_16", 16_000), ("flac", "FLAC", "PCM_16", 16_000), ("ogg", "OGG", "VORBIS", 16_000),
+               ("opus", "OGG", "OPUS", 48_000), ("mp3", "MP3", "MPEG_LAYER_III", 16_000)]
+
+
+def test_truncated_wav_ogg_mp3_and_flac_are_refused_and_listed(tmp_path: Path) -> None:
+    """Each format written whole and cut short by this test (70 % of its bytes; an Ogg file also at
+    a page boundary, before its end-of-stream page): the whole files are packed at full length,
+    every cut one is skipped with a reason that says it is truncated — none becomes a shorter clip."""
+    from training.data.shards import shard_manifest
+
+    rows, cut_ids = [], set()
+    for ext, fmt, subtype, rate in TRUNCATABLE:
+        wave = (0.3 * np.sin(2 * np.pi * 440 * np.arange(2 * rate) / rate)).astype(np.float32)
+        whole = tmp_path / f"whole-{ext}.{'ogg' if ext == 'opus' else ext}"
+        sf.write(whole, wave, rate, format=fmt, subtype=subtype)
+        data = whole.read_bytes()
+        cuts = {f"cut-{ext}": data[: int(len(data) * 0.7)]}
+        if fmt == "OGG":
+            cuts[f"cut-{ext}-at-page"] = data[: data.rfind(b"OggS")]  # pages whole, the last one missing
+        for clip_id, cut_bytes in cuts.items():
+            path = tmp_path / f"{clip_id}.{whole.suffix[1:]}"
+            path.write_bytes(cut_bytes)
+            rows.append({"id": clip_id, "audio": str(path), "split": "train", "captions": {"eng": ["a tone"]}})
+            cut_ids.add(clip_id)
+        rows.append({"id": f"whole-{ext}", "audio": str(whole), "split": "train", "captions": {"eng": ["a tone"]}})
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    index = shard_manifest(manifest, tmp_path / "shards", sample_rate=16_000, shard_size=4, workers=1,
+                           progress=False)
+    skipped = {s["id"]: s["reason"] for s in index["skipped"]}
+    assert set(skipped) == cut_ids
+    for clip_id, reason in skipped.items():
+        assert "truncated" in reason or "corrupt" in reason, (clip_id, reason)
+    records = [json.loads(line) for line in (tmp_path / "shards" / "records.jsonl").read_text().splitlines()]
+    assert {r["id"] for r in records} == {f"whole-{ext}" for ext, *_ in TRUNCATABLE}
+    assert all(abs(r["seconds"] - 2.0) < 0.1 for r in records), records  # packed whole

@@ -97,7 +97,7 @@ def write_shard(task: ShardTask, *, out: Path, sample_rate: int, codec: Codec) -
         writer = wds.TarWriter(handle, mtime=0.0)
         for offset, row in enumerate(task.rows):
             try:
-                wave = decode_audio(row["audio"], sample_rate=sample_rate)
+                wave = decode_audio(row["audio"], sample_rate=sample_rate, complete=True)  # a cut file is refused
             except AudioDecodeError as err:
                 skipped.append({"id": row["id"], "audio": row["audio"], "reason": str(err)})
                 continue

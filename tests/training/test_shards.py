@@ -404,3 +404,47 @@ def test_truncated_wav_ogg_mp3_and_flac_are_refused_and_listed(tmp_path: Path) -
     records = [json.loads(line) for line in (tmp_path / "shards" / "records.jsonl").read_text().splitlines()]
     assert {r["id"] for r in records} == {f"whole-{ext}" for ext, *_ in TRUNCATABLE}
     assert all(abs(r["seconds"] - 2.0) < 0.1 for r in records), records  # packed whole
+
+
+def test_a_rerun_checks_kept_shards_by_size_and_quick_digest_and_rehash_reads_them_whole(
+        corpus_with_corrupt: Path, shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+
+    import training.data.shards as writer
+
+    monkeypatch.setattr(writer, "QUICK_BYTES", 4096)  # the tiny shards are smaller than 2 MiB
+    out = tmp_path / "quick"
+    index = writer.shard_manifest(corpus_with_corrupt, out, sample_rate=16_000, shard_size=8, workers=2,
+                                  progress=False)
+    entries = [s for split in index["splits"].values() for s in split["shards"]]
+    for entry in entries:  # recorded at write time; the reference digest is computed here, independently
+        data = (out / entry["name"]).read_bytes()
+        assert entry["bytes"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest()
+        assert "quick_sha256" in entry
+    names = [e["name"] for e in entries]
+    cut, flipped = out / names[0], out / names[1]
+    cut.write_bytes(cut.read_bytes()[:-700])  # cut short: another size
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, same ends: only a full hash sees it
+    flipped.write_bytes(bytes(data))
+    full_hashes = []
+    real_sha = writer.sha256_of
+    monkeypatch.setattr(writer, "sha256_of", lambda path: full_hashes.append(path.name) or real_sha(path))
+    times = {name: (out / name).stat().st_mtime_ns for name in names}
+
+    writer.shard_manifest(corpus_with_corrupt, out, sample_rate=16_000, shard_size=8, workers=2, progress=False)
+    rewritten = {name for name in names if (out / name).stat().st_mtime_ns != times[name]}
+    assert rewritten == {names[0]}  # the cut shard; the flipped byte passes the cheap check
+    assert full_hashes == [names[0]]  # no kept shard was read whole: only the one just written was hashed
+    assert (out / names[1]).read_bytes() == bytes(data)
+
+    full_hashes.clear()
+    times = {name: (out / name).stat().st_mtime_ns for name in names}
+    again = writer.shard_manifest(corpus_with_corrupt, out, sample_rate=16_000, shard_size=8, workers=2,
+                                  progress=False, rehash=True)
+    rewritten = {name for name in names if (out / name).stat().st_mtime_ns != times[name]}
+    assert rewritten == {names[1]}  # --rehash finds the flipped byte
+    assert sorted(full_hashes) == sorted([*names, names[1]])  # every kept shard hashed whole, then the new one
+    assert again["splits"] == index["splits"]  # byte for byte as first written
+    cli = json.loads((shards / "index.json").read_text())
+    assert [s["sha256"] for s in entries] == [s["sha256"] for split in cli["splits"].values() for s in split["shards"]]

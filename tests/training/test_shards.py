@@ -190,6 +190,35 @@ def test_corrupt_sample_in_a_shard_is_replaced_and_counted(clean_shards: Path, t
         BadSampleBudget(max_fraction=0.0, clips=32).add(errors)
 
 
+@pytest.mark.parametrize("member", [0, 1])
+def test_a_shard_failing_mid_read_is_named_and_its_remaining_samples_skipped(clean_shards: Path, tmp_path: Path,
+                                                                            member: int) -> None:
+    """A train shard cut inside its 4th sample (its first or its second member): the 3 samples before
+    the cut are served, the 5 from it on never are, and each of those 5 is one named error for the
+    bad-sample budget (the reference: the shard's own members, listed by tarfile from the intact file)."""
+    import tarfile
+
+    broken = tmp_path / "broken"
+    shutil.copytree(clean_shards, broken)
+    victim = "train-000001.tar"
+    samples: dict[str, list[tarfile.TarInfo]] = {}
+    with tarfile.open(clean_shards / victim) as archive:
+        for info in archive.getmembers():
+            samples.setdefault(info.name.split(".", 1)[0], []).append(info)
+        ids = [json.loads(archive.extractfile(next(m for m in members if m.name.endswith(".json"))).read())["id"]
+               for members in samples.values()]  # type: ignore[union-attr]
+    fourth = list(samples.values())[3][member]
+    (broken / victim).write_bytes((clean_shards / victim).read_bytes()[: fourth.offset_data + fourth.size // 2])
+    stream, corpus = make_stream(str(broken), workers=0)
+    stream.set_epoch(0)
+    batches = list(loader_of(stream, rows_and_waves, workers=0))
+    errors = [e for b in batches for e in b[2]]
+    assert len(errors) == len(ids) - 3 == len(set(errors))
+    assert all(victim in e and "the shard failed after 3" in e for e in errors)
+    served = {corpus.records["train"][row].id for b in batches for row in b[0]}
+    assert set(ids[:3]) <= served and not set(ids[3:]) & served
+
+
 def test_seekable_tar_reader_gives_webdatasets_samples_and_fails_on_a_cut_shard(clean_shards: Path,
                                                                                   tmp_path: Path) -> None:
     """The random-access tar read (one read per member) yields exactly what webdataset's stream

@@ -28,8 +28,10 @@ those samples are read again, not decoded).
 
 A sample whose audio cannot be decoded is replaced by another clip of the worker's shuffle buffer
 (or a recent one) and its error travels in ``TrainItem.skipped`` to :class:`BadSampleBudget`,
-exactly as an unreadable file does; a shard that cannot be read or ends early has its error
-counted the same way and the worker fills its share from the clips it has.
+exactly as an unreadable file does; a shard that cannot be read or fails mid-read is named and
+its remaining samples are skipped, each counted the same way (:meth:`ShardStream._raw`); the
+worker goes on with its next shard, and only if its shards then hold fewer clips than its share
+is the rest filled from the clips it has (every rank must run the same steps).
 """
 
 from __future__ import annotations
@@ -135,15 +137,27 @@ def _tar_members(stream: Any, url: str) -> Iterator[dict[str, Any]]:
         archive.members = []  # type: ignore[attr-defined]  # streamed: keep no list of the shard's members (typeshed omits it)
 
 
-def tar_samples(stream: Any, url: str) -> Iterator[dict[str, Any]]:
+def tar_samples(stream: Any, url: str, *, failed: list[BaseException] | None = None) -> Iterator[dict[str, Any]]:
     """The samples (``{"__key__", ext: bytes, …}``) of one shard opened with fsspec: webdataset's
     grouping of members by key over :func:`_tar_members` when the file seeks, webdataset's own
-    tar expander (stream mode, e.g. an ``https://`` server without ranges) when it does not."""
+    tar expander (stream mode, e.g. an ``https://`` server without ranges) when it does not.
+
+    With ``failed``, a read that fails mid-shard ends the samples there (the error goes into
+    ``failed``) after the last sample whose members were all read — grouping by key holds a sample
+    until the next key starts, so without this the last whole sample before the failure is lost
+    too. The final sample may then lack members: the caller checks it."""
     from webdataset.tariterators import group_by_keys, tar_file_expander
 
     seekable = getattr(stream, "seekable", lambda: False)()
     members = _tar_members(stream, url) if seekable else tar_file_expander([{"url": url, "stream": stream}])
-    return group_by_keys(members)
+    return group_by_keys(members if failed is None else _until_failure(members, failed))
+
+
+def _until_failure(members: Iterator[dict[str, Any]], failed: list[BaseException]) -> Iterator[dict[str, Any]]:
+    try:
+        yield from members
+    except Exception as err:  # noqa: BLE001 - handed to the caller through `failed`
+        failed.append(err)
 
 
 def _shard_path(url: str, shard: str) -> Any:
@@ -280,18 +294,35 @@ class ShardStream(IterableDataset):
         return plan[role].shards, quota[role], done[role], role
 
     def _raw(self, names: Sequence[str], errors: list[str]) -> Iterator[dict[str, Any]]:
-        """The samples of ``names`` in order, as dicts of bytes; unreadable shards add to ``errors``."""
+        """The samples of ``names`` in order, as dicts of bytes.
+
+        A shard that fails mid-read (unreadable, cut short, a broken member) is named and its
+        remaining samples are skipped — never read again, none substituted for — each one added
+        to ``errors`` (so ``data.max_bad_fraction`` counts the samples lost, not one per shard);
+        the worker goes on with its next shard.
+        """
         import fsspec
 
+        clips = dict(self.shards)
         for name in names:
-            url = _join(self.url, name)
+            url, read, failed = _join(self.url, name), 0, []
             try:
                 with fsspec.open(url, "rb") as stream:
-                    for sample in tar_samples(stream, url):
+                    for sample in tar_samples(stream, url, failed=failed):
+                        if failed and not ("json" in sample and self.extension in sample):
+                            break  # the sample the failure cut
                         sample["__shard__"] = url
+                        read += 1
                         yield sample
-            except Exception as err:  # noqa: BLE001 - a broken shard is a bad sample, not a crash
-                errors.append(f"{url}: shard unreadable or cut short: {type(err).__name__}: {err}")
+                if failed:
+                    raise failed[0]
+            except Exception as err:  # noqa: BLE001 - a broken shard is bad samples, not a crash
+                total = max(clips.get(name, 0), read + 1)
+                reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+                log.warning("%s: shard failed after %d of its %d samples (%s); its %d remaining samples are "
+                            "skipped", url, read, total, reason, total - read)
+                errors.extend(f"{url}: sample {number} of {total} not read: the shard failed after {read} ({reason})"
+                              for number in range(read + 1, total + 1))
 
     def _decode(self, sample: dict[str, Any], epoch: int) -> TrainItem:
         meta = json.loads(sample["json"])

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-TIMING_KEYS = frozenset({"seconds", "samples_per_s", "data_wait_fraction", "peak_memory_mib"})
+TIMING_KEYS = frozenset({"seconds", "samples_per_s", "data_wait_fraction", "data_wait_fraction_max", "peak_memory_mib"})
 """Record keys that measure time or memory: they differ between two runs of the same config."""
 
 

@@ -96,7 +96,8 @@ def ogg_cut_short(handle: BinaryIO, size: int) -> str | None:
     a page carrying the end-of-stream flag. Bytes after the last stream has ended (a trailing
     tag) are allowed.
     """
-    position, open_streams, seen = 0, set(), False
+    position, seen = 0, False
+    open_streams: set[bytes] = set()
     while position < size:
         handle.seek(position)
         header = handle.read(27)

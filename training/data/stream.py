@@ -305,7 +305,8 @@ class ShardStream(IterableDataset):
 
         clips = dict(self.shards)
         for name in names:
-            url, read, failed = _join(self.url, name), 0, []
+            url, read = _join(self.url, name), 0
+            failed: list[BaseException] = []
             try:
                 with fsspec.open(url, "rb") as stream:
                     for sample in tar_samples(stream, url, failed=failed):

@@ -24,7 +24,7 @@ import numpy as np
 import soundfile as sf
 import soxr
 
-from index.audio_formats import missing_bytes
+from index.audio_formats import missing_bytes, ogg_cut_short
 from index.audio_frontend import Padding, pad_short_clip
 from index.errors import AudioDecodeError
 
@@ -80,8 +80,9 @@ def _open(source: Path | str | bytes) -> sf.SoundFile:
 
 
 def _check_complete(source: Path | str | bytes, container: str, declared: int, decoded: int) -> None:
-    """Refuse a stream cut short: a WAV whose data chunk runs past the end, or fewer samples
-    decoded than the header declares (FLAC STREAMINFO, MP3 Xing/Info; index.audio_formats)."""
+    """Refuse a stream cut short: a WAV whose data chunk runs past the end, an Ogg file whose pages
+    stop before an end-of-stream page, or fewer samples decoded than the header declares (FLAC
+    STREAMINFO, MP3 Xing/Info; index.audio_formats)."""
     name = _describe(source)
     if container == "WAV":
         if isinstance(source, bytes | bytearray):
@@ -91,6 +92,14 @@ def _check_complete(source: Path | str | bytes, container: str, declared: int, d
                 short = missing_bytes(handle, Path(source).stat().st_size)
         if short:
             raise AudioDecodeError(f"{name}: truncated WAV: its data chunk lacks the last {short} bytes")
+    if container == "OGG":  # Ogg declares no length: the pages must chain to an end-of-stream page
+        if isinstance(source, bytes | bytearray):
+            why = ogg_cut_short(io.BytesIO(bytes(source)), len(source))
+        else:
+            with Path(source).open("rb") as handle:
+                why = ogg_cut_short(handle, Path(source).stat().st_size)
+        if why:
+            raise AudioDecodeError(f"{name}: truncated OGG: {why}")
     slack = MPEG_FRAME_SAMPLES if container == "MPEG" else 0
     if container != "WAV" and declared > 0 and decoded + slack < declared:
         raise AudioDecodeError(

@@ -217,7 +217,14 @@ class DistributedConfig(_Strict):
     """``global``: every rank scores the whole gathered batch (all objectives);
     ``local``: each rank scores its own rows against it (InfoNCE/SigLIP bases only)."""
     timeout_s: float = Field(600.0, gt=0)
-    """Rendezvous and collective timeout; a stale rendezvous fails after this long."""
+    """Rendezvous, collective and barrier timeout (NCCL's watchdog too): a stale rendezvous or a
+    hung rank fails after this long. A rank that *raises* ends the job at once, without waiting
+    for it (docs/training.md, "Training on a large corpus"); keep it above the longest wait
+    between ranks (validation, knowledge-base refreshes at an epoch's end)."""
+    force_process_group: bool = False
+    """Create the process group (NCCL on a GPU) even at world size 1 — a plain process or a
+    one-process torchrun — so that DDP and every collective of the loop run as on many GPUs:
+    one GPU then measures what they cost and checks that every tensor they send lives there."""
     find_unused_parameters: bool = False
     """Let DDP search every step for parameters without a gradient (slower); only for a
     model or objective that leaves some trainable parameters out of the loss."""

@@ -36,13 +36,7 @@ from training.data.loader import BadSampleBudget, loader_options, loader_workers
 from training.data.splits import TRAIN_SPLIT
 from training.data.stream import StreamBatches
 from training.elastic import EpochBatches, rederived_seed, resumed_rng_state
-from training.evaluate import (
-    EvalSet,
-    clip_samples,
-    evaluate_prepared,
-    prepare_eval_set,
-    report_keys,
-)
+from training.evaluate import EvalSet, clip_samples, prepare_eval_set, report_keys
 from training.finetune import (
     apply_freezing,
     compile_towers,
@@ -76,6 +70,7 @@ from training.runtime import (
     unflatten_optimizer_state,
 )
 from training.schedule import Schedule
+from training.validation import validate
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +163,7 @@ def train(
         amp_dtype=cfg.optim.amp_dtype,
         threads=cfg.threads,
         timeout_s=cfg.distributed.timeout_s,
+        force_group=cfg.distributed.force_process_group,
     )
     try:
         prepare_out_dir(cfg, runtime, command=command)
@@ -175,8 +171,13 @@ def train(
         run = build_run(cfg, runtime)
         with StopRequest() as stop:
             run_epochs(run, interrupt_after_steps=interrupt_after_steps, stop=stop)
-    finally:
+    except TrainingInterrupted:  # every rank stopped at the same step boundary (stop_requested)
         teardown_runtime(runtime)
+        raise
+    except BaseException as err:  # this rank alone may have failed: no barrier, the job ends now
+        teardown_runtime(runtime, error=err)
+        raise
+    teardown_runtime(runtime)
     return cfg.out_dir
 
 
@@ -241,11 +242,9 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
             device=runtime.device,
             num_workers=loader_workers(cfg.data.num_workers),
         ),
-        val_set=prepare_eval_set(
-            val_records, data_cfg=cfg.data, frontend_cfg=cfg.frontend, progress=runtime.is_main
-        )
-        if val_records and runtime.is_main
-        else None,
+        val_set=prepare_eval_set(val_records, data_cfg=cfg.data, frontend_cfg=cfg.frontend)
+        if val_records
+        else None,  # every rank embeds a share of it (training/validation.py)
         teachers=build_distillation_teachers(cfg, runtime, train_records, tokenizer),
         metrics=MetricsLog(cfg.out_dir / "metrics.jsonl", enabled=runtime.is_main, observer=observer),
         steps_per_epoch=steps_per_epoch,
@@ -771,7 +770,7 @@ def end_epoch(run: Run, epoch: int, *, seconds: float) -> None:
             "step": state.step,
             "loss": mean_loss,
             "seconds": seconds,
-            "bad_samples": run.bad_samples.count,
+            "bad_samples": distributed.distinct_over_ranks(list(run.bad_samples.seen)),  # all ranks
             **(run.batches.epoch_stats() if isinstance(run.batches, StreamBatches) else {}),
             **summary,
         }
@@ -792,31 +791,6 @@ def end_epoch(run: Run, epoch: int, *, seconds: float) -> None:
     )
     if run.runtime.is_main:
         run.metrics.plot(cfg.out_dir / "curves.png")
-
-
-def validate(run: Run) -> dict[str, float] | None:
-    """SPEC §5 report on the validation split (rank 0; other ranks wait)."""
-    report = None
-    if run.val_set is not None:
-        report = evaluate_prepared(
-            run.model,
-            run.tokenizer,
-            run.val_set,
-            batch_size=run.cfg.eval.batch_size,
-            device=run.runtime.device,
-            progress=True,  # only rank 0 validates
-            num_workers=loader_workers(run.cfg.data.num_workers),
-        )
-        if run.cfg.eval.select_metric not in report:
-            raise ConfigError(
-                f"eval.select_metric {run.cfg.eval.select_metric!r} is not a report key; "
-                f"e.g. {', '.join(sorted(report)[:6])}"
-            )
-        run.metrics.write(
-            {"kind": "eval", "epoch": run.state.epoch, "step": run.state.step, **report}
-        )
-    barrier(run.runtime)
-    return report
 
 
 def improves(run: Run, report: dict[str, float]) -> bool:

@@ -294,8 +294,9 @@ def test_two_gloo_processes_from_shards_resume_on_one(subset_shards: tuple[Path,
     epochs = [r for r in records if r["kind"] == "epoch"]
     assert [e["step"] for e in epochs] == [3, 4 + 5]
     # With seed 1 the corrupt clip falls to rank 1 in epoch 1: rank 0 holds back one clip of that
-    # step so both train 2 (rank 0's records).
-    assert (epochs[0]["clips_served"], epochs[0]["clips_held_back"], epochs[0]["bad_samples"]) == (8, 1, 0)
+    # step so both train 2 (rank 0's records of clips served and held back; bad_samples are the
+    # distinct bad clips of all ranks, so rank 1's corrupt clip is counted).
+    assert (epochs[0]["clips_served"], epochs[0]["clips_held_back"], epochs[0]["bad_samples"]) == (8, 1, 1)
     assert epochs[1]["clips_served"] == 15 - epochs[1]["bad_samples"]  # the corrupt clip, if it was left, is a hole
 
 

@@ -346,19 +346,23 @@ class ShardStream(IterableDataset):
             wanted = by_shard[shard]
             url = _join(self.url, self.plan.names[shard])
             rows = dict(zip(self.plan.usable[shard], self.plan.rows[shard], strict=True))
-            got = 0
+            delivered: set[int] = set()
+            reason = ""
             try:
                 with fsspec.open(url, "rb") as stream:
                     for ordinal, sample in read_samples(stream, url, wanted):
-                        got += 1
+                        delivered.add(ordinal)
                         yield wanted[ordinal], self._decode(sample, epoch, rows[ordinal], url)
             except Exception as err:  # noqa: BLE001 - a broken shard loses its samples, never the run
-                errors.append(f"{url}: shard unreadable or cut short after {got} of this worker's {len(wanted)} "
-                              f"samples ({type(err).__name__}: {err}); the other {len(wanted) - got} are skipped")
+                reason = f"unreadable or cut short: {type(err).__name__}: {err}"
             else:
-                if got < len(wanted):
-                    errors.append(f"{url}: shard ends after {got} of this worker's {len(wanted)} samples "
-                                  f"(index.json says {self.plan.members[shard]}); the others are skipped")
+                reason = f"ended early: index.json says {self.plan.members[shard]} samples"
+            lost = sorted(set(wanted) - delivered)
+            if lost:  # each lost sample is one named error: data.max_bad_fraction counts samples, not shards
+                log.warning("%s: shard failed after %d of this worker's %d samples (%s); the other %d are skipped",
+                            url, len(delivered), len(wanted), reason, len(lost))
+                errors.extend(f"{url}: {self.plan.ids[rows[ordinal]]}: skipped, not read: the shard failed after "
+                              f"{len(delivered)} of this worker's {len(wanted)} samples ({reason})" for ordinal in lost)
 
     def _decode(self, sample: dict[str, Any], epoch: int, row: int, url: str) -> TrainItem | str:
         """The sample's training item, or the error that makes it unusable (a string)."""

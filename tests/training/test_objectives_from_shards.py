@@ -154,7 +154,8 @@ def test_ask_and_distillation_presets_train_from_shards_as_from_the_manifest(
         ids, mask = teacher.tokenizer.encode(texts)
         with torch.no_grad():
             direct = teacher.model.eval().encode_text(torch.as_tensor(ids), torch.as_tensor(mask)).float()
-        assert_rows_equal(got["distill"]["teacher_text"], {t: torch.stack([row, row]) for t, row in zip(texts, direct)})
+        expected = {t: torch.stack([row, row]) for t, row in zip(texts, direct, strict=True)}  # 2 teachers
+        assert_rows_equal(got["distill"]["teacher_text"], expected)
 
 
 @pytest.mark.parametrize("policy", ["center", "chunk"])

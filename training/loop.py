@@ -241,6 +241,7 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
             batch_size=cfg.eval.batch_size,
             device=runtime.device,
             num_workers=loader_workers(cfg.data.num_workers),
+            corpus=shard_corpus(cfg),
         ),
         val_set=prepare_eval_set(val_records, data_cfg=cfg.data, frontend_cfg=cfg.frontend)
         if val_records
@@ -330,6 +331,15 @@ def build_train_loader(
         **options,
     )
     return loader, batches, len(sampler)
+
+
+def shard_corpus(cfg: TrainConfig) -> Any | None:
+    """The ``data.shards`` corpus the extra passes stream (training/data/shard_passes.py), else None."""
+    if cfg.data.shards is None:
+        return None
+    from training.data.stream import cached_corpus
+
+    return cached_corpus(cfg)
 
 
 def load_training_data(cfg: TrainConfig) -> tuple[list[Any], list[Any]]:

@@ -355,8 +355,6 @@ def test_training_from_shards_resumes_exactly(clean_shards: Path, tmp_path: Path
 
 
 @pytest.mark.parametrize("override, words", [
-    ("objective.distill={teachers: []}", "objective.distill"),
-    ("objective.knowledge={name: ask}", "'train' source"),
     ("data.val_fraction=0.1", "data.val_fraction"),
 ])
 def test_what_needs_random_access_to_training_clips_is_refused_in_one_line(

@@ -181,15 +181,10 @@ def _shard_path(url: str, shard: str) -> Any:
 
 
 def refuse_unsupported(cfg: TrainConfig) -> None:
-    """One line for what needs random access to the training clips' audio."""
-    if cfg.objective.distill is not None:
-        raise ConfigError("objective.distill reads teacher embeddings per training clip (random access to "
-                          "the audio), which data.shards does not give; train it from data.manifest")
-    knowledge = cfg.objective.knowledge
-    if knowledge is not None and "train" in knowledge.get("sources", ["train"]):
-        raise ConfigError("objective.knowledge with the 'train' source embeds every training clip, which "
-                          "data.shards does not give random access to; list manifests in "
-                          "objective.knowledge.sources or train from data.manifest")
+    """One line for what needs random access to the training clips' audio.
+
+    Every objective trains from shards: distillation's teachers embed the streamed batch, ASK's
+    knowledge bases stream the train shards by clip id (training/data/shard_passes.py)."""
     if cfg.data.val_fraction > 0:
         raise ConfigError("data.val_fraction carves clips out of the training set, which data.shards cannot; "
                           "shard a manifest with its own val split instead")

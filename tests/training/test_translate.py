@@ -158,6 +158,7 @@ class ChatServer:
         self.fail_status: list[int] = []  # statuses answered to the next requests, in order
         self.broken_batches = 0  # next batch replies that are not a JSON array
         self.fail_after: int | None = None  # answer 500 once this many requests were answered
+        self.answers: dict[str, dict[str, str]] = {}  # lang → caption → answer instead of _fake's
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -183,10 +184,10 @@ class ChatServer:
                         server.broken_batches -= 1
                         content = "Sure! Here are the translations: ..."
                     else:
-                        content = "```json\n" + json.dumps([_fake(lang, t) for t in json.loads(user)],
+                        content = "```json\n" + json.dumps([answer(lang, t) for t in json.loads(user)],
                                                            ensure_ascii=False) + "\n```"
                 else:
-                    content = _fake(lang, user)
+                    content = answer(lang, user)
                 reply = {"id": "x", "object": "chat.completion", "model": body["model"],
                          "choices": [{"index": 0, "finish_reason": "stop",
                                       "message": {"role": "assistant", "content": content}}]}
@@ -196,6 +197,9 @@ class ChatServer:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+        def answer(lang: str, text: str) -> str:
+            return server.answers.get(lang, {}).get(text) or _fake(lang, text)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
@@ -402,3 +406,101 @@ def test_nllb_many_to_many_folder(tmp_path: Path) -> None:
     assert translator._loaded is not None and translator._loaded[1].src_lang == "eng_Latn"
     with pytest.raises(DataError, match="has no language token 'xyz_Latn' for fin"):
         translator.translate(["a dog barks"], "fin")
+
+
+# ------------------------------------------------------------------ dropping flagged outputs
+
+FLAGGED = {  # what the test translator answers instead of a good translation (fra)
+    "a dog is barking": "A dog is barking.",  # copied (clip0, position 1 of 3)
+    "a car engine starts": "un moteur " * 12,  # too_long (clip1, position 0)
+}
+
+
+class FlaggingTranslator(CountingTranslator):
+    """:class:`CountingTranslator` that answers :data:`FLAGGED` for those captions into French."""
+
+    def translate(self, texts: Sequence[str], target: str) -> list[str]:
+        outputs = super().translate(texts, target)
+        if target != "fra":
+            return outputs
+        return [FLAGGED.get(t, out) for t, out in zip(texts, outputs, strict=True)]
+
+
+def test_drop_flagged_keeps_positions_and_other_captions(tmp_path: Path) -> None:
+    from training.data.translate import Checks
+
+    rows = [r for _, r in read_manifest(_manifest(tmp_path), languages=None)]
+    cache = TranslationCache(tmp_path / "cache.sqlite")
+    kept, kept_report = translate_records(rows, FlaggingTranslator(), cache, ["fra", "deu"], batch_size=8,
+                                          progress=False)
+    # without --drop-flagged: reported, written
+    assert kept[0].captions["fra"][1] == "A dog is barking." and kept[1].captions["fra"][0].startswith("un moteur")
+    assert kept_report["fra"].counts["copied"] == 1 and kept_report["fra"].counts["too_long"] == 1
+    assert kept_report["fra"].dropped == dict.fromkeys(("empty", "copied", "wrong_script", "too_long"), 0)
+    dropped, report = translate_records(rows, FlaggingTranslator(), cache, ["fra", "deu"], batch_size=8,
+                                        progress=False, drop={"copied", "too_long"})
+    fra = report["fra"]
+    # clip0: position 0 kept, the copy at 1 dropped, position 2 (good) left behind: no hole in the positions
+    assert dropped[0].captions["fra"] == [f"fra:{ENG[0][0]}"]
+    # clip1: its first output ran away: no fra at all, but its English and German stay
+    assert "fra" not in dropped[1].captions
+    assert dropped[1].captions["eng"] == ENG[1] and dropped[1].captions["deu"] == [f"deu:{t}" for t in ENG[1]]
+    assert dropped[2].captions["fra"] == [f"fra:{ENG[2][0]}"]
+    assert fra.dropped == {"empty": 0, "copied": 1, "too_long": 1, "wrong_script": 0}
+    assert fra.left_behind == 2 and fra.written == 2 and fra.clips_without == 1
+    assert report["deu"].written == 6 and sum(report["deu"].dropped.values()) == 0
+    # only the flag named is dropped
+    one, one_report = translate_records(rows, FlaggingTranslator(), cache, ["fra"], batch_size=8, progress=False,
+                                        drop={"copied"})
+    assert one[1].captions["fra"][0].startswith("un moteur") and one_report["fra"].dropped["copied"] == 1
+    assert one_report["fra"].dropped["too_long"] == 0
+    # the thresholds: a looser --max-length-ratio lets the long output through, unflagged
+    loose, loose_report = translate_records(rows, FlaggingTranslator(), cache, ["fra"], batch_size=8,
+                                            progress=False, drop={"too_long"}, checks=Checks(max_length_ratio=8))
+    assert loose_report["fra"].counts["too_long"] == 0 and loose[1].captions["fra"][0].startswith("un moteur")
+
+
+def test_flag_thresholds() -> None:
+    from index.errors import DataError
+    from training.data.translate import Checks, parse_drop
+
+    near = "the dog barks twice"
+    assert suspicion("a dog barks twice", near, "fra") is None  # default: only an identical copy
+    assert suspicion("a dog barks twice", near, "fra", Checks(copy_similarity=0.85)) == "copied"
+    assert suspicion("a dog barks twice", "un chien aboie", "fra", Checks(copy_similarity=0.5)) is None
+    mixed = "犬が barking loudly"  # 2 of 15 letters Japanese
+    assert suspicion("a dog barks", mixed, "jpn") == "wrong_script"
+    assert suspicion("a dog barks", mixed, "jpn", Checks(min_script_share=0.1)) is None
+    assert suspicion("a dog barks", "ein Hund bellt und bellt", "deu", Checks(max_length_ratio=0.1)) == "too_long"
+    assert suspicion("a dog barks", "ein Hund bellt und bellt", "deu") is None
+    assert parse_drop(None) == frozenset() and parse_drop("all") == {"copied", "wrong_script", "too_long"}
+    assert parse_drop("copied, too_long") == {"copied", "too_long"}
+    with pytest.raises(DataError, match="--drop-flagged 'runaway': expected nothing"):
+        parse_drop("runaway")
+    with pytest.raises(DataError, match="--min-script-share 1.5: expected a number above 0 and at most 1.0"):
+        Checks(min_script_share=1.5)
+    with pytest.raises(DataError, match="--max-length-ratio 0.0: expected a number above 0"):
+        Checks(max_length_ratio=0.0)
+
+
+def test_drop_flagged_cli_report(tmp_path: Path, chat_server: ChatServer, capsys: pytest.CaptureFixture[str],
+                                 caplog: pytest.LogCaptureFixture) -> None:
+    chat_server.answers = {"fra": dict(FLAGGED)}
+    manifest, out = _manifest(tmp_path), tmp_path / "multi.jsonl"
+    assert main(_endpoint_args(chat_server, manifest, out, "--drop-flagged")) == 0
+    err = capsys.readouterr().err
+    fra_row = next(line.split() for line in err.splitlines() if line.startswith("fra "))
+    # empty, copied, wrong_script, too_long (flagged/dropped), written, left_behind, clips_without
+    assert fra_row[5:] == ["0", "1/1", "0", "1/1", "2", "2", "1"], err
+    report = json.loads(out.with_name("multi.jsonl.report.json").read_text(encoding="utf-8"))
+    assert report["fra"]["dropped"] == {"empty": 0, "copied": 1, "wrong_script": 0, "too_long": 1}
+    assert report["fra"]["left_behind"] == 2 and report["jpn"]["written"] == 6
+    records = load_manifest(out, languages=["eng", "fra", "jpn"])
+    assert "fra" not in records[1].captions and records[1].captions["jpn"]
+    assert all("A dog is barking." not in r.captions.get("fra", []) for r in records)
+    # the cache keeps the raw outputs: rerun without --drop-flagged writes them, no request sent
+    sent = len(chat_server.requests)
+    assert main(_endpoint_args(chat_server, manifest, out)) == 0
+    assert len(chat_server.requests) == sent
+    assert load_manifest(out, languages=["eng", "fra", "jpn"])[0].captions["fra"][1] == "A dog is barking."
+    assert "flagged outputs written into the manifest (fra 2)" in caplog.text

@@ -387,23 +387,15 @@ def test_family_detection(tmp_path: Path, config: dict[str, Any], tokenizer_clas
 
 def test_nllb_many_to_many_folder(tmp_path: Path) -> None:
     """A (tiny) NLLB folder: one model for every language, the target its forced first token."""
-    import torch
-    from transformers import M2M100Config, M2M100ForConditionalGeneration, NllbTokenizer
-
     from index.errors import DataError
     from training.data.translate import Seq2SeqTranslator
 
-    tokenizer = NllbTokenizer()  # the 200 language codes and the special tokens
-    tokenizer.save_pretrained(tmp_path)
-    torch.manual_seed(0)
-    M2M100ForConditionalGeneration(M2M100Config(
-        vocab_size=len(tokenizer), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
-    )).save_pretrained(tmp_path)
+    _save_m2m100(tmp_path, tokenizer="nllb")
     translator = Seq2SeqTranslator({"*": tmp_path}, max_new_tokens=3, lang_codes={"fin": "xyz_Latn"})
     assert len(translator.translate(["a dog barks", "rain"], "zho")) == 2
     assert translator._loaded is not None and translator._loaded[1].src_lang == "eng_Latn"
+    tokenizer, ids = translator.generate_ids(["a dog barks", "rain"], "zho")
+    assert [row[1] for row in ids] == [tokenizer.convert_tokens_to_ids("zho_Hans")] * 2
     with pytest.raises(DataError, match="has no language token 'xyz_Latn' for fin"):
         translator.translate(["a dog barks"], "fin")
 
@@ -504,3 +496,184 @@ def test_drop_flagged_cli_report(tmp_path: Path, chat_server: ChatServer, capsys
     assert len(chat_server.requests) == sent
     assert load_manifest(out, languages=["eng", "fra", "jpn"])[0].captions["fra"][1] == "A dog is barking."
     assert "flagged outputs written into the manifest (fra 2)" in caplog.text
+
+
+# ------------------------------------------------------------------ tiny many-to-many models: weights and forcing
+
+TINY = {"d_model": 16, "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2, "encoder_ffn_dim": 32, "decoder_ffn_dim": 32}
+
+
+def _spm_model() -> bytes:
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter([t for c in ENG for t in c] * 4), model_writer=model,
+                                   vocab_size=40, hard_vocab_limit=False, character_coverage=1.0, minloglevel=2)
+    return model.getvalue()
+
+
+def _save_m2m100(folder: Path, *, seed: int = 0, tokenizer: str = "m2m100") -> None:
+    """A tiny random M2M100 with an ``M2M100Tokenizer`` (its 100 ``__xx__`` codes), or an ``NllbTokenizer``."""
+    import torch
+    from transformers import (
+        M2M100Config,
+        M2M100ForConditionalGeneration,
+        M2M100Tokenizer,
+        NllbTokenizer,
+    )
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok: Any
+    if tokenizer == "nllb":
+        tok = NllbTokenizer()  # the 200 language codes and the special tokens
+    else:
+        import sentencepiece as spm
+
+        (folder / "sentencepiece.bpe.model").write_bytes(_spm_model())
+        processor = spm.SentencePieceProcessor(model_file=str(folder / "sentencepiece.bpe.model"))
+        vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+        for i in range(processor.get_piece_size()):
+            vocab.setdefault(processor.id_to_piece(i), len(vocab))
+        (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+        tok = M2M100Tokenizer(str(folder / "vocab.json"), str(folder / "sentencepiece.bpe.model"))
+    tok.save_pretrained(folder)
+    # M2M100's 100 codes and 8 made-up words follow the vocabulary: 256 rows hold them all
+    assert tokenizer == "nllb" or tok.convert_tokens_to_ids("__zu__") < 256 - 8
+    torch.manual_seed(seed)
+    M2M100ForConditionalGeneration(M2M100Config(
+        vocab_size=len(tok) if tokenizer == "nllb" else 256, pad_token_id=tok.pad_token_id, bos_token_id=0,
+        eos_token_id=2, decoder_start_token_id=2, **TINY,
+    )).save_pretrained(folder)
+
+
+MADLAD_CODES = ("<2fr>", "<2de>", "<2ja>", "<2zh>")
+
+
+def _save_madlad(folder: Path) -> None:
+    """A tiny random T5 with a ``T5Tokenizer`` whose vocabulary has MADLAD-400's ``<2xx>`` tokens."""
+    import sentencepiece as spm
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
+
+    processor = spm.SentencePieceProcessor(model_proto=_spm_model())
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [(processor.id_to_piece(i), processor.get_score(i)) for i in range(3, processor.get_piece_size())]
+    vocab += [(code, 0.0) for code in MADLAD_CODES]
+    tok = T5Tokenizer(vocab=vocab, extra_ids=0)
+    tok.add_tokens(list(MADLAD_CODES), special_tokens=True)  # one token each, as in MADLAD's own vocabulary
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(T5Config(vocab_size=len(vocab), d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                        num_decoder_layers=1, num_heads=2, decoder_start_token_id=0)
+                               ).save_pretrained(folder)
+
+
+def test_cache_key_follows_the_weights(tmp_path: Path) -> None:
+    """A model re-saved with other weights in the same folder is translated afresh; an unchanged or
+    copied folder reuses the cache; a file's sha256 is read once and remembered in the cache."""
+    import shutil
+
+    from training.data.translate import Seq2SeqTranslator, model_files, sha256_file
+
+    folder = tmp_path / "m2m100"
+    _save_m2m100(folder, seed=0)
+    rows = [r for _, r in read_manifest(_manifest(tmp_path), languages=None)]
+    cache = TranslationCache(tmp_path / "cache.sqlite")
+
+    def run(model: Path) -> tuple[str, dict[str, Any]]:
+        translator = Seq2SeqTranslator({"*": model}, max_new_tokens=3, digest=cache.file_digest)
+        _, reports = translate_records(rows, translator, cache, ["fra"], batch_size=8, progress=False)
+        return translator.key_for("fra"), reports["fra"].__dict__
+
+    first_key, first = run(folder)
+    assert first["translated"] == 5
+    assert run(folder) == (first_key, {**first, "translated": 0, "cached": 5})
+    weights = folder / "model.safetensors"
+    before = weights.read_bytes()
+    _save_m2m100(folder, seed=1)  # re-trained: same config, same size, other bytes
+    assert weights.read_bytes() != before and len(weights.read_bytes()) == len(before)
+    second_key, second = run(folder)
+    assert second_key != first_key and second["translated"] == 5
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    assert run(copy)[0] == second_key  # the bytes make the key, not the path
+    # the remembered digest is used while the file's stamp holds (a planted one shows it)
+    stamp = weights.resolve().stat()
+    cache.db.execute("UPDATE file_digests SET sha256='planted' WHERE path=?", (str(weights.resolve()),))
+    assert cache.file_digest(weights) == "planted"
+    weights.write_bytes(weights.read_bytes())  # written again: new mtime/ctime → read again
+    assert weights.stat().st_mtime_ns != stamp.st_mtime_ns or weights.stat().st_ctime_ns != stamp.st_ctime_ns
+    assert cache.file_digest(weights) == sha256_file(weights)
+    assert {p.name for p in model_files(folder)} >= {"model.safetensors", "config.json", "vocab.json",
+                                                     "sentencepiece.bpe.model", "tokenizer_config.json"}
+    cache.close()
+
+
+def test_m2m100_forces_the_target_language_token(tmp_path: Path) -> None:
+    from index.errors import DataError
+    from training.data.translate import Seq2SeqTranslator
+
+    _save_m2m100(tmp_path)
+    translator = Seq2SeqTranslator({"*": tmp_path}, max_new_tokens=3)
+    for lang, code in (("fra", "__fr__"), ("jpn", "__ja__"), ("zho", "__zh__")):
+        tokenizer, ids = translator.generate_ids(["a dog barks twice", "rain"], lang)
+        # generate's rows: the decoder start (</s>), then the forced language token
+        assert [row[:2] for row in ids] == [[2, tokenizer.convert_tokens_to_ids(code)]] * 2, lang
+    assert tokenizer.src_lang == "en" and tokenizer("a dog")["input_ids"][0] == tokenizer.convert_tokens_to_ids("__en__")
+    assert len(translator.translate(["a dog barks"], "fra")) == 1
+    with pytest.raises(DataError, match="has no language token '__xx__' for fra"):
+        Seq2SeqTranslator({"*": tmp_path}, max_new_tokens=3, lang_codes={"fra": "xx"}).translate(["a"], "fra")
+
+
+def test_madlad_prefixes_the_target_language_token(tmp_path: Path) -> None:
+    from index.errors import DataError
+    from training.data.translate import Seq2SeqTranslator, detect_family
+
+    _save_madlad(tmp_path)
+    assert detect_family(tmp_path) == "madlad"
+    translator = Seq2SeqTranslator({"*": tmp_path}, max_new_tokens=3)
+    seen: list[list[list[int]]] = []
+    model = translator._load(tmp_path)[1]
+    hook = model.get_encoder().register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append(kwargs["input_ids"].tolist()), with_kwargs=True)
+    try:
+        for lang in ("fra", "jpn"):
+            translator.translate(["a dog barks twice", "rain"], lang)
+    finally:
+        hook.remove()
+    tokenizer = translator._load(tmp_path)[0]
+    # what the encoder was fed: <2fr> (then <2ja>) first in every row, the caption after it
+    assert [[row[0] for row in batch] for batch in seen] == [[tokenizer.convert_tokens_to_ids("<2fr>")] * 2,
+                                                             [tokenizer.convert_tokens_to_ids("<2ja>")] * 2]
+    assert tokenizer.decode(seen[0][0][1:], skip_special_tokens=True) == "a dog barks twice"
+    with pytest.raises(DataError, match="has no language token '<2es>' for spa"):
+        translator.translate(["a dog barks"], "spa")
+
+
+def test_ctranslate2_nllb_forces_the_target_language_prefix(tmp_path: Path) -> None:
+    """A tiny NLLB converted to CTranslate2: the hypothesis starts with the target language token given
+    as ``target_prefix``, the token transformers forces on the unconverted folder.
+
+    (An M2M100 does not convert here: ctranslate2 4.8's converter reads the language tokens from
+    ``special_tokens_map["additional_special_tokens"]``, which transformers 5 no longer fills.)
+    """
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    from training.data.translate import Seq2SeqTranslator, detect_family
+
+    folder, ct2_dir = tmp_path / "hf", tmp_path / "ct2"
+    _save_m2m100(folder, tokenizer="nllb")
+    ctranslate2.converters.TransformersConverter(
+        str(folder), copy_files=["tokenizer.json", "tokenizer_config.json"]).convert(str(ct2_dir))
+    assert (ct2_dir / "model.bin").is_file() and detect_family(ct2_dir) == "nllb"
+    ct2, hf = Seq2SeqTranslator({"*": ct2_dir}, max_new_tokens=4), Seq2SeqTranslator({"*": folder}, max_new_tokens=4)
+    for lang, code in (("zho", "zho_Hans"), ("fra", "fra_Latn"), ("jpn", "jpn_Jpan")):
+        tok, ids = ct2.generate_ids(["a dog barks twice", "rain"], lang)
+        wanted = tok.convert_tokens_to_ids(code)
+        assert [row[0] for row in ids] == [wanted] * 2, lang
+        assert [row[1] for row in hf.generate_ids(["a dog barks twice", "rain"], lang)[1]] == [wanted] * 2
+    assert tok.src_lang == "eng_Latn"
+    assert tok.convert_ids_to_tokens(tok.encode("a dog"))[0] == "eng_Latn"  # the source CTranslate2 is given
+    assert ct2.key_for("zho") != hf.key_for("zho")

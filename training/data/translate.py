@@ -13,10 +13,13 @@ writes a manifest in the same layout, the translation of English caption ``i`` a
 
 Every translation is stored in a SQLite cache keyed by (translator, language, caption) as
 soon as its batch returns, so an interrupted run resumes where it stopped and a caption
-shared by several clips is translated once. Progress goes to stderr; the report (also
-written as ``OUT.report.json``) counts per language the empty outputs (that clip gets no
-captions in the language, so positions stay aligned), copies of the source, wrong-script
-outputs (``jpn``/``zho``/Latin-script targets) and runaway lengths.
+shared by several clips is translated once; a local model's key holds the sha256 of its
+files' bytes (remembered in the cache by path, size, mtime, ctime and inode). Progress goes to
+stderr; the report (also written as ``OUT.report.json``) counts per language the flagged
+outputs — empty, copies of the source, wrong-script outputs (``jpn``/``zho``/Latin/Cyrillic
+targets) and runaway lengths, each with its threshold (:class:`Checks`) — and how many were
+left out: empty ones always, the others with ``--drop-flagged``. A left-out output ends the
+clip's list in that language (positions stay aligned); its other languages stay.
 
 This module imports no torch/transformers/httpx at import time (the CLI parser is built
 from it); the translators import what they need when constructed.

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.benchlib import cpu_model, publish_section  # noqa: E402
+from bench.benchlib import cpu_model, moto_s3_bucket, publish_section  # noqa: E402
 
 HOOK = Path(__file__).resolve().parent / "rehearsal_hook"
 START = "<!-- bench:multinode_rehearsal:start -->"
@@ -245,30 +245,8 @@ def main() -> None:
     bad_copy.parent.mkdir(exist_ok=True)
     bad_id = corrupt_sample(victim, bad_copy, 3)
 
-    import boto3
-
-    port = free_port()
-    env = {**base_env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "rehearsal",
-           "AWS_SECRET_ACCESS_KEY": "rehearsal", "AWS_DEFAULT_REGION": "us-east-1"}
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("moto_server did not start") from None
-                time.sleep(0.2)
-        os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
-        client = boto3.client("s3")
-        client.create_bucket(Bucket=BUCKET)
-        for path in sorted(shards.rglob("*")):
-            if path.is_file():
-                client.upload_file(str(path), BUCKET, f"shards/{path.relative_to(shards).as_posix()}")
-
+    with moto_s3_bucket(BUCKET, shards) as (client, aws):
+        env = {**base_env, **aws}
         common = ["data.manifest=null", f"data.shards={PREFIX}", f"data.num_workers={args.workers}",
                   "distributed.timeout_s=120", *tiny_overrides()]
         ask_run, distill_run = work / "runs" / "ask", work / "runs" / "distill"
@@ -304,9 +282,6 @@ def main() -> None:
         results["resume"]["account"] = epoch_account(epoch2, usable)
         results["resume"]["segments"] = [sum(len(v) for v in seg.values()) for seg in epoch2]
         results["resume"]["epochs"] = [r for r in metrics(ask_run) if r["kind"] == "epoch"]
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
     results["seconds"] = time.monotonic() - started
     results["shards"] = {"usable": len(usable), "files": sorted(p.name for p in shards.glob("train-*.tar"))}
     (work / "results.json").write_text(json.dumps(results, indent=2, default=str))

@@ -25,8 +25,10 @@ A pass over files (or captions) becomes one Ray Data pipeline::
 Addresses (``--ray [ADDRESS]``): none — ``RAY_ADDRESS``, else the cluster last started on
 this machine, else a new local Ray instance; ``auto`` — an existing cluster only;
 ``HOST:PORT`` — the cluster's GCS; ``ray://HEAD:10001`` — Ray Client (KubeRay's head
-service). Audio paths must be readable at the same path on every worker (a shared
-volume); docs/deploy.md, "Ray".
+service). Token authentication (Ray 2.60): a token found in ``RAY_AUTH_TOKEN``,
+``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token`` is sent to any cluster unless ``RAY_AUTH_MODE``
+says otherwise (:func:`_send_token_if_available`). Audio paths must be readable at the same
+path on every worker (a shared volume); docs/deploy.md, "Ray".
 """
 
 from __future__ import annotations
@@ -107,11 +109,41 @@ def connect(address: str | None) -> Any:
     kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
     if address is None and not os.environ.get("RAY_ADDRESS"):
         kwargs["include_dashboard"] = False
+    token = _send_token_if_available(address)
     try:
         ray.init(address=address, **kwargs)
     except (ConnectionError, RuntimeError, ValueError) as err:
-        raise TonearmError(f"cannot reach the Ray cluster at {address or 'RAY_ADDRESS/local'}: {err}") from None
+        hint = "the Ray token sent was refused or the cluster is down" if token else "if it uses token authentication"
+        raise TonearmError(f"cannot reach the Ray cluster at {address or 'RAY_ADDRESS/local'}: {err} "
+                           f"({hint}: {TOKEN_HINT})") from None
     return ray
+
+
+TOKEN_HINT = "pass its token with RAY_AUTH_TOKEN=<token> or RAY_AUTH_TOKEN_PATH=<file>; `ray get-auth-token` on the head prints it"
+
+
+def _send_token_if_available(address: str | None) -> bool:
+    """Use Ray token authentication whenever a token is at hand and ``RAY_AUTH_MODE`` is unset.
+
+    Ray 2.60 decides per process: ``RAY_AUTH_MODE`` (``token`` / ``disabled``) when set; else a new
+    local cluster (``ray.init()``) and ``ray start --head`` turn token mode on and use the token
+    of ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token`` (``ray.init()`` writes
+    one there when none exists) — but a driver given an explicit address (argument or
+    ``RAY_ADDRESS``) never does. So after one local ``--ray`` run, a cluster started on this
+    machine requires the token left in ``~/.ray`` while our driver, given its address, sent none:
+    ``InvalidAuthToken``. A cluster without token authentication ignores a token, so sending it
+    whenever one exists reaches both; a cluster whose token differs fails with :data:`TOKEN_HINT`.
+    Returns whether token mode is on for this process.
+    """
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication (before 2.5x)
+        return False
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        return os.environ.get("RAY_AUTH_MODE", "").lower() == "token"  # ray.init decides (local cluster)
+    return bool(maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
 
 
 def _check_reachable(address: str | None) -> None:

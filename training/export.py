@@ -106,6 +106,8 @@ def checkpoint_audio_frontend(cfg: TrainConfig) -> fmt.AudioFrontendInfo | None:
     padding = short_clip_padding(cfg.frontend)
     if padding == "pad":
         return None
+    if padding == "frames":  # an hf_ast tower: the extractor keeps the first max_length frames
+        return fmt.AudioFrontendInfo(source="ast_feature_extractor", padding=padding, model_truncation="first_frames")
     return fmt.AudioFrontendInfo(padding=padding, model_truncation="rand_trunc")
 
 

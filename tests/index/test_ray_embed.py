@@ -208,25 +208,25 @@ def test_unreachable_cluster_is_a_user_error(ray_home: Path, tiny_bundle: Path, 
 def test_a_cluster_started_after_a_local_run_takes_its_token(tiny_bundle: Path, tmp_path: Path) -> None:
     """Ray after Ray (issue 41): a local ``--ray`` run left ``~/.ray/auth_token``; a cluster then
     started on the machine (``ray start --head``, RAY_AUTH_MODE unset) turns token authentication
-    on with it, and a driver given the cluster's address must send it (Ray itself sends a token
-    only to a local cluster it finds). Without a token the refusal is one line saying how to pass
+    on with it, and a driver given the cluster's address must send it once refused (Ray itself
+    sends a token only to a local cluster it finds). Without a token the refusal is one line saying how to pass
     one, and RAY_AUTH_TOKEN passes it."""
     home = _stale_token_home(tmp_path)
     (tmp_path / "audio").mkdir()
     sf.write(tmp_path / "audio" / "a.wav", np.sin(np.arange(8000, dtype=np.float32) / 7),
              read_manifest(tiny_bundle).sample_rate)
+    fast = {"RAY_NUM_REDIS_GET_RETRIES": "2", "RAY_gcs_server_port_wait_time_s": "2"}  # refused in ~2 s, not 20
     with _ray_head(_ray_env(home)) as address:
         run = tonearm("index", str(tmp_path / "audio"), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "x"),
-                      "--ray", address, "--ray-workers", "1", home=home)
+                      "--ray", address, "--ray-workers", "1", home=home, **fast)
         assert run.returncode == 0, run.stderr[-3000:]
-        assert "1 files indexed" in run.stdout
+        assert "1 files indexed" in run.stdout and "retrying with the Ray token found here" in run.stderr
         elsewhere = Path(tempfile.mkdtemp(prefix="home", dir=tmp_path))  # a machine without the token
-        fast = {"RAY_NUM_REDIS_GET_RETRIES": "2", "RAY_gcs_server_port_wait_time_s": "2"}  # refused in ~2 s, not 20
         run = tonearm("index", str(tmp_path / "audio"), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "y"),
                       "--ray", address, home=elsewhere, **fast)
         assert run.returncode == 2, run.stderr[-3000:]
         last = run.stderr.strip().splitlines()[-1]
         assert last.startswith("error: cannot reach the Ray cluster") and "RAY_AUTH_TOKEN=" in last, run.stderr
         run = tonearm("index", str(tmp_path / "audio"), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "y"),
-                      "--ray", address, "--ray-workers", "1", home=elsewhere, RAY_AUTH_TOKEN=STALE_TOKEN)
+                      "--ray", address, "--ray-workers", "1", home=elsewhere, RAY_AUTH_TOKEN=STALE_TOKEN, **fast)
         assert run.returncode == 0, run.stderr[-3000:]

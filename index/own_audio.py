@@ -26,6 +26,7 @@ import argparse
 import json
 import logging
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,7 +41,7 @@ from index.audio import decode_audio
 from index.audio_formats import SNIFF_BYTES, SUPPORTED, sniff_format
 from index.errors import AudioDecodeError, BundleError, TonearmError
 from index.faiss_ondisk import build_and_save
-from index.loader import LoadedBundle
+from index.loader import LoadedBundle, device_providers
 from index.ray_embed import RayOptions
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def audio_files(audio_dir: Path) -> list[Path]:
 
 def index_folder(
     audio_dir: Path, source: Path, out: Path, *, progress: bool = False, ray: RayOptions | None = None,
-    milvus: MilvusPublish | None = None,
+    milvus: MilvusPublish | None = None, providers: Sequence[str] | None = None,
 ) -> IndexedFolder:
     """Embed every decodable file under ``audio_dir`` with ``source``'s audio encoder; publish ``out`` atomically.
 
@@ -92,7 +93,7 @@ def index_folder(
     files = audio_files(audio_dir)
     if milvus is not None and ray is not None:
         return _index_into_milvus(audio_dir, source, out, files, ray, milvus)
-    bundle = LoadedBundle.open(source, verify=True)
+    bundle = LoadedBundle.open(source, verify=True, providers=providers)
     try:
         if ray is None:
             clip_ids, embeddings, skipped = _embed(bundle, audio_dir, files, progress=progress)
@@ -257,7 +258,9 @@ def cli_index(args: argparse.Namespace) -> int:
 
         milvus = MilvusPublish(target_from_args(args.milvus_uri, args.milvus_token_env),
                                index_type=args.milvus_index or "FLAT")
-    result = index_folder(Path(args.audio_dir), Path(args.bundle), out, progress=True, ray=ray, milvus=milvus)
+    providers = device_providers(getattr(args, "device", "cpu"))
+    result = index_folder(Path(args.audio_dir), Path(args.bundle), out, progress=True, ray=ray, milvus=milvus,
+                          providers=providers)
     console = Console()
     for rel, reason in result.skipped:
         console.print(f"[yellow]skipped[/yellow] {rel}: {reason}", highlight=False, soft_wrap=True)

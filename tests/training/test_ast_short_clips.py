@@ -12,7 +12,8 @@ through the data path as training (``decode_window``, a WAV file) and evaluation
 evaluation, and the extractor is fed that window. The negative cases show the old waveform
 zero-padding fails both checks.
 
-Cost: ~4 s (a 2-layer, 64-wide random ``ASTModel`` at the real 128 × 1024 input size).
+Cost: ~4 s (a 2-layer, 64-wide random ``ASTModel`` at the real 128 × 1024 input size); the last test
+checks the exported ONNX encoder (what a bundle serves) on NaN-tailed clips against the tower.
 """
 
 from __future__ import annotations
@@ -113,3 +114,25 @@ def test_ast_step0_centred_embeddings_match_the_model(small_ast: Path, tmp_path:
 
     assert centred_cos(got, want).min() >= 0.999, centred_cos(got, want).tolist()
     assert centred_cos(before, want)[:2].max() < 0.99, centred_cos(before, want).tolist()
+
+
+def test_exported_ast_encoder_pads_frames_as_the_tower(small_ast: Path, tmp_path: Path) -> None:
+    """The ONNX audio encoder (what a bundle serves) given a NaN-tailed clip, as the service pads it
+    for a bundle whose ``audio_frontend.padding`` is ``frames``, equals the torch tower."""
+    import onnxruntime as ort
+
+    from index.audio_frontend import pad_short_clip
+    from training.onnx_export import export_audio_encoder
+
+    cfg = load_train_config(PRESETS / "ast_xlmr.yaml", [f"model.audio.path={small_ast}"])
+    tower, _ = build_hf_audio_tower("hf_ast", path=str(small_ast), frontend_cfg=cfg.frontend, config=None)
+    tower.eval()
+    path = export_audio_encoder(tower, tmp_path / "audio.onnx", sample_rate=RATE)
+    n = clip_samples(cfg.data, cfg.frontend)
+    waves = np.stack([pad_short_clip(signal(s, i), n, "frames") for i, s in enumerate(SECONDS[:2])])
+    assert np.isnan(waves).any()
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"waveform": waves})[0]
+    with torch.no_grad():
+        want = tower(torch.from_numpy(waves)).numpy()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)

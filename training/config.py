@@ -38,7 +38,7 @@ class FrontendConfig(_Strict):
     n_mels: int = 64
     f_min: float = 0.0
     f_max: float = 8_000.0
-    short_clip_padding: Literal["auto", "pad", "repeatpad", "repeat"] = "auto"
+    short_clip_padding: Literal["auto", "pad", "repeatpad", "repeat", "frames"] = "auto"
     """How clips shorter than ``data.clip_seconds`` reach the audio tower, in training, evaluation and
     the exported bundle alike (:mod:`index.audio_frontend`): ``pad`` = zeros after the clip;
     ``repeatpad`` / ``repeat`` = tiled as CLAP's feature extractor does. ``auto`` = the model's own:
@@ -281,8 +281,12 @@ class TrainConfig(_Strict):
         return self
 
 
-def model_short_clip_padding(audio: AudioTowerConfig) -> Literal["pad", "repeatpad", "repeat"]:
-    """The padding a tower's own feature extractor applies to short clips (see ``short_clip_padding``)."""
+def model_short_clip_padding(audio: AudioTowerConfig) -> Literal["pad", "repeatpad", "repeat", "frames"]:
+    """The padding a tower's own feature extractor applies to short clips (see ``short_clip_padding``):
+    AST's extractor pads fbank frames (``frames``, :mod:`index.audio_frontend`), CLAP's reads its
+    ``padding``; every other tower zero-pads the waveform."""
+    if audio.kind == "hf_ast":
+        return "frames"
     if audio.kind != "hf_clap":
         return "pad"
     settings = Path(audio.path) / "preprocessor_config.json" if audio.path else None
@@ -294,7 +298,7 @@ def model_short_clip_padding(audio: AudioTowerConfig) -> Literal["pad", "repeatp
     return "repeatpad"  # ClapFeatureExtractor's default (laion/clap-htsat-unfused)
 
 
-def short_clip_padding(frontend: FrontendConfig) -> Literal["pad", "repeatpad", "repeat"]:
+def short_clip_padding(frontend: FrontendConfig) -> Literal["pad", "repeatpad", "repeat", "frames"]:
     """The resolved padding of a front end (``auto`` outside a TrainConfig = ``pad``)."""
     value = frontend.short_clip_padding
     return "pad" if value == "auto" else value

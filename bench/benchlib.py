@@ -6,8 +6,15 @@ so two benchmarks finishing together cannot wipe each other's section.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import os
 import platform
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +88,39 @@ def synthetic_vectors(n: int, dim: int, seed: int, *, queries: int = 1000) -> tu
     x /= np.linalg.norm(x, axis=1, keepdims=True)
     q = x[rng.choice(n, queries, replace=False)] + 0.05 * rng.standard_normal((queries, dim)).astype(np.float32)
     return x, q / np.linalg.norm(q, axis=1, keepdims=True)
+
+
+@contextlib.contextmanager
+def moto_s3_bucket(bucket: str, files: Path, *, prefix: str = "shards") -> Iterator[tuple[Any, dict[str, str]]]:
+    """A real S3-compatible server (``moto.server``) on a free loopback port with ``bucket`` holding
+    every file under ``files`` at ``prefix/…``; yields ``(boto3 client, AWS_* environment)`` (also set
+    in ``os.environ`` for this process's fsspec/s3fs) and stops the server on exit."""
+    import boto3
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "rehearsal",
+           "AWS_SECRET_ACCESS_KEY": "rehearsal", "AWS_DEFAULT_REGION": "us-east-1"}
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("moto_server did not start") from None
+                time.sleep(0.2)
+        os.environ.update(env)
+        client = boto3.client("s3")
+        client.create_bucket(Bucket=bucket)
+        for path in sorted(files.rglob("*")):
+            if path.is_file():
+                client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(files).as_posix()}")
+        yield client, env
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

@@ -63,20 +63,20 @@ def make_manifest(folder: Path, seconds: float, count: int) -> Path:
 
 
 def items_per_second(url: str, budget_s: float) -> float:
-    from training.data.stream import ShardStream, open_corpus, steps_per_epoch
+    from training.data.epoch_plan import Layout
+    from training.data.stream import ShardStream, open_corpus
 
     corpus = open_corpus(url, languages=["eng"], drop_other_languages=False)
-    steps = steps_per_epoch(corpus.shards("train"), seed=0, epochs=1, world=1, workers=1, batch_size=1)
-    stream = ShardStream(corpus, rank=0, world=1, workers=1, batch_size=1, steps=steps, sample_rate=RATE,
-                         clip_samples=int(CROP_SECONDS * RATE), seed=0, shuffle_buffer=64, languages=["eng"])
+    stream = ShardStream(corpus, rank=0, layout=Layout(world=1, workers=1, batch_size=1, buffer=64),
+                         sample_rate=RATE, clip_samples=int(CROP_SECONDS * RATE), seed=0, languages=["eng"])
     stream.set_epoch(0)
     for _ in stream:  # warm the page cache and libraries
         pass
     done, epoch, started = 0, 1, time.perf_counter()
     while True:
         stream.set_epoch(epoch)
-        for _ in stream:
-            done += 1
+        for items, _ in stream:  # batches of one
+            done += len(items)
         epoch += 1
         elapsed = time.perf_counter() - started
         if elapsed >= budget_s:

@@ -22,7 +22,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 import soundfile as sf
 
-from benchlib import cpu_model, publish_section
+from benchlib import cpu_model, moto_s3_bucket, publish_section
 
 ROOT = Path(__file__).resolve().parents[1]
 START = "<!-- bench:scale_rehearsal:start -->"
@@ -117,37 +116,10 @@ def shard(work: Path, *, sample_rate: int, workers: int) -> dict[str, Any]:
     return {"seconds": seconds, "index": index, "gb": size / 1e9, "load": f"{load_before} → {load()}"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def train_from_bucket(work: Path, *, workers: int, extra: list[str]) -> dict[str, Any]:
-    import boto3
-
-    port = free_port()
-    env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "rehearsal",
-           "AWS_SECRET_ACCESS_KEY": "rehearsal", "AWS_DEFAULT_REGION": "us-east-1"}
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("moto_server did not start") from None
-                time.sleep(0.2)
-        os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
-        client = boto3.client("s3")
-        client.create_bucket(Bucket=BUCKET)
-        started = time.monotonic()
-        for path in sorted((work / "shards").rglob("*")):
-            if path.is_file():
-                client.upload_file(str(path), BUCKET, f"shards/{path.relative_to(work / 'shards').as_posix()}")
+    started = time.monotonic()
+    with moto_s3_bucket(BUCKET, work / "shards") as (_client, aws):
+        env = {**os.environ, **aws}
         upload_s = time.monotonic() - started
         run = work / "run"
         command = ["tonearm", "train", "configs/default.yaml", "data.manifest=null",
@@ -156,9 +128,6 @@ def train_from_bucket(work: Path, *, workers: int, extra: list[str]) -> dict[str
         started, load_before = time.monotonic(), load()
         subprocess.run([sys.executable, "-m", "tonearm.cli", *command[1:]], check=True, cwd=ROOT, env=env)
         seconds = time.monotonic() - started
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
     epoch = next(r for r in records if r["kind"] == "epoch")

@@ -17,16 +17,19 @@ from __future__ import annotations
 import io
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal, TypeVar
 
 import numpy as np
 import soundfile as sf
 import soxr
 
-from index.audio_formats import missing_bytes
+from index.audio_formats import missing_bytes, ogg_cut_short
 from index.audio_frontend import Padding, pad_short_clip
 from index.errors import AudioDecodeError
+
+_T = TypeVar("_T")
 
 CropMode = Literal["center", "random", "start"]
 
@@ -79,18 +82,27 @@ def _open(source: Path | str | bytes) -> sf.SoundFile:
         ) from None
 
 
+def _check_bytes(source: Path | str | bytes, check: Callable[[BinaryIO, int], _T]) -> _T:
+    """``check(handle, size)`` over the bytes of ``source`` (in memory or a file)."""
+    if isinstance(source, bytes | bytearray):
+        return check(io.BytesIO(bytes(source)), len(source))
+    with Path(source).open("rb") as handle:
+        return check(handle, Path(source).stat().st_size)
+
+
 def _check_complete(source: Path | str | bytes, container: str, declared: int, decoded: int) -> None:
-    """Refuse a stream cut short: a WAV whose data chunk runs past the end, or fewer samples
-    decoded than the header declares (FLAC STREAMINFO, MP3 Xing/Info; index.audio_formats)."""
+    """Refuse a stream cut short: a WAV whose data chunk runs past the end, an Ogg file whose pages
+    stop before an end-of-stream page, or fewer samples decoded than the header declares (FLAC
+    STREAMINFO, MP3 Xing/Info; index.audio_formats)."""
     name = _describe(source)
     if container == "WAV":
-        if isinstance(source, bytes | bytearray):
-            short = missing_bytes(io.BytesIO(bytes(source)), len(source))
-        else:
-            with Path(source).open("rb") as handle:
-                short = missing_bytes(handle, Path(source).stat().st_size)
+        short = _check_bytes(source, missing_bytes)
         if short:
             raise AudioDecodeError(f"{name}: truncated WAV: its data chunk lacks the last {short} bytes")
+    if container == "OGG":  # Ogg declares no length: the pages must chain to an end-of-stream page
+        why = _check_bytes(source, ogg_cut_short)
+        if why:
+            raise AudioDecodeError(f"{name}: truncated OGG: {why}")
     slack = MPEG_FRAME_SAMPLES if container == "MPEG" else 0
     if container != "WAV" and declared > 0 and decoded + slack < declared:
         raise AudioDecodeError(

@@ -81,3 +81,42 @@ def missing_bytes(handle: BinaryIO, size: int) -> int:
             return max(0, chunk_size - (size - position - 8))
         position += 8 + chunk_size + (chunk_size & 1)
     return 0
+
+
+OGG_END_OF_STREAM = 0x04
+"""Header-type flag of the page that closes a logical Ogg stream."""
+
+
+def ogg_cut_short(handle: BinaryIO, size: int) -> str | None:
+    """Why an Ogg stream (Vorbis, Opus) is cut short, or None when it is whole.
+
+    Ogg declares no total length, so libsndfile decodes whatever pages a truncated file still
+    holds without an error. A whole file is a chain of pages (``OggS``, 27-byte header, segment
+    table, segments) that reaches the end of the file, and every logical stream in it ends with
+    a page carrying the end-of-stream flag. Bytes after the last stream has ended (a trailing
+    tag) are allowed.
+    """
+    position, seen = 0, False
+    open_streams: set[bytes] = set()
+    while position < size:
+        handle.seek(position)
+        header = handle.read(27)
+        if len(header) < 4 or header[:4] != b"OggS":
+            if seen and not open_streams:
+                return None  # trailing bytes after the last stream ended
+            return f"no Ogg page at byte {position} of {size}"
+        if len(header) < 27:
+            return f"its last page header lacks {27 - len(header)} bytes"
+        flags, serial, segments = header[5], header[14:18], header[26]
+        table = handle.read(segments)
+        end = position + 27 + segments + sum(table)
+        if len(table) < segments or end > size:
+            return f"its last page lacks {max(end, position + 27 + segments) - size} bytes"
+        seen = True
+        open_streams.add(serial)
+        if flags & OGG_END_OF_STREAM:
+            open_streams.discard(serial)
+        position = end
+    if open_streams or not seen:
+        return "its last page does not end the stream (no end-of-stream page)"
+    return None

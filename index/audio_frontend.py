@@ -7,6 +7,13 @@ Bundles exported from a checkpoint zero-pad clips shorter than ``clip_samples``
 * ``repeatpad``: the clip tiled ``⌊N / len⌋`` times, then zero-padded to N samples;
 * ``repeat``: tiled ``⌊N / len⌋ + 1`` times and cut to N;
 * ``pad``: zero-padded to N (the checkpoint bundles' behaviour);
+* ``frames`` (AST's ``ASTFeatureExtractor``, issue 41): the tail up to N samples is NaN, a marker
+  of "no audio here" — the encoder's front end (:class:`training.models.ast_frontend.ASTWaveFrontend`)
+  turns every fbank frame that touches it into the extractor's padding frame (0 before the
+  normalisation), which is what the extractor does with a short clip: it pads *frames* with
+  zeros after the fbank, not the waveform. Zero-padding the waveform instead gives frames of
+  log(floor) (normalised −1.28 where the extractor has 0.467) and moved the full-size AST's pooled
+  output to cosine −0.28 of the model fed by its own extractor on a 0.5-s clip;
 * ``reflect`` (PE-Audio's ``PeAudioFeatureExtractor._reflect_pad``): reflected at its end to the
   next multiple of ``multiple`` samples (the codec's hop) and kept at that length — the model has
   no fixed input length, so the loader embeds such a clip as one window of its own length
@@ -23,7 +30,7 @@ from typing import Literal
 
 import numpy as np
 
-Padding = Literal["repeatpad", "repeat", "pad", "reflect"]
+Padding = Literal["repeatpad", "repeat", "pad", "reflect", "frames"]
 
 
 def keeps_short_clips(padding: str) -> bool:
@@ -38,6 +45,8 @@ def pad_short_clip(wave: np.ndarray, n: int, padding: Padding, multiple: int | N
     length = wave.shape[0]
     if length >= n or length == 0 or padding == "pad":
         return wave
+    if padding == "frames":
+        return np.concatenate([wave, np.full(n - length, np.nan, np.float32)])
     if padding == "reflect":
         if not multiple:
             raise ValueError("padding 'reflect' needs the multiple to pad to (audio_frontend.pad_multiple)")

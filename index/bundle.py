@@ -172,8 +172,9 @@ class AudioFrontendInfo(_Frozen):
     multiple of ``pad_multiple`` samples and embeds it at that length, not at ``clip_samples``.
     """
 
-    source: Literal["clap_feature_extractor", "pe_audio_feature_extractor"] = "clap_feature_extractor"
-    padding: Literal["repeatpad", "repeat", "pad", "reflect"]
+    source: Literal["clap_feature_extractor", "pe_audio_feature_extractor", "ast_feature_extractor"] = (
+        "clap_feature_extractor")
+    padding: Literal["repeatpad", "repeat", "pad", "reflect", "frames"]
     pad_multiple: int | None = Field(default=None, ge=1)
     """``reflect`` only: short clips are padded to a multiple of this many samples (the hop)."""
     long_clips: Literal["chunk"] = "chunk"

@@ -70,6 +70,21 @@ def providers_for(device: Device) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+def device_providers(device: Literal["cpu", "cuda"]) -> list[str]:
+    """The providers of a catalogue pass (`tonearm export|index --device`): ``cuda`` is ONNX
+    Runtime's CUDA provider (CPU as fallback for operators it lacks) and refused in one line where
+    this onnxruntime has none — a pass asked to run on a GPU never silently runs on the CPU."""
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    available = ort.get_available_providers()
+    if "CUDAExecutionProvider" not in available:
+        raise TonearmError(
+            f"--device cuda: this onnxruntime has no CUDAExecutionProvider (available: {', '.join(available)}); "
+            "install onnxruntime-gpu on a machine with an NVIDIA GPU and CUDA 12, or leave out --device cuda"
+        )
+    return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
 def check_providers(requested: Sequence[str]) -> list[str]:
     """An explicit provider list (``TONEARM_ONNX_PROVIDERS``) checked against this onnxruntime.
 

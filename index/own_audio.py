@@ -26,6 +26,8 @@ import argparse
 import json
 import logging
 import shutil
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,9 +40,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from index import bundle as fmt
 from index.audio import decode_audio
 from index.audio_formats import SNIFF_BYTES, SUPPORTED, sniff_format
+from index.embed_checkpoint import CHUNK_FILES, Chunk, EmbedCheckpoint, plan_digest
 from index.errors import AudioDecodeError, BundleError, TonearmError
 from index.faiss_ondisk import build_and_save
-from index.loader import LoadedBundle
+from index.loader import LoadedBundle, device_providers
 from index.ray_embed import RayOptions
 
 log = logging.getLogger(__name__)
@@ -78,9 +81,12 @@ def audio_files(audio_dir: Path) -> list[Path]:
 
 def index_folder(
     audio_dir: Path, source: Path, out: Path, *, progress: bool = False, ray: RayOptions | None = None,
-    milvus: MilvusPublish | None = None,
+    milvus: MilvusPublish | None = None, providers: Sequence[str] | None = None, chunk_files: int = CHUNK_FILES,
 ) -> IndexedFolder:
     """Embed every decodable file under ``audio_dir`` with ``source``'s audio encoder; publish ``out`` atomically.
+
+    In this process the pass is checkpointed every ``chunk_files`` files in ``<out>.partial/`` and
+    the same command resumes it after an interruption (:mod:`index.embed_checkpoint`).
 
     ``ray``: embed on a Ray cluster instead of in this process (same vectors to float tolerance).
     ``milvus`` (with ``ray``): the workers write the vectors into Milvus; ``out`` gets no FAISS file."""
@@ -92,10 +98,16 @@ def index_folder(
     files = audio_files(audio_dir)
     if milvus is not None and ray is not None:
         return _index_into_milvus(audio_dir, source, out, files, ray, milvus)
-    bundle = LoadedBundle.open(source, verify=True)
+    bundle = LoadedBundle.open(source, verify=True, providers=providers)
+    checkpoint = None
     try:
         if ray is None:
-            clip_ids, embeddings, skipped = _embed(bundle, audio_dir, files, progress=progress)
+            manifest = bundle.manifest
+            digest = plan_digest(bundle_id=manifest.bundle_id, encoder_sha256=manifest.files[manifest.audio_encoder.file].sha256,
+                                 audio_dir=audio_dir, files=files, chunk_files=chunk_files)
+            checkpoint = EmbedCheckpoint(out, digest)
+            clip_ids, embeddings, skipped = _embed(bundle, audio_dir, files, progress=progress, checkpoint=checkpoint,
+                                                   chunk_files=chunk_files)
         else:
             clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, audio_dir, files, ray)
     finally:
@@ -110,6 +122,8 @@ def index_folder(
             ntotal=built.index.ntotal, search_params=built.search_params, ann_recall_at_10=built.ann_recall_at_10,
         )
         path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index)
+    if checkpoint is not None:
+        checkpoint.remove()
     return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped)
 
 
@@ -202,28 +216,62 @@ def decode_file(path: Path, sample_rate: int) -> np.ndarray:
 
 
 def _embed(
-    bundle: LoadedBundle, audio_dir: Path, files: list[Path], *, progress: bool
+    bundle: LoadedBundle, audio_dir: Path, files: list[Path], *, progress: bool,
+    checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
 ) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
+    """The pass in chunks of ``chunk_files`` files; a chunk found in ``checkpoint`` is loaded, not embedded.
+    Progress: files done, clips/s of this run and the time left at that rate (bar and log)."""
     clip_ids: list[str] = []
     parts: list[np.ndarray] = []
     skipped: list[tuple[str, str]] = []
-    batch: list[np.ndarray] = []
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[speed]}"))
     with Progress(*columns, disable=not progress) as bar:
-        task = bar.add_task("embedding audio", total=len(files))
-        for number, path in enumerate(files, 1):
-            rel = path.relative_to(audio_dir).as_posix()
-            try:
-                batch.append(decode_file(path, bundle.sample_rate))
-                clip_ids.append(rel)
-            except AudioDecodeError as err:  # listed once, by cli_index (not logged as well)
-                skipped.append((rel, str(err).removeprefix(f"{path}: ")))
-            if len(batch) == EMBED_BATCH or (number == len(files) and batch):
-                parts.append(bundle.encode_audio(batch))
-                batch = []
-            bar.advance(task)
-            if number % 100 == 0:
-                log.info("index progress: %d/%d files", number, len(files))
+        task = bar.add_task("embedding audio", total=len(files), speed="")
+        began, embedded_here, logged = time.monotonic(), 0, 0
+
+        def advance(n: int, done: int) -> None:
+            nonlocal logged
+            rate = embedded_here / max(time.monotonic() - began, 1e-9)
+            left = f"{(len(files) - done) / rate / 60:.1f} min left" if rate > 0 else "? left"
+            bar.update(task, advance=n, speed=f"{rate:.1f} clips/s, {left}")
+            if done - logged >= 100 or done == len(files):
+                log.info("index progress: %d/%d files, %.1f clips/s, %s", done, len(files), rate, left)
+                logged = done
+
+        done = 0
+        for number, start in enumerate(range(0, len(files), chunk_files)):
+            paths = files[start : start + chunk_files]
+            chunk = checkpoint.load(number) if checkpoint is not None else None
+            if chunk is not None:
+                log.info("resumed: chunk %d (%d files) from %s", number, len(paths), checkpoint.folder)  # type: ignore[union-attr]
+                done += len(paths)
+                advance(len(paths), done)
+            else:
+                ids: list[str] = []
+                vectors: list[np.ndarray] = []
+                missed: list[tuple[str, str]] = []
+                batch: list[np.ndarray] = []
+                for k, path in enumerate(paths, 1):
+                    rel = path.relative_to(audio_dir).as_posix()
+                    try:
+                        batch.append(decode_file(path, bundle.sample_rate))
+                        ids.append(rel)
+                    except AudioDecodeError as err:  # listed once, by cli_index (not logged as well)
+                        missed.append((rel, str(err).removeprefix(f"{path}: ")))
+                    if len(batch) == EMBED_BATCH or (k == len(paths) and batch):
+                        vectors.append(bundle.encode_audio(batch))
+                        batch = []
+                    embedded_here += 1
+                    done += 1
+                    advance(1, done)
+                chunk = Chunk(ids, np.concatenate(vectors) if vectors else np.zeros((0, bundle.embed_dim), np.float32),
+                              missed)
+                if checkpoint is not None:
+                    checkpoint.save(number, chunk)
+            clip_ids += chunk.clip_ids
+            parts.append(chunk.embeddings)
+            skipped += chunk.skipped
     embeddings = np.concatenate(parts) if parts else np.zeros((0, bundle.embed_dim), np.float32)
     return clip_ids, embeddings, skipped
 
@@ -257,7 +305,9 @@ def cli_index(args: argparse.Namespace) -> int:
 
         milvus = MilvusPublish(target_from_args(args.milvus_uri, args.milvus_token_env),
                                index_type=args.milvus_index or "FLAT")
-    result = index_folder(Path(args.audio_dir), Path(args.bundle), out, progress=True, ray=ray, milvus=milvus)
+    providers = device_providers(getattr(args, "device", "cpu"))
+    result = index_folder(Path(args.audio_dir), Path(args.bundle), out, progress=True, ray=ray, milvus=milvus,
+                          providers=providers)
     console = Console()
     for rel, reason in result.skipped:
         console.print(f"[yellow]skipped[/yellow] {rel}: {reason}", highlight=False, soft_wrap=True)

@@ -25,8 +25,10 @@ A pass over files (or captions) becomes one Ray Data pipeline::
 Addresses (``--ray [ADDRESS]``): none — ``RAY_ADDRESS``, else the cluster last started on
 this machine, else a new local Ray instance; ``auto`` — an existing cluster only;
 ``HOST:PORT`` — the cluster's GCS; ``ray://HEAD:10001`` — Ray Client (KubeRay's head
-service). Audio paths must be readable at the same path on every worker (a shared
-volume); docs/deploy.md, "Ray".
+service). Token authentication (Ray 2.60): when a cluster refuses a driver without a token, a
+token found in ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token`` is sent on a
+second try unless ``RAY_AUTH_MODE`` is set (:func:`_token_auth_after_refusal`). Audio paths must be readable at the same
+path on every worker (a shared volume); docs/deploy.md, "Ray".
 """
 
 from __future__ import annotations
@@ -107,11 +109,49 @@ def connect(address: str | None) -> Any:
     kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
     if address is None and not os.environ.get("RAY_ADDRESS"):
         kwargs["include_dashboard"] = False
+    where = address or "RAY_ADDRESS/local"
     try:
-        ray.init(address=address, **kwargs)
+        try:
+            ray.init(address=address, **kwargs)
+        except (ConnectionError, RuntimeError) as err:
+            if not _token_auth_after_refusal(address):
+                raise
+            log.warning("Ray: %s refused the connection (%s); retrying with the Ray token found here", where, err)
+            ray.init(address=address, **kwargs)
     except (ConnectionError, RuntimeError, ValueError) as err:
-        raise TonearmError(f"cannot reach the Ray cluster at {address or 'RAY_ADDRESS/local'}: {err}") from None
+        raise TonearmError(f"cannot reach the Ray cluster at {where}: {err} (if it uses token authentication, "
+                           f"{TOKEN_HINT})") from None
     return ray
+
+
+TOKEN_HINT = "pass its token with RAY_AUTH_TOKEN=<token> or RAY_AUTH_TOKEN_PATH=<file>; `ray get-auth-token` on the head prints it"
+
+
+def _token_auth_after_refusal(address: str | None) -> bool:
+    """After a refused connection to an explicit address: turn Ray token authentication on when a
+    token is at hand and ``RAY_AUTH_MODE`` is unset; True when that changed anything (retry).
+
+    Ray 2.60 decides per process: ``RAY_AUTH_MODE`` (``token`` / ``disabled``) when set; else a new
+    local cluster (``ray.init()``) and ``ray start --head`` turn token mode on and use the token
+    of ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token`` (``ray.init()`` writes
+    one there when none exists) — but a driver given an explicit address (argument or
+    ``RAY_ADDRESS``) never does. So after one local ``--ray`` run, a cluster started on this
+    machine requires the token left in ``~/.ray`` while our driver, given its address, sent none
+    (``InvalidAuthToken``, issue 41). The token is not sent up front: a driver in token mode
+    reaches a cluster without token authentication, but that cluster's workers then fail to start
+    Ray Data's actors; so the first try is Ray's own default and only a refusal turns token mode on.
+    """
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        return False  # a local cluster: ray.init already applied Ray's rule
+    if os.environ.get("RAY_AUTH_MODE") is not None:
+        return False
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return False
+    return bool(maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
 
 
 def _check_reachable(address: str | None) -> None:

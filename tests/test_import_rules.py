@@ -149,3 +149,25 @@ def test_code_imports_errors_from_index_errors_not_the_cli_reexport() -> None:
         if "from tonearm.errors import" in path.read_text() or "import tonearm.errors" in path.read_text()
     ]
     assert offenders == []
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module an import statement names in ``path`` (lazy ones too), full dotted names."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_trained_and_pretrained_exports_do_not_import_each_other() -> None:
+    """Issue 41: one pipeline, its shared parts in training/bundle_parts.py, the CLI in
+    training/export_cli.py; neither training/export.py nor training/pretrained.py imports the other."""
+    export, pretrained = (_imported_modules(ROOT / "training" / f"{name}.py") for name in ("export", "pretrained"))
+    assert not {m for m in export if m == "training.pretrained" or m.startswith("training.pretrained.")}
+    assert not {m for m in pretrained if m == "training.export" or m.startswith("training.export.")}
+    assert "training.bundle_parts" in export and "training.bundle_parts" in pretrained

@@ -111,6 +111,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="drop captions in languages outside data.languages (same as data.drop_other_languages=true)",
     )
+    plan = p.add_argument_group("dry run (--plan): the data plan of a data.shards run on a cluster, no training")
+    plan.add_argument("--plan", action="store_true", help="print steps per epoch, coverage, loader workers, shuffle "
+                      "buffers, host and /dev/shm use per node for the cluster below and exit; refuse one that does not fit")
+    plan.add_argument("--nodes", type=int, default=1, help="with --plan: nodes (default 1)")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="with --plan: GPUs = ranks per node (default 8)")
+    plan.add_argument("--cores-per-node", type=int, default=96, help="with --plan: CPU cores per node (default 96)")
+    plan.add_argument("--memory-per-node", default="512Gi", help="with --plan: memory per node (default 512Gi)")
+    plan.add_argument("--shm-per-node", default=None, help="with --plan: /dev/shm per node (default: half the memory)")
     p.set_defaults(handler=_lazy("training.launch:cli_train", "train"))
 
 
@@ -124,13 +132,14 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="export a checkpoint (or a pretrained CLAP folder) to a bundle (ONNX + FAISS + manifest)")
+    p = sub.add_parser("export", help="export a checkpoint (or a pretrained CLAP / PE-Audio folder) to a bundle (ONNX + FAISS + manifest)")
     p.add_argument("checkpoint", nargs="?", help="checkpoint directory (runs/NAME/best); omit with --pretrained")
     p.add_argument(
         "--pretrained",
         metavar="MODEL_DIR",
-        help="a Hugging Face ClapModel folder (config.json, weights, preprocessor_config.json, tokenizer): "
-        "bundle its own encoders without training (docs/models.md)",
+        help="a saved Hugging Face model folder — ClapModel (LAION CLAP) or PeAudioModel (Meta PE-Audio), "
+        "read from its config.json model_type — with its weights, preprocessor_config.json and tokenizer: "
+        "bundle its own encoders without training (docs/models.md, 'Bring your own model')",
     )
     p.add_argument(
         "--languages", nargs="+", metavar="LANG",
@@ -157,7 +166,8 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize-on-loss", choices=("refuse", "warn"), default="refuse",
                    help="past --quantize-max-drop: refuse the export (exit status 2) or only warn")
     _add_ray_options(p)
-    p.set_defaults(handler=_lazy("training.export:cli_export", "train"))
+    _add_device_option(p)
+    p.set_defaults(handler=_lazy("training.export_cli:cli_export", "train"))
 
 
 def _add_index(sub: argparse._SubParsersAction) -> None:
@@ -168,6 +178,7 @@ def _add_index(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bundle", required=True, help="source bundle whose ONNX encoders and tokenizer are reused")
     p.add_argument("--out", required=True, help="new bundle directory (its name is the bundle id; must not exist)")
     _add_ray_options(p)
+    _add_device_option(p)
     milvus = p.add_argument_group(
         "publishing straight to Milvus (with --ray)",
         "each Ray worker writes its vectors into the bundle's Milvus collection, which is then registered as "
@@ -179,6 +190,15 @@ def _add_index(sub: argparse._SubParsersAction) -> None:
     milvus.add_argument("--milvus-index", choices=("FLAT", "IVF_FLAT", "HNSW", "AUTOINDEX"), default=None,
                         help="Milvus index type of the collection (default FLAT = exact)")
     p.set_defaults(handler=_lazy("index.own_audio:cli_index", "service"))
+
+
+def _add_device_option(p: argparse.ArgumentParser) -> None:
+    """`--device cpu|cuda`: where the in-process embedding pass runs (docs/models.md, "Where the catalogue pass runs")."""
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="cuda: embed with ONNX Runtime's CUDA provider (needs onnxruntime-gpu and an NVIDIA GPU; "
+        "refused in one line without them); default cpu",
+    )
 
 
 def _add_ray_options(p: argparse.ArgumentParser) -> None:

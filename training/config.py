@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -38,7 +38,7 @@ class FrontendConfig(_Strict):
     n_mels: int = 64
     f_min: float = 0.0
     f_max: float = 8_000.0
-    short_clip_padding: Literal["auto", "pad", "repeatpad", "repeat"] = "auto"
+    short_clip_padding: Literal["auto", "pad", "repeatpad", "repeat", "frames"] = "auto"
     """How clips shorter than ``data.clip_seconds`` reach the audio tower, in training, evaluation and
     the exported bundle alike (:mod:`index.audio_frontend`): ``pad`` = zeros after the clip;
     ``repeatpad`` / ``repeat`` = tiled as CLAP's feature extractor does. ``auto`` = the model's own:
@@ -52,9 +52,13 @@ class DataConfig(_Strict):
     shards: str | None = None
     """Train from `tonearm data shard` output instead of `manifest`: a folder, ``s3://``, ``gs://`` or
     ``https://`` URL read through fsspec (docs/training.md, "Training on a large corpus")."""
-    shuffle_buffer: int = Field(1000, ge=1)
-    """With `shards`: clips each loader worker holds to draw its next one from (more = better mixed,
-    more memory: a clip's encoded audio each)."""
+    shuffle_buffer: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    """With `shards`: training crops each loader worker holds to draw its next one from (more = better
+    mixed, more memory: one decoded float32 crop each). ``auto`` = as many as `shuffle_buffer_bytes`
+    holds, at most 1000 (docs/training.md, "Training on a large corpus")."""
+    shuffle_buffer_bytes: int | None = Field(None, ge=1)
+    """Bytes of one loader worker's shuffle buffer for ``shuffle_buffer: auto``; null = 20 % of the
+    node's memory (cgroup limit, else physical) shared by every loader worker of the node."""
     languages: list[str] = Field(default_factory=lambda: list(DEFAULT_LANGUAGES))
     drop_other_languages: bool = False
     """Drop captions in languages outside `languages` (counted and reported) instead of
@@ -213,7 +217,14 @@ class DistributedConfig(_Strict):
     """``global``: every rank scores the whole gathered batch (all objectives);
     ``local``: each rank scores its own rows against it (InfoNCE/SigLIP bases only)."""
     timeout_s: float = Field(600.0, gt=0)
-    """Rendezvous and collective timeout; a stale rendezvous fails after this long."""
+    """Rendezvous, collective and barrier timeout (NCCL's watchdog too): a stale rendezvous or a
+    hung rank fails after this long. A rank that *raises* ends the job at once, without waiting
+    for it (docs/training.md, "Training on a large corpus"); keep it above the longest wait
+    between ranks (validation, knowledge-base refreshes at an epoch's end)."""
+    force_process_group: bool = False
+    """Create the process group (NCCL on a GPU) even at world size 1 — a plain process or a
+    one-process torchrun — so that DDP and every collective of the loop run as on many GPUs:
+    one GPU then measures what they cost and checks that every tensor they send lives there."""
     find_unused_parameters: bool = False
     """Let DDP search every step for parameters without a gradient (slower); only for a
     model or objective that leaves some trainable parameters out of the loss."""
@@ -270,8 +281,12 @@ class TrainConfig(_Strict):
         return self
 
 
-def model_short_clip_padding(audio: AudioTowerConfig) -> Literal["pad", "repeatpad", "repeat"]:
-    """The padding a tower's own feature extractor applies to short clips (see ``short_clip_padding``)."""
+def model_short_clip_padding(audio: AudioTowerConfig) -> Literal["pad", "repeatpad", "repeat", "frames"]:
+    """The padding a tower's own feature extractor applies to short clips (see ``short_clip_padding``):
+    AST's extractor pads fbank frames (``frames``, :mod:`index.audio_frontend`), CLAP's reads its
+    ``padding``; every other tower zero-pads the waveform."""
+    if audio.kind == "hf_ast":
+        return "frames"
     if audio.kind != "hf_clap":
         return "pad"
     settings = Path(audio.path) / "preprocessor_config.json" if audio.path else None
@@ -283,7 +298,7 @@ def model_short_clip_padding(audio: AudioTowerConfig) -> Literal["pad", "repeatp
     return "repeatpad"  # ClapFeatureExtractor's default (laion/clap-htsat-unfused)
 
 
-def short_clip_padding(frontend: FrontendConfig) -> Literal["pad", "repeatpad", "repeat"]:
+def short_clip_padding(frontend: FrontendConfig) -> Literal["pad", "repeatpad", "repeat", "frames"]:
     """The resolved padding of a front end (``auto`` outside a TrainConfig = ``pad``)."""
     value = frontend.short_clip_padding
     return "pad" if value == "auto" else value

@@ -15,6 +15,13 @@ crop and ``ceil(duration / clip_seconds)`` windows under chunk-and-average (dura
 once from the file headers), so ranks with the long clips do not arrive late at the gather.
 Each rank's rows are gathered and put back in record order, so every rank gets the rows one
 process would compute.
+
+When the run trains from ``data.shards`` (``corpus`` given) the training pairs come from the
+shards themselves (:mod:`training.data.shard_passes`): each rank takes a cost-balanced share of
+the train *shards* (windows from records.jsonl's ``seconds``), its loader workers stream them,
+and each sample is placed by its clip **id** at its row of the training records (the row the
+training stream gives as ``clip_index``). After the gather the result is the manifest path's,
+row for row: pairs in record order, ``clip_index`` = the record's row.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import math
 import resource
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,6 +43,9 @@ from training.config import DataConfig, FrontendConfig
 from training.data.dataset import eval_captions
 from training.data.manifest import ClipRecord
 from training.evaluate import StreamStats, embed_clips, embed_texts
+
+if TYPE_CHECKING:
+    from training.data.stream import ShardCorpus
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +68,7 @@ class LoopContext:
         batch_size: int,
         device: torch.device,
         num_workers: int = 0,
+        corpus: ShardCorpus | None = None,
     ) -> None:
         self.epoch = 0
         self.step = 0
@@ -68,11 +80,15 @@ class LoopContext:
         self._frontend_cfg = frontend_cfg
         self._batch_size = batch_size
         self._num_workers = num_workers
+        self._corpus = corpus
+        """The shard folder the training records come from (``data.shards``), else None."""
         self._windows: dict[int, list[int]] = {}
         """Per records list (by id()), the evaluation windows of each clip: the cost that balances ranks."""
 
     def embed_training_pairs(self) -> tuple[Tensor, Tensor, Tensor]:
         """(audio (N, d), text (N, d), clip_index (N,)): one row per (clip, caption) of the training set."""
+        if self._corpus is not None:
+            return self._embed_shard_pairs("training pairs")
         return self._embed_pairs_balanced(self._records, "training pairs")
 
     def embed_manifest_pairs(self, manifest: Path) -> tuple[Tensor, Tensor]:
@@ -90,6 +106,9 @@ class LoopContext:
 
     def embed_clips(self, clip_index: Tensor) -> Tensor:
         """Audio embeddings (len(clip_index), d) of the given training clips (this rank's only)."""
+        if self._corpus is not None:
+            raise NotImplementedError("embed_clips needs random access to the training clips, which data.shards "
+                                      "does not give; use embed_training_pairs")
         records = [self._records[int(i)] for i in clip_index.tolist()]
         return self._embed_audio(records).to(self.device)
 
@@ -139,6 +158,50 @@ class LoopContext:
             f", {len(stats.failed)} undecodable" if stats.failed else "",
         )
         return result
+
+    def _embed_shard_pairs(self, what: str) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`_embed_pairs_balanced` of the training records, streamed from their shards (module doc)."""
+        from training.data.shard_passes import embed_shard_clips
+        from training.data.stream import TRAIN_SPLIT
+
+        corpus = self._corpus
+        assert corpus is not None
+        stats = StreamStats()
+        rows_of: dict[str, list[int]] = {}
+        for row, record in enumerate(self._records):
+            rows_of.setdefault(str(record.meta["shard"]), []).append(row)
+        names = [name for name, _ in corpus.shards(TRAIN_SPLIT) if name in rows_of]
+        clip_seconds = self._data_cfg.clip_seconds
+        costs = [
+            len(rows_of[name]) if self._data_cfg.eval_crop == "center" else sum(
+                max(1, math.ceil(float(self._records[r].meta["seconds"]) / clip_seconds)) for r in rows_of[name])
+            for name in names
+        ]
+        world = distributed.world_size()
+        shares = distributed.balanced_assignment(costs, world) if world > 1 else [list(range(len(names)))]
+        mine = [names[i] for i in shares[distributed.rank()]]
+        rows = sorted(row for name in mine for row in rows_of[name])
+        audio = embed_shard_clips(
+            self._model, corpus, mine, rows, split=TRAIN_SPLIT, data_cfg=self._data_cfg,
+            frontend_cfg=self._frontend_cfg, batch_size=self._batch_size, device=self.device,
+            num_workers=self._num_workers, progress=distributed.rank() == 0, description=f"{what}: clips",
+            stats=stats,
+        )
+        captions = eval_captions([self._records[r] for r in rows], tuple(self._data_cfg.languages))
+        local = torch.from_numpy(np.asarray(captions.clip, dtype=np.int64))
+        text = embed_texts(self._model, self._tokenizer, captions.texts, batch_size=self._batch_size,
+                           device=self.device)
+        clip = torch.tensor(rows, dtype=torch.long)[local].to(self.device)
+        audio, text = audio[local].to(self.device), text.to(self.device)
+        if world > 1:
+            clip = distributed.all_gather_rows(clip)
+            order = torch.argsort(clip, stable=True)  # record order; one clip's captions keep their order
+            audio, text, clip = distributed.all_gather_rows(audio)[order], distributed.all_gather_rows(text)[order], clip[order]
+        log.info("%s: %d clips (%d windows) from %d shards embedded on this rank in %.1f s, peak RSS %.0f MiB%s",
+                 what, stats.clips, stats.windows, len(mine), stats.seconds,
+                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                 f", {len(stats.failed)} undecodable" if stats.failed else "")
+        return audio, text, clip
 
     def _embed_pairs(
         self, records: Sequence[ClipRecord], what: str, stats: StreamStats, windows: Sequence[int]

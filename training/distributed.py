@@ -28,6 +28,7 @@ import heapq
 import logging
 import os
 import pickle
+import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -90,8 +91,12 @@ def init_process_group(device: torch.device, *, timeout_s: float) -> int:
         return dist.get_rank()
     address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     rank_env, size = os.environ.get("RANK", "?"), launched_world_size()
+    extra: dict[str, Any] = {}
+    if size == 1 and "MASTER_ADDR" not in os.environ:  # one plain process (a forced group): a private store
+        address = f"127.0.0.1:{_free_port()}"
+        extra = {"init_method": f"tcp://{address}", "rank": 0, "world_size": 1}
     try:
-        dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=timeout_s), **extra)
     except (RuntimeError, ValueError, OSError) as err:  # DistStoreError/DistNetworkError are RuntimeErrors
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TonearmError(
@@ -102,6 +107,14 @@ def init_process_group(device: torch.device, *, timeout_s: float) -> int:
         ) from err
     _GROUP_DEVICE = device
     return dist.get_rank()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 # --- the group's device and the collective boundary ------------------------------------------
@@ -198,11 +211,70 @@ def _barrier_kwargs() -> dict[str, Any]:
 
 
 def destroy_process_group() -> None:
+    """Leave the group on the way every rank takes: a barrier first, so no rank tears down while
+    a peer still sends. After an error use :func:`leave_after_error` instead (no barrier)."""
     global _GROUP_DEVICE
     if is_distributed():
         dist.barrier(**_barrier_kwargs())
         dist.destroy_process_group()
     _GROUP_DEVICE = None
+
+
+# --- failing well ---------------------------------------------------------------------------
+#
+# A rank that raises must end the job in seconds, with its own error (docs/training.md,
+# "Training on a large corpus"). Its peers are then blocked in the next collective: a barrier
+# on this rank's way out would be a collective they never join, so the job would hang until
+# ``distributed.timeout_s`` and the barrier's timeout would replace the rank's error. Instead
+# the failing rank leaves the group at once and its process exits non-zero; torchrun's agent
+# (or ``torch.multiprocessing.spawn``) then stops the other ranks. Under gloo a peer blocked in
+# a collective also fails by itself as soon as the connection closes ("Connection closed by
+# peer"); such a rank says that another rank failed first and lingers a few seconds before it
+# exits, so that the launcher observes the rank that caused the failure first and names it as
+# the root cause (it is stopped by the launcher meanwhile).
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+"""Texts of a collective that failed because another rank left (gloo and NCCL)."""
+PEER_GRACE_S = 3.0
+"""How long a rank whose collective failed because of a peer waits before it exits."""
+
+
+def caused_by_a_peer(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that failed because another rank left, not this rank's own error."""
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(mark in text for mark in PEER_GONE)
+
+
+def leave_after_error(err: BaseException) -> None:
+    """The error path of a distributed run: name the failure, leave the group without a barrier.
+
+    NCCL's communicators are aborted (a destroy would wait for the collectives in flight); gloo's
+    group is destroyed, which closes its connections so that blocked peers fail at once.
+    """
+    global _GROUP_DEVICE
+    if not is_distributed():
+        _GROUP_DEVICE = None
+        return
+    rank_, size = dist.get_rank(), dist.get_world_size()
+    first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    peer = caused_by_a_peer(err)
+    if peer:
+        log.error("rank %d of %d: a collective failed because another rank left; that rank's error, printed "
+                  "by it, is the cause of the failure (%s)", rank_, size, first_line[:300])
+    else:
+        log.error("rank %d of %d failed: %s: %s — leaving the process group without waiting for the other "
+                  "ranks; the launcher stops them", rank_, size, type(err).__name__, first_line)
+    nccl = dist.get_backend() == "nccl"
+    try:
+        if nccl:
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+    except Exception as teardown:  # noqa: BLE001 - the original error is the one to report
+        log.debug("leaving the process group after an error: %s", teardown)
+    _GROUP_DEVICE = None
+    if peer and size > 1:
+        time.sleep(PEER_GRACE_S)  # let the launcher see the failing rank first (comment above)
 
 
 def barrier() -> None:
@@ -404,6 +476,43 @@ def reduce_logged(values: Mapping[str, Tensor | float]) -> dict[str, float]:
         if is_distributed():
             packed = all_reduce_mean(packed)
         return dict(zip(keys, packed.tolist(), strict=True))
+
+
+WORST_OF = {"data_wait_fraction": "data_wait_fraction_max"}
+"""Window metrics whose worst rank is logged beside the mean (a starved rank slows every rank)."""
+MAX_OF = frozenset({"peak_memory_mib"})
+"""Window metrics logged as their largest value over ranks (the rank that runs out first)."""
+
+
+def reduce_window(values: Mapping[str, float]) -> dict[str, float]:
+    """A logging window's data metrics over every rank, for rank 0 to log: ONE all-gather.
+
+    Each value becomes its mean over ranks (``samples_per_s``: each rank counts the global batch,
+    so the mean is the job's throughput), except :data:`MAX_OF` (largest); ``data_wait_fraction``
+    also gets ``data_wait_fraction_max``, the worst rank's. On one process: the values, with the
+    worst equal to the mean.
+    """
+    keys = list(values)
+    if not is_distributed():
+        rows = [[float(values[k]) for k in keys]]
+    else:
+        with _helper_scope():
+            local = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=group_device())
+            rows = all_gather_no_grad(local.unsqueeze(0)).tolist()
+    out: dict[str, float] = {}
+    for column, key in enumerate(keys):
+        per_rank = [row[column] for row in rows]
+        out[key] = max(per_rank) if key in MAX_OF else sum(per_rank) / len(per_rank)
+        if key in WORST_OF:
+            out[WORST_OF[key]] = max(per_rank)
+    return out
+
+
+def distinct_over_ranks(items: Sequence[str]) -> int:
+    """How many distinct ``items`` every rank together holds (e.g. bad samples): one gather."""
+    if not is_distributed():
+        return len(set(items))
+    return len({item for part in gather_objects(list(items)) for item in part})
 
 
 def _first_device(values: Mapping[str, Tensor | float]) -> torch.device:

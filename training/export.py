@@ -24,14 +24,10 @@ writes is read back by the torch-free ``index`` package.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import logging
 import re
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,7 +41,7 @@ from index.audio import decode_audio
 from index.bundle_eval import evaluate_eval_set
 from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, load_eval_waveform, read_eval_set, write_eval_set
-from index.faiss_index import BuiltIndex, build_index, parse_factory, save_index
+from index.faiss_index import build_index, parse_factory, save_index
 from index.faiss_ondisk import build_and_save
 from index.filters import filterable_metadata
 from index.loader import (
@@ -59,6 +55,23 @@ from index.loader import (
 from index.ray_embed import RayOptions, decode_whole, embed_audio_files, embed_captions
 from index.report import METRIC_CONVENTION
 from index.tokenizer import TextTokenizer
+from training.bundle_parts import (
+    CPU,
+    OPSET,
+    audio_uri,
+    canonical_hash,
+    catalogue_records,
+    catalogue_texts,
+    cosines,
+    held_out_records,
+    make_bundle_id,
+    parity_texts,
+    quantization_records,
+)
+from training.bundle_parts import index_info as _index_info
+from training.bundle_parts import load_session as _load_session
+from training.bundle_parts import progress as _progress
+from training.bundle_parts import write_jsonl as _write_jsonl
 from training.checkpoint import Checkpoint, load_checkpoint
 from training.config import TrainConfig, short_clip_padding
 from training.data.dataset import eval_captions
@@ -69,21 +82,14 @@ from training.onnx_export import (
     export_audio_encoder,
     export_text_encoder,
 )
-from training.quantize import EncoderPair, QuantizeConfig, check_loss, measure, quantize_model
+from training.quantize import EncoderPair, QuantizeConfig, measure, quantize_model
 
 log = logging.getLogger(__name__)
 
-OPSET = 18
-HELD_OUT_SPLITS = ("test", "val")
 EMBED_CLIPS_PER_STEP = 8
 
 
 # ----------------------------------------------------------------------------- identity
-
-
-def canonical_hash(value: Any) -> str:
-    """sha256 of canonical JSON (sorted keys, no spaces)."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def run_name(checkpoint_dir: Path) -> str:
@@ -91,11 +97,6 @@ def run_name(checkpoint_dir: Path) -> str:
     path = Path(checkpoint_dir).resolve()
     name = path.parent.name if path.name in {"best", "last"} else path.name
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._") or "bundle"
-
-
-def make_bundle_id(name: str, *, created: datetime, fingerprint: str) -> str:
-    """``<run name>-<UTC timestamp>-<8 hex of the inputs' fingerprint>``."""
-    return f"{name}-{created.strftime('%Y%m%dT%H%M%SZ')}-{fingerprint[:8]}"
 
 
 # ----------------------------------------------------------------------------- data
@@ -107,6 +108,8 @@ def checkpoint_audio_frontend(cfg: TrainConfig) -> fmt.AudioFrontendInfo | None:
     padding = short_clip_padding(cfg.frontend)
     if padding == "pad":
         return None
+    if padding == "frames":  # an hf_ast tower: the extractor keeps the first max_length frames
+        return fmt.AudioFrontendInfo(source="ast_feature_extractor", padding=padding, model_truncation="first_frames")
     return fmt.AudioFrontendInfo(padding=padding, model_truncation="rand_trunc")
 
 
@@ -115,91 +118,7 @@ def clip_samples_of(cfg: TrainConfig) -> int:
     return int(round(cfg.data.clip_seconds * cfg.frontend.sample_rate))
 
 
-def held_out_records(records: Sequence[ClipRecord]) -> tuple[str, list[ClipRecord]]:
-    """The held-out split (``test``, else ``val``), capped at :data:`MAX_EVAL_CLIPS` clips."""
-    for split in HELD_OUT_SPLITS:
-        chosen = [r for r in records if r.split == split]
-        if chosen:
-            return split, chosen[:MAX_EVAL_CLIPS]
-    raise BundleError("the data manifest has neither a 'test' nor a 'val' split for the held-out set")
-
-
-def catalogue_texts(records: Sequence[ClipRecord], languages: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, tuple[int, int]]]:
-    """Caption rows grouped by language (``text_ids.jsonl``) and each language's ``[start, end)``."""
-    items: list[dict[str, Any]] = []
-    ranges: dict[str, tuple[int, int]] = {}
-    for lang in languages:
-        start = len(items)
-        for row, record in enumerate(records):
-            items.extend(
-                {"clip_id": record.id, "clip_row": row, "lang": lang, "text": text}
-                for text in record.captions.get(lang, [])
-            )
-        ranges[lang] = (start, len(items))
-    return items, ranges
-
-
-def audio_uri(record: ClipRecord, manifest: Path) -> str:
-    """The clip's audio path relative to the data manifest when inside its directory, else as stored."""
-    audio = Path(record.audio)
-    try:
-        return audio.resolve().relative_to(manifest.resolve().parent).as_posix()
-    except ValueError:
-        return str(audio)
-
-
-def _write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    with path.open("w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-
-@contextmanager
-def _progress(enabled: bool) -> Iterator[Callable[[str, int], Callable[[int], None]]]:
-    """``task(description, total)`` → ``advance(n)``; a no-op when disabled."""
-    if not enabled:
-        yield lambda _description, _total: lambda _n: None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, transient=False) as bar:
-
-        def task(description: str, total: int) -> Callable[[int], None]:
-            task_id = bar.add_task(description, total=total)
-            done, next_log = 0, 0
-
-            def advance(n: int) -> None:
-                # Also to the log (every 10 %), so a log file, not only a terminal, shows the progress.
-                nonlocal done, next_log
-                bar.advance(task_id, n)
-                done += n
-                if done >= next_log or done >= total:
-                    log.info("export progress: %s %d/%d", description, done, total)
-                    next_log = done + max(1, total // 10)
-
-            return advance
-
-        yield task
-
-
 # ----------------------------------------------------------------------------- parity
-
-
-def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a = a / np.maximum(np.linalg.norm(a, axis=-1, keepdims=True), 1e-12)
-    b = b / np.maximum(np.linalg.norm(b, axis=-1, keepdims=True), 1e-12)
-    return (a * b).sum(axis=-1)
-
-
-def parity_texts(records: Sequence[ClipRecord], languages: Sequence[str]) -> list[str]:
-    """Per language: the shortest and the longest caption, and one far over ``max_length``."""
-    texts: list[str] = []
-    for lang in languages:
-        pool = sorted({t for r in records for t in r.captions.get(lang, [])}, key=lambda t: (len(t), t))
-        if pool:
-            texts += [pool[0], pool[-1], " ".join([pool[-1]] * 8)]
-    return texts
 
 
 def parity_waveforms(wave: np.ndarray, clip_samples: int) -> list[np.ndarray]:
@@ -249,12 +168,9 @@ class _Encoders:
     quantize: QuantizeConfig
 
 
-def _load_session(path: Path, inputs: Sequence[str], dim: int) -> OnnxEncoder:
-    return OnnxEncoder.load(path, inputs=inputs, embed_dim=dim, providers=["CPUExecutionProvider"], threads=None)
-
-
 def export_encoders(
-    ckpt: Checkpoint, staging: Path, scratch: Path, *, records: Sequence[ClipRecord], quantize: QuantizeConfig
+    ckpt: Checkpoint, staging: Path, scratch: Path, *, records: Sequence[ClipRecord], quantize: QuantizeConfig,
+    providers: Sequence[str] = CPU,
 ) -> _Encoders:
     """Write both ONNX encoders (+ tokenizer) into ``staging`` and check them against PyTorch.
 
@@ -269,8 +185,8 @@ def export_encoders(
     text_fp32_path = export_text_encoder(model.text_module(), text_dir / fmt.TEXT_ENCODER,
                                          max_length=ckpt.tokenizer.max_length, opset=OPSET)
     ckpt.tokenizer.save(staging / fmt.TOKENIZER)
-    audio_fp32 = _load_session(audio_fp32_path, AUDIO_INPUTS, dim)
-    text_fp32 = _load_session(text_fp32_path, TEXT_INPUTS, dim)
+    audio_fp32 = _load_session(audio_fp32_path, AUDIO_INPUTS, dim, providers)
+    text_fp32 = _load_session(text_fp32_path, TEXT_INPUTS, dim, providers)
     texts = parity_texts(records, cfg.data.languages)
     text_cos = _require(check_text_parity(model, ckpt.tokenizer, text_fp32, texts), "text encoder")
     sample = decode_audio(records[0].audio, sample_rate=cfg.frontend.sample_rate)
@@ -279,12 +195,12 @@ def export_encoders(
     audio, text = audio_fp32, text_fp32
     if quantize.applies("audio"):
         audio = _load_session(quantize_model(audio_fp32_path, staging / fmt.AUDIO_ENCODER, precision=quantize.precision),
-                              AUDIO_INPUTS, dim)
+                              AUDIO_INPUTS, dim, providers)
         audio_cos = check_audio_parity(model, audio, waves)
         log.info("%s audio encoder: min cosine vs PyTorch %.6f", quantize.precision, audio_cos)
     if quantize.applies("text"):
         text = _load_session(quantize_model(text_fp32_path, staging / fmt.TEXT_ENCODER, precision=quantize.precision),
-                             TEXT_INPUTS, dim)
+                             TEXT_INPUTS, dim, providers)
         text_cos = check_text_parity(model, ckpt.tokenizer, text, texts)
         log.info("%s text encoder: min cosine vs PyTorch %.6f", quantize.precision, text_cos)
     return _Encoders(audio, text, audio_cos, text_cos, audio_fp32, text_fp32, quantize)
@@ -356,13 +272,6 @@ def build_held_out(records: Sequence[ClipRecord], cfg: TrainConfig) -> EvalSet:
     )
 
 
-def _index_info(built: BuiltIndex, *, file: str, ids_file: str, ranges: dict | None = None) -> fmt.IndexInfo:
-    return fmt.IndexInfo(
-        file=file, ids_file=ids_file, factory=built.spec.factory, dim=built.index.d, ntotal=built.index.ntotal,
-        search_params=built.search_params, ann_recall_at_10=built.ann_recall_at_10, language_ranges=ranges,
-    )
-
-
 def evaluate_staged(
     staging: Path, encoders: _Encoders, tokenizer: TextTokenizer, cfg: TrainConfig
 ) -> tuple[fmt.EvaluationInfo, fmt.QuantizationInfo | None]:
@@ -404,18 +313,6 @@ def _load_inputs(checkpoint_dir: Path, manifest: Path) -> tuple[Checkpoint, list
     return ckpt, records
 
 
-def catalogue_records(records: Sequence[ClipRecord], splits: Sequence[str] | None, manifest: Path) -> list[ClipRecord]:
-    """The clips to index: every clip, or those of `splits` (each must exist in the manifest)."""
-    if not splits:
-        return list(records)
-    present = sorted({r.split for r in records})
-    unknown = [split for split in splits if split not in present]
-    if unknown:
-        raise BundleError(f"{manifest}: no split {', '.join(map(repr, unknown))} to index "
-                          f"(--split; splits present: {', '.join(present)})")
-    return [r for r in records if r.split in splits]
-
-
 def export_bundle(
     checkpoint_dir: Path | str,
     *,
@@ -427,10 +324,12 @@ def export_bundle(
     progress: bool = True,
     splits: Sequence[str] | None = None,
     ray: RayOptions | None = None,
+    providers: Sequence[str] = CPU,
 ) -> Path:
     """Export ``checkpoint_dir`` with the clips of ``manifest`` (only those of ``splits`` when
     given); returns ``out_dir/<bundle_id>``. The held-out set is chosen from every clip.
-    ``ray``: the catalogue's embedding pass runs on a Ray cluster (same bundle)."""
+    ``ray``: the catalogue's embedding pass runs on a Ray cluster (same bundle); ``providers``:
+    the ONNX Runtime providers of the checks and the in-process pass (``--device cuda``)."""
     checkpoint_dir, manifest, out_dir = Path(checkpoint_dir), Path(manifest), Path(out_dir)
     quantize = quantize or QuantizeConfig.from_choice(None, quantize_text=quantize_text)  # quantize_text: old alias
     ckpt, all_records = _load_inputs(checkpoint_dir, manifest)
@@ -449,7 +348,7 @@ def export_bundle(
     with fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
         sections = _build_contents(
             ckpt, records, held_out, staging, Path(scratch), split=split, index_factory=index_factory,
-            quantize=quantize, progress=progress, source_manifest=manifest, ray=ray,
+            quantize=quantize, progress=progress, source_manifest=manifest, ray=ray, providers=providers,
         )
         manifest_model = fmt.BundleManifest(
             bundle_id=bundle_id,
@@ -487,10 +386,11 @@ def _build_contents(
     progress: bool,
     source_manifest: Path,
     ray: RayOptions | None = None,
+    providers: Sequence[str] = CPU,
 ) -> dict[str, Any]:
     """Write every bundle file except the manifest; return the manifest sections they determine."""
     cfg, tokenizer, dim = ckpt.config, ckpt.tokenizer, ckpt.config.model.embed_dim
-    encoders = export_encoders(ckpt, staging, scratch, records=records, quantize=quantize)
+    encoders = export_encoders(ckpt, staging, scratch, records=records, quantize=quantize, providers=providers)
     text_items, ranges = catalogue_texts(records, cfg.data.languages)
     if ray is not None:
         audio_emb, text_emb = embed_catalogue_on_ray(encoders, tokenizer, records, [t["text"] for t in text_items],
@@ -531,52 +431,3 @@ def _build_contents(
     }
 
 
-def quantize_config(args: argparse.Namespace) -> QuantizeConfig:
-    """``--quantize``, ``--quantize-text`` (alias of ``--quantize text``), the precision and the loss policy."""
-    return QuantizeConfig.from_choice(
-        args.quantize, quantize_text=args.quantize_text, precision=args.quantize_precision,
-        max_r10_drop=args.quantize_max_drop, on_loss=args.quantize_on_loss,
-    )
-
-
-def cli_export(args: argparse.Namespace) -> int:
-    """`tonearm export CHECKPOINT --data MANIFEST --out BUNDLES_DIR [--split S ...] [--index F] [--quantize-text]`,
-    or `tonearm export --pretrained MODEL_DIR ...` (training.pretrained)."""
-    from rich.console import Console
-
-    from index.report import format_report_rich
-
-    if (args.checkpoint is None) == (getattr(args, "pretrained", None) is None):
-        raise BundleError("tonearm export: give a CHECKPOINT directory or --pretrained MODEL_DIR (one of them)")
-    if args.pretrained is not None:
-        from training.pretrained import cli_export_pretrained
-
-        return cli_export_pretrained(args)
-    path = export_bundle(
-        args.checkpoint, manifest=args.data, out_dir=args.out, index_factory=args.index,
-        quantize=quantize_config(args), progress=True, splits=args.split,
-        ray=None if args.ray is None else RayOptions(address=args.ray or None, workers=args.ray_workers,
-                                                    progress=True),
-    )
-    manifest = fmt.read_manifest(path)
-    console = Console()
-    console.print(format_report_rich(manifest.evaluation.report, manifest.languages))
-    console.print(f"bundle written: {path}")
-    return 0
-
-
-def quantization_records(found: Any, quantize: QuantizeConfig) -> tuple[fmt.EvaluationInfo, fmt.QuantizationInfo]:
-    """The manifest's evaluation and quantization records of a measured int8 bundle (trained or
-    pretrained); stops the export per ``quantize.on_loss`` when the held-out drop is too large."""
-    drops = found.drop_points()
-    log.info("%s %s: held-out drop vs fp32 (points) %s", quantize.precision, "+".join(quantize.encoders), drops)
-    within = check_loss(found, quantize)
-    info = fmt.QuantizationInfo(
-        precision=quantize.precision, encoders=list(quantize.encoders),
-        agreement={name: fmt.QuantizationAgreement(min_cosine=float(c.min()), mean_cosine=float(c.mean()),
-                                                   items=len(c)) for name, c in found.cosine.items()},
-        recall_drop_points=drops, max_r10_drop=quantize.max_r10_drop, on_loss=quantize.on_loss, within_limit=within,
-    )
-    evaluation = fmt.EvaluationInfo(report=found.report, convention=METRIC_CONVENTION,
-                                    fp32_text_report=found.fp32_report, quantization_delta=found.delta)
-    return evaluation, info

@@ -50,6 +50,12 @@ def check_before_launch(cfg: TrainConfig, processes: int) -> None:
 
 def cli_train(args: argparse.Namespace) -> int:
     """Entry point of `tonearm train`: torchrun for ``--nproc-per-node N > 1``, else train here."""
+    if getattr(args, "plan", False):  # a dry run: the data plan on the cluster given, no training
+        from training.config import load_train_config
+        from training.data.cluster_plan import cli_plan
+        from training.rundir import train_overrides
+
+        return cli_plan(args, load_train_config(args.config, train_overrides(args)))
     processes = getattr(args, "nproc_per_node", None)
     if processes is not None and processes < 1:
         raise ConfigError(f"--nproc-per-node must be at least 1, got {processes}")

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -34,14 +34,9 @@ from training.config import ConfigError, TrainConfig, load_train_config, short_c
 from training.context import LoopContext
 from training.data.loader import BadSampleBudget, loader_options, loader_workers
 from training.data.splits import TRAIN_SPLIT
+from training.data.stream import StreamBatches
 from training.elastic import EpochBatches, rederived_seed, resumed_rng_state
-from training.evaluate import (
-    EvalSet,
-    clip_samples,
-    evaluate_prepared,
-    prepare_eval_set,
-    report_keys,
-)
+from training.evaluate import EvalSet, clip_samples, prepare_eval_set, report_keys
 from training.finetune import (
     apply_freezing,
     compile_towers,
@@ -75,9 +70,7 @@ from training.runtime import (
     unflatten_optimizer_state,
 )
 from training.schedule import Schedule
-
-if TYPE_CHECKING:
-    from training.data.stream import StreamBatches
+from training.validation import validate
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +163,7 @@ def train(
         amp_dtype=cfg.optim.amp_dtype,
         threads=cfg.threads,
         timeout_s=cfg.distributed.timeout_s,
+        force_group=cfg.distributed.force_process_group,
     )
     try:
         prepare_out_dir(cfg, runtime, command=command)
@@ -177,8 +171,13 @@ def train(
         run = build_run(cfg, runtime)
         with StopRequest() as stop:
             run_epochs(run, interrupt_after_steps=interrupt_after_steps, stop=stop)
-    finally:
+    except TrainingInterrupted:  # every rank stopped at the same step boundary (stop_requested)
         teardown_runtime(runtime)
+        raise
+    except BaseException as err:  # this rank alone may have failed: no barrier, the job ends now
+        teardown_runtime(runtime, error=err)
+        raise
+    teardown_runtime(runtime)
     return cfg.out_dir
 
 
@@ -242,24 +241,31 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
             batch_size=cfg.eval.batch_size,
             device=runtime.device,
             num_workers=loader_workers(cfg.data.num_workers),
+            corpus=shard_corpus(cfg),
         ),
-        val_set=prepare_eval_set(
-            val_records, data_cfg=cfg.data, frontend_cfg=cfg.frontend, progress=runtime.is_main
-        )
-        if val_records and runtime.is_main
-        else None,
+        val_set=prepare_eval_set(val_records, data_cfg=cfg.data, frontend_cfg=cfg.frontend)
+        if val_records
+        else None,  # every rank embeds a share of it (training/validation.py)
         teachers=build_distillation_teachers(cfg, runtime, train_records, tokenizer),
         metrics=MetricsLog(cfg.out_dir / "metrics.jsonl", enabled=runtime.is_main, observer=observer),
         steps_per_epoch=steps_per_epoch,
         total_steps=int(total_steps),
         has_validation=bool(val_records),
-        bad_samples=BadSampleBudget(max_fraction=cfg.data.max_bad_fraction, clips=clips_on_rank),
+        bad_samples=BadSampleBudget(
+            max_fraction=cfg.data.max_bad_fraction, clips=clips_on_rank, replaced=cfg.data.shards is None
+        ),
         observer=observer,
     )
     if resume_dir is not None:
         restore_trainer_state(run, resume_dir)
     else:
         run.metrics.truncate_after(0)
+    if isinstance(batches, StreamBatches) and batches.coverage is not None:  # printed by the loader, kept here
+        cover = batches.coverage
+        run.metrics.write({"kind": "data_plan", "step": run.state.step, "clips": cover.clips,
+                           "usable_clips": cover.usable, "clips_per_epoch": cover.served,
+                           "coverage": round(cover.fraction, 6), "steps_per_epoch": cover.steps,
+                           "world_size": runtime.world_size, "loader_workers": batches.stream.layout.workers})
     if runtime.is_main:
         (cfg.out_dir / "config.json").write_text(
             cfg.model_dump_json(indent=2) + "\n", encoding="utf-8"
@@ -325,6 +331,15 @@ def build_train_loader(
         **options,
     )
     return loader, batches, len(sampler)
+
+
+def shard_corpus(cfg: TrainConfig) -> Any | None:
+    """The ``data.shards`` corpus the extra passes stream (training/data/shard_passes.py), else None."""
+    if cfg.data.shards is None:
+        return None
+    from training.data.stream import cached_corpus
+
+    return cached_corpus(cfg)
 
 
 def load_training_data(cfg: TrainConfig) -> tuple[list[Any], list[Any]]:
@@ -617,6 +632,11 @@ def run_epochs(
         try:
             for batch in run.observer.batches(run.loader):
                 run.bad_samples.add(batch.skipped)
+                if isinstance(run.batches, StreamBatches):  # ranks agree on the batch's clips
+                    batch = run.batches.lockstep(batch)
+                    if batch is None:  # a rank has < 2 usable clips: every rank skips the step
+                        state.batch_in_epoch += 1
+                        continue
                 values = train_step(run, batch)
                 record_step(run, epoch, values)
                 bar.update()
@@ -760,7 +780,8 @@ def end_epoch(run: Run, epoch: int, *, seconds: float) -> None:
             "step": state.step,
             "loss": mean_loss,
             "seconds": seconds,
-            "bad_samples": run.bad_samples.count,
+            "bad_samples": distributed.distinct_over_ranks(list(run.bad_samples.seen)),  # all ranks
+            **(run.batches.epoch_stats() if isinstance(run.batches, StreamBatches) else {}),
             **summary,
         }
     )
@@ -780,31 +801,6 @@ def end_epoch(run: Run, epoch: int, *, seconds: float) -> None:
     )
     if run.runtime.is_main:
         run.metrics.plot(cfg.out_dir / "curves.png")
-
-
-def validate(run: Run) -> dict[str, float] | None:
-    """SPEC §5 report on the validation split (rank 0; other ranks wait)."""
-    report = None
-    if run.val_set is not None:
-        report = evaluate_prepared(
-            run.model,
-            run.tokenizer,
-            run.val_set,
-            batch_size=run.cfg.eval.batch_size,
-            device=run.runtime.device,
-            progress=True,  # only rank 0 validates
-            num_workers=loader_workers(run.cfg.data.num_workers),
-        )
-        if run.cfg.eval.select_metric not in report:
-            raise ConfigError(
-                f"eval.select_metric {run.cfg.eval.select_metric!r} is not a report key; "
-                f"e.g. {', '.join(sorted(report)[:6])}"
-            )
-        run.metrics.write(
-            {"kind": "eval", "epoch": run.state.epoch, "step": run.state.step, **report}
-        )
-    barrier(run.runtime)
-    return report
 
 
 def improves(run: Run, report: dict[str, float]) -> bool:
@@ -888,6 +884,8 @@ def save_last(run: Run, report: dict[str, float] | None = None) -> None:
             "scaler": run.scaler.state_dict(),
             "world_size": run.runtime.world_size,
         }
+        if isinstance(run.batches, StreamBatches):
+            meta["data_plan"] = run.batches.plan_state(state.epoch, state.batch_in_epoch)
         save_trainer_state(
             directory, tensors={**optim_tensors, **rng_tensors, **objective_tensors}, meta=meta
         )
@@ -913,17 +911,10 @@ def restore_trainer_state(run: Run, directory: Path) -> None:
         run.scaler.load_state_dict(meta["scaler"])
     run.state = LoopState(**meta["loop"])
     saved_world, world = int(meta.get("world_size", 1)), run.runtime.world_size
-    from training.data.stream import StreamBatches
-
-    if saved_world != world and isinstance(run.batches, StreamBatches):
-        raise ConfigError(
-            f"resume: this run streams data.shards and was saved on {saved_world} process(es); "
-            f"resume it on {saved_world} (a stream resumes by batches of the same world size and "
-            "loader workers), or start a new run"
-        )
-    if saved_world != world:
+    if isinstance(run.batches, StreamBatches):
+        restore_stream_plan(run, meta.get("data_plan"), saved_world=saved_world)
+    elif saved_world != world:
         # Same global clip order, continued from the clips consumed (training/elastic.py).
-        assert isinstance(run.batches, EpochBatches)  # streams were refused above
         state, batch = run.state, run.cfg.optim.batch_size
         if state.samples_in_epoch is None:
             state.samples_in_epoch = state.batch_in_epoch * batch * saved_world
@@ -949,6 +940,22 @@ def restore_trainer_state(run: Run, directory: Path) -> None:
         seed_everything(rederived_seed(run.cfg.seed, step=run.state.step, rank=run.runtime.rank))
     run.metrics.truncate_after(run.state.step)
     log.info("resumed from %s at epoch %d, step %d", directory, run.state.epoch, run.state.step)
+
+
+def restore_stream_plan(run: Run, plan: dict[str, Any] | None, *, saved_world: int) -> None:
+    """Take up the checkpoint's data plan (training/data/stream.py ``StreamBatches.restore``): the same
+    layout resumes exactly; another one serves the epoch's clips not yet served, cut anew, and
+    the run's step count follows."""
+    assert isinstance(run.batches, StreamBatches)
+    state = run.state
+    said = run.batches.restore(plan, epoch=state.epoch, batch_in_epoch=state.batch_in_epoch, saved_world=saved_world)
+    left = run.batches.remaining_steps() + (run.cfg.optim.epochs - state.epoch - 1) * run.steps_per_epoch
+    total = int(min(run.cfg.optim.max_steps or math.inf, state.step + left))
+    if total != run.total_steps:
+        run.total_steps = total
+        run.schedule = build_schedule(run.cfg, steps_per_epoch=run.steps_per_epoch, total_steps=total)
+        said += f"; the run ends at step {total}"
+    log.info("resume from shards: %s", said)
 
 
 # --- batching and metrics files -----------------------------------------------------------

@@ -8,6 +8,13 @@ time, counts samples, and at every logged step hands back one window's scalars:
 - ``data_wait_fraction``: seconds blocked in the loader's ``next()`` / step wall seconds, in [0, 1];
 - ``peak_memory_mib`` (CUDA only): ``torch.cuda.max_memory_allocated`` in the window (reset after).
 
+Under torchrun every rank measures its own window and :func:`training.distributed.reduce_window`
+gathers them (one collective per logged step, on every rank): ``samples_per_s`` and
+``data_wait_fraction`` are the means over ranks, ``data_wait_fraction_max`` the worst rank's data
+wait (a starved rank stalls every rank at the next collective, so the warning below follows it),
+and ``peak_memory_mib`` the largest rank's. The epoch record's ``bad_samples`` counts the distinct
+undecodable clips of every rank (:func:`training.distributed.distinct_over_ranks`).
+
 A step's wall time runs from asking the loader for its batch to the end of its bookkeeping, so
 validation and checkpoints between epochs are not counted. When the data-wait fraction exceeds
 ``log.data_wait_warn`` in ``log.data_wait_windows`` consecutive windows, one warning line is logged
@@ -32,13 +39,14 @@ from typing import Any, TypeVar
 
 import torch
 
+from training import distributed
 from training.config import ConfigError, LogConfig
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-TIMING_KEYS = frozenset({"seconds", "samples_per_s", "data_wait_fraction", "peak_memory_mib"})
+TIMING_KEYS = frozenset({"seconds", "samples_per_s", "data_wait_fraction", "data_wait_fraction_max", "peak_memory_mib"})
 """Record keys that measure time or memory: they differ between two runs of the same config."""
 
 
@@ -135,9 +143,10 @@ class Observer:
         }
         if self.device.type == "cuda":
             values["peak_memory_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        values = distributed.reduce_window(values)  # every rank's, one collective (module doc)
         self.windows += 1
         if self.windows > 1:  # the first window holds the loader's start-up
-            self._check_data_wait(values["data_wait_fraction"])
+            self._check_data_wait(values["data_wait_fraction_max"])
         self._reset_window()
         return values
 
@@ -148,8 +157,8 @@ class Observer:
         self.slow_streak += 1
         if self.slow_streak == self.cfg.data_wait_windows and self.enabled:
             log.warning(
-                "data wait %.1f%% of step time over the last %d logging windows (> %.0f%%): the "
-                "model is starved; raise data.num_workers, train from shards, or check the disk",
+                "data wait %.1f%% of step time (the worst rank's) over the last %d logging windows "
+                "(> %.0f%%): the model is starved; raise data.num_workers, train from shards, or check the disk",
                 100 * fraction,
                 self.slow_streak,
                 100 * self.cfg.data_wait_warn,

@@ -45,18 +45,14 @@ from index.loader import (
     AUDIO_INPUTS,
     OUTPUTS,
     TEXT_INPUTS,
+    device_providers,
     encode_texts,
     encode_waveforms,
 )
 from index.report import METRIC_CONVENTION
-from training.data.dataset import eval_captions
-from training.data.manifest import ClipRecord, load_manifest
-from training.export import (
+from training.bundle_parts import (
+    CPU,
     OPSET,
-    _index_info,
-    _load_session,
-    _progress,
-    _write_jsonl,
     audio_uri,
     canonical_hash,
     catalogue_records,
@@ -66,7 +62,14 @@ from training.export import (
     make_bundle_id,
     parity_texts,
     quantization_records,
+    quantize_config,
 )
+from training.bundle_parts import index_info as _index_info
+from training.bundle_parts import load_session as _load_session
+from training.bundle_parts import progress as _progress
+from training.bundle_parts import write_jsonl as _write_jsonl
+from training.data.dataset import eval_captions
+from training.data.manifest import ClipRecord, load_manifest
 from training.models.pretrained_clap import (
     PretrainedClap,
     load_pretrained_clap,
@@ -112,11 +115,11 @@ class PretrainedEncoders:
     """The staged ONNX encoders with the bundle's audio preparation (padding, then chunking) —
     the steps of :meth:`index.loader.LoadedBundle.encode_audio`, on the staged files."""
 
-    def __init__(self, clap: Pretrained, audio: Path, text: Path) -> None:
+    def __init__(self, clap: Pretrained, audio: Path, text: Path, providers: Sequence[str] = CPU) -> None:
         dim = embed_dim(clap)
         self.clap, self.dim = clap, dim
-        self.audio = _load_session(audio, AUDIO_INPUTS, dim)
-        self.text = _load_session(text, TEXT_INPUTS, dim)
+        self.audio = _load_session(audio, AUDIO_INPUTS, dim, providers)
+        self.text = _load_session(text, TEXT_INPUTS, dim, providers)
 
     def prepare(self, wave: np.ndarray) -> np.ndarray:
         s = self.clap.settings
@@ -203,7 +206,8 @@ def check_parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], text
 
 
 def export_pretrained_encoders(clap: Pretrained, staging: Path, scratch: Path | None = None, *,
-                               quantize: QuantizeConfig | None = None) -> tuple[PretrainedEncoders, PretrainedEncoders]:
+                               quantize: QuantizeConfig | None = None, providers: Sequence[str] = CPU,
+                               ) -> tuple[PretrainedEncoders, PretrainedEncoders]:
     """Write both ONNX encoders and the tokenizer into ``staging``; returns (served, fp32) encoders.
 
     An encoder to quantize (``quantize``) is exported in fp32 to ``scratch`` and its quantized copy
@@ -219,10 +223,10 @@ def export_pretrained_encoders(clap: Pretrained, staging: Path, scratch: Path | 
     for path, modality in ((audio_fp32, "audio"), (text_fp32, "text")):
         if quantize.applies(modality):  # type: ignore[arg-type]
             quantize_model(path, staging / path.name, precision=quantize.precision)
-    fp32 = PretrainedEncoders(clap, audio_fp32, text_fp32)
+    fp32 = PretrainedEncoders(clap, audio_fp32, text_fp32, providers)
     if not quantize.encoders:
         return fp32, fp32
-    return PretrainedEncoders(clap, staging / fmt.AUDIO_ENCODER, staging / fmt.TEXT_ENCODER), fp32
+    return PretrainedEncoders(clap, staging / fmt.AUDIO_ENCODER, staging / fmt.TEXT_ENCODER, providers), fp32
 
 
 def _embed_audio(encoders: PretrainedEncoders, records: Sequence[ClipRecord], rate: int,
@@ -268,8 +272,10 @@ def export_pretrained_bundle(
     splits: Sequence[str] | None = None,
     progress: bool = True,
     quantize: QuantizeConfig | None = None,
+    providers: Sequence[str] = CPU,
 ) -> Path:
-    """Bundle of the model folder ``model_dir`` (CLAP or PE-Audio) over the clips of ``manifest``; returns its path."""
+    """Bundle of the model folder ``model_dir`` (CLAP or PE-Audio) over the clips of ``manifest``; returns its path.
+    ``providers``: ONNX Runtime providers of the checks and the catalogue pass (``--device cuda``)."""
     model_dir, manifest, out_dir = Path(model_dir), Path(manifest), Path(out_dir)
     clap = load_pretrained(model_dir)  # refuses families other than SUPPORTED in one line
     all_records, langs = _load_records(manifest, languages)
@@ -292,7 +298,7 @@ def export_pretrained_bundle(
     with fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
         sections = _build(clap, records, held_out, staging, Path(scratch), split=split, languages=langs,
                           index_factory=index_factory, progress=progress, source_manifest=manifest,
-                          quantize=quantize)
+                          quantize=quantize, providers=providers)
         s = clap.settings
         body = fmt.BundleManifest(
             bundle_id=bundle_id,
@@ -318,14 +324,14 @@ def export_pretrained_bundle(
 def _build(
     clap: Pretrained, records: list[ClipRecord], held_out: list[ClipRecord], staging: Path, scratch: Path, *,
     split: str, languages: list[str], index_factory: str | None, progress: bool, source_manifest: Path,
-    quantize: QuantizeConfig,
+    quantize: QuantizeConfig, providers: Sequence[str] = CPU,
 ) -> dict[str, Any]:
     """Every bundle file except the manifest; the manifest sections they determine.
 
     The fp32 encoders are held to :data:`MIN_COSINE`; a quantized encoder's recorded parity is its own
     cosine to the model (not held to it) and its cost is measured on the held-out set against fp32."""
     rate = clap.settings.sample_rate
-    encoders, fp32 = export_pretrained_encoders(clap, staging, scratch, quantize=quantize)
+    encoders, fp32 = export_pretrained_encoders(clap, staging, scratch, quantize=quantize, providers=providers)
     sample = decode_audio(records[0].audio, sample_rate=rate)
     clips = parity_clips(sample, clap.settings.clip_samples, reflect=keeps_short_clips(clap.settings.padding))
     texts = parity_texts(records, languages)
@@ -390,13 +396,14 @@ def cli_export_pretrained(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from index.report import format_report_rich
-    from training.export import quantize_config
 
     if getattr(args, "ray", None) is not None:
         raise BundleError("tonearm export --pretrained: --ray is not available for pretrained bundles")
+    providers = device_providers(getattr(args, "device", "cpu"))
     path = export_pretrained_bundle(
         args.pretrained, manifest=args.data, out_dir=args.out, languages=getattr(args, "languages", None),
         index_factory=args.index, splits=args.split, progress=True, quantize=quantize_config(args),
+        providers=providers,
     )
     manifest = fmt.read_manifest(path)
     console = Console()

@@ -37,6 +37,9 @@ class Runtime:
     local_rank: int = 0
     amp_dtype: torch.dtype | None = None
     """bf16/fp16 autocast dtype on CUDA when AMP is enabled; None = full precision."""
+    forced_group: bool = False
+    """A process group at world size 1 (``distributed.force_process_group``): DDP and every
+    collective of the loop run, as under torchrun."""
 
     @property
     def is_main(self) -> bool:
@@ -44,7 +47,8 @@ class Runtime:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        """Whether a process group is in use (several processes, or one forced)."""
+        return self.world_size > 1 or self.forced_group
 
 
 def resolve_device(name: Literal["auto", "cpu", "cuda"], *, local_rank: int = 0) -> torch.device:
@@ -106,8 +110,10 @@ def setup_runtime(
     threads: int | None,
     amp_dtype: Literal["auto", "bf16", "fp16"] = "auto",
     timeout_s: float = 600.0,
+    force_group: bool = False,
 ) -> Runtime:
-    """Initialise the process group when launched by torchrun (``WORLD_SIZE > 1``).
+    """Initialise the process group when launched by torchrun (``WORLD_SIZE > 1``), or at world
+    size 1 with `force_group` (``distributed.force_process_group``).
 
     NCCL on CUDA, gloo on CPU (training.distributed); each rank uses GPU ``LOCAL_RANK``.
     """
@@ -116,7 +122,8 @@ def setup_runtime(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     resolved = resolve_device(device, local_rank=local_rank)
     rank = 0
-    if world_size > 1:
+    forced = force_group and world_size == 1
+    if world_size > 1 or forced:
         if resolved.type == "cuda":
             torch.cuda.set_device(resolved)
         rank = distributed.init_process_group(resolved, timeout_s=timeout_s)
@@ -129,12 +136,19 @@ def setup_runtime(
         world_size=world_size,
         local_rank=local_rank,
         amp_dtype=amp_dtype_for(resolved, enabled=amp, choice=amp_dtype),
+        forced_group=forced,
     )
 
 
-def teardown_runtime(runtime: Runtime) -> None:
-    if runtime.distributed:
+def teardown_runtime(runtime: Runtime, *, error: BaseException | None = None) -> None:
+    """Leave the process group: after a barrier when the run ended the same way on every rank, at
+    once when `error` is propagating (training.distributed, "failing well")."""
+    if not runtime.distributed:
+        return
+    if error is None:
         distributed.destroy_process_group()
+    else:
+        distributed.leave_after_error(error)
 
 
 def barrier(runtime: Runtime) -> None:

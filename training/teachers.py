@@ -11,11 +11,18 @@ Caching (``objective.distill.cache``):
 
 * text embeddings are cached per caption string whenever caching is not ``off`` — text
   has no augmentation and teachers run in eval mode, so a caption always embeds the same;
-* audio embeddings are cached per training clip (``clip_index``) when ``cache: on``, or
-  with ``cache: auto`` when the training crop covers every whole clip: every training
-  clip lasts at most ``data.clip_seconds`` (read from the audio file headers), so the
-  random crop never cuts and each clip reaches the teacher as the same waveform every
-  epoch. Otherwise (longer clips are randomly cropped) audio is re-embedded every batch.
+* audio embeddings are cached per training clip, keyed by the clip's **id** (the batch's
+  ``clip_index`` is the clip's row of the training records; :func:`build_teachers` maps it to
+  the id, so a manifest run and a ``data.shards`` run, whose rows differ, key the same clip
+  alike), when ``cache: on``, or with ``cache: auto`` when the training crop covers every
+  whole clip: every training clip lasts at most ``data.clip_seconds`` (read from the audio
+  file headers, or from records.jsonl's ``seconds`` for a shard corpus, which has no files to
+  open), so the random crop never cuts and each clip reaches the teacher as the same waveform
+  every epoch. Otherwise (longer clips are randomly cropped) audio is re-embedded every batch.
+
+The teacher pass needs no pass of its own over the corpus: it embeds the training batch the
+loader workers deliver (from a manifest's files or streamed from ``data.shards`` alike), each
+rank its own rows, so it works from shards with the same strategy as from a manifest.
 
 Caches live in host memory (never on the GPU), each bounded by
 ``objective.distill.cache_max_mib`` per rank (least recently used entries go first), and
@@ -24,7 +31,7 @@ records of ``metrics.jsonl`` and the log. Teachers run under the student's autoc
 a GPU), so a teacher pass costs what a student forward does; embeddings are stored as float32.
 
 Under torchrun the audio cache is **sharded**: clip ``c`` is cached only by rank
-``c mod N``. Each step the ranks look the global batch's clips up in their shards (one
+``crc32(id of c) mod N`` (``c mod N`` when no ids are given). Each step the ranks look the global batch's clips up in their shards (one
 all-reduce), encode only the clips no shard holds yet, and send each fresh embedding to
 its owner (one all-gather), so every clip is encoded once per run and a rank holds 1/N of
 the cache. The text cache (per caption string) stays per rank.
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +70,8 @@ class _Batch(Protocol):
 
 class _Record(Protocol):
     audio: Any
+    id: str
+    meta: dict[str, Any]
 
 
 class HostCache:
@@ -132,6 +142,8 @@ class Teachers:
     cache_max_mib: float = 2048.0
     autocast_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     """The student's autocast (training.runtime.autocast); teachers run under it."""
+    clip_ids: Sequence[str] | None = None
+    """The training records' ids by row: the audio cache's keys (module doc); rows when None."""
     _audio: HostCache = field(init=False, repr=False)
     _text: HostCache = field(init=False, repr=False)
 
@@ -174,13 +186,28 @@ class Teachers:
                 out.append(self._pad(teacher.model.encode_text(ids_t, mask_t).float()))
         return torch.stack(out)
 
+    def clip_key(self, row: int) -> Hashable:
+        """The audio cache's key of the training clip at ``row``: its id (its row without ids)."""
+        return self.clip_ids[row] if self.clip_ids is not None else row
+
+    @staticmethod
+    def owner(key: Hashable, world: int) -> int:
+        """The rank whose audio-cache shard holds ``key`` (a stable hash of an id; ``row mod N``)."""
+        if isinstance(key, str):
+            return zlib.crc32(key.encode("utf-8")) % world
+        return int(key) % world  # type: ignore[call-overload]  # rows are ints
+
+    def audio_cache_rows(self) -> dict[Hashable, Tensor]:
+        """This rank's cached teacher audio embeddings, key → (M, d) (for inspection and tests)."""
+        return {key: row for key in self._audio.keys() if (row := self._audio._rows.get(key)) is not None}
+
     def _audio_embeddings(self, waveform: Tensor, clip_index: Tensor) -> Tensor:
         waveform = waveform.to(self.device)
         if not self.cache_audio:
             return self._encode_audio(waveform)
         if distributed.world_size() > 1:
             return self._sharded_audio_embeddings(waveform, clip_index)
-        keys = [int(i) for i in clip_index.tolist()]
+        keys = [self.clip_key(int(i)) for i in clip_index.tolist()]
         rows: list[Tensor | None] = [self._audio.lookup(key) for key in keys]
         missing = [row for row, found in enumerate(rows) if found is None]
         out = torch.zeros(self.num_teachers, len(keys), self.embed_dim, device=self.device)
@@ -198,11 +225,12 @@ class Teachers:
         """(M, B, d) through the cache sharded by ``clip mod N`` (module doc); every rank calls it each step."""
         world, me = distributed.world_size(), distributed.rank()
         rows = int(clip_index.shape[0])
-        everyone = distributed.all_gather_no_grad(clip_index.to(self.device).long()).tolist()
+        everyone = [self.clip_key(int(i)) for i in
+                    distributed.all_gather_no_grad(clip_index.to(self.device).long()).tolist()]
         found = torch.zeros(len(everyone), self.num_teachers, self.embed_dim, device=self.device)
         hit = torch.zeros(len(everyone), device=self.device)
         for row, key in enumerate(everyone):
-            cached = self._audio.lookup(key) if key % world == me else None
+            cached = self._audio.lookup(key) if self.owner(key, world) == me else None
             if cached is not None:
                 found[row], hit[row] = cached.to(self.device), 1.0
         found, hit = distributed.all_reduce_sum(found), distributed.all_reduce_sum(hit)
@@ -215,7 +243,7 @@ class Teachers:
         fresh_everyone = distributed.all_gather_no_grad(fresh)
         computed = distributed.all_gather_no_grad(~local_hit).tolist()
         for row, key in enumerate(everyone):
-            if computed[row] and key % world == me:
+            if computed[row] and self.owner(key, world) == me:
                 self._audio.put(key, fresh_everyone[row])
         return torch.where(local_hit[:, None, None], found[mine], fresh).transpose(0, 1)
 
@@ -249,8 +277,17 @@ class Teachers:
 
 
 def crop_covers_clips(records: Sequence[_Record], *, clip_seconds: float) -> bool:
-    """True when every clip lasts at most ``clip_seconds`` (so a training crop is the whole clip)."""
+    """True when every clip lasts at most ``clip_seconds`` (so a training crop is the whole clip).
+
+    A clip of a shard corpus (its record names its ``shard``) has no file to open: its duration is
+    records.jsonl's ``seconds`` (rounded to 0.1 ms when sharded, i.e. exact to a sample up to 10 kHz).
+    """
     for record in records:
+        meta = getattr(record, "meta", None) or {}
+        if "shard" in meta and "seconds" in meta:
+            if float(meta["seconds"]) > clip_seconds:
+                return False
+            continue
         try:
             info = sf.info(str(record.audio))
         except (RuntimeError, OSError) as err:  # unreadable header: decide safely (no cache)
@@ -306,5 +343,6 @@ def build_teachers(
         "cached per clip" if cache_audio else "recomputed every batch (random crops)",
         "recomputed" if config.cache == "off" else "cached per caption",
     )
+    ids = [str(getattr(r, "id", row)) for row, r in enumerate(train_records)] if train_records else None
     return Teachers(teachers=teachers, device=device, cache_audio=cache_audio, cache_text=config.cache != "off",
-                    cache_max_mib=config.cache_max_mib, autocast_context=autocast)
+                    cache_max_mib=config.cache_max_mib, autocast_context=autocast, clip_ids=ids)

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,7 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 """Ray's switch for a one-machine cluster: node address 127.0.0.1, every server on loopback."""
 N_FILES = 24
+STALE_TOKEN = "0123456789abcdef0123456789abcdef"  # what `ray.init()` leaves in ~/.ray/auth_token
 
 pytestmark = pytest.mark.slow
 
@@ -56,16 +58,32 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def ray_address() -> Iterator[str]:
-    """A 2-CPU Ray head on 127.0.0.1 in its own temp dir; its process group is killed after."""
+def _ray_env(home: Path, **extra: str) -> dict[str, str]:
+    """This process's environment for Ray with HOME = ``home`` and none of the caller's Ray state:
+    no RAY_ADDRESS, no RAY_AUTH_MODE / RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH (Ray 2.60 reads its
+    token from those and from ``$HOME/.ray/auth_token``)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAY_AUTH_")}
+    return env | LOOPBACK_ENV | {"HOME": str(home)} | extra
+
+
+def _stale_token_home(parent: Path) -> Path:
+    """A HOME as an earlier local ``tonearm index --ray`` (``ray.init()``) leaves it: ``.ray/auth_token``."""
+    home = Path(tempfile.mkdtemp(prefix="home", dir=parent))
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text(STALE_TOKEN)
+    return home
+
+
+@contextmanager
+def _ray_head(env: dict[str, str]) -> Iterator[str]:
+    """A 2-CPU Ray head on 127.0.0.1 in its own temp dir, started with ``env``; its process group is killed after."""
     port = _free_port()
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     head = subprocess.Popen(
         [_ray_binary(), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
          "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}",
          f"--ray-client-server-port={_free_port()}"],
-        env=os.environ | LOOPBACK_ENV, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     address = f"127.0.0.1:{port}"
     try:
@@ -84,14 +102,29 @@ def ray_address() -> Iterator[str]:
         shutil.rmtree(temp, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def ray_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The HOME of this module's Ray processes: it holds a stale token, as on a machine where a local
+    ``tonearm index --ray`` ran before, so every test here also checks that such a token does not
+    stop the CLI from reaching a cluster started without token authentication."""
+    return _stale_token_home(tmp_path_factory.mktemp("ray_home"))
+
+
+@pytest.fixture(scope="module")
+def ray_address(ray_home: Path) -> Iterator[str]:
+    """A cluster without token authentication (RAY_AUTH_MODE=disabled: the stale token is not its own)."""
+    with _ray_head(_ray_env(ray_home, RAY_AUTH_MODE="disabled")) as address:
+        yield address
+
+
 def _gcs_up(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def tonearm(*args: str) -> subprocess.CompletedProcess[str]:
-    """The CLI in a fresh process (its own Ray driver, on loopback)."""
-    return subprocess.run([sys.executable, "-m", "tonearm", *args], env=os.environ | LOOPBACK_ENV,
+def tonearm(*args: str, home: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """The CLI in a fresh process (its own Ray driver, on loopback) with HOME = ``home``."""
+    return subprocess.run([sys.executable, "-m", "tonearm", *args], env=_ray_env(home, **env),
                           capture_output=True, text=True, timeout=300)
 
 
@@ -130,11 +163,11 @@ def _assert_same_index(ray_bundle: Path, local_bundle: Path, kind: str) -> None:
 
 
 def test_index_on_ray_writes_the_single_process_bundle(
-    ray_address: str, sound_folder: Path, tiny_bundle: Path, tmp_path: Path
+    ray_address: str, ray_home: Path, sound_folder: Path, tiny_bundle: Path, tmp_path: Path
 ) -> None:
     local = index_folder(sound_folder, tiny_bundle, tmp_path / "local")
     run = tonearm("-v", "index", str(sound_folder), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "on-ray"),
-                  "--ray", ray_address, "--ray-workers", "2")
+                  "--ray", ray_address, "--ray-workers", "2", home=ray_home)
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"{N_FILES} files indexed, 2 skipped" in run.stdout
     assert "set1/broken.wav" in run.stdout and "readme.txt" in run.stdout
@@ -145,10 +178,10 @@ def test_index_on_ray_writes_the_single_process_bundle(
 
 
 def test_export_on_ray_writes_the_single_process_bundle(
-    ray_address: str, tiny_bundle: Path, tiny_checkpoint: Path, tiny_corpus: Path, tmp_path: Path
+    ray_address: str, ray_home: Path, tiny_bundle: Path, tiny_checkpoint: Path, tiny_corpus: Path, tmp_path: Path
 ) -> None:
     run = tonearm("-v", "export", str(tiny_checkpoint), "--data", str(tiny_corpus), "--out", str(tmp_path),
-                  "--ray", ray_address)
+                  "--ray", ray_address, home=ray_home)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "on 2 worker processes (pool of 2)" in run.stderr  # one actor per CPU of the cluster by default
     (exported,) = [p for p in tmp_path.iterdir() if (p / "manifest.json").is_file()]
@@ -160,13 +193,40 @@ def test_export_on_ray_writes_the_single_process_bundle(
     assert ours.text_index.language_ranges == theirs.text_index.language_ranges
 
 
-def test_unreachable_cluster_is_a_user_error(tiny_bundle: Path, tmp_path: Path) -> None:
+def test_unreachable_cluster_is_a_user_error(ray_home: Path, tiny_bundle: Path, tmp_path: Path) -> None:
     _ray_binary()
     sf.write(tmp_path / "a.wav", np.zeros(1600, np.float32), read_manifest(tiny_bundle).sample_rate)
     run = tonearm("index", str(tmp_path), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "x"),
-                  "--ray", f"127.0.0.1:{_free_port()}")
+                  "--ray", f"127.0.0.1:{_free_port()}", home=ray_home)
     assert run.returncode == 2
     assert "cannot reach the Ray cluster" in run.stderr
     run = tonearm("index", str(tmp_path), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "x"),
-                  "--ray-workers", "2")
+                  "--ray-workers", "2", home=ray_home)
     assert run.returncode == 2 and "--ray-workers needs --ray" in run.stderr
+
+
+def test_a_cluster_started_after_a_local_run_takes_its_token(tiny_bundle: Path, tmp_path: Path) -> None:
+    """Ray after Ray (issue 41): a local ``--ray`` run left ``~/.ray/auth_token``; a cluster then
+    started on the machine (``ray start --head``, RAY_AUTH_MODE unset) turns token authentication
+    on with it, and a driver given the cluster's address must send it once refused (Ray itself
+    sends a token only to a local cluster it finds). Without a token the refusal is one line saying how to pass
+    one, and RAY_AUTH_TOKEN passes it."""
+    home = _stale_token_home(tmp_path)
+    (tmp_path / "audio").mkdir()
+    sf.write(tmp_path / "audio" / "a.wav", np.sin(np.arange(8000, dtype=np.float32) / 7),
+             read_manifest(tiny_bundle).sample_rate)
+    fast = {"RAY_NUM_REDIS_GET_RETRIES": "2", "RAY_gcs_server_port_wait_time_s": "2"}  # refused in ~2 s, not 20
+    with _ray_head(_ray_env(home)) as address:
+        run = tonearm("index", str(tmp_path / "audio"), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "x"),
+                      "--ray", address, "--ray-workers", "1", home=home, **fast)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "1 files indexed" in run.stdout and "retrying with the Ray token found here" in run.stderr
+        elsewhere = Path(tempfile.mkdtemp(prefix="home", dir=tmp_path))  # a machine without the token
+        run = tonearm("index", str(tmp_path / "audio"), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "y"),
+                      "--ray", address, home=elsewhere, **fast)
+        assert run.returncode == 2, run.stderr[-3000:]
+        last = run.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: cannot reach the Ray cluster") and "RAY_AUTH_TOKEN=" in last, run.stderr
+        run = tonearm("index", str(tmp_path / "audio"), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "y"),
+                      "--ray", address, "--ray-workers", "1", home=elsewhere, RAY_AUTH_TOKEN=STALE_TOKEN, **fast)
+        assert run.returncode == 0, run.stderr[-3000:]

@@ -22,7 +22,7 @@ from index.bundle import AUDIO_IDS, read_manifest
 from index.errors import BundleError
 from index.loader import LoadedBundle
 from index.own_audio import index_folder
-from tests.index.test_ray_embed import N_FILES, ray_address, sound_folder, tonearm  # noqa: F401 (fixtures)
+from tests.index.test_ray_embed import N_FILES, ray_address, ray_home, sound_folder, tonearm  # noqa: F401 (fixtures)
 from tests.milvus_server import require_milvus
 
 require_milvus()
@@ -34,7 +34,7 @@ QUERIES = ["a short noise burst", "white noise", "a quiet hiss", "static"]
 
 
 def test_ray_workers_publish_what_index_and_bundle_publish_give(
-    ray_address: str, sound_folder: Path, tiny_bundle: Path, milvus_server, tmp_path: Path  # noqa: F811
+    ray_address: str, ray_home: Path, sound_folder: Path, tiny_bundle: Path, milvus_server, tmp_path: Path  # noqa: F811
 ) -> None:
     target = MilvusTarget(uri=milvus_server.uri)
     tag = uuid.uuid4().hex[:8]
@@ -42,7 +42,7 @@ def test_ray_workers_publish_what_index_and_bundle_publish_give(
     assert publish(local.path, target) is True
     out = tmp_path / f"ray-{tag}"
     run = tonearm("-v", "index", str(sound_folder), "--bundle", str(tiny_bundle), "--out", str(out),
-                  "--ray", ray_address, "--ray-workers", "2", "--milvus-uri", target.uri)
+                  "--ray", ray_address, "--ray-workers", "2", "--milvus-uri", target.uri, home=ray_home)
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"{N_FILES} files indexed, 2 skipped" in run.stdout
     assert "set1/broken.wav" in run.stdout and "readme.txt" in run.stdout
@@ -102,26 +102,28 @@ def _serve_and_activate(bundles_dir: Path, ray_id: str, local_id: str, uri: str)
         assert json.loads(json.dumps(answers))  # plain data
 
 
-def test_refusals_are_one_line_errors(sound_folder: Path, tiny_bundle: Path, milvus_server, tmp_path: Path) -> None:  # noqa: F811
+def test_refusals_are_one_line_errors(
+    ray_home: Path, sound_folder: Path, tiny_bundle: Path, milvus_server, tmp_path: Path  # noqa: F811
+) -> None:
     lite = tonearm("index", str(sound_folder), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "x"),
-                   "--ray", "--milvus-uri", str(tmp_path / "milvus.db"))
+                   "--ray", "--milvus-uri", str(tmp_path / "milvus.db"), home=ray_home)
     assert lite.returncode == 2 and "Milvus Lite file can be opened by one process only" in lite.stderr
     assert len(lite.stderr.strip().splitlines()) == 1, lite.stderr
     no_ray = tonearm("index", str(sound_folder), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "x"),
-                     "--milvus-uri", milvus_server.uri)
+                     "--milvus-uri", milvus_server.uri, home=ray_home)
     assert no_ray.returncode == 2 and "--milvus-uri needs --ray" in no_ray.stderr
     no_uri = tonearm("index", str(sound_folder), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "x"),
-                     "--ray", "--milvus-index", "HNSW")
+                     "--ray", "--milvus-index", "HNSW", home=ray_home)
     assert no_uri.returncode == 2 and "need --milvus-uri" in no_uri.stderr
     target = MilvusTarget(uri=milvus_server.uri)
     taken = tmp_path / f"taken-{uuid.uuid4().hex[:8]}"
     assert publish(index_folder(sound_folder, tiny_bundle, taken).path, target)
     again = tonearm("index", str(sound_folder), "--bundle", str(tiny_bundle), "--out", str(tmp_path / taken.name),
-                    "--ray", "--milvus-uri", milvus_server.uri)
+                    "--ray", "--milvus-uri", milvus_server.uri, home=ray_home)
     assert again.returncode == 2 and "already exists" in again.stderr  # the directory: checked first
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     again = tonearm("index", str(sound_folder), "--bundle", str(tiny_bundle), "--out", str(elsewhere / taken.name),
-                    "--ray", "--milvus-uri", milvus_server.uri)
+                    "--ray", "--milvus-uri", milvus_server.uri, home=ray_home)
     assert again.returncode == 2 and "already published to Milvus" in again.stderr
     assert len(again.stderr.strip().splitlines()) == 1, again.stderr

@@ -60,6 +60,8 @@ def test_tonearm_train_nproc_per_node_then_export_and_evaluate(tiny_corpus: Path
     assert steps == sorted(set(steps))
     # Throughput counts the global batch; rank 0 alone writes TensorBoard events (issue 30 item 6).
     assert all(r["samples_per_s"] > 0 for r in records if r["kind"] == "step")
+    # Data metrics are every rank's: the mean, and the worst rank's data wait beside it (issue 39).
+    assert all(r["data_wait_fraction"] <= r["data_wait_fraction_max"] for r in records if r["kind"] == "step")
     assert len(list(run.glob("events.out.tfevents.*"))) == 1
     # 32 clips / 2 processes / batches of 8 = 2 steps, each on a global batch of 16.
     assert records[-1]["step"] == 2

@@ -158,6 +158,7 @@ class ChatServer:
         self.fail_status: list[int] = []  # statuses answered to the next requests, in order
         self.broken_batches = 0  # next batch replies that are not a JSON array
         self.fail_after: int | None = None  # answer 500 once this many requests were answered
+        self.answers: dict[str, dict[str, str]] = {}  # lang → caption → answer instead of _fake's
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -183,10 +184,10 @@ class ChatServer:
                         server.broken_batches -= 1
                         content = "Sure! Here are the translations: ..."
                     else:
-                        content = "```json\n" + json.dumps([_fake(lang, t) for t in json.loads(user)],
+                        content = "```json\n" + json.dumps([answer(lang, t) for t in json.loads(user)],
                                                            ensure_ascii=False) + "\n```"
                 else:
-                    content = _fake(lang, user)
+                    content = answer(lang, user)
                 reply = {"id": "x", "object": "chat.completion", "model": body["model"],
                          "choices": [{"index": 0, "finish_reason": "stop",
                                       "message": {"role": "assistant", "content": content}}]}
@@ -196,6 +197,9 @@ class ChatServer:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+        def answer(lang: str, text: str) -> str:
+            return server.answers.get(lang, {}).get(text) or _fake(lang, text)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
@@ -383,22 +387,293 @@ def test_family_detection(tmp_path: Path, config: dict[str, Any], tokenizer_clas
 
 def test_nllb_many_to_many_folder(tmp_path: Path) -> None:
     """A (tiny) NLLB folder: one model for every language, the target its forced first token."""
-    import torch
-    from transformers import M2M100Config, M2M100ForConditionalGeneration, NllbTokenizer
-
     from index.errors import DataError
     from training.data.translate import Seq2SeqTranslator
 
-    tokenizer = NllbTokenizer()  # the 200 language codes and the special tokens
-    tokenizer.save_pretrained(tmp_path)
-    torch.manual_seed(0)
-    M2M100ForConditionalGeneration(M2M100Config(
-        vocab_size=len(tokenizer), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
-    )).save_pretrained(tmp_path)
+    _save_m2m100(tmp_path, tokenizer="nllb")
     translator = Seq2SeqTranslator({"*": tmp_path}, max_new_tokens=3, lang_codes={"fin": "xyz_Latn"})
     assert len(translator.translate(["a dog barks", "rain"], "zho")) == 2
     assert translator._loaded is not None and translator._loaded[1].src_lang == "eng_Latn"
+    tokenizer, ids = translator.generate_ids(["a dog barks", "rain"], "zho")
+    assert [row[1] for row in ids] == [tokenizer.convert_tokens_to_ids("zho_Hans")] * 2
     with pytest.raises(DataError, match="has no language token 'xyz_Latn' for fin"):
         translator.translate(["a dog barks"], "fin")
+
+
+# ------------------------------------------------------------------ dropping flagged outputs
+
+FLAGGED = {  # what the test translator answers instead of a good translation (fra)
+    "a dog is barking": "A dog is barking.",  # copied (clip0, position 1 of 3)
+    "a car engine starts": "un moteur " * 12,  # too_long (clip1, position 0)
+}
+
+
+class FlaggingTranslator(CountingTranslator):
+    """:class:`CountingTranslator` that answers :data:`FLAGGED` for those captions into French."""
+
+    def translate(self, texts: Sequence[str], target: str) -> list[str]:
+        outputs = super().translate(texts, target)
+        if target != "fra":
+            return outputs
+        return [FLAGGED.get(t, out) for t, out in zip(texts, outputs, strict=True)]
+
+
+def test_drop_flagged_keeps_positions_and_other_captions(tmp_path: Path) -> None:
+    from training.data.translate import Checks
+
+    rows = [r for _, r in read_manifest(_manifest(tmp_path), languages=None)]
+    cache = TranslationCache(tmp_path / "cache.sqlite")
+    kept, kept_report = translate_records(rows, FlaggingTranslator(), cache, ["fra", "deu"], batch_size=8,
+                                          progress=False)
+    # without --drop-flagged: reported, written
+    assert kept[0].captions["fra"][1] == "A dog is barking." and kept[1].captions["fra"][0].startswith("un moteur")
+    assert kept_report["fra"].counts["copied"] == 1 and kept_report["fra"].counts["too_long"] == 1
+    assert kept_report["fra"].dropped == dict.fromkeys(("empty", "copied", "wrong_script", "too_long"), 0)
+    dropped, report = translate_records(rows, FlaggingTranslator(), cache, ["fra", "deu"], batch_size=8,
+                                        progress=False, drop={"copied", "too_long"})
+    fra = report["fra"]
+    # clip0: position 0 kept, the copy at 1 dropped, position 2 (good) left behind: no hole in the positions
+    assert dropped[0].captions["fra"] == [f"fra:{ENG[0][0]}"]
+    # clip1: its first output ran away: no fra at all, but its English and German stay
+    assert "fra" not in dropped[1].captions
+    assert dropped[1].captions["eng"] == ENG[1] and dropped[1].captions["deu"] == [f"deu:{t}" for t in ENG[1]]
+    assert dropped[2].captions["fra"] == [f"fra:{ENG[2][0]}"]
+    assert fra.dropped == {"empty": 0, "copied": 1, "too_long": 1, "wrong_script": 0}
+    assert fra.left_behind == 2 and fra.written == 2 and fra.clips_without == 1
+    assert report["deu"].written == 6 and sum(report["deu"].dropped.values()) == 0
+    # only the flag named is dropped
+    one, one_report = translate_records(rows, FlaggingTranslator(), cache, ["fra"], batch_size=8, progress=False,
+                                        drop={"copied"})
+    assert one[1].captions["fra"][0].startswith("un moteur") and one_report["fra"].dropped["copied"] == 1
+    assert one_report["fra"].dropped["too_long"] == 0
+    # the thresholds: a looser --max-length-ratio lets the long output through, unflagged
+    loose, loose_report = translate_records(rows, FlaggingTranslator(), cache, ["fra"], batch_size=8,
+                                            progress=False, drop={"too_long"}, checks=Checks(max_length_ratio=8))
+    assert loose_report["fra"].counts["too_long"] == 0 and loose[1].captions["fra"][0].startswith("un moteur")
+
+
+def test_flag_thresholds() -> None:
+    from index.errors import DataError
+    from training.data.translate import Checks, parse_drop
+
+    near = "the dog barks twice"
+    assert suspicion("a dog barks twice", near, "fra") is None  # default: only an identical copy
+    assert suspicion("a dog barks twice", near, "fra", Checks(copy_similarity=0.85)) == "copied"
+    assert suspicion("a dog barks twice", "un chien aboie", "fra", Checks(copy_similarity=0.5)) is None
+    mixed = "犬が barking loudly"  # 2 of 15 letters Japanese
+    assert suspicion("a dog barks", mixed, "jpn") == "wrong_script"
+    assert suspicion("a dog barks", mixed, "jpn", Checks(min_script_share=0.1)) is None
+    assert suspicion("a dog barks", "ein Hund bellt und bellt", "deu", Checks(max_length_ratio=0.1)) == "too_long"
+    assert suspicion("a dog barks", "ein Hund bellt und bellt", "deu") is None
+    assert parse_drop(None) == frozenset() and parse_drop("all") == {"copied", "wrong_script", "too_long"}
+    assert parse_drop("copied, too_long") == {"copied", "too_long"}
+    with pytest.raises(DataError, match="--drop-flagged 'runaway': expected nothing"):
+        parse_drop("runaway")
+    with pytest.raises(DataError, match="--min-script-share 1.5: expected a number above 0 and at most 1.0"):
+        Checks(min_script_share=1.5)
+    with pytest.raises(DataError, match="--max-length-ratio 0.0: expected a number above 0"):
+        Checks(max_length_ratio=0.0)
+
+
+def test_drop_flagged_cli_report(tmp_path: Path, chat_server: ChatServer, capsys: pytest.CaptureFixture[str],
+                                 caplog: pytest.LogCaptureFixture) -> None:
+    chat_server.answers = {"fra": dict(FLAGGED)}
+    manifest, out = _manifest(tmp_path), tmp_path / "multi.jsonl"
+    assert main(_endpoint_args(chat_server, manifest, out, "--drop-flagged")) == 0
+    err = capsys.readouterr().err
+    fra_row = next(line.split() for line in err.splitlines() if line.startswith("fra "))
+    # empty, copied, wrong_script, too_long (flagged/dropped), written, left_behind, clips_without
+    assert fra_row[5:] == ["0", "1/1", "0", "1/1", "2", "2", "1"], err
+    report = json.loads(out.with_name("multi.jsonl.report.json").read_text(encoding="utf-8"))
+    assert report["fra"]["dropped"] == {"empty": 0, "copied": 1, "wrong_script": 0, "too_long": 1}
+    assert report["fra"]["left_behind"] == 2 and report["jpn"]["written"] == 6
+    records = load_manifest(out, languages=["eng", "fra", "jpn"])
+    assert "fra" not in records[1].captions and records[1].captions["jpn"]
+    assert all("A dog is barking." not in r.captions.get("fra", []) for r in records)
+    # the cache keeps the raw outputs: rerun without --drop-flagged writes them, no request sent
+    sent = len(chat_server.requests)
+    assert main(_endpoint_args(chat_server, manifest, out)) == 0
+    assert len(chat_server.requests) == sent
+    assert load_manifest(out, languages=["eng", "fra", "jpn"])[0].captions["fra"][1] == "A dog is barking."
+    assert "flagged outputs written into the manifest (fra 2)" in caplog.text
+
+
+# ------------------------------------------------------------------ tiny many-to-many models: weights and forcing
+
+TINY = {"d_model": 16, "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2, "encoder_ffn_dim": 32, "decoder_ffn_dim": 32}
+
+
+def _spm_model() -> bytes:
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter([t for c in ENG for t in c] * 4), model_writer=model,
+                                   vocab_size=40, hard_vocab_limit=False, character_coverage=1.0, minloglevel=2)
+    return model.getvalue()
+
+
+def _save_m2m100(folder: Path, *, seed: int = 0, tokenizer: str = "m2m100") -> None:
+    """A tiny random M2M100 with an ``M2M100Tokenizer`` (its 100 ``__xx__`` codes), or an ``NllbTokenizer``."""
+    import torch
+    from transformers import (
+        M2M100Config,
+        M2M100ForConditionalGeneration,
+        M2M100Tokenizer,
+        NllbTokenizer,
+    )
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok: Any
+    if tokenizer == "nllb":
+        tok = NllbTokenizer()  # the 200 language codes and the special tokens
+    else:
+        import sentencepiece as spm
+
+        (folder / "sentencepiece.bpe.model").write_bytes(_spm_model())
+        processor = spm.SentencePieceProcessor(model_file=str(folder / "sentencepiece.bpe.model"))
+        vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+        for i in range(processor.get_piece_size()):
+            vocab.setdefault(processor.id_to_piece(i), len(vocab))
+        (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+        tok = M2M100Tokenizer(str(folder / "vocab.json"), str(folder / "sentencepiece.bpe.model"))
+    tok.save_pretrained(folder)
+    # M2M100's 100 codes and 8 made-up words follow the vocabulary: 256 rows hold them all
+    assert tokenizer == "nllb" or tok.convert_tokens_to_ids("__zu__") < 256 - 8
+    torch.manual_seed(seed)
+    M2M100ForConditionalGeneration(M2M100Config(
+        vocab_size=len(tok) if tokenizer == "nllb" else 256, pad_token_id=tok.pad_token_id, bos_token_id=0,
+        eos_token_id=2, decoder_start_token_id=2, **TINY,
+    )).save_pretrained(folder)
+
+
+MADLAD_CODES = ("<2fr>", "<2de>", "<2ja>", "<2zh>")
+
+
+def _save_madlad(folder: Path) -> None:
+    """A tiny random T5 with a ``T5Tokenizer`` whose vocabulary has MADLAD-400's ``<2xx>`` tokens."""
+    import sentencepiece as spm
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
+
+    processor = spm.SentencePieceProcessor(model_proto=_spm_model())
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [(processor.id_to_piece(i), processor.get_score(i)) for i in range(3, processor.get_piece_size())]
+    vocab += [(code, 0.0) for code in MADLAD_CODES]
+    tok = T5Tokenizer(vocab=vocab, extra_ids=0)
+    tok.add_tokens(list(MADLAD_CODES), special_tokens=True)  # one token each, as in MADLAD's own vocabulary
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(T5Config(vocab_size=len(vocab), d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                        num_decoder_layers=1, num_heads=2, decoder_start_token_id=0)
+                               ).save_pretrained(folder)
+
+
+def test_cache_key_follows_the_weights(tmp_path: Path) -> None:
+    """A model re-saved with other weights in the same folder is translated afresh; an unchanged or
+    copied folder reuses the cache; a file's sha256 is read once and remembered in the cache."""
+    import shutil
+
+    from training.data.translate import Seq2SeqTranslator, model_files, sha256_file
+
+    folder = tmp_path / "m2m100"
+    _save_m2m100(folder, seed=0)
+    rows = [r for _, r in read_manifest(_manifest(tmp_path), languages=None)]
+    cache = TranslationCache(tmp_path / "cache.sqlite")
+
+    def run(model: Path) -> tuple[str, dict[str, Any]]:
+        translator = Seq2SeqTranslator({"*": model}, max_new_tokens=3, digest=cache.file_digest)
+        _, reports = translate_records(rows, translator, cache, ["fra"], batch_size=8, progress=False)
+        return translator.key_for("fra"), reports["fra"].__dict__
+
+    first_key, first = run(folder)
+    assert first["translated"] == 5
+    assert run(folder) == (first_key, {**first, "translated": 0, "cached": 5})
+    weights = folder / "model.safetensors"
+    before = weights.read_bytes()
+    _save_m2m100(folder, seed=1)  # re-trained: same config, same size, other bytes
+    assert weights.read_bytes() != before and len(weights.read_bytes()) == len(before)
+    second_key, second = run(folder)
+    assert second_key != first_key and second["translated"] == 5
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    assert run(copy)[0] == second_key  # the bytes make the key, not the path
+    # the remembered digest is used while the file's stamp holds (a planted one shows it)
+    stamp = weights.resolve().stat()
+    cache.db.execute("UPDATE file_digests SET sha256='planted' WHERE path=?", (str(weights.resolve()),))
+    assert cache.file_digest(weights) == "planted"
+    weights.write_bytes(weights.read_bytes())  # written again: new mtime/ctime → read again
+    assert weights.stat().st_mtime_ns != stamp.st_mtime_ns or weights.stat().st_ctime_ns != stamp.st_ctime_ns
+    assert cache.file_digest(weights) == sha256_file(weights)
+    assert {p.name for p in model_files(folder)} >= {"model.safetensors", "config.json", "vocab.json",
+                                                     "sentencepiece.bpe.model", "tokenizer_config.json"}
+    cache.close()
+
+
+def test_m2m100_forces_the_target_language_token(tmp_path: Path) -> None:
+    from index.errors import DataError
+    from training.data.translate import Seq2SeqTranslator
+
+    _save_m2m100(tmp_path)
+    translator = Seq2SeqTranslator({"*": tmp_path}, max_new_tokens=3)
+    for lang, code in (("fra", "__fr__"), ("jpn", "__ja__"), ("zho", "__zh__")):
+        tokenizer, ids = translator.generate_ids(["a dog barks twice", "rain"], lang)
+        # generate's rows: the decoder start (</s>), then the forced language token
+        assert [row[:2] for row in ids] == [[2, tokenizer.convert_tokens_to_ids(code)]] * 2, lang
+    assert tokenizer.src_lang == "en" and tokenizer("a dog")["input_ids"][0] == tokenizer.convert_tokens_to_ids("__en__")
+    assert len(translator.translate(["a dog barks"], "fra")) == 1
+    with pytest.raises(DataError, match="has no language token '__xx__' for fra"):
+        Seq2SeqTranslator({"*": tmp_path}, max_new_tokens=3, lang_codes={"fra": "xx"}).translate(["a"], "fra")
+
+
+def test_madlad_prefixes_the_target_language_token(tmp_path: Path) -> None:
+    from index.errors import DataError
+    from training.data.translate import Seq2SeqTranslator, detect_family
+
+    _save_madlad(tmp_path)
+    assert detect_family(tmp_path) == "madlad"
+    translator = Seq2SeqTranslator({"*": tmp_path}, max_new_tokens=3)
+    seen: list[list[list[int]]] = []
+    model = translator._load(tmp_path)[1]
+    hook = model.get_encoder().register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append(kwargs["input_ids"].tolist()), with_kwargs=True)
+    try:
+        for lang in ("fra", "jpn"):
+            translator.translate(["a dog barks twice", "rain"], lang)
+    finally:
+        hook.remove()
+    tokenizer = translator._load(tmp_path)[0]
+    # what the encoder was fed: <2fr> (then <2ja>) first in every row, the caption after it
+    assert [[row[0] for row in batch] for batch in seen] == [[tokenizer.convert_tokens_to_ids("<2fr>")] * 2,
+                                                             [tokenizer.convert_tokens_to_ids("<2ja>")] * 2]
+    assert tokenizer.decode(seen[0][0][1:], skip_special_tokens=True) == "a dog barks twice"
+    with pytest.raises(DataError, match="has no language token '<2es>' for spa"):
+        translator.translate(["a dog barks"], "spa")
+
+
+def test_ctranslate2_nllb_forces_the_target_language_prefix(tmp_path: Path) -> None:
+    """A tiny NLLB converted to CTranslate2: the hypothesis starts with the target language token given
+    as ``target_prefix``, the token transformers forces on the unconverted folder.
+
+    (An M2M100 does not convert here: ctranslate2 4.8's converter reads the language tokens from
+    ``special_tokens_map["additional_special_tokens"]``, which transformers 5 no longer fills.)
+    """
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    from training.data.translate import Seq2SeqTranslator, detect_family
+
+    folder, ct2_dir = tmp_path / "hf", tmp_path / "ct2"
+    _save_m2m100(folder, tokenizer="nllb")
+    ctranslate2.converters.TransformersConverter(
+        str(folder), copy_files=["tokenizer.json", "tokenizer_config.json"]).convert(str(ct2_dir))
+    assert (ct2_dir / "model.bin").is_file() and detect_family(ct2_dir) == "nllb"
+    ct2, hf = Seq2SeqTranslator({"*": ct2_dir}, max_new_tokens=4), Seq2SeqTranslator({"*": folder}, max_new_tokens=4)
+    for lang, code in (("zho", "zho_Hans"), ("fra", "fra_Latn"), ("jpn", "jpn_Jpan")):
+        tok, ids = ct2.generate_ids(["a dog barks twice", "rain"], lang)
+        wanted = tok.convert_tokens_to_ids(code)
+        assert [row[0] for row in ids] == [wanted] * 2, lang
+        assert [row[1] for row in hf.generate_ids(["a dog barks twice", "rain"], lang)[1]] == [wanted] * 2
+    assert tok.src_lang == "eng_Latn"
+    assert tok.convert_ids_to_tokens(tok.encode("a dog"))[0] == "eng_Latn"  # the source CTranslate2 is given
+    assert ct2.key_for("zho") != hf.key_for("zho")

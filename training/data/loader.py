@@ -6,7 +6,8 @@ of the node, less one for the rank's own process, which feeds the accelerator (o
 CPU, computes the step). Workers persist across epochs and prefetch
 ``data.prefetch_factor`` batches each; batches are pinned on CUDA.
 
-A clip that cannot be decoded is replaced in its batch (:class:`TrainClipDataset`); the
+A clip that cannot be decoded is replaced in its batch (:class:`TrainClipDataset`; from
+``data.shards`` it is left out instead, training/data/stream.py); the
 loop hands the errors to :class:`BadSampleBudget`, which names the first ones, counts
 them into the epoch records and stops the run in one line when more distinct clips than
 ``data.max_bad_fraction`` of this rank's share have failed.
@@ -59,8 +60,9 @@ def loader_options(
 class BadSampleBudget:
     """Distinct undecodable clips seen by this rank, against ``data.max_bad_fraction``."""
 
-    def __init__(self, *, max_fraction: float, clips: int) -> None:
+    def __init__(self, *, max_fraction: float, clips: int, replaced: bool = True) -> None:
         self.max_fraction = max_fraction
+        self.fate = "replaced in its batch" if replaced else "left out of its batch"
         self.clips = clips
         self.allowed = int(max_fraction * clips)
         self.seen: dict[str, None] = {}  # insertion-ordered set of error messages
@@ -72,7 +74,7 @@ class BadSampleBudget:
                 continue
             self.seen[error] = None
             if len(self.seen) <= NAMED_BAD_SAMPLES:
-                log.warning("skipped an undecodable clip (replaced in its batch): %s", error)
+                log.warning("skipped an undecodable clip (%s): %s", self.fate, error)
             elif len(self.seen) == NAMED_BAD_SAMPLES + 1:
                 log.warning("more undecodable clips: counted in metrics.jsonl (bad_samples), no longer named")
         if len(self.seen) > self.allowed:
@@ -89,3 +91,38 @@ class BadSampleBudget:
     def first(self, n: int = NAMED_BAD_SAMPLES) -> list[str]:
         """The first ``n`` errors, in the order they were met."""
         return list(self.seen)[:n]
+
+
+SHUFFLE_MEMORY_SHARE = 0.2
+"""Share of the node's memory the shuffle buffers of all its loader workers take by default."""
+MAX_SHUFFLE_ENTRIES = 1000
+MIN_SHUFFLE_ENTRIES = 16
+
+
+def node_memory() -> int:
+    """Bytes of memory this node gives the job: the cgroup's limit (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``) where set, else the physical memory."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path, encoding="ascii") as handle:
+                text = handle.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < physical:
+            return int(text)
+    return int(physical)
+
+
+def shuffle_entries(setting: int | Literal["auto"], budget: int | None, *, entry_bytes: int, workers: int,
+                    ranks_on_node: int | None = None) -> tuple[int, int]:
+    """(entries, bytes) of each loader worker's shuffle buffer: ``setting`` itself, or for ``auto``
+    what ``budget`` bytes hold (default: :data:`SHUFFLE_MEMORY_SHARE` of :func:`node_memory` over
+    every loader worker of the node), between :data:`MIN_SHUFFLE_ENTRIES` and :data:`MAX_SHUFFLE_ENTRIES`."""
+    if setting != "auto":
+        return int(setting), int(setting) * entry_bytes
+    if budget is None:
+        processes = max(1, workers) * (ranks_on_node or local_world_size())
+        budget = int(node_memory() * SHUFFLE_MEMORY_SHARE) // processes
+    entries = max(MIN_SHUFFLE_ENTRIES, min(MAX_SHUFFLE_ENTRIES, budget // max(1, entry_bytes)))
+    return entries, entries * entry_bytes

@@ -18,8 +18,10 @@ Shards are written by ``--workers`` processes, one shard per task, through ``web
 (mtime 0: the same inputs give byte-identical shards). After every finished shard its entry goes
 to ``.progress/NAME.json`` and a small ``index.json`` with ``"complete": false`` lists the finished
 shards' sha256; a rerun with the same plan (manifest content, rate, codec, shard size, seed) keeps
-every shard whose file still has that sha256 and writes only the others: an interrupted run
-resumes (so does a complete one, from records.jsonl, e.g. after a shard file was damaged).
+every shard whose file is still the one written and writes only the others: an interrupted run
+resumes (so does a complete one, from records.jsonl, e.g. after a shard file was damaged). Each
+shard's size and *quick* digest (sha256 of its size, first and last MiB) are recorded when it is
+written; a rerun checks kept shards by those, in parallel (``--rehash``: by the whole sha256).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -72,6 +75,24 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+QUICK_BYTES = 1 << 20
+"""Bytes hashed at each end of a shard by :func:`quick_sha256_of`."""
+
+
+def quick_sha256_of(path: Path) -> str:
+    """sha256 of a file's size, its first and its last MiB: what a rerun checks of a kept shard
+    (a shard cut short, rewritten or replaced differs; a flipped byte in its middle does not —
+    ``--rehash`` checks the whole sha256). Two reads of 1 MiB, whatever the shard's size."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as handle:
+        digest.update(handle.read(QUICK_BYTES))
+        if size > QUICK_BYTES:
+            handle.seek(max(QUICK_BYTES, size - QUICK_BYTES))
+            digest.update(handle.read(QUICK_BYTES))
+    return digest.hexdigest()
+
+
 def encode_audio(wave: Any, sample_rate: int, codec: Codec) -> bytes:
     """float32 mono → FLAC or 16-bit WAV bytes."""
     import soundfile as sf
@@ -97,7 +118,7 @@ def write_shard(task: ShardTask, *, out: Path, sample_rate: int, codec: Codec) -
         writer = wds.TarWriter(handle, mtime=0.0)
         for offset, row in enumerate(task.rows):
             try:
-                wave = decode_audio(row["audio"], sample_rate=sample_rate)
+                wave = decode_audio(row["audio"], sample_rate=sample_rate, complete=True)  # a cut file is refused
             except AudioDecodeError as err:
                 skipped.append({"id": row["id"], "audio": row["audio"], "reason": str(err)})
                 continue
@@ -117,8 +138,8 @@ def write_shard(task: ShardTask, *, out: Path, sample_rate: int, codec: Codec) -
             seconds += duration
         writer.close()
     os.replace(partial, final)
-    return {"name": task.name, "split": task.split, "sha256": sha256_of(final), "bytes": final.stat().st_size,
-            "clips": len(clips), "seconds": round(seconds, 3), "records": clips, "skipped": skipped}
+    return {"name": task.name, "split": task.split, "sha256": sha256_of(final), "quick_sha256": quick_sha256_of(final),
+            "bytes": final.stat().st_size, "clips": len(clips), "seconds": round(seconds, 3), "records": clips, "skipped": skipped}
 
 
 def _write_shard_star(args: tuple[ShardTask, Path, int, Codec]) -> dict[str, Any]:
@@ -168,7 +189,8 @@ def _summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
         for record in entry["records"]:
             for lang, texts in record["captions"].items():
                 split["captions"][lang] = split["captions"].get(lang, 0) + len(texts)
-        split["shards"].append({k: entry[k] for k in ("name", "sha256", "bytes", "clips", "seconds")})
+        split["shards"].append({k: entry[k] for k in ("name", "sha256", "quick_sha256", "bytes", "clips", "seconds")
+                                if k in entry})
     for split in splits.values():
         split["hours"] = round(split["seconds"] / 3600, 3)
         split["languages"] = sorted(split["captions"])
@@ -206,8 +228,9 @@ def write_index(out: Path, header: dict[str, Any], entries: list[dict[str, Any]]
     shutil.rmtree(out / PROGRESS, ignore_errors=True)
 
 
-def _kept_entries(out: Path, plan: str) -> dict[str, dict[str, Any]]:
-    """Entries of a previous run with the same plan whose shard file still has its recorded sha256."""
+def _kept_entries(out: Path, plan: str, *, rehash: bool = False, workers: int = 1) -> dict[str, dict[str, Any]]:
+    """Entries of a previous run with the same plan whose shard file is still the one written (see
+    :func:`_still_written`), checked ``workers`` at a time."""
     path = out / INDEX
     if not path.is_file():
         return {}
@@ -240,19 +263,37 @@ def _kept_entries(out: Path, plan: str) -> dict[str, dict[str, Any]]:
             for shard in split["shards"]:
                 entries[shard["name"]] = {**shard, "records": by_shard.get(shard["name"], []),
                                           "skipped": skipped_by.get(shard["name"], [])}
-    kept = {}
-    for name, entry in entries.items():
-        file = out / name
-        if file.is_file() and file.stat().st_size == entry["bytes"] and sha256_of(file) == entry["sha256"]:
-            kept[name] = {**entry, "name": name, "split": name.rsplit("-", 1)[0]}
+    started = time.monotonic()
+    with ThreadPoolExecutor(max(1, workers)) as pool:  # hashlib and file reads release the GIL
+        verdicts = dict(zip(entries, pool.map(lambda item: _still_written(out / item[0], item[1], rehash=rehash),
+                                              entries.items()), strict=True))
+    kept = {name: {**entry, "name": name, "split": name.rsplit("-", 1)[0]}
+            for name, entry in entries.items() if verdicts[name]}
+    if entries:
+        log.info("checked %d shards of the previous run in %.1f s (%s): %d kept", len(entries),
+                 time.monotonic() - started, "full sha256, --rehash" if rehash else
+                 "size and the sha256 of their first and last MiB; --rehash checks every byte", len(kept))
     return kept
+
+
+def _still_written(file: Path, entry: dict[str, Any], *, rehash: bool) -> bool:
+    """Whether ``file`` is the shard ``entry`` describes: its size and quick digest (the whole sha256
+    with ``rehash``, or for an index written before quick digests existed)."""
+    if not file.is_file() or file.stat().st_size != entry["bytes"]:
+        return False
+    if rehash or "quick_sha256" not in entry:
+        return sha256_of(file) == entry["sha256"]
+    return quick_sha256_of(file) == entry["quick_sha256"]
 
 
 def shard_manifest(
     manifest: Path, out: Path, *, sample_rate: int, codec: Codec = "flac", shard_size: int = 1000,
-    workers: int | None = None, seed: int = 0, progress: bool = True,
+    workers: int | None = None, seed: int = 0, progress: bool = True, rehash: bool = False,
 ) -> dict[str, Any]:
-    """Write the shards of ``manifest`` into ``out`` (module doc); returns index.json's content."""
+    """Write the shards of ``manifest`` into ``out`` (module doc); returns index.json's content.
+
+    ``rehash``: check the kept shards of a previous run by their whole sha256 rather than by
+    size and quick digest."""
     if codec not in EXTENSION:
         raise DataError(f"unknown codec {codec!r}; use flac or pcm16")
     if shard_size < 1:
@@ -265,14 +306,15 @@ def shard_manifest(
     header = {"format": FORMAT, "plan": plan, "manifest": str(manifest), "sample_rate": sample_rate,
               "codec": codec, "extension": EXTENSION[codec], "shard_size": shard_size, "seed": seed}
     tasks = plan_shards(rows, shard_size=shard_size, seed=seed)
-    kept = _kept_entries(out, plan)
+    from index.cpus import available_cores
+
+    cores = workers or available_cores()
+    kept = _kept_entries(out, plan, rehash=rehash, workers=cores)
     entries = [kept[t.name] for t in tasks if t.name in kept]
     todo = [t for t in tasks if t.name not in kept]
     if kept:
-        log.info("resuming: %d of %d shards already written with matching sha256 are kept", len(entries), len(tasks))
-    from index.cpus import available_cores
-
-    workers = max(1, min(workers or available_cores(), len(todo) or 1))
+        log.info("resuming: %d of %d shards already written are kept", len(entries), len(tasks))
+    workers = max(1, min(cores, len(todo) or 1))
     from tqdm import tqdm
 
     started = time.monotonic()
@@ -308,7 +350,7 @@ def shard_manifest(
 def cli_shard(args: argparse.Namespace) -> int:
     """``tonearm data shard``."""
     shard_manifest(Path(args.manifest), Path(args.out), sample_rate=args.sample_rate, codec=args.codec,
-                   shard_size=args.shard_size, workers=args.workers, seed=args.seed)
+                   shard_size=args.shard_size, workers=args.workers, seed=args.seed, rehash=args.rehash)
     return 0
 
 
@@ -322,5 +364,8 @@ def add_shard_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--shard-size", type=int, default=1000, help="clips per shard (default 1000)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: every core)")
     p.add_argument("--seed", type=int, default=0, help="order in which clips are dealt into shards")
+    p.add_argument("--rehash", action="store_true",
+                   help="on a rerun, check kept shards by their whole sha256 (default: size and the sha256 of "
+                        "their first and last MiB, recorded when written)")
     p.set_defaults(handler=cli_shard)
     return p

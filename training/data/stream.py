@@ -7,39 +7,38 @@ tokenizer); then each loader worker opens its own shards one after the other and
 order, never the whole corpus (:func:`tar_samples`: one read per member where the file seeks,
 webdataset's tar expander where it does not).
 
-Every epoch (seeded by ``(seed, epoch)``):
+Every epoch (seeded by ``(seed, epoch)``) is cut by :mod:`training.data.epoch_plan`: the usable
+clips of the shuffled train shards form one sequence, each rank takes the same number of them
+(so the same number of batches: ranks stay in lockstep) and each of its loader workers a
+contiguous chunk; an epoch serves every usable clip at most once and all but fewer than
+``2 × world size`` of them. A clip without a caption in ``data.languages`` is left out of the
+sequence (counted and named at start, from ``records.jsonl``); each worker reads only its
+chunk's samples (the others' members are passed over, :func:`read_samples`), draws them
+through its shuffle buffer and decodes the random crop of each (:func:`index.audio.decode_window`
+on the in-memory FLAC/WAV, seeded by ``(seed, epoch, clip row)`` like the file path). Items are
+the same :class:`TrainItem` the manifest path gives, so every objective's strategy (views,
+KCL's languages, clip indices) is unchanged.
 
-* the ``train`` shards are shuffled and dealt to the ranks, then to each rank's loader workers,
-  balancing clip counts (largest first);
-* each worker draws its samples through a shuffle buffer of ``data.shuffle_buffer`` clips and
-  decodes the random crop of only the samples it emits (:func:`index.audio.decode_window` on the
-  in-memory FLAC/WAV, seeded by ``(seed, epoch, clip row)`` like the file path), then batches them:
-  items are the same :class:`TrainItem` the manifest path gives, so every objective's strategy
-  (views, KCL's languages, clip indices) is unchanged;
-* every rank runs the same number of batches: ``steps_per_epoch`` is the least, over the run's
-  epochs and ranks, of the whole batches its workers' shards hold; each worker stops at its
-  share. A rank thus drops up to ``workers × (batch_size - 1)`` clips of an epoch (plus the
-  imbalance of whole shards between ranks): no clip is seen twice in an epoch.
+A sample that cannot be decoded, or that a broken shard never delivers, is **not replaced**:
+its batch is one clip short and the error travels in ``TrainBatch.skipped`` to
+:class:`BadSampleBudget`, which names and counts it. The loop then makes every rank train the
+smallest batch of the step (:meth:`StreamBatches.lockstep`: the collectives' shapes must agree),
+holding back — and logging — the others' surplus clips.
 
-Resume is exact: batches are delivered round-robin over the workers (DataLoader order), so the
-``batch_in_epoch`` batches already trained tell how many batches each worker produced; on
-resume each worker replays its stream without decoding audio up to that point (the tar bytes of
-those samples are read again, not decoded).
-
-A sample whose audio cannot be decoded is replaced by another clip of the worker's shuffle buffer
-(or a recent one) and its error travels in ``TrainItem.skipped`` to :class:`BadSampleBudget`,
-exactly as an unreadable file does; a shard that cannot be read or ends early has its error
-counted the same way and the worker fills its share from the clips it has.
+Resume: the checkpoint records the plan (layout, seed, corpus digest, the batches each segment
+of the epoch ran). On the same layout the workers replay their draw order without reading the
+samples already served and the batches are bit-identical to the uninterrupted run's; on another
+world size, worker count or batch size the epoch's clips not yet served are cut anew.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-import random
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +50,24 @@ from index.audio import decode_window
 from index.audio_frontend import Padding
 from index.errors import AudioDecodeError, DataError
 from training.config import ConfigError, TrainConfig, short_clip_padding
-from training.data.dataset import MAX_SUBSTITUTES, TrainCollate, TrainItem, _rng_seed
+from training.data.dataset import TrainBatch, TrainCollate, TrainItem, _rng_seed
+from training.data.epoch_plan import (
+    Coverage,
+    Layout,
+    Segment,
+    SegmentCut,
+    coverage,
+    draw_order,
+    epoch_sequence,
+    remaining,
+    segment_cut,
+    slot_seed,
+)
 from training.data.manifest import ClipRecord
 
 log = logging.getLogger(__name__)
 
 TRAIN_SPLIT = "train"
-RECENT = 32
-"""Good samples each worker keeps to replace undecodable ones once its buffer is empty."""
 
 
 def _join(base: str, name: str) -> str:
@@ -79,7 +88,10 @@ class ShardCorpus:
     url: str
     index: dict[str, Any]
     records: dict[str, list[ClipRecord]]
-    """Per split, the clips in records.jsonl order (captions filtered to ``data.languages``)."""
+    """Per split, the clips in records.jsonl order (captions filtered to ``data.languages``); ``meta``
+    holds the clip's shard and its ordinal (0-based position) in it."""
+    unusable: dict[str, list[str]] = field(default_factory=dict)
+    """Per split, the ids of clips without a caption in ``data.languages`` (``drop_other_languages``)."""
 
     def shards(self, split: str) -> list[tuple[str, int]]:
         """(name, clips) of the split's shards."""
@@ -88,30 +100,46 @@ class ShardCorpus:
 
 
 def open_corpus(url: str, *, languages: Sequence[str], drop_other_languages: bool) -> ShardCorpus:
-    """Read a shard folder's index and records; captions outside ``languages`` refuse (or drop)."""
+    """Read a shard folder's index and records; captions outside ``languages`` refuse (or drop).
+
+    ``records.jsonl`` is read line by line (never whole as text), and the clips of one shard share
+    its name and path objects: what stays is the captions (docs/training.md, memory per rank)."""
+    import fsspec
+
     try:
         index = json.loads(read_text(_join(url, "index.json")))
-        lines = read_text(_join(url, "records.jsonl")).splitlines()
+        handle = fsspec.open(_join(url, "records.jsonl"), "rt", encoding="utf-8").open()
     except FileNotFoundError as err:
         raise DataError(f"{url}: no index.json / records.jsonl there ({err}); write shards with "
                         "`tonearm data shard MANIFEST --out DIR`") from None
-    if not index.get("complete"):
-        raise DataError(f"{url}: index.json says the shards are incomplete; rerun `tonearm data shard` to finish")
     records: dict[str, list[ClipRecord]] = {}
+    unusable: dict[str, list[str]] = {}
+    ordinal: dict[str, int] = {}
+    shard_of: dict[str, tuple[str, Any]] = {}
     wanted = set(languages)
-    for line in lines:
-        row = json.loads(line)
-        captions = {lang: texts for lang, texts in row["captions"].items() if lang in wanted}
-        if len(captions) < len(row["captions"]) and not drop_other_languages:
-            other = sorted(set(row["captions"]) - wanted)
-            raise DataError(
-                f"{url}: clip {row['id']!r} has captions in {other}, not among data.languages; add them "
-                "or set data.drop_other_languages=true")
-        if captions:
-            records.setdefault(row["split"], []).append(ClipRecord(
-                id=row["id"], audio=_shard_path(url, row["shard"]), captions=captions, split=row["split"],
-                meta={"seconds": row["seconds"], "shard": row["shard"]}))
-    return ShardCorpus(url=url, index=index, records=records)
+    with handle:
+        if not index.get("complete"):
+            raise DataError(f"{url}: index.json says the shards are incomplete; rerun `tonearm data shard` to finish")
+        for line in handle:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            shard, path = shard_of.get(row["shard"]) or shard_of.setdefault(
+                row["shard"], (row["shard"], _shard_path(url, row["shard"])))
+            place = ordinal[shard] = ordinal.get(shard, -1) + 1  # records.jsonl keeps each shard's order
+            captions = {lang: texts for lang, texts in row["captions"].items() if lang in wanted}
+            if len(captions) < len(row["captions"]) and not drop_other_languages:
+                other = sorted(set(row["captions"]) - wanted)
+                raise DataError(
+                    f"{url}: clip {row['id']!r} has captions in {other}, not among data.languages; add them "
+                    "or set data.drop_other_languages=true")
+            if captions:
+                records.setdefault(row["split"], []).append(ClipRecord(
+                    id=row["id"], audio=path, captions=captions, split=row["split"],
+                    meta={"seconds": row["seconds"], "shard": shard, "ordinal": place}))
+            else:
+                unusable.setdefault(row["split"], []).append(row["id"])
+    return ShardCorpus(url=url, index=index, records=records, unusable=unusable)
 
 
 def _tar_members(stream: Any, url: str) -> Iterator[dict[str, Any]]:
@@ -153,260 +181,397 @@ def _shard_path(url: str, shard: str) -> Any:
 
 
 def refuse_unsupported(cfg: TrainConfig) -> None:
-    """One line for what needs random access to the training clips' audio."""
-    if cfg.objective.distill is not None:
-        raise ConfigError("objective.distill reads teacher embeddings per training clip (random access to "
-                          "the audio), which data.shards does not give; train it from data.manifest")
-    knowledge = cfg.objective.knowledge
-    if knowledge is not None and "train" in knowledge.get("sources", ["train"]):
-        raise ConfigError("objective.knowledge with the 'train' source embeds every training clip, which "
-                          "data.shards does not give random access to; list manifests in "
-                          "objective.knowledge.sources or train from data.manifest")
+    """One line for what needs random access to the training clips' audio.
+
+    Every objective trains from shards: distillation's teachers embed the streamed batch, ASK's
+    knowledge bases stream the train shards by clip id (training/data/shard_passes.py)."""
     if cfg.data.val_fraction > 0:
         raise ConfigError("data.val_fraction carves clips out of the training set, which data.shards cannot; "
                           "shard a manifest with its own val split instead")
 
 
-# --- the epoch plan -------------------------------------------------------------------------
-
-
-def _deal(shards: Sequence[tuple[str, int]], bins: int) -> list[list[tuple[str, int]]]:
-    """Largest first into the emptiest bin (ties: the order given, i.e. the epoch's shuffle)."""
-    out: list[list[tuple[str, int]]] = [[] for _ in range(bins)]
-    load = [0] * bins
-    for shard in sorted(shards, key=lambda s: -s[1]):
-        target = min(range(bins), key=lambda b: (load[b], b))
-        out[target].append(shard)
-        load[target] += shard[1]
-    return out
-
-
-@dataclass
-class WorkerShare:
-    shards: list[str]
-    batches: int
-
-
-def epoch_plan(
-    shards: Sequence[tuple[str, int]], *, epoch: int, seed: int, world: int, workers: int, batch_size: int
-) -> list[list[WorkerShare]]:
-    """[rank][worker] shards and whole batches of one epoch (before the cut to the common step count)."""
-    order = list(shards)
-    random.Random(_rng_seed(seed, epoch, 7)).shuffle(order)
-    plan = []
-    for rank_shards in _deal(order, world):
-        plan.append([WorkerShare([name for name, _ in part], sum(c for _, c in part) // batch_size)
-                     for part in _deal(rank_shards, workers)])
-    return plan
-
-
-def cut(shares: list[WorkerShare], steps: int) -> list[int]:
-    """Batches per worker so that the rank delivers exactly ``steps`` (none above its whole batches)."""
-    total = sum(s.batches for s in shares)
-    quota = [s.batches * steps // total if total else 0 for s in shares]
-    spare = steps - sum(quota)
-    for w in sorted(range(len(shares)), key=lambda w: -(shares[w].batches - quota[w])):
-        if spare == 0:
-            break
-        extra = min(spare, shares[w].batches - quota[w])
-        quota[w] += extra
-        spare -= extra
-    return quota
-
-
-def delivery_order(quota: Sequence[int]) -> list[int]:
-    """The worker of each batch, in the order the DataLoader yields them: round-robin from worker 0
-    over the workers that still have batches (an exhausted worker's turn is skipped)."""
-    left, order = list(quota), []
-    while any(left):
-        for w in range(len(left)):
-            if left[w]:
-                left[w] -= 1
-                order.append(w)
-    return order
-
-
-def resume_roles(quota: Sequence[int], done: int) -> tuple[list[int], int]:
-    """(batches each worker had delivered after ``done`` batches, the worker due next).
-
-    A resumed DataLoader starts its round-robin at worker 0 again; giving physical worker ``p``
-    the share of worker ``(p + next) % W`` makes it yield the batches in the uninterrupted order.
-    """
-    order = delivery_order(quota)
-    got = [0] * len(quota)
-    for w in order[:done]:
-        got[w] += 1
-    return got, (order[done] if done < len(order) else 0)
-
-
-class _NotTrained(Exception):
-    """A sample whose clip has no caption in ``data.languages`` (dropped, replaced, not counted as bad)."""
-
-
 # --- the stream -----------------------------------------------------------------------------
 
 
+def read_samples(stream: Any, url: str, wanted: Collection[int]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(ordinal, sample)`` of the samples of one shard whose ordinal (0-based position in the
+    shard) is in ``wanted``, in order; the shard is read no further than the last one. Where the
+    file seeks, the members of the other samples are passed over without reading their bytes."""
+    import tarfile
+
+    from webdataset.tariterators import base_plus_ext
+
+    if not wanted:
+        return
+    last = max(wanted)
+    if not getattr(stream, "seekable", lambda: False)():
+        for ordinal, sample in enumerate(tar_samples(stream, url)):
+            if ordinal > last:
+                return
+            if ordinal in wanted:
+                yield ordinal, sample
+        return
+    archive = tarfile.open(fileobj=stream, mode="r:")
+    ordinal, key = -1, None
+    current: dict[str, Any] | None = None
+    for info in archive:
+        archive.members = []  # type: ignore[attr-defined]  # streamed: keep no list of the shard's members
+        if not info.isreg():
+            continue
+        prefix, suffix = base_plus_ext(info.name)
+        if prefix is None:
+            continue
+        if prefix != key:
+            if current is not None:
+                yield ordinal, current
+            ordinal, key = ordinal + 1, prefix
+            if ordinal > last:
+                return
+            current = {"__key__": prefix, "__url__": url} if ordinal in wanted else None
+        if current is not None:
+            handle = archive.extractfile(info)
+            assert handle is not None  # a regular member always has a file object
+            current[suffix.lower()] = handle.read()
+    if current is not None:
+        yield ordinal, current
+
+
+@dataclass
+class StreamCorpus:
+    """What the planner and the workers need of a shard corpus' train split (no captions)."""
+
+    names: list[str]
+    """Train shards, index.json order."""
+    members: list[int]
+    """Samples in each shard (index.json's clip count)."""
+    usable: list[list[int]]
+    """Per shard, the ordinals of its clips with a caption in ``data.languages``."""
+    rows: list[list[int]]
+    """Per shard, the row (clip index) of each usable ordinal."""
+    ids: list[str]
+    """Clip id of each row."""
+    unusable: list[str]
+    """Ids of the clips without a caption in ``data.languages`` (left out of every epoch)."""
+
+    @property
+    def clips(self) -> int:
+        return sum(self.members)
+
+    @property
+    def usable_clips(self) -> int:
+        return sum(len(u) for u in self.usable)
+
+    def digest(self) -> str:
+        """What the epoch's sequence depends on in the corpus (saved with a checkpoint)."""
+        text = json.dumps([self.names, self.members, [len(u) for u in self.usable]])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def stream_corpus(corpus: ShardCorpus) -> StreamCorpus:
+    shards = corpus.shards(TRAIN_SPLIT)
+    number = {name: s for s, (name, _) in enumerate(shards)}
+    usable: list[list[int]] = [[] for _ in shards]
+    rows: list[list[int]] = [[] for _ in shards]
+    records = corpus.records.get(TRAIN_SPLIT, [])
+    for row, record in enumerate(records):
+        shard = number.get(str(record.meta["shard"]))
+        if shard is not None:
+            usable[shard].append(int(record.meta["ordinal"]))
+            rows[shard].append(row)
+    return StreamCorpus(names=[name for name, _ in shards], members=[count for _, count in shards], usable=usable,
+                        rows=rows, ids=[r.id for r in records], unusable=list(corpus.unusable.get(TRAIN_SPLIT, [])))
+
+
 class ShardStream(IterableDataset):
-    """This rank's training items of an epoch (module doc); epoch and resume point are shared
-    with the (persistent) loader workers through a shared-memory tensor."""
+    """This rank's training batches of an epoch, cut as :mod:`training.data.epoch_plan` says.
+
+    Yields ``(items, errors)`` per batch: the batch's :class:`TrainItem` s (a sample that cannot be
+    decoded, or that a broken shard never delivered, leaves a hole: no substitute) and the errors
+    met. The epoch and the number of batches already delivered reach the (persistent) loader
+    workers through a shared-memory tensor; ``segments`` (the parts of the epoch an interrupted
+    run already served under another layout) are set before the workers start.
+    """
 
     def __init__(
-        self, corpus: ShardCorpus, *, rank: int, world: int, workers: int, batch_size: int, steps: int,
-        sample_rate: int, clip_samples: int, seed: int, shuffle_buffer: int, languages: Sequence[str],
-        padding: Padding = "pad",
+        self, corpus: ShardCorpus, *, rank: int, layout: Layout, sample_rate: int, clip_samples: int, seed: int,
+        languages: Sequence[str], padding: Padding = "pad",
     ) -> None:
         self.url = corpus.url
-        self.shards = corpus.shards(TRAIN_SPLIT)
+        self.plan = stream_corpus(corpus)
         self.extension = str(corpus.index.get("extension", "flac"))
-        self.row_of = {r.id: row for row, r in enumerate(corpus.records.get(TRAIN_SPLIT, []))}
         self.languages = set(languages)
-        self.rank, self.world, self.workers = rank, world, max(1, workers)
-        self.batch_size, self.steps = batch_size, steps
+        self.rank, self.layout = rank, layout
         self.sample_rate, self.clip_samples, self.padding = sample_rate, clip_samples, padding
-        self.seed, self.shuffle_buffer = seed, max(1, shuffle_buffer)
+        self.seed, self.shuffle_buffer = seed, layout.buffer
+        self.segments: list[Segment] = []
+        self.segments_epoch = -1
         self.shared = torch.zeros(2, dtype=torch.long).share_memory_()  # epoch, batches to skip
+        self._cut_for: tuple[int, int] | None = None
+        self._cut: tuple[np.ndarray, SegmentCut] | None = None
 
     def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
         self.shared[0], self.shared[1] = epoch, skip
 
-    def share(self, epoch: int, worker: int) -> tuple[list[str], int, int, int]:
-        """(shards, batches to deliver, batches already delivered, role) of loader worker ``worker``
-        this epoch; the role (the plan's worker whose share it takes) seeds its shuffle buffer."""
-        plan = epoch_plan(self.shards, epoch=epoch, seed=self.seed, world=self.world, workers=self.workers,
-                          batch_size=self.batch_size)[self.rank]
-        quota = cut(plan, self.steps)
-        done, due = resume_roles(quota, int(self.shared[1]))
-        role = (worker + due) % self.workers
-        return plan[role].shards, quota[role], done[role], role
+    def earlier(self, epoch: int) -> list[Segment]:
+        return self.segments if epoch == self.segments_epoch else []
 
-    def _raw(self, names: Sequence[str], errors: list[str]) -> Iterator[dict[str, Any]]:
-        """The samples of ``names`` in order, as dicts of bytes; unreadable shards add to ``errors``."""
+    def cut(self, epoch: int) -> tuple[np.ndarray, SegmentCut]:
+        """(the epoch's positions this segment serves from, its cut) — cached per epoch."""
+        earlier = self.earlier(epoch)
+        key = (epoch, len(earlier))
+        if self._cut_for != key or self._cut is None:
+            left = remaining(self.plan.usable_clips, earlier, seed=self.seed, epoch=epoch)
+            self._cut, self._cut_for = (left, segment_cut(len(left), self.layout)), key
+        return self._cut
+
+    def steps(self, epoch: int) -> int:
+        """Batches this rank yields in the epoch's current segment."""
+        return self.cut(epoch)[1].steps
+
+    def _entries(self, epoch: int, positions: np.ndarray, keep: set[int],
+                 errors: list[str]) -> Iterator[tuple[int, TrainItem | str]]:
+        """``(j, item or error)`` for each kept entry ``j`` of the chunk, in chunk order."""
         import fsspec
 
-        for name in names:
-            url = _join(self.url, name)
+        shards, ordinals = epoch_sequence(self.plan.usable, seed=self.seed, epoch=epoch)
+        by_shard: dict[int, dict[int, int]] = {}
+        for j in sorted(keep):
+            by_shard.setdefault(int(shards[positions[j]]), {})[int(ordinals[positions[j]])] = j
+        for shard in sorted(by_shard, key=lambda s: min(by_shard[s].values())):
+            wanted = by_shard[shard]
+            url = _join(self.url, self.plan.names[shard])
+            rows = dict(zip(self.plan.usable[shard], self.plan.rows[shard], strict=True))
+            delivered: set[int] = set()
+            reason = ""
             try:
                 with fsspec.open(url, "rb") as stream:
-                    for sample in tar_samples(stream, url):
-                        sample["__shard__"] = url
-                        yield sample
-            except Exception as err:  # noqa: BLE001 - a broken shard is a bad sample, not a crash
-                errors.append(f"{url}: shard unreadable or cut short: {type(err).__name__}: {err}")
+                    for ordinal, sample in read_samples(stream, url, wanted):
+                        delivered.add(ordinal)
+                        yield wanted[ordinal], self._decode(sample, epoch, rows[ordinal], url)
+            except Exception as err:  # noqa: BLE001 - a broken shard loses its samples, never the run
+                reason = f"unreadable or cut short: {type(err).__name__}: {err}"
+            else:
+                reason = f"ended early: index.json says {self.plan.members[shard]} samples"
+            lost = sorted(set(wanted) - delivered)
+            if lost:  # each lost sample is one named error: data.max_bad_fraction counts samples, not shards
+                log.warning("%s: shard failed after %d of this worker's %d samples (%s); the other %d are skipped",
+                            url, len(delivered), len(wanted), reason, len(lost))
+                errors.extend(f"{url}: {self.plan.ids[rows[ordinal]]}: skipped, not read: the shard failed after "
+                              f"{len(delivered)} of this worker's {len(wanted)} samples ({reason})" for ordinal in lost)
 
-    def _decode(self, sample: dict[str, Any], epoch: int) -> TrainItem:
-        meta = json.loads(sample["json"])
-        row = self.row_of.get(meta["id"])
-        if row is None:  # no caption in data.languages (drop_other_languages): not a bad sample
-            raise _NotTrained(meta["id"])
+    def _decode(self, sample: dict[str, Any], epoch: int, row: int, url: str) -> TrainItem | str:
+        """The sample's training item, or the error that makes it unusable (a string)."""
+        try:
+            meta = json.loads(sample["json"])
+        except (KeyError, ValueError) as err:
+            return f"{url}: {sample.get('__key__')}: no readable .json member ({err})"
+        expected = self.plan.ids[row]
+        if meta.get("id") != expected:
+            return (f"{url}: {sample['__key__']}: clip {meta.get('id')!r} where records.jsonl has {expected!r} "
+                    "(shards and records.jsonl differ: rewrite them with `tonearm data shard`)")
         audio = sample.get(self.extension)
         if not audio:
-            raise AudioDecodeError(f"{sample['__shard__']}: {meta['id']}: no .{self.extension} member")
+            return f"{url}: {expected}: no .{self.extension} member"
         rng = np.random.default_rng(_rng_seed(self.seed, epoch, row))
         try:
             wave = decode_window(bytes(audio), sample_rate=self.sample_rate, n=self.clip_samples, mode="random",
                                  rng=rng, padding=self.padding)
         except AudioDecodeError as err:
-            reason = str(err).split(": ", 1)[-1]
-            raise AudioDecodeError(f"{sample['__shard__']}: {meta['id']}: {reason}") from None
+            return f"{url}: {expected}: {str(err).split(': ', 1)[-1]}"
         captions = {lang: texts for lang, texts in meta["captions"].items() if lang in self.languages}
         return TrainItem(wave, captions, row, epoch=epoch)
 
-    def __iter__(self) -> Iterator[TrainItem]:
+    def __iter__(self) -> Iterator[tuple[list[TrainItem], list[str]]]:
         info = get_worker_info()
-        worker = info.id if info is not None else 0
-        epoch = int(self.shared[0])
-        names, batches, done, role = self.share(epoch, worker)
-        want, skip = batches * self.batch_size, done * self.batch_size
-        rng = random.Random(_rng_seed(self.seed, epoch, self.rank, role, 3))
+        physical = info.id if info is not None else 0
+        epoch, skip = int(self.shared[0]), int(self.shared[1])
+        segment = len(self.earlier(epoch))
+        left, cut = self.cut(epoch)
+        slots = self.layout.slots
+        # A resumed DataLoader starts its round-robin at worker 0: physical worker p takes the
+        # chunk of the worker due p turns after the resume point (module doc of epoch_plan).
+        role = (physical + skip) % slots
+        chunk = cut.ranks[self.rank][role]
+        done = len(range(role, min(skip, cut.steps), slots))
+        order = draw_order(chunk.stop - chunk.start, buffer=self.shuffle_buffer, first=self.layout.batch_size,
+                           seed=slot_seed(self.seed, epoch, segment, self.rank, role))
+        first_draw = sum(chunk.sizes[:done])
+        keep = set(order[first_draw:])
         errors: list[str] = []
-        raw = self._raw(names, errors)
-        buffer: list[dict[str, Any]] = []
-        recent: list[dict[str, Any]] = []
-        for produced in range(want):
-            while len(buffer) < self.shuffle_buffer:
-                sample = next(raw, None)
-                if sample is None:
-                    break
-                buffer.append(sample)
-            if buffer:
-                pick = rng.randrange(len(buffer))
-                buffer[pick], buffer[-1] = buffer[-1], buffer[pick]
-                sample = buffer.pop()
-            elif recent:
-                sample = recent[rng.randrange(len(recent))]
-            else:
-                raise DataError(f"rank {self.rank} worker {worker}: no readable sample in shards {names}; "
-                                f"first error: {errors[0] if errors else 'none'}")
-            if produced < skip:  # resuming: replayed, not decoded
-                recent = (recent + [sample])[-RECENT:]
-                continue
-            yield self._item(sample, epoch, buffer, recent, rng, errors)
+        entries = self._entries(epoch, left[chunk.start:chunk.stop], keep, errors)
+        store: dict[int, TrainItem | str] = {}
+        pulled = -1
+        draw = first_draw
+        for size in chunk.sizes[done:]:
+            items: list[TrainItem] = []
+            for j in order[draw:draw + size]:
+                while j not in store and pulled < j:
+                    got = next(entries, None)
+                    if got is None:
+                        pulled = len(order)
+                        break
+                    pulled = got[0]
+                    store[got[0]] = got[1]
+                entry = store.pop(j, None)
+                if isinstance(entry, str):
+                    errors.append(entry)
+                elif entry is not None:
+                    items.append(entry)
+            draw += size
+            yield items, errors[:]
+            errors.clear()
 
-    def _item(self, sample: dict[str, Any], epoch: int, buffer: list[dict[str, Any]],
-              recent: list[dict[str, Any]], rng: random.Random, errors: list[str]) -> TrainItem:
-        skipped = errors[:]  # shard errors met since the last item travel with this one
-        errors.clear()
-        candidate = sample
-        for _ in range(MAX_SUBSTITUTES + 1):
-            try:
-                item = self._decode(candidate, epoch)
-            except (AudioDecodeError, _NotTrained) as err:
-                if isinstance(err, AudioDecodeError):
-                    skipped.append(str(err))
-                pool = buffer or recent
-                if not pool:
-                    break
-                candidate = pool[rng.randrange(len(pool))]
-                continue
-            recent.append(candidate)
-            del recent[:-RECENT]
-            item.skipped = tuple(skipped)
-            return item
-        raise DataError(f"{MAX_SUBSTITUTES + 1} samples in a row could not be used; first error: "
-                        f"{skipped[0] if skipped else 'none (no captions in data.languages)'}")
+
+class StreamCollate:
+    """:class:`TrainCollate` of a stream's ``(items, errors)``: the errors travel as ``skipped``."""
+
+    def __init__(self, collate: TrainCollate, clip_samples: int) -> None:
+        self.collate, self.clip_samples = collate, clip_samples
+
+    def __call__(self, batch: tuple[list[TrainItem], list[str]]) -> TrainBatch:
+        items, errors = batch
+        if items:
+            return replace(self.collate(items), skipped=tuple(errors))
+        views = self.collate.strategy.num_views
+        return TrainBatch(waveform=torch.zeros(0, self.clip_samples), input_ids=torch.zeros(views, 0, 1, dtype=torch.long),
+                          attention_mask=torch.zeros(views, 0, 1, dtype=torch.long),
+                          text_mask=torch.zeros(views, 0, dtype=torch.bool), clip_index=torch.zeros(0, dtype=torch.long),
+                          texts=[[] for _ in range(views)], skipped=tuple(errors))
+
+
+def truncate_batch(batch: TrainBatch, rows: int) -> TrainBatch:
+    """The first ``rows`` clips of ``batch``."""
+    return TrainBatch(waveform=batch.waveform[:rows], input_ids=batch.input_ids[:, :rows],
+                      attention_mask=batch.attention_mask[:, :rows], text_mask=batch.text_mask[:, :rows],
+                      clip_index=batch.clip_index[:rows], texts=[row[:rows] for row in batch.texts],
+                      skipped=batch.skipped)
 
 
 class StreamBatches:
-    """What the loop needs of a training loader: iterable batches, ``set_epoch(epoch, skip=)``, ``len``."""
+    """What the loop needs of a training loader: iterable batches, ``set_epoch(epoch, skip=)``,
+    ``len`` (steps of a full epoch), the plan state a checkpoint records and the restore from it."""
 
     def __init__(self, stream: ShardStream, loader: DataLoader) -> None:
         self.stream = stream
         self.loader = loader
         self.skip = 0
         self.epoch = 0
+        self.full_steps = segment_cut(stream.plan.usable_clips, stream.layout).steps
+        self.before = 0
+        self.served = 0
+        self.held_back: list[str] = []
+        self.pending: int | None = None
+        """The epoch :meth:`restore` took up (its first :meth:`set_epoch` resumes there)."""
+        self.resume_skip = 0
+        self.coverage: Coverage | None = None
 
     def set_epoch(self, epoch: int, *, skip: int = 0, samples_in_epoch: int | None = None) -> None:
-        # A stream resumes by batches of the same world size and workers only (docs/training.md,
-        # "Training on a large corpus"); `samples_in_epoch` (the files path's elastic position)
-        # is not used: restore_trainer_state refuses a world-size change for shards.
-        self.skip, self.epoch = skip, epoch
-        self.stream.set_epoch(epoch, skip=skip)
+        """Start epoch ``epoch`` ``skip`` batches in (the loop's ``batch_in_epoch``), or, for the epoch
+        a :meth:`restore` took up, where the checkpoint's plan says."""
+        if epoch == self.pending:
+            skip = self.resume_skip
+        self.pending = None
+        steps = self.stream.steps(epoch)
+        self.epoch, self.skip = epoch, min(skip, steps)
+        self.before = self.full_steps - steps + self.skip
+        self.served, self.held_back = 0, []
+        self.stream.set_epoch(epoch, skip=self.skip)
+
+    def restore(self, state: dict[str, Any] | None, *, epoch: int, batch_in_epoch: int, saved_world: int) -> str:
+        """Take up the plan of a checkpoint's epoch (``data_plan`` in trainer_state.json); returns what
+        the log says about it. The same layout continues exactly where it stopped; another one
+        (world size, workers, batch) serves the clips the epoch has not served yet, cut anew."""
+        layout = self.stream.layout
+        self.pending = epoch
+        if state is None:  # a checkpoint from before plans were recorded: its layout is assumed
+            old = Layout(saved_world, layout.workers, layout.batch_size, layout.buffer)
+            state = {"epoch": epoch, "segments": [Segment(old, batch_in_epoch).to_json()] if batch_in_epoch else []}
+        mismatch = {key: (state[key], value) for key, value in (("seed", self.stream.seed),
+                    ("corpus", self.stream.plan.digest())) if key in state and state[key] != value}
+        segments = [Segment.from_json(s) for s in state.get("segments", [])] if int(state["epoch"]) == epoch else []
+        if mismatch and segments:
+            # Another corpus or seed: the interrupted epoch's sequence is not this one's.
+            self.stream.segments, self.stream.segments_epoch = [], epoch
+            self.resume_skip = 0
+            return (f"the data plan changed ({', '.join(f'{k}: {a} -> {b}' for k, (a, b) in mismatch.items())}): "
+                    f"epoch {epoch + 1} starts afresh")
+        if segments and segments[-1].layout == layout:
+            self.stream.segments, self.stream.segments_epoch = segments[:-1], epoch
+            self.resume_skip = segments[-1].batches
+            return f"epoch {epoch + 1} continues at batch {batch_in_epoch} of the same plan"
+        self.stream.segments, self.stream.segments_epoch = segments, epoch
+        self.resume_skip = 0
+        if not segments:
+            return f"epoch {epoch + 1} starts"
+        left = len(self.stream.cut(epoch)[0])
+        was = segments[-1].layout
+        return (f"layout changed (world {was.world} × {was.workers} workers × batch {was.batch_size}, buffer "
+                f"{was.buffer} -> {layout.world} × {layout.workers} × {layout.batch_size}, {layout.buffer}): epoch "
+                f"{epoch + 1} serves its "
+                f"{left} clips not yet served, cut anew ({self.stream.steps(epoch)} steps)")
+
+    def plan_state(self, epoch: int, batch_in_epoch: int) -> dict[str, Any]:
+        """What a checkpoint records of the plan (restored by :meth:`restore`)."""
+        state: dict[str, Any] = {"epoch": epoch, "seed": self.stream.seed, "corpus": self.stream.plan.digest(),
+                                 "segments": []}
+        if epoch == self.epoch and batch_in_epoch > 0:
+            done = self.skip + max(0, batch_in_epoch - self.before)
+            state["segments"] = [s.to_json() for s in self.stream.earlier(epoch)]
+            state["segments"].append(Segment(self.stream.layout, done).to_json())
+        return state
+
+    def remaining_steps(self) -> int:
+        """Batches left in the epoch :meth:`restore` took up, from where it resumes."""
+        epoch = self.epoch if self.pending is None else self.pending
+        return max(0, self.stream.steps(epoch) - (self.resume_skip if self.pending is not None else self.skip))
 
     def batches_before(self) -> int:
-        """Batches of the epoch the current position has passed."""
-        return self.skip
+        """Batches of a full epoch the current position has passed."""
+        return self.before
 
     def samples_consumed(self, batch_in_epoch: int) -> int | None:
-        """No world-size-independent position for a stream (resume is by batches)."""
+        """No world-size-independent clip count for a stream (the plan state says where it is)."""
         return None
 
+    def lockstep(self, batch: TrainBatch) -> TrainBatch | None:
+        """The batch every rank trains this step: ranks whose batch lost clips (undecodable, a broken
+        shard) make the others hold back as many — the shapes of the collectives must agree. ``None``:
+        some rank has fewer than 2 clips left, and every rank skips the step."""
+        from training import distributed
+
+        rows = int(batch.waveform.shape[0])
+        agreed = rows
+        if distributed.is_distributed():
+            sizes = distributed.all_gather_no_grad(torch.tensor([rows], device=distributed.group_device()))
+            agreed = int(sizes.min())
+        if agreed < 2:  # no negatives on some rank: every rank skips this step (the loop)
+            log.warning("epoch %d: a rank's batch has %d usable clip(s) (the others lost to errors): every rank "
+                        "skips this step; first error here: %s", self.epoch + 1, agreed,
+                        batch.skipped[0] if batch.skipped else "none")
+            self.held_back.extend(self.stream.plan.ids[int(i)] for i in batch.clip_index)
+            return None
+        if agreed < rows:
+            ids = [self.stream.plan.ids[int(i)] for i in batch.clip_index[agreed:]]
+            if len(self.held_back) < NAMED_HELD_BACK:
+                log.info("held back %d clip(s) this step so every rank trains %d (another rank's batch lost "
+                         "clips): %s", rows - agreed, agreed, ", ".join(ids[:NAMED_HELD_BACK]))
+            self.held_back.extend(ids)
+            batch = truncate_batch(batch, agreed)
+        self.served += agreed
+        return batch
+
+    def epoch_stats(self) -> dict[str, int]:
+        """Clips this rank trained in the epoch (since the start or the resume) and held back."""
+        return {"clips_served": self.served, "clips_held_back": len(self.held_back)}
+
     def __len__(self) -> int:
-        return self.stream.steps
+        return self.full_steps
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.loader)
 
 
-def steps_per_epoch(shards: Sequence[tuple[str, int]], *, seed: int, epochs: int, world: int, workers: int,
-                    batch_size: int) -> int:
-    """The least, over epochs and ranks, of the whole batches a rank's workers hold (module doc)."""
-    steps = None
-    for epoch in range(max(1, epochs)):
-        for rank in epoch_plan(shards, epoch=epoch, seed=seed, world=world, workers=max(1, workers),
-                               batch_size=batch_size):
-            total = sum(share.batches for share in rank)
-            steps = total if steps is None else min(steps, total)
-    return steps or 0
+NAMED_HELD_BACK = 10
 
 
 def build_stream_loader(
@@ -414,37 +579,47 @@ def build_stream_loader(
     tokenizer: Any, sample_rate: int, clip_samples: int,
 ) -> StreamBatches:
     """The DataLoader over this rank's shard stream, with ``options`` from :func:`loader_options`."""
+    from training.data.loader import shuffle_entries
     from training.interrupt import ignore_ctrl_c
 
-    shards = corpus.shards(TRAIN_SPLIT)
     workers = int(options.get("num_workers", 0))
-    batch = cfg.optim.batch_size
-    steps = steps_per_epoch(shards, seed=cfg.seed, epochs=cfg.optim.epochs, world=world, workers=workers,
-                            batch_size=batch)
-    if steps == 0:
+    entry_bytes = clip_samples * 4  # a float32 crop (the captions are small beside it)
+    buffer, buffer_bytes = shuffle_entries(cfg.data.shuffle_buffer, cfg.data.shuffle_buffer_bytes,
+                                           entry_bytes=entry_bytes, workers=workers)
+    layout = Layout(world=world, workers=workers, batch_size=cfg.optim.batch_size, buffer=buffer)
+    stream = ShardStream(
+        corpus, rank=rank, layout=layout, sample_rate=sample_rate, clip_samples=clip_samples, seed=cfg.seed,
+        languages=cfg.data.languages, padding=short_clip_padding(cfg.frontend),
+    )
+    plan = stream.plan
+    cover = coverage(plan.usable_clips, plan.clips, layout)
+    if cover.steps == 0:
         raise DataError(
-            f"{corpus.url}: {len(shards)} train shards of {sum(c for _, c in shards)} clips do not give every "
-            f"one of {world} rank(s) × {max(1, workers)} loader worker(s) a whole batch of {batch}; "
-            "write smaller shards (tonearm data shard --shard-size) or lower data.num_workers")
-    if len(shards) < world * max(1, workers):
-        log.warning("%d train shards for %d rank(s) × %d loader workers: some workers stay idle; write smaller "
-                    "shards (--shard-size) to use them all", len(shards), world, max(1, workers))
+            f"{corpus.url}: {plan.usable_clips} usable train clips do not give each of {world} rank(s) a batch of "
+            "2 clips; use fewer processes or a larger corpus")
+    log.info("%s", cover.line(layout))
+    if cover.fraction < 0.99:
+        log.warning("an epoch leaves out %d of %d usable clips (%.1f %%): each of %d rank(s) takes %d, in batches of "
+                    "%d with none of one clip; a larger corpus or fewer ranks cover more", cover.left_out,
+                    cover.usable, 100 * (1 - cover.fraction), world, cover.served // world, layout.batch_size)
+    log.info("shuffle buffer: %d crops of %.2f MB per loader worker (%.2f GB per rank; data.shuffle_buffer=%s)",
+             buffer, entry_bytes / 1e6, buffer_bytes * max(1, workers) / 1e9, cfg.data.shuffle_buffer)
+    if plan.unusable:
+        log.info("%d train clip(s) have no caption in data.languages and are left out of every epoch, e.g. %s",
+                 len(plan.unusable), ", ".join(plan.unusable[:NAMED_HELD_BACK]))
     index_rate = int(corpus.index.get("sample_rate", sample_rate))
     if index_rate != sample_rate:
         log.warning("shards are at %d Hz, the model's front end at %d Hz: every crop is resampled "
                     "(reshard with --sample-rate %d)", index_rate, sample_rate, sample_rate)
-    stream = ShardStream(
-        corpus, rank=rank, world=world, workers=workers, batch_size=batch, steps=steps,
-        sample_rate=sample_rate, clip_samples=clip_samples, seed=cfg.seed,
-        shuffle_buffer=cfg.data.shuffle_buffer, languages=cfg.data.languages,
-        padding=short_clip_padding(cfg.frontend),
-    )
     # A generator of its own: a DataLoader without one draws its workers' base seed from the global
     # torch RNG at every epoch, which would shift dropout after a resume (the draw happened before).
-    loader = DataLoader(stream, batch_size=batch, collate_fn=TrainCollate(strategy, tokenizer, seed=cfg.seed),
+    # batch_size=None: the stream yields whole batches (their size can fall short by a bad sample).
+    collate: Any = StreamCollate(TrainCollate(strategy, tokenizer, seed=cfg.seed), clip_samples)  # one (items, errors)
+    loader = DataLoader(stream, batch_size=None, collate_fn=collate,
                         worker_init_fn=ignore_ctrl_c, generator=torch.Generator().manual_seed(cfg.seed), **options)
-    return StreamBatches(stream, loader)
-
+    batches = StreamBatches(stream, loader)
+    batches.coverage = cover
+    return batches
 
 # --- records for the loop -------------------------------------------------------------------
 

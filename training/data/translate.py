@@ -13,10 +13,13 @@ writes a manifest in the same layout, the translation of English caption ``i`` a
 
 Every translation is stored in a SQLite cache keyed by (translator, language, caption) as
 soon as its batch returns, so an interrupted run resumes where it stopped and a caption
-shared by several clips is translated once. Progress goes to stderr; the report (also
-written as ``OUT.report.json``) counts per language the empty outputs (that clip gets no
-captions in the language, so positions stay aligned), copies of the source, wrong-script
-outputs (``jpn``/``zho``/Latin-script targets) and runaway lengths.
+shared by several clips is translated once; a local model's key holds the sha256 of its
+files' bytes (remembered in the cache by path, size, mtime, ctime and inode). Progress goes to
+stderr; the report (also written as ``OUT.report.json``) counts per language the flagged
+outputs — empty, copies of the source, wrong-script outputs (``jpn``/``zho``/Latin/Cyrillic
+targets) and runaway lengths, each with its threshold (:class:`Checks`) — and how many were
+left out: empty ones always, the others with ``--drop-flagged``. A left-out output ends the
+clip's list in that language (positions stay aligned); its other languages stay.
 
 This module imports no torch/transformers/httpx at import time (the CLI parser is built
 from it); the translators import what they need when constructed.
@@ -25,6 +28,7 @@ from it); the translators import what they need when constructed.
 from __future__ import annotations
 
 import argparse
+import difflib
 import hashlib
 import json
 import logging
@@ -34,7 +38,7 @@ import re
 import sqlite3
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,13 +120,33 @@ class Translator(Protocol):
     def close(self) -> None: ...
 
 
-def _fingerprint(folder: Path) -> str:
-    """Resolved path + config.json digest (cheap; a re-trained model in the same folder changes it)."""
-    digest = hashlib.sha256(str(folder.resolve()).encode())
-    for name in ("config.json", "generation_config.json"):
-        if (folder / name).is_file():
-            digest.update((folder / name).read_bytes())
-    return digest.hexdigest()[:16]
+MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf",
+                       ".model", ".spm", ".json", ".txt", ".tiktoken")
+"""Files of a model folder whose bytes make its translations: weights, configs, tokenizer, vocabularies."""
+
+
+def sha256_file(path: Path) -> str:
+    """Streaming sha256 of a file's bytes (8 MiB at a time)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def model_files(folder: Path) -> list[Path]:
+    """The files of ``folder`` (top level, links followed) that :data:`MODEL_FILE_SUFFIXES` names, sorted."""
+    return sorted(f for f in folder.iterdir()
+                  if not f.name.startswith(".") and f.name.endswith(MODEL_FILE_SUFFIXES) and f.is_file())
+
+
+def _fingerprint(folder: Path, digest: Callable[[Path], str] = sha256_file) -> str:
+    """Digest of the model's bytes: each model file's name and sha256 (not its path: a copied folder reuses
+    the cache, a re-trained model saved in the same folder does not)."""
+    combined = hashlib.sha256()
+    for path in model_files(folder):
+        combined.update(f"{path.name}\0{digest(path)}\0".encode())
+    return combined.hexdigest()[:16]
 
 
 def detect_family(folder: Path) -> str:
@@ -160,7 +184,7 @@ class Seq2SeqTranslator:
     def __init__(self, models: Mapping[str, Path], *, device: str = "cpu", batch_size: int = 32,
                  beams: int = 1, max_new_tokens: int = 128, threads: int | None = None,
                  lang_codes: Mapping[str, str] | None = None, source: str = ENGLISH,
-                 compute_type: str = "default") -> None:
+                 compute_type: str = "default", digest: Callable[[Path], str] | None = None) -> None:
         if not models:
             raise DataError("--model: give a folder (many-to-many) or LANG=FOLDER per language")
         self.models = {lang: Path(path) for lang, path in models.items()}
@@ -176,6 +200,8 @@ class Seq2SeqTranslator:
         self.compute_type = compute_type
         self.lang_codes = dict(lang_codes or {})
         self.source = source
+        self.digest = digest or sha256_file
+        self._fingerprints: dict[Path, str] = {}  # once per folder and run
         self._loaded: tuple[Path, Any, Any, bool] | None = None
 
     @property
@@ -194,7 +220,9 @@ class Seq2SeqTranslator:
         lang = target if target in self.models else "*"
         folder = self.folder(target)
         ct2 = f"|ct2={self.compute_type}" if (folder / "model.bin").is_file() else ""
-        return (f"seq2seq|{self.families[lang]}:{_fingerprint(folder)}|beams={self.beams}"
+        if folder not in self._fingerprints:
+            self._fingerprints[folder] = _fingerprint(folder, self.digest)
+        return (f"seq2seq|{self.families[lang]}:{self._fingerprints[folder]}|beams={self.beams}"
                 f"|max_new_tokens={self.max_new_tokens}{ct2}")
 
     def _load(self, folder: Path) -> tuple[Any, Any, bool]:
@@ -232,6 +260,17 @@ class Seq2SeqTranslator:
         return {"nllb": lang.nllb, "m2m100": lang.m2m100, "madlad": f"<2{lang.m2m100}>"}.get(family, "")
 
     def translate(self, texts: Sequence[str], target: str) -> list[str]:
+        tokenizer, ids = self.generate_ids(texts, target)
+        return [s.strip() for s in tokenizer.batch_decode(ids, skip_special_tokens=True)]
+
+    def generate_ids(self, texts: Sequence[str], target: str) -> tuple[Any, list[list[int]]]:
+        """The tokenizer and the generated token ids of each text, the target language's forcing included.
+
+        transformers: ``generate``'s rows (the decoder start token, then — M2M100, NLLB — the target
+        language token forced by ``forced_bos_token_id``); CTranslate2: the best hypothesis, which starts
+        with its ``target_prefix`` (the language token). MADLAD and multi-target Marian put their
+        ``<2xx>`` / ``>>xxx<<`` token in front of the source instead.
+        """
         import torch
 
         folder = self.folder(target)
@@ -244,20 +283,17 @@ class Seq2SeqTranslator:
             sources = [f"{token} {t}" for t in sources] if (token := self._marian_token(tokenizer, target)) \
                 else sources
         elif family == "madlad":
+            self._token_id(tokenizer, code, folder, target)
             sources = [f"{code} {t}" for t in sources]
         elif family in {"m2m100", "nllb"}:
             tokenizer.src_lang = self._code(family, self.source)
-            token = code if family == "nllb" else f"__{code}__"
-            forced = tokenizer.convert_tokens_to_ids(token)
-            if forced is None or forced == tokenizer.unk_token_id:
-                raise DataError(f"--model {folder}: its tokenizer has no language token {token!r} for {target}")
+            forced = self._token_id(tokenizer, code if family == "nllb" else f"__{code}__", folder, target)
         if ct2:
             tokens = [tokenizer.convert_ids_to_tokens(tokenizer.encode(t)) for t in sources]
             prefix = [[tokenizer.convert_ids_to_tokens(forced)]] * len(tokens) if forced is not None else None
             results = model.translate_batch(tokens, target_prefix=prefix, beam_size=self.beams,
                                             max_decoding_length=self.max_new_tokens, max_batch_size=self.batch_size)
-            ids = [tokenizer.convert_tokens_to_ids(r.hypotheses[0]) for r in results]
-            return [s.strip() for s in tokenizer.batch_decode(ids, skip_special_tokens=True)]
+            return tokenizer, [tokenizer.convert_tokens_to_ids(r.hypotheses[0]) for r in results]
         batch = tokenizer(sources, return_tensors="pt", padding=True, truncation=True, max_length=256)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         kwargs: dict[str, Any] = {"num_beams": self.beams, "do_sample": False, "max_new_tokens": self.max_new_tokens}
@@ -265,7 +301,16 @@ class Seq2SeqTranslator:
             kwargs["forced_bos_token_id"] = forced
         with torch.inference_mode():
             out = model.generate(**batch, **kwargs)
-        return [s.strip() for s in tokenizer.batch_decode(out, skip_special_tokens=True)]
+        return tokenizer, out.tolist()
+
+    @staticmethod
+    def _token_id(tokenizer: Any, token: str, folder: Path, target: str) -> int:
+        """The id of a language token, or a clear error when the tokenizer does not have it as one token."""
+        found = tokenizer.convert_tokens_to_ids(token)
+        if found is None or found == tokenizer.unk_token_id:
+            raise DataError(f"--model {folder}: its tokenizer has no language token {token!r} for {target} "
+                            f"(pass --lang-code {target}=CODE)")
+        return int(found)
 
     def _marian_token(self, tokenizer: Any, target: str) -> str:
         """``>>fra<<`` for a multi-target Opus-MT folder (opus-mt-en-mul, …); ``""`` for a one-pair folder.
@@ -428,9 +473,28 @@ class TranslationCache:
                 "CREATE TABLE IF NOT EXISTS translations (translator TEXT NOT NULL, lang TEXT NOT NULL, "
                 "source TEXT NOT NULL, target TEXT NOT NULL, PRIMARY KEY (translator, lang, source))"
             )
+            self.db.execute(
+                "CREATE TABLE IF NOT EXISTS file_digests (path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, "
+                "ctime_ns INTEGER, inode INTEGER, sha256 TEXT NOT NULL)"
+            )
             self.db.commit()
         except sqlite3.DatabaseError as err:
             raise DataError(f"--cache {self.path}: not a usable SQLite file ({err})") from None
+
+    def file_digest(self, path: Path) -> str:
+        """sha256 of a file's bytes, remembered in this cache by (path, size, mtime, ctime, inode): a model's
+        weights are read once, not on every run; a file written again (new mtime/ctime) is read again."""
+        path = Path(path).resolve()
+        st = path.stat()
+        stamp = (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+        row = self.db.execute("SELECT sha256 FROM file_digests WHERE path=? AND size=? AND mtime_ns=? AND ctime_ns=? "
+                              "AND inode=?", stamp).fetchone()
+        if row:
+            return str(row[0])
+        digest = sha256_file(path)
+        self.db.execute("INSERT OR REPLACE INTO file_digests VALUES (?, ?, ?, ?, ?, ?)", (*stamp, digest))
+        self.db.commit()
+        return digest
 
     def get_many(self, translator: str, lang: str, sources: Sequence[str]) -> dict[str, str]:
         found: dict[str, str] = {}
@@ -469,33 +533,76 @@ def _share(pattern: re.Pattern[str], text: str) -> float:
     return sum(1 for c in letters if pattern.match(c)) / len(letters) if letters else 0.0
 
 
-def suspicion(source: str, output: str, target: str) -> str | None:
+@dataclass(frozen=True)
+class Checks:
+    """The thresholds of the flags (``tonearm data translate --copy-similarity`` …)."""
+
+    copy_similarity: float = 1.0
+    """``copied`` when the output's similarity to the source (difflib's ratio of the two texts lower-cased,
+    punctuation dropped) is at least this; 1.0: identical."""
+    min_script_share: float = 0.5
+    """``wrong_script`` when less than this share of the output's letters are in the target's script."""
+    max_length_ratio: float = 3.0
+    """``too_long`` when the output has more than this many characters per source character (+ 20)."""
+
+    def __post_init__(self) -> None:
+        for name, value, high in (("--copy-similarity", self.copy_similarity, 1.0),
+                                  ("--min-script-share", self.min_script_share, 1.0),
+                                  ("--max-length-ratio", self.max_length_ratio, math.inf)):
+            if not 0.0 < value <= high:
+                raise DataError(f"{name} {value}: expected a number above 0{f' and at most {high}' if high < 10 else ''}")
+
+
+LENGTH_SLACK = 20
+"""Characters an output may have beyond ``max_length_ratio`` × the source's (short captions)."""
+
+
+def suspicion(source: str, output: str, target: str, checks: Checks | None = None) -> str | None:
     """Why an output looks wrong (``empty``, ``copied``, ``wrong_script``, ``too_long``), or None."""
+    checks = checks or Checks()
     if not output.strip():
         return "empty"
     norm_out, norm_src = _WORD.sub(" ", output.lower()).strip(), _WORD.sub(" ", source.lower()).strip()
-    if norm_out == norm_src and len(norm_src) > 3:
+    if len(norm_src) > 3 and (norm_out == norm_src or (
+            checks.copy_similarity < 1.0
+            and difflib.SequenceMatcher(None, norm_src, norm_out, autojunk=False).ratio() >= checks.copy_similarity)):
         return "copied"
     script = LANGUAGES[target].script if target in LANGUAGES else "other"
+    least = checks.min_script_share
     if script == "japanese":
-        cjk = [c for c in output if c.isalpha()]
-        if not cjk or sum(1 for c in cjk if _KANA.match(c) or _HAN.match(c)) / len(cjk) < 0.5:
+        if _share(_KANA, output) + _share(_HAN, output) < least:
             return "wrong_script"
     elif script == "han":
-        if _share(_HAN, output) < 0.5 or _KANA.search(output):
+        if _share(_HAN, output) < least or _KANA.search(output):
             return "wrong_script"
     elif script == "latin":
-        if _share(_LATIN, output) < 0.5:
+        if _share(_LATIN, output) < least:
             return "wrong_script"
-    elif script == "cyrillic" and _share(_CYRILLIC, output) < 0.5:
+    elif script == "cyrillic" and _share(_CYRILLIC, output) < least:
         return "wrong_script"
-    if len(output) > 3 * len(source) + 20:
+    if len(output) > checks.max_length_ratio * len(source) + LENGTH_SLACK:
         return "too_long"
     return None
 
 
 SUSPICIONS = ("empty", "copied", "wrong_script", "too_long")
+DROPPABLE = SUSPICIONS[1:]
+"""Flags ``--drop-flagged`` can drop (an empty output is always left out)."""
 EXAMPLES = 3
+
+
+def parse_drop(value: str | None) -> frozenset[str]:
+    """``--drop-flagged [FLAG,...]``: ``None`` → keep every flagged output; ``"all"`` → drop every flag."""
+    if value is None:
+        return frozenset()
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if names == ["all"]:
+        return frozenset(DROPPABLE)
+    unknown = [n for n in names if n not in DROPPABLE]
+    if unknown or not names:
+        raise DataError(f"--drop-flagged {value!r}: expected nothing (every flag), all, or a comma-separated "
+                        f"list of {', '.join(DROPPABLE)}")
+    return frozenset(names)
 
 
 @dataclass
@@ -507,8 +614,11 @@ class LanguageReport:
     translated: int = 0  # unique captions translated in this run
     cached: int = 0  # unique captions found in the cache
     kept_existing: int = 0  # clips that already had this language (not replaced)
-    clips_without: int = 0  # clips left without this language (an empty output among their captions)
-    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SUSPICIONS, 0))
+    written: int = 0  # translations written into the manifest
+    clips_without: int = 0  # clips left without this language (their first caption's output was left out)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SUSPICIONS, 0))  # flagged outputs
+    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SUSPICIONS, 0))  # of which left out
+    left_behind: int = 0  # unflagged translations left out as they follow a dropped one (positions stay aligned)
     examples: dict[str, list[list[str]]] = field(default_factory=dict)
 
     def note(self, reason: str, source: str, output: str) -> None:
@@ -590,9 +700,17 @@ def translate_missing(translator: Any, cache: TranslationCache, lang: str, sourc
 
 def translate_records(records: Sequence[ClipRecord], translator: Any, cache: TranslationCache,
                       targets: Sequence[str], *, batch_size: int, replace: bool = False,
-                      source_lang: str = ENGLISH, progress: bool = True,
+                      source_lang: str = ENGLISH, progress: bool = True, checks: Checks | None = None,
+                      drop: Collection[str] = (),
                       ) -> tuple[list[ClipRecord], dict[str, LanguageReport]]:
-    """Records with ``targets`` captions added (aligned by position) and the per-language report."""
+    """Records with ``targets`` captions added (aligned by position) and the per-language report.
+
+    Every output is checked (:func:`suspicion` with ``checks``); empty ones and those whose flag is in
+    ``drop`` are left out of the records, the rest are written (and flagged in the report).
+    """
+    unknown = set(drop) - set(DROPPABLE)
+    if unknown:
+        raise DataError(f"cannot drop {', '.join(sorted(unknown))}: the flags are {', '.join(DROPPABLE)}")
     reports: dict[str, LanguageReport] = {}
     out = [ClipRecord(r.id, r.audio, {k: list(v) for k, v in r.captions.items()}, r.split, dict(r.meta))
            for r in records]
@@ -611,13 +729,26 @@ def translate_records(records: Sequence[ClipRecord], translator: Any, cache: Tra
         report.cached = report.unique - report.translated
         table = cache.get_many(translator.key_for(lang), lang, sources)
         for record in todo_records:
-            texts = [table[s].strip() for s in record.captions[source_lang]]
-            for source, text in zip(record.captions[source_lang], texts, strict=True):
-                reason = suspicion(source, text, lang)
+            # Position i of every language is the translation of English caption i: a left-out output
+            # cannot leave a hole, so the clip keeps the translations before it (a shorter list, which
+            # stays aligned) and loses the ones after it; its other languages are untouched.
+            texts: list[str] = []
+            stopped = False
+            for source in record.captions[source_lang]:
+                text = table[source].strip()
+                reason = suspicion(source, text, lang, checks)
                 if reason:
                     report.note(reason, source, text)
-            if all(texts):
+                if reason is not None and (reason == "empty" or reason in drop):
+                    report.dropped[reason] += 1
+                    stopped = True
+                elif stopped:
+                    report.left_behind += 1
+                else:
+                    texts.append(text)
+            if texts:
                 record.captions[lang] = texts
+                report.written += len(texts)
             else:
                 record.captions.pop(lang, None)
                 report.clips_without += 1
@@ -625,11 +756,19 @@ def translate_records(records: Sequence[ClipRecord], translator: Any, cache: Tra
 
 
 def format_report(reports: Mapping[str, LanguageReport]) -> str:
-    lines = ["lang  captions  unique  translated  cached  empty  copied  wrong_script  too_long  clips_without"]
+    """The stderr table: flagged outputs per flag, ``flagged/dropped`` where some were left out."""
+    def cell(r: LanguageReport, flag: str) -> str:
+        return f"{r.counts[flag]}/{r.dropped[flag]}" if r.dropped[flag] and flag != "empty" else str(r.counts[flag])
+
+    lines = ["lang  captions  unique  translated  cached  empty  copied  wrong_script  too_long  written  "
+             "left_behind  clips_without"]
     for lang, r in reports.items():
-        c = r.counts
-        lines.append(f"{lang:<5} {r.captions:>8}  {r.unique:>6}  {r.translated:>10}  {r.cached:>6}  {c['empty']:>5}  "
-                     f"{c['copied']:>6}  {c['wrong_script']:>12}  {c['too_long']:>8}  {r.clips_without:>13}")
+        lines.append(f"{lang:<5} {r.captions:>8}  {r.unique:>6}  {r.translated:>10}  {r.cached:>6}  "
+                     f"{cell(r, 'empty'):>5}  {cell(r, 'copied'):>6}  {cell(r, 'wrong_script'):>12}  "
+                     f"{cell(r, 'too_long'):>8}  {r.written:>7}  {r.left_behind:>11}  {r.clips_without:>13}")
+    if any(r.dropped[f] for r in reports.values() for f in DROPPABLE):
+        lines.append("(flagged/dropped: dropped outputs are not in the manifest; left_behind: unflagged translations "
+                     "after a dropped one in the same clip, left out to keep positions aligned)")
     return "\n".join(lines)
 
 
@@ -672,7 +811,7 @@ def parse_targets(text: str, *, source_lang: str) -> list[str]:
     return targets
 
 
-def build_translator(args: argparse.Namespace) -> Any:
+def build_translator(args: argparse.Namespace, *, digest: Callable[[Path], str] | None = None) -> Any:
     if bool(args.model) == bool(args.endpoint):
         raise DataError("choose one translator: --model FOLDER (or LANG=FOLDER ...) or --endpoint URL")
     if args.endpoint:
@@ -684,7 +823,7 @@ def build_translator(args: argparse.Namespace) -> Any:
     return Seq2SeqTranslator(parse_models(args.model), device=args.device, batch_size=args.batch_size,
                              beams=args.beams, max_new_tokens=args.max_new_tokens, threads=args.threads,
                              lang_codes=parse_codes(args.lang_code), source=args.source_lang,
-                             compute_type=args.compute_type)
+                             compute_type=args.compute_type, digest=digest)
 
 
 def cli_translate(args: argparse.Namespace) -> int:
@@ -695,12 +834,20 @@ def cli_translate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.resolve() == Path(args.manifest).resolve():
         raise DataError("--out must differ from the input manifest")
-    translator = build_translator(args)
+    checks = Checks(copy_similarity=args.copy_similarity, min_script_share=args.min_script_share,
+                    max_length_ratio=args.max_length_ratio)
+    drop = parse_drop(args.drop_flagged)
     cache = TranslationCache(Path(args.cache) if args.cache else out.with_name(out.name + ".cache.sqlite"))
+    try:
+        translator = build_translator(args, digest=cache.file_digest)
+    except BaseException:
+        cache.close()
+        raise
     try:
         records, reports = translate_records(
             [r for _, r in rows], translator, cache, targets, batch_size=args.batch_size,
             replace=args.replace, source_lang=source_lang, progress=not args.no_progress,
+            checks=checks, drop=drop,
         )
     finally:
         translator.close()
@@ -710,10 +857,10 @@ def cli_translate(args: argparse.Namespace) -> int:
     report_path.write_text(json.dumps({lang: r.__dict__ for lang, r in reports.items()}, ensure_ascii=False,
                                       indent=1) + "\n", encoding="utf-8")
     sys.stderr.write(format_report(reports) + "\n")
-    flagged = {lang: sum(r.counts.values()) for lang, r in reports.items() if sum(r.counts.values())}
-    if flagged:
-        log.warning("suspicious outputs (%s): examples in %s",
-                    ", ".join(f"{lang} {n}" for lang, n in flagged.items()), report_path)
+    kept = {lang: sum(n - r.dropped[f] for f, n in r.counts.items()) for lang, r in reports.items()}
+    if any(kept.values()):
+        log.warning("flagged outputs written into the manifest (%s): examples in %s; --drop-flagged leaves them out",
+                    ", ".join(f"{lang} {n}" for lang, n in kept.items() if n), report_path)
     log.info("wrote %d clips to %s (cache %s)", len(records), out, cache.path)
     return 0
 
@@ -749,6 +896,18 @@ def add_translate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     p.add_argument("--from", dest="source_lang", default=ENGLISH, help="source language (default: %(default)s)")
     p.add_argument("--cache", help="SQLite cache (default: OUT.cache.sqlite); rerun with it to resume")
     p.add_argument("--replace", action="store_true", help="replace translations the manifest already has")
+    p.add_argument("--drop-flagged", nargs="?", const="all", default=None, metavar="FLAG,...",
+                   help="leave flagged outputs out of the manifest: every flag, or those named (copied, wrong_script, "
+                        "too_long); empty outputs are always left out")
+    p.add_argument("--copy-similarity", type=float, default=Checks.copy_similarity,
+                   help="flag 'copied' when an output is at least this similar to its English source "
+                        "(difflib ratio, case and punctuation ignored; default %(default)s: identical)")
+    p.add_argument("--min-script-share", type=float, default=Checks.min_script_share,
+                   help="flag 'wrong_script' when less than this share of an output's letters are in the target's "
+                        "script (jpn, zho, Latin and Cyrillic targets; default %(default)s)")
+    p.add_argument("--max-length-ratio", type=float, default=Checks.max_length_ratio,
+                   help=f"flag 'too_long' when an output has more than this many characters per source character "
+                        f"(+ {LENGTH_SLACK}; default %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     p.set_defaults(handler=cli_translate)
     return p

@@ -13,7 +13,9 @@ and traces to ONNX):
 * the extractor's mel bank: Kaldi mel scale, triangular in mel space, 20 Hz to Nyquist, no norm;
   floored at float32's epsilon, natural log;
 * frames zero-padded (value 0 before normalisation) or cropped to ``max_length`` (the first
-  ``max_length`` frames: deterministic);
+  ``max_length`` frames: deterministic); a batch brings a short clip to the batch's length with a
+  NaN tail (padding ``frames``, :mod:`index.audio_frontend`) and every frame touching it becomes
+  such a padding frame, so the clip's features are the extractor's own;
 * normalised ``(x − mean) / (2 · std)`` with the extractor's AudioSet statistics.
 """
 
@@ -79,6 +81,9 @@ class ASTWaveFrontend(nn.Module):
         half = spec.shape[-1] // 2
         power = spec[..., :half].square() + spec[..., half:].square()
         fbank = torch.log(torch.matmul(power, self.mel_fb).clamp_min(MEL_FLOOR))
+        # A frame touching the NaN tail of a short clip (padding "frames") is a padding frame: 0
+        # before the normalisation, as the extractor pads frames after its fbank.
+        fbank = torch.where(torch.isnan(fbank), torch.zeros_like(fbank), fbank)
         fbank = nn.functional.pad(fbank, (0, 0, 0, self.max_length))[:, : self.max_length]
         if self.do_normalize:
             fbank = (fbank - self.mean) / (2.0 * self.std)

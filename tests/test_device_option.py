@@ -1,0 +1,50 @@
+"""`tonearm export|index --device cuda` (issue 41): the catalogue pass runs on ONNX Runtime's CUDA
+provider, and where this onnxruntime has none the command stops before any work with one line
+(exit status 2) — it never runs on the CPU when a GPU was asked for. On a machine with the CUDA
+provider the refusal cannot happen; the CUDA pass itself is checked where a GPU is lent.
+
+Cost: ~6 s (three CLI processes, nothing embedded).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+
+from index.errors import TonearmError
+from index.loader import device_providers
+
+HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+def tonearm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tonearm", *args], capture_output=True, text=True, timeout=120,
+                          env=os.environ)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this onnxruntime has the CUDA provider: nothing to refuse")
+@pytest.mark.parametrize("command", [
+    ("export", "CKPT", "--data", "m.jsonl", "--out", "bundles"),
+    ("export", "--pretrained", "MODEL", "--data", "m.jsonl", "--out", "bundles"),
+    ("index", "AUDIO", "--bundle", "B", "--out", "NEW"),
+])
+def test_cuda_without_a_cuda_provider_is_one_line(command: tuple[str, ...], tmp_path: Path) -> None:
+    run = tonearm(*command[:-1], str(tmp_path / command[-1]), "--device", "cuda")
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--device cuda: this onnxruntime has no CUDAExecutionProvider" in lines[0], run.stderr
+    assert not (tmp_path / command[-1]).exists()
+
+
+def test_device_providers() -> None:
+    assert device_providers("cpu") == ["CPUExecutionProvider"]
+    if HAS_CUDA:
+        assert device_providers("cuda") == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    else:
+        with pytest.raises(TonearmError, match="install onnxruntime-gpu"):
+            device_providers("cuda")

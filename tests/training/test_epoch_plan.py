@@ -1,0 +1,372 @@
+"""An epoch of data.shards is an epoch (training/data/epoch_plan.py, docs/training.md "Training on a
+large corpus"): each clip served at most once, ≥ 99 % of the usable clips at any layout, clips
+without a caption in the run's languages and undecodable ones counted and named, never replaced;
+resume bit-exact on the same layout and without repeats on another one.
+
+References are the shards' own members (read with webdataset) and the sets of ids actually served."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch.multiprocessing as mp
+
+from tests.training.test_distributed_runs import free_port
+from training.data.epoch_plan import Layout, coverage, draw_order, segment_cut, slot_seed
+
+ROOT = Path(__file__).resolve().parents[2]
+BATCH = 4
+
+
+# --- the cut alone, at the issue's scale -----------------------------------------------------
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 4])
+def test_uneven_shards_are_covered_once_and_to_99_percent_at_1_2_4_nodes(nodes: int) -> None:
+    """400 shards of 700-1000 clips (not a multiple of anything), 8 ranks a node × 11 loader workers,
+    batch 256 — the layout that covered 75.8 % at 4 nodes before; every (rank, worker) simulated."""
+    counts = [random.Random(shard).randint(700, 1000) for shard in range(400)]
+    total = sum(counts)  # the reference: the shards' own member counts
+    layout = Layout(world=8 * nodes, workers=11, batch_size=256)
+    cut = segment_cut(total, layout)
+    served: list[np.ndarray] = []
+    for rank, chunks in enumerate(cut.ranks):
+        assert sum(len(c.sizes) for c in chunks) == cut.steps  # every rank the same number of batches
+        rows = 0
+        for worker, chunk in enumerate(chunks):
+            order = draw_order(chunk.stop - chunk.start, buffer=1000, first=256,
+                               seed=slot_seed(0, 0, 0, rank, worker))
+            assert sorted(order) == list(range(chunk.stop - chunk.start))
+            served.append(chunk.start + np.asarray(order, dtype=np.int64))
+            rows += sum(chunk.sizes)
+        assert rows == cut.per_rank
+    positions = np.concatenate(served)
+    assert len(np.unique(positions)) == len(positions)  # no position twice
+    assert positions.min() >= 0 and positions.max() < total
+    assert len(positions) / total >= 0.99
+    assert coverage(total, total, layout).served == len(positions)
+
+
+def test_odd_layouts_keep_ranks_in_lockstep_and_batch_sizes_equal_across_ranks() -> None:
+    for n, world, workers, batch in [(97, 3, 5, 7), (31, 2, 0, 4), (10, 4, 3, 3), (1000, 7, 2, 64), (9, 4, 1, 2)]:
+        cut = segment_cut(n, Layout(world, workers, batch))
+        per_step = []
+        for chunks in cut.ranks:
+            sizes = [0] * cut.steps
+            for worker, chunk in enumerate(chunks):  # DataLoader round-robin: batch t from worker t % W
+                for i, size in enumerate(chunk.sizes):
+                    sizes[worker + i * max(1, workers)] = size
+            per_step.append(sizes)
+            assert all(size >= 2 for size in sizes)
+        assert all(sizes == per_step[0] for sizes in per_step)
+        assert n - cut.per_rank * world <= 2 * world - 1
+
+
+def test_a_worker_holds_at_most_its_buffer_and_serves_before_it_is_full() -> None:
+    """What a worker holds while emitting draw d: the chunk entries read up to the furthest one drawn
+    so far, less those emitted. It never exceeds the buffer, and the first batch comes early."""
+    for length, buffer, batch in [(1000, 100, 32), (50, 1000, 8), (300, 7, 16)]:
+        order = draw_order(length, buffer=buffer, first=batch, seed=1)
+        furthest = -1
+        for d, j in enumerate(order):
+            furthest = max(furthest, j)
+            assert furthest + 1 - d <= max(buffer, 1)
+        # The first batch is served after reading < 3 batches' worth, whatever the buffer's size.
+        assert max(order[:batch]) < (batch - 1) + min(buffer, 2 * batch - 1) <= 3 * batch
+        assert sorted(order) == list(range(length))
+
+
+def test_shuffle_buffer_auto_is_sized_from_memory() -> None:
+    from training.data.loader import MAX_SHUFFLE_ENTRIES, node_memory, shuffle_entries
+
+    crop = 10 * 48_000 * 4  # a 10-s float32 crop at 48 kHz: 1.92 MB
+    assert shuffle_entries(300, None, entry_bytes=crop, workers=4) == (300, 300 * crop)  # explicit wins
+    assert shuffle_entries("auto", 500 * 10**6, entry_bytes=crop, workers=4) == (260, 260 * crop)
+    assert shuffle_entries("auto", 10**12, entry_bytes=crop, workers=4)[0] == MAX_SHUFFLE_ENTRIES
+    entries, size = shuffle_entries("auto", None, entry_bytes=crop, workers=23, ranks_on_node=8)
+    assert size * 23 * 8 <= 0.2 * node_memory() or entries == 16
+
+
+# --- real shards: a language subset and a corrupt sample ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def subset_shards(tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The tiny corpus with no English caption on every third train clip, in uneven shards of 5
+    (7 train shards, the last of 2), and the audio of one sample garbled after sharding."""
+    import webdataset as wds
+
+    from training.data.manifest import read_manifest
+    from training.data.shards import shard_manifest
+
+    folder = tmp_path_factory.mktemp("subset")
+    lines, train = [], 0
+    for _, record in read_manifest(tiny_corpus, languages=None):
+        captions = dict(record.captions)
+        if record.split == "train":
+            if train % 3 == 0:
+                captions.pop("eng", None)
+            train += 1
+        lines.append({"id": record.id, "audio": str(record.audio), "split": record.split, "captions": captions})
+    manifest = folder / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    out = folder / "shards"
+    shard_manifest(manifest, out, sample_rate=16_000, shard_size=5, workers=1, progress=False)
+    victim = out / "train-000002.tar"
+    samples = list(wds.WebDataset(str(victim), shardshuffle=False))
+    bad = next(s for s in samples if "eng" in json.loads(s["json"])["captions"])
+    with wds.TarWriter(str(victim)) as writer:
+        for sample in samples:
+            writer.write({"__key__": sample["__key__"], "json": sample["json"],
+                          "flac": b"fLaC" + bytes(512) if sample is bad else sample["flac"]})
+    return out, json.loads(bad["json"])["id"]
+
+
+def shard_members(folder: Path) -> dict[str, dict]:
+    """The reference: every train sample's json as the shards themselves hold it."""
+    import webdataset as wds
+
+    index = json.loads((folder / "index.json").read_text())
+    urls = [str(folder / s["name"]) for s in index["splits"]["train"]["shards"]]
+    return {json.loads(s["json"])["id"]: json.loads(s["json"]) for s in wds.WebDataset(urls, shardshuffle=False)}
+
+
+def make_batches(url: str, *, rank: int, world: int, workers: int, persistent: bool = False):  # noqa: ANN201
+    from torch.utils.data import DataLoader
+
+    from training.data.stream import ShardStream, StreamBatches, open_corpus
+
+    corpus = open_corpus(url, languages=["eng"], drop_other_languages=True)
+    stream = ShardStream(corpus, rank=rank, layout=Layout(world, workers, BATCH, 3), sample_rate=16_000,
+                         clip_samples=8_000, seed=0, languages=["eng"])
+
+    def collate(batch):  # noqa: ANN001, ANN202 - (ids, waves, errors) of the stream's (items, errors)
+        items, errors = batch
+        waves = np.stack([i.waveform for i in items]) if items else np.zeros((0, 8_000), np.float32)
+        return [corpus.records["train"][i.index].id for i in items], waves, errors
+
+    extra = {"persistent_workers": persistent} if workers else {}
+    loader = DataLoader(stream, batch_size=None, collate_fn=collate, num_workers=workers, **extra)
+    return StreamBatches(stream, loader), corpus
+
+
+def test_a_language_subset_with_a_corrupt_sample_serves_each_clip_once_and_names_the_rest(
+        subset_shards: tuple[Path, str]) -> None:
+    folder, bad_id = subset_shards
+    members = shard_members(folder)
+    english = {clip for clip, meta in members.items() if "eng" in meta["captions"]}
+    served, errors, steps = [], [], []
+    for rank in (0, 1):  # 2 ranks × 2 loader workers, each rank as its own process would run it
+        batches, corpus = make_batches(str(folder), rank=rank, world=2, workers=2)
+        assert sorted(corpus.unusable["train"]) == sorted(set(members) - english)  # counted and named
+        batches.set_epoch(0)
+        got = list(batches)
+        steps.append(len(got))
+        served += [clip for ids, _, _ in got for clip in ids]
+        errors += [e for _, _, errs in got for e in errs]
+    assert steps[0] == steps[1] == len(batches)
+    assert len(served) == len(set(served))  # no clip twice: the bad one's place stays empty
+    assert set(served) <= english - {bad_id}
+    assert len(served) >= len(english) - 1 - (2 * 2 - 1)  # all but the bad one and the cut's tail
+    assert len(errors) == 1 and bad_id in errors[0] and "train-000002.tar" in errors[0]
+
+
+def test_resume_after_a_bad_sample_gives_the_same_batches_bit_for_bit(subset_shards: tuple[Path, str]) -> None:
+    folder, bad_id = subset_shards
+    batches, _ = make_batches(str(folder), rank=0, world=1, workers=2, persistent=True)
+    epochs = []
+    for epoch in (0, 1):
+        batches.set_epoch(epoch)
+        epochs.append(list(batches))
+    hole = next(t for t, (ids, _, errs) in enumerate(epochs[1]) if errs)
+    assert bad_id in epochs[1][hole][2][0] and len(epochs[1][hole][0]) == BATCH - 1
+    for skip in (hole, hole + 1):  # resumed on the bad sample's batch, and right after it
+        plan = batches.plan_state(1, skip)
+        again, _ = make_batches(str(folder), rank=0, world=1, workers=2)
+        again.restore(plan, epoch=1, batch_in_epoch=skip, saved_world=1)
+        again.set_epoch(1, skip=skip)
+        resumed = list(again)
+        assert len(resumed) == len(epochs[1]) - skip
+        for (ids, waves, errs), (ids0, waves0, errs0) in zip(resumed, epochs[1][skip:], strict=True):
+            assert ids == ids0 and errs == errs0
+            assert np.array_equal(waves, waves0)
+
+
+def test_a_shard_cut_short_loses_its_remaining_samples_without_substitutes(subset_shards: tuple[Path, str],
+                                                                         tmp_path: Path) -> None:
+    import webdataset as wds
+
+    folder, bad_id = subset_shards
+    cut = tmp_path / "cut"
+    shutil.copytree(folder, cut)
+    victim = cut / "train-000004.tar"
+    members = [json.loads(s["json"])["id"] for s in wds.WebDataset(str(victim), shardshuffle=False)]
+    data = victim.read_bytes()
+    victim.write_bytes(data[:3000])  # cut inside its first sample: none of its samples arrives
+    english = {clip for clip, meta in shard_members(folder).items() if "eng" in meta["captions"]}
+    batches, _ = make_batches(str(cut), rank=0, world=1, workers=0)
+    batches.set_epoch(0)
+    got = list(batches)
+    served = [clip for ids, _, _ in got for clip in ids]
+    errors = [e for _, _, errs in got for e in errs]
+    assert len(served) == len(set(served)) and set(served) <= english - {bad_id}
+    lost = (english - {bad_id}) - set(served)
+    assert english & set(members) and english & set(members) <= lost  # the cut shard's clips are missing, none repeated instead
+    assert len(lost - set(members)) <= 1  # besides them only the cut's tail (21 usable, batches of 4: 20)
+    assert any("train-000004.tar" in e and "skipped" in e for e in errors), errors
+
+
+@pytest.mark.parametrize(("before", "after"), [((2, 2), (1, 1)), ((1, 2), (2, 1)), ((2, 1), (4, 0))])
+def test_a_resume_on_another_layout_serves_the_epochs_remaining_clips_once(
+        subset_shards: tuple[Path, str], before: tuple[int, int], after: tuple[int, int]) -> None:
+    folder, bad_id = subset_shards
+    english = {clip for clip, meta in shard_members(folder).items() if "eng" in meta["captions"]}
+    world, workers = before
+    served, plan = [], None
+    for rank in range(world):  # each rank runs 2 batches of epoch 1, then the job stops
+        batches, _ = make_batches(str(folder), rank=rank, world=world, workers=workers)
+        batches.set_epoch(1)
+        for ids, _, _ in list(batches)[:2]:
+            served += ids
+        plan = batches.plan_state(1, 2)
+    world2, workers2 = after
+    rest, lengths = [], set()
+    for rank in range(world2):
+        batches, _ = make_batches(str(folder), rank=rank, world=world2, workers=workers2)
+        said = batches.restore(plan, epoch=1, batch_in_epoch=2, saved_world=world)
+        assert "not yet served" in said
+        batches.set_epoch(1, skip=2)
+        got = list(batches)
+        lengths.add(len(got))
+        rest += [clip for ids, _, _ in got for clip in ids]
+        assert batches.batches_before() + len(got) == len(batches)  # the loop's count of the epoch
+    assert len(lengths) == 1  # ranks in lockstep
+    assert not set(served) & set(rest) and len(rest) == len(set(rest))
+    assert set(served) | set(rest) <= english - {bad_id}
+    # Nothing is lost but the bad clip and the tails of the two cuts.
+    assert len(served) + len(rest) >= len(english) - 1 - (2 * world - 1) - (2 * world2 - 1)
+
+
+# --- the loop: 2 gloo processes from shards, resumed on 1 -----------------------------------------
+
+
+def _shard_worker(rank: int, world: int, shards: str, out: str, stop: int | None, port: int) -> None:
+    from training.config import load_train_config
+    from training.loop import train
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    train(load_train_config(ROOT / "configs" / "tiny.yaml", shard_run(shards, out, "seed=1")),
+          interrupt_after_steps=stop)
+
+
+def shard_run(shards: str, out: str, *extra: str) -> list[str]:
+    return ["data.manifest=null", f"data.shards={shards}", "data.num_workers=1", "optim.batch_size=3",
+            "optim.epochs=2", "optim.warmup_steps=1", "data.shuffle_buffer=3", "data.languages=[eng]",
+            "data.drop_other_languages=true", "eval.select_metric=t2a_R@10_eng", "threads=1",
+            "distributed.timeout_s=60", "data.max_bad_fraction=0.2", f"out_dir={out}", *extra]
+
+
+def test_two_gloo_processes_from_shards_resume_on_one(subset_shards: tuple[Path, str], tmp_path: Path) -> None:
+    """21 usable English clips (1 of them corrupt) on 2 ranks of batch 3: 9 a rank (9 % 3 = 0), 3 steps an
+    epoch, the ranks agreeing on each step's batch; stopped after 4 (epoch 2, batch 1), resumed on one process: epoch 2 serves the 21 − 6
+    clips it had left, 5 steps of 3."""
+    from training.config import load_train_config
+    from training.loop import train
+
+    folder, bad_id = subset_shards
+    out = tmp_path / "run"
+    mp.spawn(_shard_worker, args=(2, str(folder), str(out), 4, free_port()), nprocs=2, join=True)
+    state = json.loads((out / "last" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["data_plan"]["segments"] == [
+        {"world": 2, "workers": 1, "batch_size": 3, "shuffle_buffer": 3, "batches": 1}]
+    train(load_train_config(ROOT / "configs" / "tiny.yaml", shard_run(str(folder), str(out), "seed=1", "resume=true")))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    plans = [r for r in records if r["kind"] == "data_plan"]
+    assert [p["world_size"] for p in plans] == [2, 1] and plans[0]["clips_per_epoch"] == 18
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert [e["step"] for e in epochs] == [3, 4 + 5]
+    # With seed 1 the corrupt clip falls to rank 1 in epoch 1: rank 0 holds back one clip of that
+    # step so both train 2 (rank 0's records of clips served and held back; bad_samples are the
+    # distinct bad clips of all ranks, so rank 1's corrupt clip is counted).
+    assert (epochs[0]["clips_served"], epochs[0]["clips_held_back"], epochs[0]["bad_samples"]) == (8, 1, 1)
+    assert epochs[1]["clips_served"] == 15 - epochs[1]["bad_samples"]  # the corrupt clip, if it was left, is a hole
+
+
+def test_training_from_shards_with_a_bad_sample_resumes_bit_exactly(subset_shards: tuple[Path, str],
+                                                                    tmp_path: Path) -> None:
+    """Two persistent loader workers, batch 3, 7 steps an epoch; stopped at step 9 and at step 12
+    (either side of where the corrupt clip's hole may fall), resumed: the weights equal the
+    uninterrupted run's bit for bit."""
+    from safetensors.torch import load_file
+
+    from training.config import load_train_config
+    from training.loop import train
+
+    folder, _ = subset_shards
+
+    def config(out: Path, *extra: str):  # noqa: ANN202
+        return load_train_config(ROOT / "configs" / "tiny.yaml",
+                                 shard_run(str(folder), str(out), "data.num_workers=2", *extra))
+
+    full = train(config(tmp_path / "full"))
+    expected = load_file(str(full / "last" / "model.safetensors"))
+    records = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["bad_samples"] for r in records if r["kind"] == "epoch") >= 1  # the hole was met
+    for stop in (9, 12):
+        split = tmp_path / f"split{stop}"
+        train(config(split), interrupt_after_steps=stop)
+        train(config(split, "resume=true"))
+        resumed = load_file(str(split / "last" / "model.safetensors"))
+        for name, tensor in expected.items():
+            assert (tensor == resumed[name]).all(), (stop, name)
+
+
+# --- `tonearm train CONFIG --plan` ------------------------------------------------------------------
+
+
+def test_the_plan_dry_run_matches_what_the_stream_serves_and_refuses_what_does_not_fit(
+        subset_shards: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from index.errors import DataError
+    from training.config import load_train_config
+    from training.data.cluster_plan import Cluster, cli_plan, plan_for
+    from training.data.loader import loader_options
+    from training.data.stream import build_stream_loader, cached_corpus
+
+    folder, _ = subset_shards
+    cfg = load_train_config(ROOT / "configs" / "tiny.yaml", shard_run(str(folder), str(tmp_path), "data.num_workers=auto",
+                                                                       "data.shuffle_buffer=auto"))
+    plan = plan_for(cfg, Cluster(nodes=1, gpus_per_node=2, cores_per_node=6, memory_per_node=2**34,
+                                 shm_per_node=2**33))
+    assert plan.fits and plan.layout.world == 2 and plan.layout.workers == 2  # 6 cores / 2 ranks - 1
+    served, steps, holes = [], set(), 0
+    for rank in range(2):  # the stream the run would build on each rank of that cluster
+        options = loader_options(plan.layout.workers, prefetch_factor=2, persistent=False, cuda=False)
+        strategy = SimpleNamespace(num_views=1, views=lambda captions, rng: [next(iter(captions.values()))[0]],
+                                   name="first")
+        batches = build_stream_loader(cfg, cached_corpus(cfg), rank=rank, world=2, options=options, strategy=strategy,
+                                      tokenizer=SimpleNamespace(encode=lambda texts: (np.zeros((len(texts), 3), int),
+                                                                                      np.ones((len(texts), 3), int))),
+                                      sample_rate=16_000, clip_samples=8_000)
+        assert batches.stream.layout.workers == plan.layout.workers
+        batches.set_epoch(0)
+        got = list(batches)
+        steps.add(len(got))
+        served += [int(i) for batch in got for i in batch.clip_index]
+        holes += sum(len(batch.skipped) for batch in got)
+    assert steps == {plan.steps}
+    assert len(set(served)) == len(served)
+    assert len(served) + holes == round(plan.coverage * 21) == 18  # 21 usable; 9 a rank (9 % 3 = 0)
+    args = argparse.Namespace(nodes=1, gpus_per_node=2, cores_per_node=6, memory_per_node="64Mi", shm_per_node="1Mi")
+    with pytest.raises(DataError, match="does not fit"):
+        cli_plan(args, cfg)
+    assert "DOES NOT FIT" in capsys.readouterr().out

@@ -1,0 +1,200 @@
+"""What every bundle export shares, trained (:mod:`training.export`) or pretrained
+(:mod:`training.pretrained`): the bundle's identity, the catalogue and held-out selection, the
+progress display, ONNX-vs-torch parity helpers, the manifest's index and quantization records and
+the ``--quantize*`` options.
+
+How a bundle is made (SPEC §6), in one place: ``training.export`` turns a *checkpoint* into
+encoders, ``training.pretrained`` a *pretrained model folder*; both then run the same steps with
+these parts — embed the catalogue with the ONNX encoders, build the FAISS indices, store and
+evaluate the held-out set, write the manifest — and ``training.export_cli`` is the one
+``tonearm export`` entry point choosing between them. Neither of the two imports the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from index import bundle as fmt
+from index.errors import BundleError
+from index.evalset import MAX_EVAL_CLIPS
+from index.faiss_index import BuiltIndex
+from index.loader import OnnxEncoder
+from index.report import METRIC_CONVENTION
+from training.data.manifest import ClipRecord
+from training.quantize import QuantizeConfig, check_loss
+
+log = logging.getLogger("training.export")
+"""The export's logger, whichever pipeline runs (``tonearm/demo_progress.py`` reads its progress lines)."""
+
+OPSET = 18
+HELD_OUT_SPLITS = ("test", "val")
+
+
+def canonical_hash(value: Any) -> str:
+    """sha256 of canonical JSON (sorted keys, no spaces)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+
+def make_bundle_id(name: str, *, created: datetime, fingerprint: str) -> str:
+    """``<run name>-<UTC timestamp>-<8 hex of the inputs' fingerprint>``."""
+    return f"{name}-{created.strftime('%Y%m%dT%H%M%SZ')}-{fingerprint[:8]}"
+
+
+
+def held_out_records(records: Sequence[ClipRecord]) -> tuple[str, list[ClipRecord]]:
+    """The held-out split (``test``, else ``val``), capped at :data:`MAX_EVAL_CLIPS` clips."""
+    for split in HELD_OUT_SPLITS:
+        chosen = [r for r in records if r.split == split]
+        if chosen:
+            return split, chosen[:MAX_EVAL_CLIPS]
+    raise BundleError("the data manifest has neither a 'test' nor a 'val' split for the held-out set")
+
+
+
+def catalogue_texts(records: Sequence[ClipRecord], languages: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, tuple[int, int]]]:
+    """Caption rows grouped by language (``text_ids.jsonl``) and each language's ``[start, end)``."""
+    items: list[dict[str, Any]] = []
+    ranges: dict[str, tuple[int, int]] = {}
+    for lang in languages:
+        start = len(items)
+        for row, record in enumerate(records):
+            items.extend(
+                {"clip_id": record.id, "clip_row": row, "lang": lang, "text": text}
+                for text in record.captions.get(lang, [])
+            )
+        ranges[lang] = (start, len(items))
+    return items, ranges
+
+
+
+def audio_uri(record: ClipRecord, manifest: Path) -> str:
+    """The clip's audio path relative to the data manifest when inside its directory, else as stored."""
+    audio = Path(record.audio)
+    try:
+        return audio.resolve().relative_to(manifest.resolve().parent).as_posix()
+    except ValueError:
+        return str(audio)
+
+
+
+def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    with path.open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+
+@contextmanager
+def progress(enabled: bool) -> Iterator[Callable[[str, int], Callable[[int], None]]]:
+    """``task(description, total)`` → ``advance(n)``; a no-op when disabled."""
+    if not enabled:
+        yield lambda _description, _total: lambda _n: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=False) as bar:
+
+        def task(description: str, total: int) -> Callable[[int], None]:
+            task_id = bar.add_task(description, total=total)
+            done, next_log = 0, 0
+
+            def advance(n: int) -> None:
+                # Also to the log (every 10 %), so a log file, not only a terminal, shows the progress.
+                nonlocal done, next_log
+                bar.advance(task_id, n)
+                done += n
+                if done >= next_log or done >= total:
+                    log.info("export progress: %s %d/%d", description, done, total)
+                    next_log = done + max(1, total // 10)
+
+            return advance
+
+        yield task
+
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a / np.maximum(np.linalg.norm(a, axis=-1, keepdims=True), 1e-12)
+    b = b / np.maximum(np.linalg.norm(b, axis=-1, keepdims=True), 1e-12)
+    return (a * b).sum(axis=-1)
+
+
+
+def parity_texts(records: Sequence[ClipRecord], languages: Sequence[str]) -> list[str]:
+    """Per language: the shortest and the longest caption, and one far over ``max_length``."""
+    texts: list[str] = []
+    for lang in languages:
+        pool = sorted({t for r in records for t in r.captions.get(lang, [])}, key=lambda t: (len(t), t))
+        if pool:
+            texts += [pool[0], pool[-1], " ".join([pool[-1]] * 8)]
+    return texts
+
+
+
+CPU = ("CPUExecutionProvider",)
+
+
+def load_session(path: Path, inputs: Sequence[str], dim: int, providers: Sequence[str] = CPU) -> OnnxEncoder:
+    """An encoder session for the export's checks and catalogue pass (``providers``: ``--device``,
+    :func:`index.loader.device_providers`)."""
+    return OnnxEncoder.load(path, inputs=inputs, embed_dim=dim, providers=list(providers), threads=None)
+
+
+
+def index_info(built: BuiltIndex, *, file: str, ids_file: str, ranges: dict | None = None) -> fmt.IndexInfo:
+    return fmt.IndexInfo(
+        file=file, ids_file=ids_file, factory=built.spec.factory, dim=built.index.d, ntotal=built.index.ntotal,
+        search_params=built.search_params, ann_recall_at_10=built.ann_recall_at_10, language_ranges=ranges,
+    )
+
+
+
+def catalogue_records(records: Sequence[ClipRecord], splits: Sequence[str] | None, manifest: Path) -> list[ClipRecord]:
+    """The clips to index: every clip, or those of `splits` (each must exist in the manifest)."""
+    if not splits:
+        return list(records)
+    present = sorted({r.split for r in records})
+    unknown = [split for split in splits if split not in present]
+    if unknown:
+        raise BundleError(f"{manifest}: no split {', '.join(map(repr, unknown))} to index "
+                          f"(--split; splits present: {', '.join(present)})")
+    return [r for r in records if r.split in splits]
+
+
+
+def quantize_config(args: argparse.Namespace) -> QuantizeConfig:
+    """``--quantize``, ``--quantize-text`` (alias of ``--quantize text``), the precision and the loss policy."""
+    return QuantizeConfig.from_choice(
+        args.quantize, quantize_text=args.quantize_text, precision=args.quantize_precision,
+        max_r10_drop=args.quantize_max_drop, on_loss=args.quantize_on_loss,
+    )
+
+
+
+def quantization_records(found: Any, quantize: QuantizeConfig) -> tuple[fmt.EvaluationInfo, fmt.QuantizationInfo]:
+    """The manifest's evaluation and quantization records of a measured int8 bundle (trained or
+    pretrained); stops the export per ``quantize.on_loss`` when the held-out drop is too large."""
+    drops = found.drop_points()
+    log.info("%s %s: held-out drop vs fp32 (points) %s", quantize.precision, "+".join(quantize.encoders), drops)
+    within = check_loss(found, quantize)
+    info = fmt.QuantizationInfo(
+        precision=quantize.precision, encoders=list(quantize.encoders),
+        agreement={name: fmt.QuantizationAgreement(min_cosine=float(c.min()), mean_cosine=float(c.mean()),
+                                                   items=len(c)) for name, c in found.cosine.items()},
+        recall_drop_points=drops, max_r10_drop=quantize.max_r10_drop, on_loss=quantize.on_loss, within_limit=within,
+    )
+    evaluation = fmt.EvaluationInfo(report=found.report, convention=METRIC_CONVENTION,
+                                    fp32_text_report=found.fp32_report, quantization_delta=found.delta)
+    return evaluation, info

@@ -1,0 +1,208 @@
+"""How an epoch of ``data.shards`` is cut across ranks and loader workers (docs/training.md,
+"Training on a large corpus"). Pure functions of counts and seeds: no I/O, no torch.
+
+**The epoch's sequence.** The train shards are put in an order drawn from ``(seed, epoch)``;
+the epoch's sequence is every *usable* sample (a clip with a caption in ``data.languages``,
+known from ``records.jsonl`` before any audio is read) of the first shard, then of the next,
+… — ``N`` positions ``(shard, ordinal in the shard)``.
+
+**A segment** is the part of an epoch run under one layout ``(world, workers, batch, shuffle
+buffer)``. A fresh
+epoch is one segment over the whole sequence; a resume on another layout starts a new segment
+over the positions the earlier segments did not serve (:func:`remaining`), so an epoch never
+serves a clip twice whatever happened to the job.
+
+**The cut** (:func:`segment_cut`) of ``n`` positions: each rank takes ``M = n // world``
+consecutive ones (a rank batch of one clip is avoided: ``M`` drops by one when ``M % batch ==
+1``), so every rank has the same number of batches — ``ceil(M / batch)``, the last one shorter —
+and ranks stay in lockstep; at most ``2 × world - 1`` positions of a segment are left out.
+The DataLoader yields a rank's batches round-robin from its workers, so batch ``t`` is worker
+``t % workers``'s batch ``t // workers``; each worker's batches are one contiguous *chunk* of
+the rank's range (it reads one or a few shards, or pieces of them, front to back).
+
+**Draws** (:func:`draw_order`): a worker emits its chunk through a shuffle buffer of ``buffer``
+entries that starts serving after one batch's worth and grows by one entry per draw up to
+``buffer``; the order depends only on the chunk's length and the seed, never on the audio, so
+a resume replays it without reading the samples already served, and a sample that turns out
+to be undecodable leaves a hole in its batch instead of shifting the next batches.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def _seed(*parts: int) -> int:
+    """A 64-bit seed from integers (the same derivation as training.data.dataset._rng_seed)."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1, dtype=np.uint64)[0])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the cut of an epoch depends on besides the corpus and the seed."""
+
+    world: int
+    workers: int
+    batch_size: int
+    buffer: int = 1000
+    """Shuffle-buffer entries of each worker (the draw order depends on it)."""
+
+    @property
+    def slots(self) -> int:
+        return max(1, self.workers)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A finished or interrupted part of an epoch: its layout and the batches each rank ran."""
+
+    layout: Layout
+    batches: int
+
+    def to_json(self) -> dict[str, int]:
+        return {"world": self.layout.world, "workers": self.layout.workers, "batch_size": self.layout.batch_size,
+                "shuffle_buffer": self.layout.buffer, "batches": self.batches}
+
+    @staticmethod
+    def from_json(obj: dict[str, int]) -> Segment:
+        layout = Layout(int(obj["world"]), int(obj["workers"]), int(obj["batch_size"]), int(obj["shuffle_buffer"]))
+        return Segment(layout, int(obj["batches"]))
+
+
+def epoch_sequence(usable: Sequence[Sequence[int]], *, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(shard number, ordinal in the shard) of each position of the epoch's sequence."""
+    order = list(range(len(usable)))
+    random.Random(_seed(seed, epoch, 7)).shuffle(order)
+    counts = np.array([len(usable[s]) for s in order], dtype=np.int64)
+    shards = np.repeat(np.array(order, dtype=np.int64), counts)
+    ordinals = (np.concatenate([np.asarray(usable[s], dtype=np.int64) for s in order]) if order
+                else np.zeros(0, dtype=np.int64))
+    return shards, ordinals
+
+
+@dataclass(frozen=True)
+class WorkerChunk:
+    """One loader worker's share of a segment: positions ``[start, stop)`` of the segment's
+    remaining sequence and the sizes of its batches, in the order it yields them."""
+
+    start: int
+    stop: int
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SegmentCut:
+    per_rank: int
+    """Positions each rank serves (``M``)."""
+    steps: int
+    """Batches per rank."""
+    ranks: tuple[tuple[WorkerChunk, ...], ...]
+
+    def left_out(self, n: int) -> int:
+        return n - self.per_rank * len(self.ranks)
+
+
+def segment_cut(n: int, layout: Layout) -> SegmentCut:
+    """The cut of ``n`` positions (module doc)."""
+    world, slots, batch = layout.world, layout.slots, layout.batch_size
+    per_rank = n // world
+    if per_rank % batch == 1:  # no batch of one clip (no negatives)
+        per_rank -= 1
+    steps = -(-per_rank // batch) if per_rank >= 2 else 0
+    if steps == 0:
+        per_rank = 0
+    sizes = [batch] * steps
+    if steps:
+        sizes[-1] = per_rank - batch * (steps - 1)
+    ranks = []
+    for rank in range(world):
+        start, chunks = rank * per_rank, []
+        for worker in range(slots):
+            mine = tuple(sizes[worker::slots])
+            chunks.append(WorkerChunk(start, start + sum(mine), mine))
+            start += sum(mine)
+        ranks.append(tuple(chunks))
+    return SegmentCut(per_rank, steps, tuple(ranks))
+
+
+def draw_order(length: int, *, buffer: int, first: int, seed: int) -> list[int]:
+    """The order in which a worker emits the ``length`` entries of its chunk (module doc): the
+    buffer is filled to ``first`` entries before the first draw and grows by one per draw up to
+    ``buffer``; each draw takes a uniformly random entry of it."""
+    rng = random.Random(seed)
+    pool: list[int] = []
+    read, out = 0, []
+    for drawn in range(length):
+        target = min(length, drawn + min(max(1, buffer), max(1, first) + drawn))
+        while read < target:
+            pool.append(read)
+            read += 1
+        pick = rng.randrange(len(pool))
+        pool[pick], pool[-1] = pool[-1], pool[pick]
+        out.append(pool.pop())
+    return out
+
+
+def slot_seed(seed: int, epoch: int, segment: int, rank: int, worker: int) -> int:
+    return _seed(seed, epoch, segment, rank, worker, 3)
+
+
+def served_in_segment(cut: SegmentCut, layout: Layout, batches: int, *, seed: int, epoch: int,
+                      segment: int) -> np.ndarray:
+    """Positions (of the segment's remaining sequence) served by the first ``batches`` batches of
+    every rank: the samples drawn for them, served or found undecodable."""
+    served = []
+    for rank, chunks in enumerate(cut.ranks):
+        for worker, chunk in enumerate(chunks):
+            done = len(range(worker, min(batches, cut.steps), layout.slots))
+            if done == 0:
+                continue
+            order = draw_order(chunk.stop - chunk.start, buffer=layout.buffer, first=layout.batch_size,
+                               seed=slot_seed(seed, epoch, segment, rank, worker))
+            served.append(chunk.start + np.asarray(order[: sum(chunk.sizes[:done])], dtype=np.int64))
+    return np.concatenate(served) if served else np.zeros(0, dtype=np.int64)
+
+
+def remaining(total: int, segments: Sequence[Segment], *, seed: int, epoch: int) -> np.ndarray:
+    """Positions of the epoch's sequence (0 … total-1) that ``segments`` did not serve, in order."""
+    left = np.arange(total, dtype=np.int64)
+    for number, segment in enumerate(segments):
+        cut = segment_cut(len(left), segment.layout)
+        served = served_in_segment(cut, segment.layout, segment.batches, seed=seed, epoch=epoch, segment=number)
+        keep = np.ones(len(left), dtype=bool)
+        keep[served] = False
+        left = left[keep]
+    return left
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What one full epoch of a layout serves (printed at the start of a run)."""
+
+    clips: int
+    """Clips in the train split."""
+    usable: int
+    """Of which have a caption in ``data.languages``."""
+    served: int
+    steps: int
+    left_out: int
+
+    @property
+    def fraction(self) -> float:
+        return self.served / self.usable if self.usable else 0.0
+
+    def line(self, layout: Layout) -> str:
+        return (f"epoch plan: {self.served} of {self.usable} usable clips an epoch ({100 * self.fraction:.2f} %; "
+                f"{self.left_out} left out by the cut, {self.clips - self.usable} without a caption in "
+                f"data.languages), {layout.world} rank(s) × {layout.slots} loader worker(s), {self.steps} steps of "
+                f"{layout.batch_size} clips per rank")
+
+
+def coverage(usable: int, clips: int, layout: Layout) -> Coverage:
+    cut = segment_cut(usable, layout)
+    served = cut.per_rank * layout.world
+    return Coverage(clips=clips, usable=usable, served=served, steps=cut.steps, left_out=usable - served)

@@ -1,0 +1,44 @@
+"""`tonearm export`: the one entry point of both bundle pipelines — a checkpoint
+(:mod:`training.export`) or ``--pretrained MODEL_DIR`` (:mod:`training.pretrained`); what they
+share is :mod:`training.bundle_parts`."""
+
+from __future__ import annotations
+
+import argparse
+
+from index import bundle as fmt
+from index.errors import BundleError
+from index.loader import device_providers
+from index.ray_embed import RayOptions
+from training.bundle_parts import quantize_config
+
+
+def cli_export(args: argparse.Namespace) -> int:
+    """`tonearm export CHECKPOINT --data MANIFEST --out BUNDLES_DIR [--split S ...] [--index F] [--quantize-text]`,
+    or `tonearm export --pretrained MODEL_DIR ...` (training.pretrained)."""
+    from rich.console import Console
+
+    from index.report import format_report_rich
+
+    if (args.checkpoint is None) == (getattr(args, "pretrained", None) is None):
+        raise BundleError("tonearm export: give a CHECKPOINT directory or --pretrained MODEL_DIR (one of them)")
+    providers = device_providers(getattr(args, "device", "cpu"))  # before any work: one line without CUDA
+    if args.pretrained is not None:
+        from training.pretrained import cli_export_pretrained
+
+        return cli_export_pretrained(args)
+    from training.export import export_bundle
+
+    path = export_bundle(
+        args.checkpoint, manifest=args.data, out_dir=args.out, index_factory=args.index,
+        quantize=quantize_config(args), progress=True, splits=args.split,
+        ray=None if args.ray is None else RayOptions(address=args.ray or None, workers=args.ray_workers,
+                                                    progress=True),
+        providers=providers,
+    )
+    manifest = fmt.read_manifest(path)
+    assert manifest.evaluation is not None  # a trained bundle always has its held-out report
+    console = Console()
+    console.print(format_report_rich(manifest.evaluation.report, manifest.languages))
+    console.print(f"bundle written: {path}")
+    return 0

@@ -852,17 +852,33 @@ def alias_target(target: MilvusTarget, kind: str) -> str | None:
         raise
 
 
+_LITE_ALIAS_WRITES = threading.Lock()
+"""milvus-lite 3.x rewrites its aliases file through one fixed temporary name, so two alias writes at
+once (two threads' first activations) can fail with ``aliases.json.tmp`` missing: on a Lite file,
+which only this process opens, alias writes take turns. A server needs no such lock."""
+
+
+@contextmanager
+def _alias_write(target: MilvusTarget) -> Iterator[None]:
+    if is_lite(target.uri):
+        with _LITE_ALIAS_WRITES:
+            yield
+    else:
+        yield
+
+
 def _point(target: MilvusTarget, kind: str, collection: str, *, exists: bool) -> None:
     alias = target.alias(kind)
-    if exists:
-        target.call("alter_alias", collection_name=collection, alias=alias)
-        return
-    try:
-        target.call("create_alias", collection_name=collection, alias=alias)
-    except Exception as err:
-        if not _alias_error(err, "exists"):
-            raise
-        target.call("alter_alias", collection_name=collection, alias=alias)  # a concurrent first activation won
+    with _alias_write(target):
+        if exists:
+            target.call("alter_alias", collection_name=collection, alias=alias)
+            return
+        try:
+            target.call("create_alias", collection_name=collection, alias=alias)
+        except Exception as err:
+            if not _alias_error(err, "exists"):
+                raise
+            target.call("alter_alias", collection_name=collection, alias=alias)  # a concurrent first activation won
 
 
 def set_active(target: MilvusTarget, bundle_id: str) -> bool:
@@ -908,10 +924,11 @@ def _undo(target: MilvusTarget, before: dict[str, str | None], switched: list[st
     for kind in reversed(switched):
         try:
             previous = before[kind]
-            if previous is None:
-                target.call("drop_alias", target.alias(kind))
-            else:
-                target.call("alter_alias", collection_name=previous, alias=target.alias(kind))
+            with _alias_write(target):
+                if previous is None:
+                    target.call("drop_alias", target.alias(kind))
+                else:
+                    target.call("alter_alias", collection_name=previous, alias=target.alias(kind))
         except Exception as err:  # the original failure is what the caller must see
             log.error("could not undo the %s alias switch (%s); re-run the activation", kind, _reason(err))
 

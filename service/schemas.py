@@ -28,8 +28,11 @@ K_FIELD = Field(10, description=f"Number of hits, 1–{K_MAX}.", examples=[10])
 MIN_SCORE_FIELD = Field(None, description="Drop hits whose cosine score is below this.", examples=[0.2])
 
 
-NOT_BLANK = r"\S"
-"""Pattern of query texts: at least one non-space character (blank queries are rejected)."""
+NOT_BLANK = r"[^\t\n\v\f\r\u001c-\u001f \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff]"
+"""Pattern of query texts: at least one character that is not whitespace (blank queries are rejected).
+The class spells out the union of JavaScript's whitespace (``\\s`` in the OpenAPI document's regex
+dialect) and Python's (``str.split``, which the service's normalisation uses): with ``\\S`` a query
+of one U+0085 or U+001C was valid by the schema and then refused as blank by the service."""
 QueryText = Annotated[str, StringConstraints(min_length=1, max_length=QUERY_MAX_CHARS, pattern=NOT_BLANK)]
 
 

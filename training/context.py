@@ -39,7 +39,7 @@ from torch import Tensor
 
 from index.tokenizer import TextTokenizer
 from training import distributed
-from training.config import DataConfig, FrontendConfig
+from training.config import ConfigError, DataConfig, FrontendConfig
 from training.data.dataset import eval_captions
 from training.data.manifest import ClipRecord
 from training.evaluate import StreamStats, embed_clips, embed_texts
@@ -107,7 +107,7 @@ class LoopContext:
     def embed_clips(self, clip_index: Tensor) -> Tensor:
         """Audio embeddings (len(clip_index), d) of the given training clips (this rank's only)."""
         if self._corpus is not None:
-            raise NotImplementedError("embed_clips needs random access to the training clips, which data.shards "
+            raise ConfigError("embed_clips needs random access to the training clips, which data.shards "
                                       "does not give; use embed_training_pairs")
         records = [self._records[int(i)] for i in clip_index.tolist()]
         return self._embed_audio(records).to(self.device)

@@ -64,6 +64,8 @@ def providers_for(device: Device) -> list[str]:
     if device == "cpu":
         return ["CPUExecutionProvider"]
     if "CUDAExecutionProvider" in available:
+        if hasattr(ort, "preload_dlls"):  # onnxruntime >= 1.21: CUDA/cuDNN from the nvidia-* wheels, no LD_LIBRARY_PATH
+            ort.preload_dlls()
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     if device == "cuda":
         log.warning("CUDA requested but onnxruntime has no CUDA provider here; using CPU")
@@ -80,8 +82,11 @@ def device_providers(device: Literal["cpu", "cuda"]) -> list[str]:
     if "CUDAExecutionProvider" not in available:
         raise TonearmError(
             f"--device cuda: this onnxruntime has no CUDAExecutionProvider (available: {', '.join(available)}); "
-            "install onnxruntime-gpu on a machine with an NVIDIA GPU and CUDA 12, or leave out --device cuda"
+            "install onnxruntime-gpu (its CUDA major version must match the machine's: 1.31 is built for CUDA 13) "
+            "on a machine with an NVIDIA GPU, or leave out --device cuda"
         )
+    if hasattr(ort, "preload_dlls"):  # onnxruntime >= 1.21: CUDA/cuDNN from the nvidia-* wheels, no LD_LIBRARY_PATH
+        ort.preload_dlls()
     return ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
@@ -160,6 +165,15 @@ class OnnxEncoder:
             loaded = ort.InferenceSession(str(path), config.options(), providers=providers)
         except Exception as err:  # onnxruntime raises its own untyped errors for bad files
             raise BundleError(f"{path}: cannot load ONNX model ({str(err).splitlines()[0]})") from None
+        gpu = [name for name in providers if name != "CPUExecutionProvider"]
+        if gpu and gpu[0] not in loaded.get_providers():
+            # onnxruntime falls back to the CPU with only a warning when a GPU provider's libraries
+            # (CUDA, cuDNN) do not load: a pass asked to run on a GPU must not crawl on the CPU.
+            raise TonearmError(
+                f"{path}: onnxruntime could not start {gpu[0]} (session providers: "
+                f"{', '.join(loaded.get_providers())}); check that the CUDA and cuDNN libraries of this "
+                "onnxruntime-gpu build are installed (onnxruntime-gpu[cuda,cudnn]) or leave out --device cuda"
+            )
         encoder = cls(session=loaded, path=path)
         encoder.check_interface(inputs, embed_dim)
         return encoder

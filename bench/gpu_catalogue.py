@@ -266,65 +266,85 @@ def failing_rank(work: Path, shards: Path, device: str) -> dict[str, Any]:
     return {"exit": code, "wall_s": seconds, "errors": errors}
 
 
-def record(path: Path) -> int:
-    """docs/BENCHMARKS.md's section from a JSON this script wrote on the GPU machine."""
+def record(paths: list[Path]) -> int:
+    """docs/BENCHMARKS.md's section from the JSONs this script wrote on the GPU machine (the first names the machine)."""
     from benchlib import publish_section
 
-    found = json.loads(path.read_text())
-    env = found["environment"]
+    runs = [(path, json.loads(path.read_text())) for path in paths]
+    env = runs[0][1]["environment"]
     lines = [
         START,
         "## GPU catalogue pass and one-GPU training from shards (`bench/gpu_catalogue.py`)",
         "",
-        f"`python bench/gpu_catalogue.py --out gpu_catalogue.json` on {env['gpu']} ({env['cpus']} CPUs; torch "
-        f"{env['torch']}, CUDA {env['cuda']}, onnxruntime-gpu {env['onnxruntime']}), {env['date']}; recorded here with "
-        f"`--record {path.as_posix()}`. Load average {env['load'][0]:.2f} at the start, "
-        f"{env.get('load_end', [float('nan')])[0]:.2f} at the end; the GPU machine ran nothing but this command. "
-        "Full default sizes, random weights (tests/real_size_models.py); catalogue clips are 10-s WAVs at the model's rate.",
+        f"On {env['gpu']} ({env['cpus']} CPUs; torch {env['torch']}, CUDA {env['cuda']}, onnxruntime-gpu "
+        f"{env['onnxruntime']} carried as a wheel), {env['date']}; the GPU machine ran nothing but these commands. "
+        "Recorded here with `python bench/gpu_catalogue.py --record " + " ".join(p.as_posix() for p in paths) + "`. "
+        "Full default sizes, random weights (tests/real_size_models.py); catalogue clips are 10-s WAVs at the model's "
+        "rate, decoded in the `tonearm index` process (one thread) and embedded in batches on the CUDA provider in fp32.",
         "",
-        "| model | export --pretrained --device cuda (s) | export parity (ONNX on CUDA vs transformers) | "
+    ]
+    for path, found in runs:
+        env = found["environment"]
+        lines.append(f"- `{path.name}`: `python bench/gpu_catalogue.py {found.get('argv', '(defaults)')}`, "
+                     f"{env['date']}, load average {env['load'][0]:.2f} at the start, "
+                     f"{env.get('load_end', [float('nan')])[0]:.2f} at the end.")
+    lines += [
+        "",
+        "| model | clips | export --pretrained --device cuda (s) | export parity (ONNX on CUDA vs transformers) | "
         "tonearm index --device cuda: clips/s (progress) | clips/s (wall, incl. start) | min cos CUDA vs CPU "
         "(centred) | CPU provider clips/s (same machine) |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for name, row in found.items():
-        if not name.startswith("catalogue_"):
-            continue
-        family = name.removeprefix("catalogue_")
-        if not row.get("ok"):
-            lines.append(f"| {family} | failed: {row.get('error', '')[:300]} | | | | | |")
-            continue
-        cosines = "; ".join(c.split(": ")[-1] for c in row.get("export_cosines", [])) or "passed (≥ 0.999)"
-        lines.append(f"| {family} | {row['export_s']} | {cosines} | {row['index_clips_per_s']} ({row['files']} clips) | "
-                     f"{row['index_wall_clips_per_s']} | {row['min_cos_vs_cpu']} ({row['min_centred_cos_vs_cpu']}) | "
-                     f"{row['cpu_clips_per_s']} ({row['cpu_threads']} threads) |")
+    for _, found in runs:
+        for name, row in found.items():
+            if not name.startswith("catalogue_"):
+                continue
+            family = name.removeprefix("catalogue_")
+            if not row.get("ok"):
+                lines.append(f"| {family} | | failed: {row.get('error', '')[:300]} | | | | | |")
+                continue
+            cosines = "; ".join(c.split(": ")[-1] for c in row.get("export_cosines", [])) or "passed (≥ 0.999)"
+            lines.append(f"| {family} | {row['files']} | {row['export_s']} | {cosines} | {row['index_clips_per_s']} | "
+                         f"{row['index_wall_clips_per_s']} | {row['min_cos_vs_cpu']} ({row['min_centred_cos_vs_cpu']}) | "
+                         f"{row['cpu_clips_per_s']} ({row['cpu_threads']} threads) |")
     lines.append("")
-    for name, title in (("clap_epoch_shards_nccl", "CLAP-size bf16 epoch from shards, NCCL, one GPU"),
-                        ("ask_shards_nccl", "ASK (configs/ask/ask.yaml, default model) from shards, NCCL, one GPU"),
-                        ("export_trained_cuda", "tonearm export of the ASK run's checkpoint, --device cuda"),
-                        ("failing_rank_nccl", "A corrupted shard with data.max_bad_fraction=0, NCCL")):
-        row = found.get(name)
-        if row is None:
-            lines.append(f"- {title}: not run.")
-            continue
-        if not row.get("ok"):
-            lines.append(f"- {title}: the step broke: {row.get('error', '')[:400]}")
-            continue
-        parts = [f"exit status {row['exit']}", f"{row['wall_s']} s wall"]
-        window = row.get("last_window") or {}
-        if window:
-            parts.append(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in window.items()))
-        if row.get("data_plan"):
-            plan = row["data_plan"]
-            parts.append(f"coverage {plan.get('coverage')} of {plan.get('clips')} clips")
-            if row.get("epoch", {}).get("seconds"):
-                epoch = row["epoch"]
-                parts.append(f"epoch {epoch['seconds']:.1f} s = {plan.get('clips_per_epoch', 0) / epoch['seconds']:.1f} "
-                             "clips/s including the epoch's start")
-        if row.get("errors"):
-            parts.append("error line: `" + row["errors"][-1][:300] + "`")
-        lines.append(f"- {title}: " + "; ".join(parts) + ".")
-    lines.append(END)
+    for path, found in runs:
+        for name, title in (("clap_epoch_shards_nccl", "CLAP-size bf16 epoch from shards, NCCL, one GPU"),
+                            ("ask_shards_nccl", "ASK (configs/ask/ask.yaml, default model) from shards, NCCL, one GPU"),
+                            ("export_trained_cuda", "tonearm export of the ASK run's checkpoint, --device cuda"),
+                            ("failing_rank_nccl", "A corrupted shard with data.max_bad_fraction=0, NCCL")):
+            row = found.get(name)
+            if row is None:
+                continue
+            if not row.get("ok"):
+                lines.append(f"- {title}: the step broke: {row.get('error', '')[:400]}")
+                continue
+            parts = [f"exit status {row['exit']}", f"{row['wall_s']} s wall"]
+            window = row.get("last_window") or {}
+            if window:
+                parts.append(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in window.items()))
+            if row.get("data_plan"):
+                plan = row["data_plan"]
+                parts.append(f"coverage {plan.get('coverage')} of {plan.get('clips')} clips")
+                if row.get("epoch", {}).get("seconds"):
+                    epoch = row["epoch"]
+                    parts.append(f"epoch {epoch['seconds']:.1f} s = {plan.get('clips_per_epoch', 0) / epoch['seconds']:.1f} "
+                                 "clips/s including the epoch's start")
+            if row.get("errors"):
+                parts.append("error line: `" + row["errors"][-1][:300] + "`")
+            lines.append(f"- {title} (`{path.name}`): " + "; ".join(parts) + ".")
+    lines += [
+        "",
+        "Reading: the bundle's fp32 ONNX graphs run on ONNX Runtime's CUDA provider with the export's own parity "
+        "against transformers (≥ 0.99999) and give the CPU provider's vectors (centred cosine ≥ 0.99999); no fp16/bf16 "
+        "graph is made, so the index holds exactly what the CPU service computes for a query. At these rates a "
+        "50 k-clip catalogue of 10-s clips takes ~51 min with PE-Audio (~110 h on two CPU cores here) and ~4 min with "
+        "CLAP on one H100. Not profiled: whether the CLAP pass is bound by its one decoding thread. NCCL ran at world "
+        "size 1 (one GPU per lent machine): every collective of the loop (the step's lockstep all-gather, the metric "
+        "windows, the distinct bad samples, the shard knowledge-base pass) ran on the NCCL group with tensors on "
+        "cuda:0; between GPUs it was not measured.",
+        END,
+    ]
     publish_section("\n".join(lines) + "\n", start=START, end=END)
     return 0
 
@@ -359,7 +379,7 @@ def main() -> int:
     parser.add_argument("--steps", nargs="+", default=["catalogue:clap", "clap_epoch", "ask", "export_trained", "fail",
                                                     "catalogue:pe_audio"],
                         help="in order: catalogue:FAMILY (clap, pe_audio), clap_epoch, ask, export_trained (after ask), fail")
-    parser.add_argument("--record", type=Path, help="write the BENCHMARKS.md section from this JSON and exit")
+    parser.add_argument("--record", type=Path, nargs="+", help="write the BENCHMARKS.md section from these JSONs and exit")
     args = parser.parse_args()
     if args.record:
         return record(args.record)
@@ -367,6 +387,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     RESULTS["environment"] = environment(args.device)
+    RESULTS["argv"] = " ".join(sys.argv[1:])
     save(args.out)
     corpus = args.work / "corpus"
     if not (corpus / "manifest.jsonl").is_file():

@@ -48,3 +48,23 @@ def test_device_providers() -> None:
     else:
         with pytest.raises(TonearmError, match="install onnxruntime-gpu"):
             device_providers("cuda")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this onnxruntime has the CUDA provider: the session would start on it")
+def test_a_gpu_session_that_falls_back_to_the_cpu_is_refused(tmp_path: Path) -> None:
+    """onnxruntime only warns when a requested GPU provider cannot start and runs on the CPU;
+    the encoder loader refuses such a session in one line (here: asking this CPU-only build for CUDA)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from index.loader import OnnxEncoder
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["embedding"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, [1, 4])])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    with pytest.raises(TonearmError, match="could not start CUDAExecutionProvider"):
+        OnnxEncoder.load(path, inputs=["x"], embed_dim=4, providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+                         threads=1)
+    assert OnnxEncoder.load(path, inputs=["x"], embed_dim=4, providers=["CPUExecutionProvider"], threads=1)

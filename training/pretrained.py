@@ -49,6 +49,7 @@ from index.loader import (
     encode_texts,
     encode_waveforms,
 )
+from index.ray_embed import RayOptions, decode_whole, embed_audio_files, embed_captions
 from index.report import METRIC_CONVENTION
 from training.bundle_parts import (
     CPU,
@@ -239,6 +240,22 @@ def _embed_audio(encoders: PretrainedEncoders, records: Sequence[ClipRecord], ra
     return np.concatenate(parts)
 
 
+def _embed_on_ray(clap: Pretrained, encoders: PretrainedEncoders, records: Sequence[ClipRecord], texts: Sequence[str],
+                  options: RayOptions) -> tuple[np.ndarray, np.ndarray]:
+    """The catalogue's (clip, caption) embeddings on a Ray cluster: each actor runs the served encoder files
+    and prepares a clip as :meth:`PretrainedEncoders.encode_audio` does (the manifest's ``audio_frontend``:
+    padding, then the chunk mean), so the vectors are the in-process pass's."""
+    s = clap.settings
+    audio = embed_audio_files([r.audio for r in records], encoders.audio.path.read_bytes(), decode=decode_whole,
+                              embed_dim=encoders.dim, sample_rate=s.sample_rate, clip_samples=s.clip_samples,
+                              policy="chunk", options=options, frontend=frontend_info(clap))
+    failed = [(r.audio, e) for r, e in zip(records, audio.errors, strict=True) if e]
+    if failed:
+        raise BundleError(f"{len(failed)} catalogue clips could not be decoded, e.g. {failed[0][1]}")
+    text = embed_captions(texts, encoders.text.path.read_bytes(), clap.tokenizer, embed_dim=encoders.dim, options=options)
+    return audio.embeddings, text.embeddings
+
+
 def _held_out(records: Sequence[ClipRecord], languages: Sequence[str], rate: int) -> EvalSet:
     captions = eval_captions(records, languages)
     return EvalSet(
@@ -273,9 +290,11 @@ def export_pretrained_bundle(
     progress: bool = True,
     quantize: QuantizeConfig | None = None,
     providers: Sequence[str] = CPU,
+    ray: RayOptions | None = None,
 ) -> Path:
     """Bundle of the model folder ``model_dir`` (CLAP or PE-Audio) over the clips of ``manifest``; returns its path.
-    ``providers``: ONNX Runtime providers of the checks and the catalogue pass (``--device cuda``)."""
+    ``providers``: ONNX Runtime providers of the checks and the catalogue pass (``--device cuda``); ``ray``: the
+    catalogue pass (clips and captions) runs as two Ray Data jobs instead (same bundle, vectors to float tolerance)."""
     model_dir, manifest, out_dir = Path(model_dir), Path(manifest), Path(out_dir)
     clap = load_pretrained(model_dir)  # refuses families other than SUPPORTED in one line
     all_records, langs = _load_records(manifest, languages)
@@ -298,7 +317,7 @@ def export_pretrained_bundle(
     with fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
         sections = _build(clap, records, held_out, staging, Path(scratch), split=split, languages=langs,
                           index_factory=index_factory, progress=progress, source_manifest=manifest,
-                          quantize=quantize, providers=providers)
+                          quantize=quantize, providers=providers, ray=ray)
         s = clap.settings
         body = fmt.BundleManifest(
             bundle_id=bundle_id,
@@ -324,7 +343,7 @@ def export_pretrained_bundle(
 def _build(
     clap: Pretrained, records: list[ClipRecord], held_out: list[ClipRecord], staging: Path, scratch: Path, *,
     split: str, languages: list[str], index_factory: str | None, progress: bool, source_manifest: Path,
-    quantize: QuantizeConfig, providers: Sequence[str] = CPU,
+    quantize: QuantizeConfig, providers: Sequence[str] = CPU, ray: RayOptions | None = None,
 ) -> dict[str, Any]:
     """Every bundle file except the manifest; the manifest sections they determine.
 
@@ -342,9 +361,12 @@ def _build(
         audio_cos, text_cos = found.get("audio", audio_cos), found.get("text", text_cos)
         log.info("%s encoders vs the model: audio %.6f, text %.6f", quantize.label, audio_cos, text_cos)
     text_items, ranges = catalogue_texts(records, languages)
-    with _progress(progress) as task:
-        audio_emb = _embed_audio(encoders, records, rate, task("embedding clips", len(records)))
-        text_emb = encoders.encode_text([t["text"] for t in text_items])
+    if ray is not None:
+        audio_emb, text_emb = _embed_on_ray(clap, encoders, records, [t["text"] for t in text_items], ray)
+    else:
+        with _progress(progress) as task:
+            audio_emb = _embed_audio(encoders, records, rate, task("embedding clips", len(records)))
+            text_emb = encoders.encode_text([t["text"] for t in text_items])
     audio_built = build_index(audio_emb, index_factory, queries=text_emb)
     text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)
     save_index(audio_built.index, staging / fmt.AUDIO_INDEX)
@@ -397,13 +419,14 @@ def cli_export_pretrained(args: argparse.Namespace) -> int:
 
     from index.report import format_report_rich
 
+    ray = None
     if getattr(args, "ray", None) is not None:
-        raise BundleError("tonearm export --pretrained: --ray is not available for pretrained bundles")
+        ray = RayOptions(address=args.ray or None, workers=getattr(args, "ray_workers", None), progress=True)
     providers = device_providers(getattr(args, "device", "cpu"))
     path = export_pretrained_bundle(
         args.pretrained, manifest=args.data, out_dir=args.out, languages=getattr(args, "languages", None),
         index_factory=args.index, splits=args.split, progress=True, quantize=quantize_config(args),
-        providers=providers,
+        providers=providers, ray=ray,
     )
     manifest = fmt.read_manifest(path)
     console = Console()

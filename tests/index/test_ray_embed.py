@@ -193,6 +193,26 @@ def test_export_on_ray_writes_the_single_process_bundle(
     assert ours.text_index.language_ranges == theirs.text_index.language_ranges
 
 
+def test_pretrained_export_on_ray_writes_the_single_process_bundle(
+    ray_address: str, ray_home: Path, tiny_corpus: Path, tmp_path: Path
+) -> None:
+    """`export --pretrained --ray` (issue 41): a small ClapModel folder bundled in this process and on the
+    cluster gives the same ids, vectors (float tolerance) and neighbours, clips and captions."""
+    from tests.training.test_pretrained_quantize import write_small_clap
+    from training.pretrained import export_pretrained_bundle
+
+    folder = write_small_clap(tmp_path / "small_clap")
+    local = export_pretrained_bundle(folder, manifest=tiny_corpus, out_dir=tmp_path / "local", progress=False)
+    run = tonearm("-v", "export", "--pretrained", str(folder), "--data", str(tiny_corpus), "--out", str(tmp_path / "ray"),
+                  "--ray", ray_address, "--ray-workers", "2", home=ray_home)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "on 2 worker processes (pool of 2)" in run.stderr
+    (exported,) = [p for p in (tmp_path / "ray").iterdir() if (p / "manifest.json").is_file()]
+    verify_bundle(exported)
+    for kind in ("audio", "text"):
+        _assert_same_index(exported, local, kind)
+
+
 def test_unreachable_cluster_is_a_user_error(ray_home: Path, tiny_bundle: Path, tmp_path: Path) -> None:
     _ray_binary()
     sf.write(tmp_path / "a.wav", np.zeros(1600, np.float32), read_manifest(tiny_bundle).sample_rate)

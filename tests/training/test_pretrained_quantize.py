@@ -20,11 +20,16 @@ from tonearm.cli import main
 
 @pytest.fixture(scope="module")
 def small_clap_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_small_clap(tmp_path_factory.mktemp("small_clap"))
+
+
+def write_small_clap(directory: Path) -> Path:
+    """A small random-weight ClapModel folder (HTS-AT 1-1-1-1, one text layer) with tokenizer and extractor."""
     import torch
     from transformers import ClapConfig, ClapFeatureExtractor, ClapModel
 
     torch.manual_seed(0)
-    directory = tmp_path_factory.mktemp("small_clap")
+    directory.mkdir(parents=True, exist_ok=True)
     config = ClapConfig(
         audio_config={"depths": [1, 1, 1, 1], "num_attention_heads": [1, 1, 1, 1], "patch_embeds_hidden_size": 16,
                           "hidden_size": 128, "projection_dim": 32},

@@ -95,10 +95,11 @@ def _ray_head(env: dict[str, str]) -> Iterator[str]:
         yield address
     finally:
         os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=10)
+        try:  # Ray's own shutdown takes ~10 s; its temp dir goes with it, so a short grace is enough
+            head.wait(timeout=2)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=10)
         shutil.rmtree(temp, ignore_errors=True)
 
 

@@ -395,7 +395,7 @@ class ASK(PairTerm):
         sample, clips = self._drift_sample(clip_audio, ids)
         if first:
             self._drift_clips = clips
-        elif clips == self._drift_clips:
+        elif clips == self._drift_clips and self._drift_stale is not None:
             rdm = representation_drift(sample, self._drift_stale, tau=self.config.drift_tau)
             self._epoch_drift = rdm
             self.drift_log.append({"epoch": float(context.epoch), "step": float(context.step), "rdm": rdm})

@@ -22,16 +22,26 @@ the train *shards* (windows from records.jsonl's ``seconds``), its loader worker
 and each sample is placed by its clip **id** at its row of the training records (the row the
 training stream gives as ``clip_index``). After the gather the result is the manifest path's,
 row for row: pairs in record order, ``clip_index`` = the record's row.
+
+The ``*_local`` variants skip the gather: each rank gets only the pairs it embedded (a clip's
+pairs all on one rank, ascending by clip), for ASK's partitioned knowledge bases
+(:mod:`training.knowledge`).
+
+Passes run under the run's autocast (bf16/fp16 on CUDA with ``optim.amp``, as validation) and
+return float32. A clip that cannot be decoded (file or shard) embeds as a zero row; its pairs are
+left out of the result and counted in a warning — a zero row in a knowledge base would be a
+false neighbour of every query.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import resource
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -69,6 +79,7 @@ class LoopContext:
         device: torch.device,
         num_workers: int = 0,
         corpus: ShardCorpus | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         self.epoch = 0
         self.step = 0
@@ -82,6 +93,8 @@ class LoopContext:
         self._num_workers = num_workers
         self._corpus = corpus
         """The shard folder the training records come from (``data.shards``), else None."""
+        self._autocast = autocast
+        """The run's autocast (``training.runtime.autocast``); every pass runs under it."""
         self._windows: dict[int, list[int]] = {}
         """Per records list (by id()), the evaluation windows of each clip: the cost that balances ranks."""
 
@@ -90,6 +103,24 @@ class LoopContext:
         if self._corpus is not None:
             return self._embed_shard_pairs("training pairs")
         return self._embed_pairs_balanced(self._records, "training pairs")
+
+    def embed_training_pairs_local(self) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`embed_training_pairs`, this rank's share only (no gather; module doc)."""
+        if self._corpus is not None:
+            return self._embed_shard_pairs("training pairs", gather=False)
+        return self._embed_pairs_balanced(self._records, "training pairs", gather=False)
+
+    def embed_manifest_pairs_local(self, manifest: Path) -> tuple[Tensor, Tensor, Tensor]:
+        """(audio, text, record row in `manifest`) of this rank's share of its pairs (no gather)."""
+        from training.data.manifest import load_manifest
+
+        records = load_manifest(
+            Path(manifest),
+            languages=self._data_cfg.languages,
+            skip_missing_audio=self._data_cfg.skip_missing_audio,
+            drop_other_languages=self._data_cfg.drop_other_languages,
+        )
+        return self._embed_pairs_balanced(records, Path(manifest).name, gather=False)
 
     def embed_manifest_pairs(self, manifest: Path) -> tuple[Tensor, Tensor]:
         """(audio (N, d), text (N, d)) for every (clip, caption) pair of `manifest` (all splits)."""
@@ -130,26 +161,30 @@ class LoopContext:
         return self._windows[key]
 
     def _embed_pairs_balanced(
-        self, records: Sequence[ClipRecord], what: str
+        self, records: Sequence[ClipRecord], what: str, *, gather: bool = True
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`_embed_pairs` of all `records`, each rank encoding a cost-balanced share (module doc)."""
+        """:meth:`_embed_pairs` of all `records`, each rank encoding a cost-balanced share (module doc);
+        ``gather=False``: this rank's share only, clip = the record's row."""
         stats = StreamStats()
         world = distributed.world_size()
         costs = self._costs(records)
-        if world == 1 or len(records) < world:
+        if world == 1 or (gather and len(records) < world):
             result = self._embed_pairs(records, what, stats, costs)
         else:
             mine = distributed.balanced_assignment(costs, world)[distributed.rank()]
             audio, text, clip = self._embed_pairs([records[i] for i in mine], what, stats, [costs[i] for i in mine])
-            mine_t = torch.tensor(mine, dtype=torch.long, device=self.device)
-            everyone_clip = distributed.all_gather_rows(mine_t[clip])
-            # Rows of every rank, put back in record order (rows of one clip keep caption order).
-            order = torch.argsort(everyone_clip, stable=True)
-            result = (
-                distributed.all_gather_rows(audio)[order],
-                distributed.all_gather_rows(text)[order],
-                everyone_clip[order],
-            )
+            rows = torch.tensor(mine, dtype=torch.long, device=self.device)[clip]
+            if not gather:
+                result = audio, text, rows
+            else:
+                everyone_clip = distributed.all_gather_rows(rows)
+                # Rows of every rank, put back in record order (rows of one clip keep caption order).
+                order = torch.argsort(everyone_clip, stable=True)
+                result = (
+                    distributed.all_gather_rows(audio)[order],
+                    distributed.all_gather_rows(text)[order],
+                    everyone_clip[order],
+                )
         peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         log.info(
             "%s: %d clips (%d windows) embedded on this rank in %.1f s (%.0f s per 10 k clips), "
@@ -159,7 +194,7 @@ class LoopContext:
         )
         return result
 
-    def _embed_shard_pairs(self, what: str) -> tuple[Tensor, Tensor, Tensor]:
+    def _embed_shard_pairs(self, what: str, *, gather: bool = True) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`_embed_pairs_balanced` of the training records, streamed from their shards (module doc)."""
         from training.data.shard_passes import embed_shard_clips
         from training.data.stream import TRAIN_SPLIT
@@ -181,19 +216,21 @@ class LoopContext:
         shares = distributed.balanced_assignment(costs, world) if world > 1 else [list(range(len(names)))]
         mine = [names[i] for i in shares[distributed.rank()]]
         rows = sorted(row for name in mine for row in rows_of[name])
-        audio = embed_shard_clips(
-            self._model, corpus, mine, rows, split=TRAIN_SPLIT, data_cfg=self._data_cfg,
-            frontend_cfg=self._frontend_cfg, batch_size=self._batch_size, device=self.device,
-            num_workers=self._num_workers, progress=distributed.rank() == 0, description=f"{what}: clips",
-            stats=stats,
-        )
-        captions = eval_captions([self._records[r] for r in rows], tuple(self._data_cfg.languages))
+        with self._autocast():
+            audio = embed_shard_clips(
+                self._model, corpus, mine, rows, split=TRAIN_SPLIT, data_cfg=self._data_cfg,
+                frontend_cfg=self._frontend_cfg, batch_size=self._batch_size, device=self.device,
+                num_workers=self._num_workers, progress=distributed.rank() == 0, description=f"{what}: clips",
+                stats=stats,
+            )
+            captions = eval_captions([self._records[r] for r in rows], tuple(self._data_cfg.languages))
+            text = embed_texts(self._model, self._tokenizer, captions.texts, batch_size=self._batch_size,
+                               device=self.device)
         local = torch.from_numpy(np.asarray(captions.clip, dtype=np.int64))
-        text = embed_texts(self._model, self._tokenizer, captions.texts, batch_size=self._batch_size,
-                           device=self.device)
+        audio, text, local = _without_undecodable(audio, text.float(), local, what, stats)
         clip = torch.tensor(rows, dtype=torch.long)[local].to(self.device)
         audio, text = audio[local].to(self.device), text.to(self.device)
-        if world > 1:
+        if world > 1 and gather:
             clip = distributed.all_gather_rows(clip)
             order = torch.argsort(clip, stable=True)  # record order; one clip's captions keep their order
             audio, text, clip = distributed.all_gather_rows(audio)[order], distributed.all_gather_rows(text)[order], clip[order]
@@ -208,15 +245,33 @@ class LoopContext:
     ) -> tuple[Tensor, Tensor, Tensor]:
         captions = eval_captions(records, tuple(self._data_cfg.languages))
         clip = torch.from_numpy(np.asarray(captions.clip, dtype=np.int64))
-        audio = self._embed_audio(records, f"{what}: clips", stats, windows)
-        text = embed_texts(
-            self._model,
-            self._tokenizer,
-            captions.texts,
-            batch_size=self._batch_size,
-            device=self.device,
-        )
+        with self._autocast():
+            audio = self._embed_audio(records, f"{what}: clips", stats, windows)
+            text = embed_texts(
+                self._model,
+                self._tokenizer,
+                captions.texts,
+                batch_size=self._batch_size,
+                device=self.device,
+            )
+        audio, text, clip = _without_undecodable(audio, text.float(), clip, what, stats)
         return audio[clip].to(self.device), text.to(self.device), clip.to(self.device)
+
+
+def _without_undecodable(
+    audio: Tensor, text: Tensor, clip: Tensor, what: str, stats: StreamStats
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Leave out the pairs of clips whose audio embedded as zeros (undecodable: every real clip
+    embedding is unit-norm); (clips (C, d), pair texts (N, d), pair → clip (N,)) → the kept pairs.
+    The clip table is unchanged (``clip`` still indexes it)."""
+    decoded = audio.abs().sum(dim=1) > 0
+    if bool(decoded.all()):
+        return audio, text, clip
+    keep = decoded[clip]
+    log.warning("%s: %d undecodable clips (%d pairs) left out of the knowledge base (a zero row would be a "
+                "false neighbour), e.g. %s", what, int((~decoded).sum()), int((~keep).sum()),
+                "; ".join(stats.failed[:3]) or "-")
+    return audio, text[keep], clip[keep]
 
 
 def _windows_of(audio: Path, clip_seconds: float) -> int:

@@ -361,6 +361,28 @@ def all_gather_rows(tensor: Tensor) -> Tensor:
     return rows.to(tensor.device)
 
 
+def gather_rows_to(tensor: Tensor, *, dst: int = 0) -> Tensor | None:
+    """Rank ``dst``: every rank's rows (dim 0, lengths may differ) concatenated in rank order;
+    the other ranks: None (they hold nothing extra). On one process: `tensor`.
+
+    For inputs only one rank needs (the coarse KB's K-Means runs on rank 0 alone).
+    """
+    if not is_distributed():
+        return tensor
+    with _helper_scope():
+        local = _to_group(tensor.detach()).contiguous()
+        sizes = all_gather_no_grad(torch.tensor([local.shape[0]], device=group_device())).tolist()
+        padded = local.new_zeros((max(sizes), *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in sizes] if rank() == dst else None
+        _send("gather", padded, *(parts or []))
+        dist.gather(padded, gather_list=parts, dst=dst)
+        if parts is None:
+            return None
+        rows = torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)], dim=0)
+    return rows.to(tensor.device)
+
+
 def shard_range(count: int) -> range:
     """This rank's contiguous share of ``range(count)`` (sizes differ by at most one)."""
     size, rank_ = world_size(), rank()
@@ -393,6 +415,29 @@ def all_reduce_sum(tensor: Tensor) -> Tensor:
         _send("all_reduce", reduced)
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
     return reduced.to(tensor.device)
+
+
+def all_reduce_max(tensor: Tensor) -> Tensor:
+    """Element-wise maximum of `tensor` over ranks (no gradient); identity on one process."""
+    if not is_distributed():
+        return tensor
+    with _helper_scope():
+        reduced = _to_group(tensor.detach()).clone()
+        _send("all_reduce(max)", reduced)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+    return reduced.to(tensor.device)
+
+
+def broadcast(tensor: Tensor, *, src: int = 0) -> Tensor:
+    """Rank `src`'s `tensor` on every rank (every rank passes a tensor of the same shape and dtype;
+    the others' values are ignored); identity on one process."""
+    if not is_distributed():
+        return tensor
+    with _helper_scope():
+        sent = _to_group(tensor.detach()).clone(memory_format=torch.contiguous_format)
+        _send("broadcast", sent)
+        dist.broadcast(sent, src=src)
+    return sent.to(tensor.device)
 
 
 def all_reduce_mean(tensor: Tensor) -> Tensor:

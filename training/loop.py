@@ -242,6 +242,7 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
             device=runtime.device,
             num_workers=loader_workers(cfg.data.num_workers),
             corpus=shard_corpus(cfg),
+            autocast=lambda: autocast(runtime),  # KB passes under the run's AMP, as validation
         ),
         val_set=prepare_eval_set(val_records, data_cfg=cfg.data, frontend_cfg=cfg.frontend)
         if val_records

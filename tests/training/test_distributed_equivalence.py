@@ -100,14 +100,17 @@ class PoolContext:
         self.model, self.pool = model, pool
         self.epoch, self.step, self.device = 0, 0, torch.device("cpu")
 
-    def embed_training_pairs(self) -> tuple[Tensor, Tensor, Tensor]:
+    def embed_training_pairs_local(self) -> tuple[Tensor, Tensor, Tensor]:
+        """This rank's shard (ASK's partitioned knowledge bases, the default under 2 processes)."""
         shard = distributed.shard_range(POOL)
         rows = slice(shard.start, shard.stop)
         with torch.no_grad():
             audio = self.model.encode_audio(self.pool["waveform"][rows])
             text = self.model.encode_text(self.pool["input_ids"][rows], self.pool["attention_mask"][rows])
-        clip = torch.arange(shard.start, shard.stop)
-        return tuple(distributed.all_gather_rows(x) for x in (audio, text, clip))  # type: ignore[return-value]
+        return audio, text, torch.arange(shard.start, shard.stop)
+
+    def embed_training_pairs(self) -> tuple[Tensor, Tensor, Tensor]:
+        return tuple(distributed.all_gather_rows(x) for x in self.embed_training_pairs_local())  # type: ignore[return-value]
 
 
 def make_batches() -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:

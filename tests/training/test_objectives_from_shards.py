@@ -127,13 +127,15 @@ def test_ask_and_distillation_presets_train_from_shards_as_from_the_manifest(
     reference_ask = objects_of(run_overrides(manifest, ask, tmp_path / "ask_manifest", tiny_checkpoint))
     reference_distill = objects_of(run_overrides(manifest, distill, tmp_path / "distill_manifest", tiny_checkpoint))
 
-    # ASK: every rank holds the fine KB of all 32 clips and their 8-language captions, row for row the
-    # manifest run's (built at the first epoch from the same weights).
+    # ASK: the fine KB of all 32 clips and their 8-language captions, row for row the manifest run's
+    # (built at the first epoch from the same weights), partitioned: each rank holds the clips it
+    # embedded, the two shares are disjoint and together the whole.
     assert len(reference_ask["kb_audio"]) == 32
-    for got in ranks:
-        assert got["ask"]["steps"] == 4  # 32 clips / (2 ranks × batch 4)
-        for key in ("kb_audio", "kb_audio_partner", "kb_text"):
-            assert_rows_equal(got["ask"][key], reference_ask[key])
+    for key in ("kb_audio", "kb_audio_partner", "kb_text"):
+        held = [got["ask"][key] for got in ranks]
+        assert held[0] and held[1] and not set(held[0]) & set(held[1])
+        assert_rows_equal({**held[0], **held[1]}, reference_ask[key])
+    assert all(got["ask"]["steps"] == 4 for got in ranks)  # 32 clips / (2 ranks × batch 4)
 
     # Distillation: the teacher audio cache is sharded by clip id over the two ranks; together they
     # hold every clip the epoch trained, each with the manifest run's teacher embedding.
@@ -192,3 +194,55 @@ def test_knowledge_pass_streams_the_train_shards_by_clip_id(
     for key, (audio, text) in expected.items():
         torch.testing.assert_close(got[key][0], audio, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got[key][1], text, rtol=1e-4, atol=1e-5)
+
+
+def test_knowledge_pass_leaves_an_undecodable_clip_out_under_the_runs_autocast(
+    tiny_shards: Path, tiny_checkpoint: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sample whose audio bytes are corrupted after sharding: its pairs are not in the knowledge-base
+    pass (a zero row would be a false neighbour) and it is named in a warning; every other clip of the
+    shards is (the reference: the shards' own members). The pass runs under the autocast it is given."""
+    import contextlib
+    import shutil
+
+    import webdataset as wds
+
+    from training.checkpoint import load_checkpoint
+    from training.config import DataConfig
+    from training.context import LoopContext
+    from training.data.stream import open_corpus
+
+    shards = tmp_path / "shards"
+    shutil.copytree(tiny_shards, shards)
+    victim = shards / "train-000001.tar"
+    samples = list(wds.WebDataset(str(victim), shardshuffle=False))
+    bad_id = json.loads(samples[2]["json"])["id"]
+    victim.unlink()
+    with wds.TarWriter(str(victim)) as writer:
+        for i, sample in enumerate(samples):
+            writer.write({"__key__": sample["__key__"], "json": sample["json"],
+                          "flac": b"fLaC" + bytes(512) if i == 2 else sample["flac"]})
+    members = {json.loads(s["json"])["id"] for tar in sorted(shards.glob("train-*.tar"))
+               for s in wds.WebDataset(str(tar), shardshuffle=False)}
+
+    entered = []
+
+    @contextlib.contextmanager
+    def autocast() -> Any:
+        entered.append(True)
+        yield
+
+    checkpoint = load_checkpoint(tiny_checkpoint)
+    corpus = open_corpus(str(shards), languages=LANGUAGES, drop_other_languages=False)
+    records = corpus.records["train"]
+    context = LoopContext(model=checkpoint.model, tokenizer=checkpoint.tokenizer, train_records=records,
+                          data_cfg=DataConfig(eval_crop="center", languages=LANGUAGES),  # type: ignore[arg-type]
+                          frontend_cfg=checkpoint.config.frontend, batch_size=16, device=torch.device("cpu"),
+                          corpus=corpus, autocast=autocast)
+    with caplog.at_level("WARNING"):
+        audio, text, clip = context.embed_training_pairs()
+    kept = {records[int(c)].id for c in clip}
+    assert kept == members - {bad_id} and len(members) == 32
+    assert bool((audio.norm(dim=1) > 0.99).all()) and audio.shape[0] == text.shape[0] == clip.shape[0]
+    assert entered
+    assert any("left out of the knowledge base" in r.message and bad_id in r.message for r in caplog.records)

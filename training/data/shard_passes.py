@@ -12,7 +12,8 @@ rows of a pass line up with the batches' clip indices whatever the shard layout.
 
 Only embeddings are kept (the memory of a pass is that of its embeddings, not of its audio). A clip
 that cannot be decoded embeds as zeros and is named in a warning, as on the file path; a shard that
-cannot be read leaves its clips at zeros and is named too.
+cannot be read leaves its clips at zeros and is named too. The knowledge-base pass
+(:class:`training.context.LoopContext`) then leaves those zero rows out of the knowledge base.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def embed_shard_clips(
             bar.update(len(clips))
     stats.seconds += time.monotonic() - started
     if decoded < len(rows):
-        log.warning("%s: %d of %d clips could not be decoded and embed as zeros (%d never read), e.g. %s",
+        log.warning("%s: %d of %d clips could not be decoded and embed as zeros (%d never read; a knowledge-base "
+                    "pass leaves them out), e.g. %s",
                     description, len(rows) - decoded, len(rows), len(rows) - len(seen),
                     "; ".join(stats.failed[:3]))
     return out

@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from pydantic import Field, ValidationError, model_validator
 from torch import Tensor
 
+from training import distributed
 from training.config import ConfigError
 from training.knowledge import (
     KnowledgeBase,
@@ -116,6 +117,10 @@ class ASKConfig(TermConfig):
     drift_sample: int = Field(256, ge=2)
     drift_tau: float = Field(0.1, gt=0)
     seed: int = 0
+    partition: Literal["auto", "none"] = "auto"
+    """``auto``: under torchrun (world size > 1) each rank holds the knowledge-base rows it
+    embedded (about 1/R of them) and searches are merged over ranks, exactly; ``none``: every
+    rank holds the whole KBs (docs/objectives.md, "ASK at scale")."""
 
     @model_validator(mode="after")
     def _check(self) -> ASKConfig:
@@ -285,24 +290,37 @@ class ASK(PairTerm):
         if self.builds == 0 or (every is not None and context.step - self.built_step >= every):
             self.rebuild(context)
 
+    @property
+    def partitioned(self) -> bool:
+        """Whether the KBs are split over the ranks (``partition: auto`` under a group of > 1)."""
+        return self.config.partition == "auto" and distributed.world_size() > 1
+
     def rebuild(self, context: TrainingContext) -> None:
         """Embed the sources with the current encoders, log the drift, replace both KBs."""
         cfg = self.config
+        split = self.partitioned
+        self.fine_kb = self.coarse_kb = None  # the old KBs go before the new ones are built
         with torch.no_grad():
-            audio, text, clip = self._embed_sources(context)
+            if split:
+                audio, text, clip, rows = self._embed_sources_local(context)
+            else:
+                (audio, text, clip), rows = self._embed_sources(context), None
             self._track_drift(audio, text, clip, context)
-            self.fine_kb = build_fine_kb(audio, text, clip) if cfg.fine else None
+            self.fine_kb = build_fine_kb(audio, text, clip, partitioned=split) if cfg.fine else None
             self.coarse_kb = (
-                build_coarse_kb(audio, text, n_clusters=cfg.n_clusters, seed=cfg.seed + self.builds, iters=cfg.kmeans_iters)
+                build_coarse_kb(audio, text, n_clusters=cfg.n_clusters, seed=cfg.seed + self.builds,
+                                iters=cfg.kmeans_iters, rows=rows, partitioned=split)
                 if cfg.coarse else None
             )
         self.builds += 1
         self.built_epoch, self.built_step = context.epoch, context.step
+        held = f"; this rank holds {audio.shape[0]} of them (partitioned)" if split else ""
         log.info(
-            "ASK knowledge bases built (#%d, epoch %d, step %d): %d pairs, fine %s, coarse %s",
-            self.builds, context.epoch, context.step, audio.shape[0],
-            f"{len(self.fine_kb.audio)} clips / {len(self.fine_kb.text)} texts" if self.fine_kb else "off",
-            f"{len(self.coarse_kb.audio)} prototypes" if self.coarse_kb else "off",
+            "ASK knowledge bases built (#%d, epoch %d, step %d): %s pairs, fine %s, coarse %s%s",
+            self.builds, context.epoch, context.step,
+            self.fine_kb.text.total if self.fine_kb else audio.shape[0],
+            f"{self.fine_kb.audio.total} clips / {self.fine_kb.text.total} texts" if self.fine_kb else "off",
+            f"{len(self.coarse_kb.audio)} prototypes" if self.coarse_kb else "off", held,
         )
 
     def _embed_sources(self, context: TrainingContext) -> tuple[Tensor, Tensor, Tensor]:
@@ -320,26 +338,75 @@ class ASK(PairTerm):
             clips.append(clip.long().to(audio.device))
         return torch.cat(audios), torch.cat(texts), torch.cat(clips)
 
+    def _embed_sources_local(self, context: TrainingContext) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """This rank's pairs of every source: (audio, text, clip id, global row), each (N_local, ...).
+
+        The global row is the pair's row in what :meth:`_embed_sources` returns on one process
+        (sources in order; a source's pairs by clip — training row or record — then caption),
+        computed from the gathered clip ids (8 B per pair). Extra manifests' ids are
+        ``−1 − offset − record`` (a record is a clip), not :func:`group_identical_rows`.
+        """
+        audios, texts, clips, rows = [], [], [], []
+        row_offset = id_offset = 0
+        for source in self.config.sources:
+            if source == TRAIN_SOURCE:
+                audio, text, key = context.embed_training_pairs_local()
+                key = key.long().to(audio.device)
+                clip = key
+            else:
+                audio, text, key = context.embed_manifest_pairs_local(Path(source))
+                key = key.long().to(audio.device)
+                clip = -1 - id_offset - key
+                top = key.max() if key.numel() else torch.tensor(-1, device=audio.device)
+                id_offset += int(distributed.all_reduce_max(top.reshape(1)).item()) + 1
+            everyone = torch.sort(distributed.all_gather_rows(key)).values
+            first_local = torch.searchsorted(key, key)  # a clip's pairs are contiguous, ascending
+            ordinal = torch.arange(key.numel(), device=key.device) - first_local
+            rows.append(row_offset + torch.searchsorted(everyone, key) + ordinal)
+            row_offset += int(everyone.numel())
+            audios.append(audio.detach().float())
+            texts.append(text.detach().float().to(audio.device))
+            clips.append(clip)
+        return torch.cat(audios), torch.cat(texts), torch.cat(clips), torch.cat(rows)
+
+    def _drift_sample(self, clip_audio: Tensor, ids: Tensor) -> tuple[Tensor, int]:
+        """(audio of the drift sample's clips (n, d) in id order, clips in the sources): this
+        rank's unique clips ``clip_audio`` (C, d) with ascending ``ids``; partitioned, the sample
+        is drawn over every rank's clips and gathered (C ids and n·d floats)."""
+        everyone = torch.sort(distributed.all_gather_rows(ids)).values if self.partitioned else ids
+        if self._drift_rows is None:
+            rng = np.random.default_rng(self.config.seed)
+            count = min(self.config.drift_sample, everyone.shape[0])
+            self._drift_rows = torch.from_numpy(np.sort(rng.choice(everyone.shape[0], count, replace=False)))
+        if self._drift_rows.numel() and int(self._drift_rows.max()) >= everyone.shape[0]:
+            return clip_audio[:0], int(everyone.shape[0])
+        if not self.partitioned:
+            return clip_audio[self._drift_rows.to(clip_audio.device)], int(everyone.shape[0])
+        wanted = everyone[self._drift_rows.to(everyone.device)]
+        mine = torch.isin(ids, wanted)
+        got_ids = distributed.all_gather_rows(ids[mine])
+        got = distributed.all_gather_rows(clip_audio[mine])
+        return got[torch.argsort(got_ids)], int(everyone.shape[0])
+
     def _track_drift(self, audio: Tensor, text: Tensor, clip: Tensor, context: TrainingContext) -> None:
         """RDM between the new and the stale embeddings of a fixed sample of source clips (Eq. 3–4)."""
-        clip_audio, _, _, _ = unique_audio(audio, text, clip)
-        if self._drift_rows is None or self._drift_stale is None:
-            rng = np.random.default_rng(self.config.seed)
-            count = min(self.config.drift_sample, clip_audio.shape[0])
-            self._drift_rows = torch.from_numpy(np.sort(rng.choice(clip_audio.shape[0], count, replace=False)))
-            self._drift_clips = int(clip_audio.shape[0])
-        elif clip_audio.shape[0] == self._drift_clips:
-            rdm = representation_drift(clip_audio[self._drift_rows], self._drift_stale, tau=self.config.drift_tau)
+        clip_audio, _, ids, _ = unique_audio(audio, text, clip)
+        first = self._drift_rows is None or self._drift_stale is None
+        sample, clips = self._drift_sample(clip_audio, ids)
+        if first:
+            self._drift_clips = clips
+        elif clips == self._drift_clips and self._drift_stale is not None:
+            rdm = representation_drift(sample, self._drift_stale, tau=self.config.drift_tau)
             self._epoch_drift = rdm
             self.drift_log.append({"epoch": float(context.epoch), "step": float(context.step), "rdm": rdm})
             log.info("ASK representation drift before rebuild at epoch %d, step %d: RDM = %.6f",
                      context.epoch, context.step, rdm)
         else:
             log.warning("ASK: the knowledge sources changed size; drift not measured, sample reset")
-            self._drift_rows = None
+            self._drift_rows = self._drift_stale = None
             self._track_drift(audio, text, clip, context)
             return
-        self._drift_stale = clip_audio[self._drift_rows].clone()
+        self._drift_stale = sample.clone()
 
     def epoch_summary(self) -> dict[str, float]:
         summary = dict(self.base.epoch_summary())

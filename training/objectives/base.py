@@ -125,6 +125,15 @@ class TrainingContext(Protocol):
         """(audio (N, d), text (N, d)) for every (clip, caption) pair of another manifest."""
         ...
 
+    def embed_training_pairs_local(self) -> tuple[Tensor, Tensor, Tensor]:
+        """This rank's share of :meth:`embed_training_pairs` (no gather; a clip's pairs on one rank,
+        ascending by clip index)."""
+        ...
+
+    def embed_manifest_pairs_local(self, manifest: Path) -> tuple[Tensor, Tensor, Tensor]:
+        """This rank's share of another manifest's pairs: (audio, text, record row), ascending by row."""
+        ...
+
     def embed_clips(self, clip_index: Tensor) -> Tensor:
         """Audio embeddings of the given training clips with the current encoders (no grad)."""
         ...

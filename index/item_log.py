@@ -18,8 +18,8 @@ Replicas read the same file: :meth:`ItemLog.follow` reads the records appended s
 takedown). ``flock`` serializes appends between processes of one host and on file systems that
 support it across hosts (local disks, most CSI volumes; not every NFS setup).
 
-This module is the storage; wiring it into the service (routes, embedding, search overlay) is not
-done yet.
+This module is the storage; :mod:`index.overlay` makes the searchable side index of a bundle from
+its state, and ``service/items.py`` wires both into the routes.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ LOG_NAME = "items.jsonl"
 AUDIO_DIR = "audio"
 MAX_ID_CHARS = 256
 MAX_METADATA_FIELDS = 64
-ID_PATTERN = re.compile(r"^[^\x00-\x1f\x7f/\\]{1,256}$")
-"""Item ids: 1–256 characters, no control characters and no slashes (they appear in URL paths)."""
+ID_PATTERN = re.compile(r"^[^\x00-\x1f\x7f]{1,256}$")
+"""Item ids: 1–256 characters, no control characters (slashes are allowed: bundle clips of
+`tonearm index` are named by their relative paths, and the routes take ``{id:path}``)."""
 FORMAT_PATTERN = re.compile(r"^[a-z0-9]{1,8}$")
 
 
@@ -56,7 +57,7 @@ class ItemError(DataError):
 
 def check_item_id(item_id: str) -> str:
     if not isinstance(item_id, str) or not ID_PATTERN.match(item_id):
-        raise ItemError(f"item id must be 1–{MAX_ID_CHARS} characters without control characters or slashes")
+        raise ItemError(f"item id must be 1–{MAX_ID_CHARS} characters without control characters")
     return item_id
 
 
@@ -236,6 +237,12 @@ class ItemLog:
             for record in new:
                 self.state.apply(record)
             return new
+
+    def snapshot(self) -> ItemState:
+        """A copy of the state after :meth:`follow` (safe to read while other threads append)."""
+        self.follow()
+        with self._lock:
+            return ItemState(dict(self.state.items), set(self.state.deleted), self.state.records)
 
     def audio_path(self, record: ItemRecord) -> Path:
         if record.audio is None:

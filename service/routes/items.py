@@ -33,6 +33,7 @@ from index.item_log import (
     ItemRecord,
     check_item_id,
     check_metadata,
+    check_text,
 )
 from service.audio_input import DecodedAudio
 from service.deps import AdminDep, PoolDep, RegistryDep, SearcherDep, SettingsDep, StateDep
@@ -219,7 +220,10 @@ def _spec(searcher: Searcher, item_id: Any, metadata: Any, captions: Any, where:
                 raise _invalid(f"{where}captions[{lang!r}] must be a list of up to {CAPTIONS_PER_LANGUAGE} "
                                f"non-blank texts of at most {QUERY_MAX_CHARS} characters")
             searcher.check_language(lang)
-            caps[lang] = list(texts)
+            try:
+                caps[lang] = [check_text(t, f"{where}captions[{lang!r}]") for t in texts]
+            except ItemError as err:
+                raise _invalid(str(err)) from None
     return ItemSpec(item_id, meta, caps)
 
 

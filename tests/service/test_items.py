@@ -236,3 +236,15 @@ def test_hostile_batches_are_422(fake_client, items):
     r = fake_client.post("/v1/items:batch", headers=ADMIN, data={"items": items},
                          files=[("file", ("a.wav", WAV, "audio/wav"))])
     assert_problem(r, 422, "validation-error")
+
+
+def test_texts_the_log_cannot_hold_or_split_are_handled(fake_client):
+    """Line separators inside strings (U+2028, U+0085, \\x1c) stay one record; lone surrogates are 422."""
+    meta = {"title": "a\u2028b\u0085c\x1cd", "tags": ["\u2029"]}
+    assert _post(fake_client, "odd\u2028id", ["dog"], meta, {"eng": ["a dog\u2028barks"]}).status_code == 201
+    got = fake_client.get("/v1/items/odd\u2028id", headers=ADMIN).json()
+    assert got["metadata"]["title"] == meta["title"] and got["captions"] == {"eng": ["a dog\u2028barks"]}
+    for field, value in (("metadata", '{"a": "\\ud800"}'), ("captions", '{"eng": ["\\udfff x"]}')):
+        r = fake_client.post("/v1/items", headers=ADMIN, data={"id": "lone", field: value},
+                             files={"file": ("a.wav", WAV, "audio/wav")})
+        assert_problem(r, 422, "validation-error")

@@ -13,10 +13,11 @@ import json
 import math
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from tempfile import SpooledTemporaryFile
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Request
-from starlette.datastructures import UploadFile
+from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from index.filters import (
@@ -151,13 +152,31 @@ async def get_store(state: StateDep) -> ItemStore:
 StoreDep = Annotated[ItemStore, Depends(get_store)]
 
 
+class _AudioPartsParser(MultiPartParser):
+    """Parts named ``file`` are audio files even without a ``filename`` (clients sending a list of
+    binary parts, e.g. for ``items:batch``, often omit it): Starlette would decode them as text."""
+
+    def on_headers_finished(self) -> None:
+        super().on_headers_finished()
+        part = self._current_part
+        if part.file is None and part.field_name == "file":
+            self._current_fields -= 1
+            self._current_files += 1
+            if self._current_files > self.max_files:
+                raise MultiPartException(f"Too many files. Maximum number of files is {self.max_files}.")
+            spool = SpooledTemporaryFile(max_size=self.spool_max_size)
+            self._files_to_close_on_error.append(spool)
+            part.file = UploadFile(file=spool, size=0, filename="file",  # type: ignore[arg-type]
+                                   headers=Headers(raw=part.item_headers))
+
+
 async def _read_form(request: Request, settings: Any, *, max_files: int) -> tuple[dict[str, list[str]], list[bytes]]:
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
         raise ServiceError("bad-upload", "send a multipart/form-data body: a `file` part, `id` and `metadata` fields")
     limit = settings.max_upload_bytes * (1 if max_files == 1 else BATCH_BYTES_FACTOR) + MULTIPART_OVERHEAD
     stream: AsyncGenerator[bytes, None] = _limited_stream(request, limit)
-    parser = MultiPartParser(request.headers, stream, max_files=max_files, max_fields=4,
+    parser = _AudioPartsParser(request.headers, stream, max_files=max_files, max_fields=4,
                              max_part_size=FORM_FIELD_BYTES)
     try:
         form = await parser.parse()
@@ -320,7 +339,7 @@ def _visible_clip(searcher: Searcher, item_id: str) -> dict[str, Any] | None:
     return searcher.bundle.audio_items[row]  # type: ignore[no-any-return]
 
 
-@router.get("/{item_id:path}", responses=problem_responses(401, 404, 503))
+@router.get("/{item_id:path}", responses=problem_responses(401, 404, 422, 503))
 async def get_item(item_id: ITEM_ID, _: AdminDep, searcher: SearcherDep) -> ItemOut:
     """An item's metadata, where it comes from, and when it was added."""
     items = searcher.items

@@ -488,7 +488,11 @@ class BundleRegistry:
                 self._swap(previous, mark=False)
             else:
                 entry = self.load_id(self.find(bundle_id), bundle_id)
-                self._prepare(entry)
+                try:
+                    self._prepare(entry)
+                except Exception:
+                    _close(entry)
+                    raise
                 self._swap(entry, mark=False)
         self.metrics.activations.labels(outcome="remote").inc()
         log.info("followed activation of bundle %s from another replica", bundle_id)

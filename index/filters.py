@@ -273,45 +273,56 @@ class MetadataTable:
         """Field name → kind (``string``, ``number``, ``boolean``, ``strings``, ``mixed``)."""
         return {name: column.kind for name, column in sorted(self.columns.items())}
 
-    def mask(self, flt: Filter) -> np.ndarray:
-        """Boolean mask of the rows that pass; :class:`FilterError` for unknown fields or wrong types."""
-        return self._eval(flt.root)
+    def mask(self, flt: Filter, *, fields: Mapping[str, str] | None = None) -> np.ndarray:
+        """Boolean mask of the rows that pass; :class:`FilterError` for unknown fields or wrong types.
 
-    def _eval(self, node: Node) -> np.ndarray:
+        ``fields`` (:func:`merged_fields` of several tables: the bundle's clips and the items added
+        through the API) are the catalogue's fields when this table is one part of it: a field the
+        catalogue has and this table lacks is missing on every row here (no row passes a comparison
+        on it), and its type is checked against the catalogue's kind."""
+        return self._eval(flt.root, self.fields() if fields is None else dict(fields))
+
+    def _eval(self, node: Node, fields: dict[str, str]) -> np.ndarray:
         if isinstance(node, Combine):
             if node.op == "not":
-                return ~self._eval(node.parts[0])
+                return ~self._eval(node.parts[0], fields)
             out = np.full(self.n_rows, node.op == "and", dtype=bool)
             for part in node.parts:
                 if node.op == "and":
-                    out &= self._eval(part)
+                    out &= self._eval(part, fields)
                 else:
-                    out |= self._eval(part)
+                    out |= self._eval(part, fields)
             return out
-        return self._compare(node)
+        return self._compare(node, fields)
 
-    def _column(self, name: str) -> Column:
-        column = self.columns.get(name)
-        if column is None:
-            known = ", ".join(sorted(self.columns)) or "none"
+    @staticmethod
+    def _kind(name: str, fields: dict[str, str]) -> str:
+        kind = fields.get(name)
+        if kind is None:
+            known = ", ".join(sorted(fields)) or "none"
             raise FilterError(f"filter field {name!r} is not in the catalogue; fields: {known}")
-        if column.kind == "mixed":
+        if kind == "mixed":
             raise FilterError(f"filter field {name!r} holds values of several types and cannot be filtered on")
-        return column
+        return kind
 
-    def _compare(self, node: Compare) -> np.ndarray:
-        column = self._column(node.field)
+    def _compare(self, node: Compare, fields: dict[str, str]) -> np.ndarray:
+        kind = self._kind(node.field, fields)
         values = node.value if isinstance(node.value, tuple) else (node.value,)
-        expected = {"string": str, "number": float, "boolean": bool, "strings": str}[column.kind]
+        expected = {"string": str, "number": float, "boolean": bool, "strings": str}[kind]
         if any(type(v) is not expected for v in values):
             got = _json_type(values[0]) if values else "nothing"
             raise FilterError(
-                f"filter field {node.field!r} holds {_kind_name(column.kind)}; '{node.op}' was given {got}"
+                f"filter field {node.field!r} holds {_kind_name(kind)}; '{node.op}' was given {got}"
             )
-        if node.op in RANGE_OPERATORS and column.kind != "number":
-            raise FilterError(f"filter field {node.field!r} holds {_kind_name(column.kind)}: '{node.op}' needs numbers")
-        if node.op in ("any", "all") and column.kind != "strings":
-            raise FilterError(f"filter field {node.field!r} holds {_kind_name(column.kind)}: '{node.op}' needs a list field")
+        if node.op in RANGE_OPERATORS and kind != "number":
+            raise FilterError(f"filter field {node.field!r} holds {_kind_name(kind)}: '{node.op}' needs numbers")
+        if node.op in ("any", "all") and kind != "strings":
+            raise FilterError(f"filter field {node.field!r} holds {_kind_name(kind)}: '{node.op}' needs a list field")
+        if kind == "strings" and node.op not in ("eq", "ne", "in", "any", "all"):
+            raise FilterError(f"filter field {node.field!r} holds lists of strings: use eq, ne, any, all or in")
+        column = self.columns.get(node.field)
+        if column is None:  # the catalogue has the field, this part of it does not: missing everywhere
+            return np.zeros(self.n_rows, dtype=bool)
         if column.kind == "strings":
             return self._strings(column, node.op, values, node.field)
         data = column.values
@@ -349,6 +360,16 @@ class MetadataTable:
             has_list = np.bincount(column.rows, minlength=self.n_rows) > 0
             return has_list & (counts == 0)
         return counts > 0
+
+
+def merged_fields(tables: Sequence[MetadataTable]) -> dict[str, str]:
+    """The fields of a catalogue made of several tables (name → kind); a field whose kind differs
+    between tables is ``mixed``."""
+    out: dict[str, str] = {}
+    for table in tables:
+        for name, kind in table.fields().items():
+            out[name] = kind if out.get(name, kind) == kind else "mixed"
+    return dict(sorted(out.items()))
 
 
 def _kind_name(kind: str) -> str:

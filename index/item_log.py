@@ -18,8 +18,8 @@ Replicas read the same file: :meth:`ItemLog.follow` reads the records appended s
 takedown). ``flock`` serializes appends between processes of one host and on file systems that
 support it across hosts (local disks, most CSI volumes; not every NFS setup).
 
-This module is the storage; wiring it into the service (routes, embedding, search overlay) is not
-done yet.
+This module is the storage; :mod:`index.overlay` makes the searchable side index of a bundle from
+its state, and ``service/items.py`` wires both into the routes.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ LOG_NAME = "items.jsonl"
 AUDIO_DIR = "audio"
 MAX_ID_CHARS = 256
 MAX_METADATA_FIELDS = 64
-ID_PATTERN = re.compile(r"^[^\x00-\x1f\x7f/\\]{1,256}$")
-"""Item ids: 1–256 characters, no control characters and no slashes (they appear in URL paths)."""
+ID_PATTERN = re.compile(r"^[^\x00-\x1f\x7f]{1,256}$")
+"""Item ids: 1–256 characters, no control characters (slashes are allowed: bundle clips of
+`tonearm index` are named by their relative paths, and the routes take ``{id:path}``)."""
 FORMAT_PATTERN = re.compile(r"^[a-z0-9]{1,8}$")
 
 
@@ -54,9 +55,24 @@ class ItemError(DataError):
     """An item that cannot be recorded: a bad id, metadata that is not a flat object of filterable values."""
 
 
+def _encodable(text: str) -> bool:
+    """Whether ``text`` is valid Unicode (JSON's ``"\ud800"`` decodes to a lone surrogate, which UTF-8 cannot hold)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_text(text: str, where: str) -> str:
+    if not _encodable(text):
+        raise ItemError(f"{where}: text holds a lone surrogate (not valid Unicode)")
+    return text
+
+
 def check_item_id(item_id: str) -> str:
-    if not isinstance(item_id, str) or not ID_PATTERN.match(item_id):
-        raise ItemError(f"item id must be 1–{MAX_ID_CHARS} characters without control characters or slashes")
+    if not isinstance(item_id, str) or not ID_PATTERN.match(item_id) or not _encodable(item_id):
+        raise ItemError(f"item id must be 1–{MAX_ID_CHARS} characters without control characters")
     return item_id
 
 
@@ -76,6 +92,9 @@ def check_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
             or (isinstance(value, list) and len(value) <= MAX_VALUES
                 and all(isinstance(v, str) and len(v) <= MAX_STRING_CHARS for v in value))
         )
+        if ok and not all(_encodable(v) for v in (key, *(value if isinstance(value, list) else [value]))
+                          if isinstance(v, str)):
+            raise ItemError(f"metadata field {key!r}: text holds a lone surrogate (not valid Unicode)")
         if not ok or (isinstance(value, float) and value != value):
             raise ItemError(f"metadata field {key!r}: values are strings (≤ {MAX_STRING_CHARS} characters), "
                             f"numbers, booleans or lists of up to {MAX_VALUES} strings")
@@ -160,7 +179,8 @@ class ItemLog:
         meta = check_metadata(metadata or {})
         if not FORMAT_PATTERN.match(audio_format):
             raise ItemError(f"audio format {audio_format!r} is not a short lowercase name (wav, flac, ...)")
-        caps = {str(lang): [str(t) for t in texts] for lang, texts in (captions or {}).items()}
+        caps = {check_text(str(lang), "captions"): [check_text(str(t), f"captions[{lang!r}]") for t in texts]
+                for lang, texts in (captions or {}).items()}
         name = f"{hashlib.sha256(audio).hexdigest()}.{audio_format}"
         target = self.root / AUDIO_DIR / name
         if not target.exists():
@@ -231,11 +251,18 @@ class ItemLog:
                 handle.seek(self._offset)
                 data = handle.read()
             end = data.rfind(b"\n") + 1  # a torn last line waits (or is cut by the next writer)
-            new = [ItemRecord.from_json(line) for line in data[:end].decode("utf-8").splitlines() if line]
+            # split on b"\n" only: str.splitlines() also breaks at U+2028, U+0085, \x1c… inside strings
+            new = [ItemRecord.from_json(line.decode("utf-8")) for line in data[:end].split(b"\n") if line]
             self._offset += end
             for record in new:
                 self.state.apply(record)
             return new
+
+    def snapshot(self) -> ItemState:
+        """A copy of the state after :meth:`follow` (safe to read while other threads append)."""
+        self.follow()
+        with self._lock:
+            return ItemState(dict(self.state.items), set(self.state.deleted), self.state.records)
 
     def audio_path(self, record: ItemRecord) -> Path:
         if record.audio is None:

@@ -32,10 +32,11 @@ from service.cache import LocalCache, QueryCache, RedisCache, RedisHealth, make_
 from service.deps import AppState, Pool
 from service.encoder_queues import Batchers
 from service.errors import PROBLEM_MEDIA_TYPE, ServiceError, problem_body, slug_for_status
+from service.items import ItemStore, items_dir_of
 from service.metrics import LatencyMiddleware, ServiceMetrics
 from service.openapi_contract import install_language_enums
 from service.pubsub import ActivationBus
-from service.routes import audio, bundles, demo, diagnostics, health, search
+from service.routes import audio, bundles, demo, diagnostics, health, items, search
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,13 @@ def create_app(settings: Settings | None = None, *, opener: Opener | None = None
             backoff_max=settings.redis_backoff_max,
         )
         registry.publisher = state.bus.publish
+    items_dir = items_dir_of(settings, registry.bundles_dir)
+    if items_dir is not None:
+        try:
+            state.items = ItemStore(items_dir, settings)
+            registry.prepare = state.items.sync
+        except OSError as err:  # a read-only bundles volume: serve without the item routes' storage
+            log.warning("items disabled: cannot use %s (%s)", items_dir, err)
 
     app = FastAPI(
         title="tonearm",
@@ -216,6 +224,7 @@ def create_app(settings: Settings | None = None, *, opener: Opener | None = None
         if settings.admin_token is None:
             log.warning("admin routes are enabled WITHOUT a token (development only)")
         app.include_router(bundles.router)
+        app.include_router(items.router)
     return app
 
 
@@ -255,6 +264,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     loader = threading.Thread(target=_startup, args=(state,), name="tonearm-startup", daemon=True)
     loader.start()
     state.batchers = Batchers.start(state.settings, state.batch_metrics)
+    if state.items is not None:
+        state.items.start(state.registry.active_searcher)
     trimmer = PeriodicTrim.start(state.settings.malloc_trim_interval_s)
     try:
         yield
@@ -262,6 +273,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if trimmer is not None:
             trimmer.stop()
         state.batchers.close()
+        if state.items is not None:
+            state.items.stop()
         loader.join(timeout=60)
         if state.bus is not None:
             state.bus.stop()

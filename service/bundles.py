@@ -234,6 +234,8 @@ class BundleRegistry:
         self.metrics = metrics
         self.opener = opener or default_opener(settings)
         self.publisher: Publisher | None = None
+        self.prepare: Callable[[Searcher], None] | None = None
+        """Run on a bundle's searcher before it goes live (service.items: sync the added items)."""
         self.ready = threading.Event()
         self._active: _Entry | None = None
         self._previous: _Entry | None = None
@@ -257,7 +259,16 @@ class BundleRegistry:
     def active_filter_fields(self) -> dict[str, str] | None:
         """Metadata fields (name → kind) of the active bundle's clips (None before one is loaded)."""
         entry = self._active
-        return entry.searcher.catalogue.fields() if entry else None
+        return entry.searcher.catalogue_fields() if entry else None
+
+    def active_searcher(self) -> Searcher | None:
+        entry = self._active
+        return entry.searcher if entry else None
+
+    def _prepare(self, entry: _Entry) -> None:
+        """Bring the added items into ``entry`` (re-embedded with its encoders) before it goes live."""
+        if self.prepare is not None:
+            self.prepare(entry.searcher)
 
     @property
     def previous_id(self) -> str | None:
@@ -369,7 +380,9 @@ class BundleRegistry:
         while True:
             try:
                 with self._activation_lock:
-                    self._swap(self.load(path))
+                    entry = self.load(path)
+                    self._prepare(entry)
+                    self._swap(entry)
                 break
             except ServiceError as err:
                 if err.slug not in STARTUP_RETRIED:
@@ -418,6 +431,12 @@ class BundleRegistry:
                 f"bundle {bundle_id} rejected: " + "; ".join(verdict.reasons),
                 verdict=verdict.as_dict(),
             )
+        try:
+            self._prepare(candidate)  # after the gate: it judges the bundle without the added items
+        except Exception:
+            if not reuse:
+                _close(candidate)
+            raise
         self._swap(candidate)
         self.metrics.activations.labels(outcome="forced" if force else "activated").inc()
         log.info("activated bundle %s (gate: %s)", bundle_id, "; ".join(verdict.reasons) or "passed")
@@ -447,6 +466,7 @@ class BundleRegistry:
         try:
             if self._previous is None:
                 raise ServiceError("no-previous-bundle", "nothing to roll back to: no previous bundle")
+            self._prepare(self._previous)  # items added or deleted since it was active
             self._swap(self._previous)
         finally:
             self._activation_lock.release()
@@ -464,9 +484,16 @@ class BundleRegistry:
                 return
             previous = self._previous
             if previous is not None and previous.bundle_id == bundle_id:
+                self._prepare(previous)
                 self._swap(previous, mark=False)
             else:
-                self._swap(self.load_id(self.find(bundle_id), bundle_id), mark=False)
+                entry = self.load_id(self.find(bundle_id), bundle_id)
+                try:
+                    self._prepare(entry)
+                except Exception:
+                    _close(entry)
+                    raise
+                self._swap(entry, mark=False)
         self.metrics.activations.labels(outcome="remote").inc()
         log.info("followed activation of bundle %s from another replica", bundle_id)
 

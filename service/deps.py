@@ -54,6 +54,8 @@ class AppState:
     batch_metrics: BatchMetrics
     bus: ActivationBus | None = None
     batchers: Batchers | None = None
+    items: Any = None
+    """The item log and overlay sync (service.items.ItemStore); None without a bundles directory."""
     """The encoder micro-batchers; running between the app's startup and shutdown."""
     started: threading.Event = field(default_factory=threading.Event)
     """Set when the startup thread finished (initial bundle loaded or given up)."""

@@ -37,6 +37,13 @@ def with_languages(doc: dict[str, Any], languages: list[str]) -> dict[str, Any]:
     captions = schemas.get("ConsistencyRequest", {}).get("properties", {}).get("captions")
     if captions is not None:
         captions["propertyNames"] = {"enum": list(languages)}
+    for path in ("/v1/items", "/v1/items:batch"):
+        for operation in doc.get("paths", {}).get(path, {}).values():
+            form = operation.get("requestBody", {}).get("content", {}).get("multipart/form-data", {}).get("schema", {})
+            props = form.get("properties", {})
+            spec = props.get("items", {}).get("items", {}).get("properties", props)
+            if "captions" in spec:
+                spec["captions"]["propertyNames"] = {"enum": list(languages)}
     for operation in doc.get("paths", {}).get("/v1/search/audio", {}).values():
         for parameter in operation.get("parameters", []):
             if parameter.get("name") != "lang":

@@ -290,6 +290,29 @@ class Problem(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class ItemOut(BaseModel):
+    """One item of the catalogue: added through the API or a clip of the active bundle."""
+
+    id: str = Field(examples=["foley-000042"])
+    source: Literal["added", "bundle"] = Field(description="`added` through `POST /v1/items`, or a `bundle` clip.")
+    added_at: str | None = Field(None, description="UTC time its write-ahead record was written (added items).")
+    metadata: dict[str, Any] = Field(description="The filterable metadata (docs/service.md, Filters).")
+    captions: dict[str, list[str]] | None = Field(None, description="Captions per language, when it has any.")
+    bundle_id: str = Field(description="The active bundle whose encoders embedded it.")
+    duration_seconds: float | None = Field(None, description="Decoded duration of the upload (POST).")
+
+
+class ItemBatchResponse(BaseModel):
+    bundle_id: str
+    items: list[ItemOut]
+
+
+class ItemDeleted(BaseModel):
+    id: str
+    source: Literal["added", "bundle"] = Field(description="`bundle`: a clip of the bundle, now hidden (a takedown).")
+    deleted_at: str
+
+
 def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` entries documenting application/problem+json errors."""
     schema = Problem.model_json_schema()

@@ -19,9 +19,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from index.errors import IndexBackendError, IndexTimeout
-from index.filters import Filter, FilterError, MetadataTable, parse_filter
+from index.filters import Filter, FilterError, MetadataTable, merged_fields, parse_filter
 from index.languages import ENGLISH
 from index.metrics import dis, gap, mean_rank_std, mean_rank_variance, t2a_ranks_from_embeddings
+from index.overlay import ItemOverlay, merge_top_k
 from index.report import METRIC_CONVENTION
 from service.cache import (
     QueryCache,
@@ -102,10 +103,13 @@ class BundleLike(Protocol):
 
 @dataclass(frozen=True)
 class ClipFilter:
-    """A parsed filter and the clips it passes (a mask over ``audio_items``)."""
+    """A parsed filter and the clips it passes (a mask over ``audio_items``), and the added items it
+    passes (a mask over ``items.items``, the overlay the masks were made for)."""
 
     filter: Filter
     allowed: np.ndarray
+    items: ItemOverlay | None = None
+    added: np.ndarray | None = None
 
     @property
     def key(self) -> str:
@@ -121,6 +125,8 @@ class TextLookup:
     k: int
     results: list[tuple[np.ndarray, np.ndarray] | None]
     clip_filter: ClipFilter | None = None
+    items: ItemOverlay | None = None
+    """The overlay of added items the results' rows refer to."""
 
     @property
     def complete(self) -> bool:
@@ -191,6 +197,11 @@ class Searcher:
         self._gallery_lock = threading.Lock()
         self._heldout: HeldoutReport | None = None
         self._catalogue: MetadataTable | None = None  # built on first filter
+        self.items = ItemOverlay.empty(
+            len(bundle.audio_items), len(getattr(bundle, "text_items", None) or ()), int(bundle.embed_dim)
+        )
+        """Items added through the API (service.items keeps it in step with the log); replaced whole."""
+        self.items_lock = threading.Lock()
 
     # ------------------------------------------------------------------ filters
 
@@ -202,18 +213,50 @@ class Searcher:
                 self._catalogue = MetadataTable.from_items(self.bundle.audio_items)
             return self._catalogue
 
+    def catalogue_fields(self, items: ItemOverlay | None = None) -> dict[str, str]:
+        """Metadata fields (name → kind) of the bundle's clips and the added items together."""
+        items = self.items if items is None else items
+        if not items.size:
+            return self.catalogue.fields()
+        return merged_fields([self.catalogue, items.metadata_table()])
+
     def clip_filter(self, obj: Any) -> ClipFilter | None:
-        """The clips a request's ``filter`` passes (None: no filter); ``invalid-filter`` for a field
-        or a type the catalogue does not have (the form was checked by the request schema)."""
+        """The clips and added items a request's ``filter`` passes (None: no filter); ``invalid-filter``
+        for a field or a type the catalogue does not have (the form was checked by the request schema)."""
         if obj is None:
             return None
+        items = self.items
         try:
             flt = parse_filter(obj)
             if flt.matches_all:
                 return None
-            return ClipFilter(flt, self.catalogue.mask(flt))
+            if not items.size:
+                return ClipFilter(flt, self.catalogue.mask(flt), items)
+            fields = self.catalogue_fields(items)
+            return ClipFilter(flt, self.catalogue.mask(flt, fields=fields), items,
+                              items.metadata_table().mask(flt, fields=fields))
         except FilterError as err:
-            raise ServiceError("invalid-filter", str(err), fields=self.catalogue.fields()) from None
+            raise ServiceError("invalid-filter", str(err), fields=self.catalogue_fields(items)) from None
+
+    def search_clips(
+        self, queries: np.ndarray, k: int, items: ItemOverlay, clip_filter: ClipFilter | None = None,
+        *, bundle_allowed: np.ndarray | None = None, added_allowed: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` catalogue rows (bundle clips, then added items: :mod:`index.overlay`): the
+        bundle's index without its hidden rows, merged with the exact ranking of the added items.
+        ``bundle_allowed``/``added_allowed`` override the filter's masks."""
+        if clip_filter is not None:
+            bundle_allowed = clip_filter.allowed if bundle_allowed is None else bundle_allowed
+            added_allowed = clip_filter.added if added_allowed is None else added_allowed
+        mask = items.bundle_mask(bundle_allowed)
+        with index_calls():
+            if mask is None:
+                found = self.bundle.search_audio(queries, k)
+            else:
+                found = self.bundle.search_audio(queries, k, allowed=mask)
+        if not items.size:
+            return found
+        return merge_top_k(found, items.search_items(queries, k, added_allowed), k)
 
     @property
     def bundle_id(self) -> str:
@@ -283,13 +326,15 @@ class Searcher:
     ) -> list[list[AudioHit]]:
         """Top-``k`` clips for each query; results are cached per (bundle, query, k, filter)."""
         lookup = self.lookup_text(queries, lang=lang, k=k, clip_filter=clip_filter)
-        return self.hits_of(self.complete_text(lookup), min_score=min_score, include_captions=include_captions)
+        return self.hits_of(self.complete_text(lookup), min_score=min_score, include_captions=include_captions,
+                            items=lookup.items)
 
     @staticmethod
-    def _results_kind(k: int, clip_filter: ClipFilter | None) -> str:
-        if clip_filter is None:
-            return f"t2a-k{k}"
-        return f"t2a-k{k}-f{clip_filter.key}"
+    def _results_kind(k: int, clip_filter: ClipFilter | None, items: ItemOverlay) -> str:
+        """Cached results are keyed by the filter and by the item log's version (rows of added items
+        are the same in every replica at one version of the log)."""
+        kind = f"t2a-k{k}" if clip_filter is None else f"t2a-k{k}-f{clip_filter.key}"
+        return f"{kind}-v{items.version}" if items.version else kind
 
     def lookup_text(
         self, queries: Sequence[str], *, lang: str | None, k: int, clip_filter: ClipFilter | None = None
@@ -300,11 +345,12 @@ class Searcher:
         loop and sends only misses to the thread pool (:meth:`complete_text`)."""
         self.check_language(lang)
         texts = [self.normalized(q) for q in queries]
+        items = clip_filter.items if clip_filter is not None and clip_filter.items is not None else self.items
         results: list[tuple[np.ndarray, np.ndarray] | None] = []
         for text in texts:
-            raw = self.cache.get(self._key(self._results_kind(k, clip_filter), text), kind="results")
+            raw = self.cache.get(self._key(self._results_kind(k, clip_filter, items), text), kind="results")
             results.append(decode_hits(raw) if raw is not None else None)
-        return TextLookup(texts=texts, k=k, results=results, clip_filter=clip_filter)
+        return TextLookup(texts=texts, k=k, results=results, clip_filter=clip_filter, items=items)
 
     def complete_text(self, lookup: TextLookup) -> list[tuple[np.ndarray, np.ndarray]]:
         """Encode and search the queries the cache did not answer (blocking: encoder + FAISS)."""
@@ -319,35 +365,47 @@ class Searcher:
             texts = list(dict.fromkeys(lookups[r].texts[i] for r, i in missing))  # a repeated query is encoded once
             embeddings = self.embed_texts(texts)
             row_of = {text: row for row, text in enumerate(texts)}
-            groups: dict[tuple[int, str], list[tuple[int, int]]] = {}
+            groups: dict[tuple[int, str, int], list[tuple[int, int]]] = {}
             for r, i in missing:
                 flt = lookups[r].clip_filter
-                groups.setdefault((lookups[r].k, flt.key if flt else ""), []).append((r, i))
-            for (k, _), group in sorted(groups.items()):
+                version = self._lookup_items(lookups[r]).version
+                groups.setdefault((lookups[r].k, flt.key if flt else "", version), []).append((r, i))
+            for (k, _, _), group in sorted(groups.items()):
                 flt = lookups[group[0][0]].clip_filter
+                items = self._lookup_items(lookups[group[0][0]])
                 queries = embeddings[[row_of[lookups[r].texts[i]] for r, i in group]]
-                with index_calls():
-                    if flt is None:
-                        scores, rows = self.bundle.search_audio(queries, k)
-                    else:
-                        scores, rows = self.bundle.search_audio(queries, k, allowed=flt.allowed)
-                kind = self._results_kind(k, flt)
+                scores, rows = self.search_clips(queries, k, items, flt)
+                kind = self._results_kind(k, flt, items)
                 for j, (r, i) in enumerate(group):
                     results[r][i] = (scores[j], rows[j])
                     self.cache.set(self._key(kind, lookups[r].texts[i]), encode_hits(scores[j], rows[j]))
         return [[hit for hit in found if hit is not None] for found in results]
 
+    def _lookup_items(self, lookup: TextLookup) -> ItemOverlay:
+        return lookup.items if lookup.items is not None else self.items
+
     def hits_of(
-        self, results: list[tuple[np.ndarray, np.ndarray]], *, min_score: float | None, include_captions: bool
+        self, results: list[tuple[np.ndarray, np.ndarray]], *, min_score: float | None, include_captions: bool,
+        items: ItemOverlay | None = None,
     ) -> list[list[AudioHit]]:
-        return [self._audio_hits(s, r, min_score=min_score, include_captions=include_captions) for s, r in results]
+        """Hits of searched rows; ``items``: the overlay the rows refer to (the lookup's)."""
+        return [self._audio_hits(s, r, min_score=min_score, include_captions=include_captions, items=items)
+                for s, r in results]
 
     def _audio_hits(
-        self, scores: np.ndarray, rows: np.ndarray, *, min_score: float | None, include_captions: bool
+        self, scores: np.ndarray, rows: np.ndarray, *, min_score: float | None, include_captions: bool,
+        items: ItemOverlay | None = None,
     ) -> list[AudioHit]:
+        items = self.items if items is None else items
+        n_clips = items.n_clips
         hits = []
         for score, row in zip(scores.tolist(), rows.tolist(), strict=True):
             if row < 0 or (min_score is not None and score < min_score):
+                continue
+            if row >= n_clips:
+                added = items.item(row)
+                hits.append(AudioHit(id=added.id, score=float(score), uri=None,
+                                     captions=added.captions if include_captions else None))
                 continue
             item = self.bundle.audio_items[row]
             hits.append(
@@ -393,28 +451,47 @@ class Searcher:
                 self.check_language(lang)
         embeddings = np.asarray(self.bundle.encode_audio([q.waveform for q in queries]), dtype=np.float32)
         per_language: dict[tuple[int, str], list[CaptionHit]] = {}
+        current = self.items
+
+        def items_of(q: AudioQuery) -> ItemOverlay:
+            flt = q.clip_filter
+            return flt.items if flt is not None and flt.items is not None else current
+
         def fkey(q: AudioQuery) -> str:
-            return q.clip_filter.key if q.clip_filter else ""
+            return f"{q.clip_filter.key}-v{items_of(q).version}" if q.clip_filter else ""
 
         jobs = {(lang, q.k, fkey(q)) for q, langs in zip(queries, requested, strict=True) for lang in langs}
         for lang, k, key in sorted(jobs):
             group = [j for j, q in enumerate(queries) if q.k == k and fkey(q) == key and lang in requested[j]]
             flt = queries[group[0]].clip_filter
+            items = items_of(queries[group[0]])
+            mask = items.bundle_mask(flt.allowed if flt is not None else None)
             with index_calls():
-                if flt is None:
-                    scores, rows = self.bundle.search_text(embeddings[group], k, languages=[lang])
+                if mask is None:
+                    found = self.bundle.search_text(embeddings[group], k, languages=[lang])
                 else:
-                    scores, rows = self.bundle.search_text(
-                        embeddings[group], k, languages=[lang], allowed_clips=flt.allowed
-                    )
+                    found = self.bundle.search_text(embeddings[group], k, languages=[lang], allowed_clips=mask)
+            if items.caption_langs:
+                added = items.search_captions(embeddings[group], k, lang, flt.added if flt is not None else None)
+                found = merge_top_k(found, added, k)
+            scores, rows = found
             for g, j in enumerate(group):
-                per_language[j, lang] = self._caption_hits(scores[g], rows[g], min_score=queries[j].min_score)
+                per_language[j, lang] = self._caption_hits(scores[g], rows[g], min_score=queries[j].min_score,
+                                                           items=items)
         return [[hit for lang in langs for hit in per_language[j, lang]] for j, langs in enumerate(requested)]
 
-    def _caption_hits(self, scores: np.ndarray, rows: np.ndarray, *, min_score: float | None) -> list[CaptionHit]:
+    def _caption_hits(
+        self, scores: np.ndarray, rows: np.ndarray, *, min_score: float | None, items: ItemOverlay
+    ) -> list[CaptionHit]:
         hits = []
         for score, row in zip(scores.tolist(), rows.tolist(), strict=True):
             if row < 0 or (min_score is not None and score < min_score):
+                continue
+            if row >= items.n_texts:
+                j = row - items.n_texts
+                owner = items.items[int(items.caption_items[j])]
+                hits.append(CaptionHit(clip_id=owner.id, lang=items.caption_langs[j], text=items.caption_texts[j],
+                                       score=float(score), uri=None))
                 continue
             item = self.bundle.text_items[row]
             clip = self.bundle.audio_items[int(item["clip_row"])]
@@ -434,33 +511,36 @@ class Searcher:
     def similar_to_item(
         self, item_id: str, *, k: int, min_score: float | None = None, clip_filter: ClipFilter | None = None
     ) -> list[AudioHit]:
-        """Top-``k`` clips by audio–audio cosine to the catalogue's clip ``item_id`` (itself excluded)."""
+        """Top-``k`` catalogue items by audio–audio cosine to the catalogue's item ``item_id`` (an added
+        item or a bundle clip; itself excluded)."""
+        items = clip_filter.items if clip_filter is not None and clip_filter.items is not None else self.items
+        n_clips = len(self.bundle.audio_items)
+        bundle_allowed = (np.ones(n_clips, dtype=bool) if clip_filter is None else clip_filter.allowed.copy())
+        added_allowed = (np.ones(items.size, dtype=bool) if clip_filter is None or clip_filter.added is None
+                         else clip_filter.added.copy())
+        added_row = items.row_of.get(item_id)
         row = self.clip_rows.get(item_id)
-        if row is None:
-            raise ServiceError("unknown-target", f"clip {item_id!r} is not in bundle {self.bundle_id}")
-        with index_calls():
-            vector = self.clip_vector(row)
-        allowed = np.ones(len(self.bundle.audio_items), dtype=bool) if clip_filter is None else clip_filter.allowed.copy()
-        allowed[row] = False
-        return self._similar(vector[None, :], k=k, min_score=min_score, allowed=allowed)
+        if added_row is not None:
+            vector = items.vectors[added_row]
+            added_allowed[added_row] = False
+        elif row is not None and item_id not in items.hidden_ids:
+            with index_calls():
+                vector = self.clip_vector(row)
+            bundle_allowed[row] = False
+        else:
+            raise ServiceError("unknown-target", f"{item_id!r} is not in the catalogue of bundle {self.bundle_id}")
+        scores, rows = self.search_clips(vector[None, :], k, items, bundle_allowed=bundle_allowed,
+                                         added_allowed=added_allowed)
+        return self._audio_hits(scores[0], rows[0], min_score=min_score, include_captions=False, items=items)
 
     def similar_to_audio(
         self, waveform: np.ndarray, *, k: int, min_score: float | None = None, clip_filter: ClipFilter | None = None
     ) -> list[AudioHit]:
-        """Top-``k`` clips by audio–audio cosine to an uploaded (decoded) waveform."""
+        """Top-``k`` catalogue items by audio–audio cosine to an uploaded (decoded) waveform."""
+        items = clip_filter.items if clip_filter is not None and clip_filter.items is not None else self.items
         embedding = np.asarray(self.bundle.encode_audio([waveform]), dtype=np.float32)
-        return self._similar(embedding, k=k, min_score=min_score,
-                             allowed=clip_filter.allowed if clip_filter is not None else None)
-
-    def _similar(
-        self, embedding: np.ndarray, *, k: int, min_score: float | None, allowed: np.ndarray | None
-    ) -> list[AudioHit]:
-        with index_calls():
-            if allowed is None:
-                scores, rows = self.bundle.search_audio(embedding, k)
-            else:
-                scores, rows = self.bundle.search_audio(embedding, k, allowed=allowed)
-        return self._audio_hits(scores[0], rows[0], min_score=min_score, include_captions=False)
+        scores, rows = self.search_clips(embedding, k, items, clip_filter)
+        return self._audio_hits(scores[0], rows[0], min_score=min_score, include_captions=False, items=items)
 
     def clip_vector(self, row: int) -> np.ndarray:
         """One clip's stored vector (the audio index's own, as every search scores it)."""

@@ -41,6 +41,11 @@ class Settings(BaseSettings):
     """Directory holding bundle directories; activation is by bundle id among them."""
     bundle: str | None = None
     """Bundle served at start: a bundle id inside `bundles_dir` or a bundle directory path."""
+    items_dir: Path | None = None
+    """Write-ahead log and stored audio of the items added through `POST /v1/items`; default
+    `<bundles_dir>/.items` (on the bundles volume every replica mounts: they share it)."""
+    items_poll_s: float = Field(default=0.2, gt=0, le=10)
+    """How often a replica checks the item log for records other replicas appended (one `stat`)."""
     audio_root: Path | None = None
     """Directory the clips' audio URIs are relative to (`GET /v1/audio/{clip_id}`); default: the
     directory of the bundle's data manifest. Nothing outside it is ever served."""

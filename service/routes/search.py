@@ -72,7 +72,8 @@ async def _text_hits(
         results = await batchers.text.submit(
             (searcher, lookup), size=misses, disconnected=lambda: wait_for_disconnect(request.receive)
         )
-    return searcher.hits_of(results, min_score=body.min_score, include_captions=body.include_captions)
+    return searcher.hits_of(results, min_score=body.min_score, include_captions=body.include_captions,
+                            items=lookup.items)
 
 
 @router.post("/text", responses=problem_responses(400, 415, 422, 503, 504))

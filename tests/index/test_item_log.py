@@ -43,7 +43,8 @@ def test_put_delete_round_trip_and_a_second_reader_agrees(tmp_path):
     ("kwargs", "message"),
     [
         ({"item_id": ""}, "item id"),
-        ({"item_id": "a/b"}, "item id"),
+        ({"item_id": "a\nb"}, "item id"),
+        ({"item_id": "a\ud800"}, "item id"),
         ({"metadata": {"x": {"nested": 1}}}, "values are"),
         ({"metadata": {"and": 1}}, "names are"),
         ({"metadata": {"x": [1, 2]}}, "values are"),

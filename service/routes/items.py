@@ -1,0 +1,380 @@
+"""Item routes (admin): add, replace, delete and read the catalogue's items (docs/service.md, Items).
+
+Storage and search of items live in the index layer (:mod:`index.item_log`, :mod:`index.overlay`);
+:mod:`service.items` embeds them and keeps the loaded bundles in step; this module is HTTP only:
+multipart parsing, validation into problem documents, and the order that makes a 201 mean
+"durable and searchable": decode (refuse bad audio) → write-ahead record (fsync) → sync the
+active bundle's overlay → 201.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from tempfile import SpooledTemporaryFile
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Path, Request
+from starlette.datastructures import Headers, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+
+from index.filters import (
+    MAX_FIELD_CHARS,
+    MAX_STRING_CHARS,
+    MAX_VALUES,
+    filterable_metadata,
+    item_metadata,
+)
+from index.item_log import (
+    MAX_ID_CHARS,
+    MAX_METADATA_FIELDS,
+    ItemError,
+    ItemRecord,
+    check_item_id,
+    check_metadata,
+    check_text,
+)
+from service.audio_input import DecodedAudio
+from service.deps import AdminDep, PoolDep, RegistryDep, SearcherDep, SettingsDep, StateDep
+from service.errors import ServiceError
+from service.items import ItemStore
+from service.limits import QUERY_MAX_CHARS
+from service.routes.search import AUDIO_MEDIA_TYPES, MULTIPART_OVERHEAD, _decode, _limited_stream
+from service.schemas import NOT_BLANK, ItemBatchResponse, ItemDeleted, ItemOut, problem_responses
+from service.searcher import Searcher
+
+router = APIRouter(prefix="/v1/items", tags=["items (admin)"])
+
+ITEMS_BATCH_MAX = 32
+"""Most items in one ``POST /v1/items:batch``."""
+BATCH_BYTES_FACTOR = 8
+"""A batch body may hold this many times ``TONEARM_MAX_UPLOAD_BYTES`` (each file within the limit)."""
+CAPTIONS_PER_LANGUAGE = 16
+FORM_FIELD_BYTES = 512 * 1024
+
+ID_SCHEMA = {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS, "pattern": "^[^\\u0000-\\u001f\\u007f]+$",
+             "description": "The item's id (unique in the catalogue; re-posting an id replaces the item)."}
+VALUE_SCHEMA = {"anyOf": [
+    {"type": "string", "maxLength": MAX_STRING_CHARS},
+    {"type": "number", "minimum": -1e300, "maximum": 1e300},
+    {"type": "boolean"},
+    {"type": "array", "maxItems": MAX_VALUES, "items": {"type": "string", "maxLength": MAX_STRING_CHARS}},
+]}
+METADATA_SCHEMA = {
+    "type": "object",
+    "maxProperties": MAX_METADATA_FIELDS,
+    "propertyNames": {"minLength": 1, "maxLength": MAX_FIELD_CHARS, "not": {"enum": ["and", "or", "not"]}},
+    "additionalProperties": VALUE_SCHEMA,
+    "description": "A flat JSON object: strings, numbers, booleans, lists of strings (what filters compare). "
+    "`duration` is set from the audio unless given.",
+}
+CAPTIONS_SCHEMA = {
+    "type": "object",
+    "maxProperties": 16,
+    "additionalProperties": {
+        "type": "array", "maxItems": CAPTIONS_PER_LANGUAGE,
+        "items": {"type": "string", "minLength": 1, "maxLength": QUERY_MAX_CHARS, "pattern": NOT_BLANK},
+    },
+    "description": "Captions by language (served language codes), searchable audio→text.",
+}
+ITEM_SPEC_SCHEMA = {
+    "type": "object",
+    "properties": {"id": ID_SCHEMA, "metadata": METADATA_SCHEMA, "captions": CAPTIONS_SCHEMA},
+    "required": ["id"],
+    "additionalProperties": False,
+}
+AUDIO_PART = {"contentType": ", ".join(AUDIO_MEDIA_TYPES)}
+ITEM_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "A multipart form: one audio file part (WAV, FLAC, OGG or MP3, recognised from the content), "
+        "the item's `id`, its `metadata` (a JSON object) and optionally its `captions` (a JSON object).",
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"file": {"type": "string", "format": "binary"}, "id": ID_SCHEMA,
+                                   "metadata": METADATA_SCHEMA, "captions": CAPTIONS_SCHEMA},
+                    "required": ["file", "id"],
+                    "additionalProperties": False,
+                },
+                "encoding": {"file": AUDIO_PART, "metadata": {"contentType": "application/json"},
+                             "captions": {"contentType": "application/json"}},
+            }
+        },
+    }
+}
+BATCH_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": f"A multipart form: 1–{ITEMS_BATCH_MAX} audio `file` parts and one `items` part, a JSON "
+        "array describing the files in their order (`id`, `metadata`, `captions`): as many entries as files.",
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "file": {"type": "array", "minItems": 1, "maxItems": ITEMS_BATCH_MAX,
+                                 "items": {"type": "string", "format": "binary"}},
+                        "items": {"type": "array", "minItems": 1, "maxItems": ITEMS_BATCH_MAX,
+                                  "items": ITEM_SPEC_SCHEMA},
+                    },
+                    "required": ["file", "items"],
+                    "additionalProperties": False,
+                },
+                "encoding": {"file": AUDIO_PART, "items": {"contentType": "application/json"}},
+            }
+        },
+    }
+}
+
+
+@dataclass
+class ItemSpec:
+    id: str
+    metadata: dict[str, Any]
+    captions: dict[str, list[str]]
+
+
+def _invalid(detail: str) -> ServiceError:
+    return ServiceError("validation-error", detail)
+
+
+async def get_store(state: StateDep) -> ItemStore:
+    store = getattr(state, "items", None)
+    if store is None:
+        raise ServiceError("not-ready", "items need a bundles directory (TONEARM_BUNDLES_DIR or TONEARM_ITEMS_DIR)")
+    return store  # type: ignore[no-any-return]
+
+
+StoreDep = Annotated[ItemStore, Depends(get_store)]
+
+
+class _AudioPartsParser(MultiPartParser):
+    """Parts named ``file`` are audio files even without a ``filename`` (clients sending a list of
+    binary parts, e.g. for ``items:batch``, often omit it): Starlette would decode them as text."""
+
+    def on_headers_finished(self) -> None:
+        super().on_headers_finished()
+        part = self._current_part
+        if part.file is None and part.field_name == "file":
+            self._current_fields -= 1
+            self._current_files += 1
+            if self._current_files > self.max_files:
+                raise MultiPartException(f"Too many files. Maximum number of files is {self.max_files}.")
+            spool = SpooledTemporaryFile(max_size=self.spool_max_size)
+            self._files_to_close_on_error.append(spool)
+            part.file = UploadFile(file=spool, size=0, filename="file",  # type: ignore[arg-type]
+                                   headers=Headers(raw=part.item_headers))
+
+
+async def _read_form(request: Request, settings: Any, *, max_files: int) -> tuple[dict[str, list[str]], list[bytes]]:
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith("multipart/form-data"):
+        raise ServiceError("bad-upload", "send a multipart/form-data body: a `file` part, `id` and `metadata` fields")
+    limit = settings.max_upload_bytes * (1 if max_files == 1 else BATCH_BYTES_FACTOR) + MULTIPART_OVERHEAD
+    stream: AsyncGenerator[bytes, None] = _limited_stream(request, limit)
+    parser = _AudioPartsParser(request.headers, stream, max_files=max_files, max_fields=4,
+                             max_part_size=FORM_FIELD_BYTES)
+    try:
+        form = await parser.parse()
+    except MultiPartException as err:
+        raise ServiceError("bad-upload", f"malformed multipart body: {err}") from None
+    fields: dict[str, list[str]] = {}
+    files: list[bytes] = []
+    try:
+        for name, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                if name != "file":
+                    raise ServiceError("bad-upload", f"unexpected file part {name!r}; audio goes in `file` parts")
+                data = await value.read()
+                if len(data) > settings.max_upload_bytes:
+                    raise ServiceError("upload-too-large", f"file part exceeds the limit of {settings.max_upload_bytes} bytes")
+                files.append(data)
+            else:
+                fields.setdefault(name, []).append(value)
+    finally:
+        await form.close()
+    return fields, files
+
+
+def _one(fields: dict[str, list[str]], name: str, *, required: bool) -> str | None:
+    values = fields.get(name, [])
+    if len(values) > 1:
+        raise _invalid(f"form field `{name}` is given {len(values)} times")
+    if not values and required:
+        raise _invalid(f"form field `{name}` is required")
+    return values[0] if values else None
+
+
+def _json(text: str | None, name: str) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as err:
+        raise _invalid(f"form field `{name}` is not JSON: {err}") from None
+
+
+def _spec(searcher: Searcher, item_id: Any, metadata: Any, captions: Any, where: str) -> ItemSpec:
+    if not isinstance(item_id, str):
+        raise _invalid(f"{where}id must be a string")
+    try:
+        check_item_id(item_id)
+        meta = check_metadata({} if metadata is None else metadata)
+    except ItemError as err:
+        raise _invalid(f"{where}{err}") from None
+    for key, value in meta.items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and not _finite(value):
+            raise _invalid(f"{where}metadata field {key!r}: numbers must be finite, within ±1e300")
+    caps: dict[str, list[str]] = {}
+    if captions is not None:
+        if not isinstance(captions, dict) or len(captions) > 16:
+            raise _invalid(f"{where}captions must be a JSON object of at most 16 languages")
+        for lang, texts in captions.items():
+            if (not isinstance(texts, list) or len(texts) > CAPTIONS_PER_LANGUAGE
+                    or not all(isinstance(t, str) and t.strip() and len(t) <= QUERY_MAX_CHARS for t in texts)):
+                raise _invalid(f"{where}captions[{lang!r}] must be a list of up to {CAPTIONS_PER_LANGUAGE} "
+                               f"non-blank texts of at most {QUERY_MAX_CHARS} characters")
+            searcher.check_language(lang)
+            try:
+                caps[lang] = [check_text(t, f"{where}captions[{lang!r}]") for t in texts]
+            except ItemError as err:
+                raise _invalid(str(err)) from None
+    return ItemSpec(item_id, meta, caps)
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(float(value)) and abs(float(value)) <= 1e300
+    except OverflowError:
+        return False
+
+
+def _added_out(record: ItemRecord, bundle_id: str, duration: float | None = None) -> ItemOut:
+    return ItemOut(id=record.id, source="added", added_at=record.at, metadata=record.metadata,
+                   captions=record.captions or None, bundle_id=bundle_id, duration_seconds=duration)
+
+
+def _store_items(store: ItemStore, registry: Any, searcher: Searcher,
+                 entries: list[tuple[ItemSpec, bytes, DecodedAudio]]) -> list[ItemRecord]:
+    """Write-ahead records first (each fsync'd), then the overlays: searchable when this returns."""
+    records = []
+    for spec, data, audio in entries:
+        meta = dict(spec.metadata)
+        meta.setdefault("duration", round(audio.duration_seconds, 3))
+        try:
+            records.append(store.log.put(spec.id, data, audio_format=audio.format.lower(), metadata=meta,
+                                         captions=spec.captions))
+        except ItemError as err:
+            raise _invalid(str(err)) from None
+    _sync_serving(store, registry, searcher)
+    return records
+
+
+def _sync_serving(store: ItemStore, registry: Any, searcher: Searcher) -> None:
+    store.sync(searcher)
+    active = registry.active_searcher()
+    if active is not None and active is not searcher:
+        store.sync(active)
+
+
+@router.post("", status_code=201, openapi_extra=ITEM_BODY,
+             responses=problem_responses(400, 401, 409, 413, 415, 422, 503))
+async def add_item(
+    request: Request, _: AdminDep, searcher: SearcherDep, pool: PoolDep, settings: SettingsDep,
+    store: StoreDep, registry: RegistryDep,
+) -> ItemOut:
+    """Add one sound (or replace the item of this id): durable and searchable when the 201 comes."""
+    fields, files = await _read_form(request, settings, max_files=1)
+    if len(files) != 1:
+        raise ServiceError("bad-upload", "the form must contain exactly one `file` part (the audio)")
+    unknown = sorted(set(fields) - {"id", "metadata", "captions"})
+    if unknown:
+        raise _invalid(f"unknown form field(s): {', '.join(unknown)}; use id, metadata, captions")
+    spec = _spec(searcher, _one(fields, "id", required=True), _json(_one(fields, "metadata", required=False), "metadata"),
+                 _json(_one(fields, "captions", required=False), "captions"), "")
+    audio = await pool.run(_decode, searcher, files[0], settings)
+    records = await pool.run(_store_items, store, registry, searcher, [(spec, files[0], audio)])
+    return _added_out(records[0], searcher.bundle_id, audio.duration_seconds)
+
+
+@router.post(":batch", status_code=201, openapi_extra=BATCH_BODY,
+             responses=problem_responses(400, 401, 409, 413, 415, 422, 503))
+async def add_items(
+    request: Request, _: AdminDep, searcher: SearcherDep, pool: PoolDep, settings: SettingsDep,
+    store: StoreDep, registry: RegistryDep,
+) -> ItemBatchResponse:
+    """Add or replace several sounds; all are checked (and decoded) before any is recorded."""
+    fields, files = await _read_form(request, settings, max_files=ITEMS_BATCH_MAX)
+    unknown = sorted(set(fields) - {"items"})
+    if unknown:
+        raise _invalid(f"unknown form field(s): {', '.join(unknown)}; use `file` parts and one `items` field")
+    described = _json(_one(fields, "items", required=True), "items")
+    if not isinstance(described, list) or not 1 <= len(described) <= ITEMS_BATCH_MAX:
+        raise _invalid(f"`items` must be a JSON array of 1–{ITEMS_BATCH_MAX} objects")
+    if len(described) != len(files):
+        raise _invalid(f"`items` describes {len(described)} item(s) but the form has {len(files)} `file` part(s)")
+    specs = []
+    for i, obj in enumerate(described):
+        if not isinstance(obj, dict) or set(obj) - {"id", "metadata", "captions"}:
+            raise _invalid(f"items[{i}] must be an object with id, metadata, captions")
+        specs.append(_spec(searcher, obj.get("id"), obj.get("metadata"), obj.get("captions"), f"items[{i}]: "))
+    decoded = [await pool.run(_decode, searcher, data, settings) for data in files]
+    records = await pool.run(_store_items, store, registry, searcher, list(zip(specs, files, decoded, strict=True)))
+    return ItemBatchResponse(bundle_id=searcher.bundle_id,
+                             items=[_added_out(r, searcher.bundle_id, a.duration_seconds)
+                                    for r, a in zip(records, decoded, strict=True)])
+
+
+ITEM_ID = Annotated[str, Path(min_length=1, max_length=MAX_ID_CHARS, description="An added item's or a bundle clip's id.")]
+
+
+def _visible_clip(searcher: Searcher, item_id: str) -> dict[str, Any] | None:
+    row = searcher.clip_rows.get(item_id)
+    if row is None or item_id in searcher.items.hidden_ids:
+        return None
+    return searcher.bundle.audio_items[row]  # type: ignore[no-any-return]
+
+
+@router.get("/{item_id:path}", responses=problem_responses(401, 404, 422, 503))
+async def get_item(item_id: ITEM_ID, _: AdminDep, searcher: SearcherDep) -> ItemOut:
+    """An item's metadata, where it comes from, and when it was added."""
+    items = searcher.items
+    row = items.row_of.get(item_id)
+    if row is not None:
+        added = items.items[row]
+        return ItemOut(id=added.id, source="added", added_at=added.added_at, metadata=added.metadata,
+                       captions=added.captions or None, bundle_id=searcher.bundle_id)
+    clip = _visible_clip(searcher, item_id)
+    if clip is None:
+        raise ServiceError("not-found", f"no item {item_id!r} in the catalogue of bundle {searcher.bundle_id}")
+    meta = {k: v for k, v in filterable_metadata(item_metadata(clip)).items() if k not in ("id", "uri")}
+    return ItemOut(id=item_id, source="bundle", metadata=meta, captions=clip.get("captions"),
+                   bundle_id=searcher.bundle_id)
+
+
+@router.delete("/{item_id:path}", responses=problem_responses(401, 404, 422, 503))
+async def delete_item(
+    item_id: ITEM_ID, _: AdminDep, searcher: SearcherDep, pool: PoolDep, store: StoreDep, registry: RegistryDep,
+) -> ItemDeleted:
+    """Remove an item from every search (a bundle clip: a takedown, without rebuilding the bundle)."""
+    if item_id in searcher.items.row_of:
+        source = "added"
+    elif _visible_clip(searcher, item_id) is not None:
+        source = "bundle"
+    else:
+        raise ServiceError("not-found", f"no item {item_id!r} in the catalogue of bundle {searcher.bundle_id}")
+
+    def run() -> ItemRecord:
+        try:
+            record = store.log.delete(item_id)
+        except ItemError as err:
+            raise _invalid(str(err)) from None
+        _sync_serving(store, registry, searcher)
+        return record
+
+    record = await pool.run(run)
+    return ItemDeleted(id=item_id, source=source, deleted_at=record.at)  # type: ignore[arg-type]

@@ -241,3 +241,38 @@ def test_ast_step0_equals_the_pretrained_model_and_rejects_waveform_zero_pad(rea
     assert centred_cosines(got, want).min() >= 0.999, centred_cosines(got, want).tolist()
     assert (wrong_feats - feats[short]).abs().amax() > 1.0
     assert centred_cosines(wrong, want).min() < MIN_CENTRED_COS, centred_cosines(wrong, want).tolist()
+
+
+# --- the run-time check inside `tonearm train` ---------------------------------------------------------
+
+
+def test_a_fine_tune_that_does_not_start_as_its_model_stops_before_step_1(
+    real_clap_dir: Path, real_train_manifest: Path, tmp_path: Path
+) -> None:
+    """``tonearm train configs/real/clap.yaml`` with a data path that is not CLAP's own (zero-pad) stops at
+    the start, in one line, before any step or checkpoint; ``model.step0_check=false`` (or a resumed run,
+    or ``init_checkpoint``) skips the check. (The presets' real-size runs pass it and record it in
+    metrics.jsonl: tests/training/test_real_size_presets.py.)"""
+    import json
+
+    from training.loop import train
+    from training.step0 import applies
+
+    out = tmp_path / "run"
+    overrides = [f"model.audio.path={real_clap_dir}", f"data.manifest={real_train_manifest}", f"out_dir={out}",
+                 "device=cpu", "threads=2", "optim.batch_size=2", "optim.amp=false", "data.num_workers=0",
+                 "frontend.short_clip_padding=pad"]
+    cfg = load_train_config(PRESETS / "clap.yaml", overrides)
+    with pytest.raises(ConfigError) as caught:
+        train(cfg)
+    message = str(caught.value)
+    assert message.startswith("model.step0_check: the audio tower (hf_clap") and "\n" not in message, message
+    assert f"< {MIN_CENTRED_COS}" in message and "frontend.short_clip_padding" in message, message
+    assert not (out / "last").exists()
+    metrics = out / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    assert not [row for row in rows if row.get("kind") == "step"]
+    assert applies(cfg, resuming=False) and not applies(cfg, resuming=True)
+    assert not applies(load_train_config(PRESETS / "clap.yaml", [*overrides, "model.step0_check=false"]), resuming=False)
+    assert not applies(load_train_config(PRESETS / "clap.yaml", [*overrides, f"model.init_checkpoint={tmp_path}"]),
+                       resuming=False)

@@ -95,7 +95,8 @@ class Probe:
     """What both sides of the check embed."""
 
     clips: list[np.ndarray]
-    """Raw clips (what the folder's extractor is given, cut to the first window)."""
+    """Raw clips; the folder's extractor is given each one's first window (``data.clip_seconds``): the
+    audio the data path gives the tower, so the check judges the front end, not the crop length."""
     windows: np.ndarray
     """(4, window) float32: the clips as the run's data path brings them to the window."""
     window: int
@@ -152,8 +153,8 @@ def clap_audio_reference(refs: References, cfg: TrainConfig, probe: Probe) -> Te
         f_min=fe.f_min, f_max=fe.f_max,
         max_frames=int(audio_cfg.spec_size * (audio_cfg.spec_size // audio_cfg.num_mel_bins)),
     )
-    n = int(extractor.nb_max_samples)
-    feats = extractor([c[:n] for c in probe.clips], sampling_rate=probe.sample_rate, return_tensors="pt")
+    clips = [c[: probe.window] for c in probe.clips]  # the window the data path takes (data.clip_seconds)
+    feats = extractor(clips, sampling_rate=probe.sample_rate, return_tensors="pt")
     return model.get_audio_features(input_features=feats["input_features"].to(refs.device)).pooler_output
 
 
@@ -305,6 +306,6 @@ def check_step0(model: DualEncoder, cfg: TrainConfig, tokenizer: Any, device: to
 
 def metrics_record(results: list[Step0Result]) -> dict[str, Any]:
     """The ``step0_check`` record of metrics.jsonl."""
-    return {"kind": "step0_check", "step": 0, "min_centred_cos": MIN_CENTRED_COS,
+    return {"kind": "step0_check", "step": 0, "threshold": MIN_CENTRED_COS,
             **{f"{r.tower}_centred_cos": round(r.worst, 6) for r in results}}
 

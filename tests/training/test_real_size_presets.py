@@ -65,7 +65,7 @@ def test_training_steps_have_finite_losses_and_move_both_towers(preset: PresetRu
     assert len(checks) == 1, rows[:3]
     checked = {key for key in checks[0] if key.endswith("_centred_cos")}
     assert checked == {f"{t}_centred_cos" for t in STEP0_CHECKED[preset.name]}, checks[0]
-    assert all(checks[0][key] >= checks[0]["min_centred_cos"] for key in checked), checks[0]
+    assert all(checks[0][key] >= checks[0]["threshold"] for key in checked), checks[0]
     checkpoint = preset.checkpoint / "model.safetensors"
     trained = tensors(checkpoint)
     for tower, prefix in TOWER_PREFIXES.items():

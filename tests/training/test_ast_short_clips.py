@@ -12,8 +12,9 @@ through the data path as training (``decode_window``, a WAV file) and evaluation
 evaluation, and the extractor is fed that window. The negative cases show the old waveform
 zero-padding fails both checks.
 
-Cost: ~4 s (a 2-layer, 64-wide random ``ASTModel`` at the real 128 × 1024 input size); the last test
-checks the exported ONNX encoder (what a bundle serves) on NaN-tailed clips against the tower.
+Cost: ~5 s (a 2-layer, 64-wide random ``ASTModel`` at the real 128 × 1024 input size); one test
+checks the exported ONNX encoder (what a bundle serves) on NaN-tailed clips against the tower,
+another the run-time step-0 check (training/step0.py) passes frame padding and stops the waveform zero-pad.
 """
 
 from __future__ import annotations

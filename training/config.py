@@ -116,6 +116,12 @@ class ModelConfig(_Strict):
     embed_dim: int = Field(256, ge=8)
     init_checkpoint: Path | None = None
     """Start from this checkpoint's weights (e.g. the distillation student, SPEC §4.4)."""
+    step0_check: bool = True
+    """Before step 1 of a run that loads a pretrained folder (``hf_clap`` / ``hf_ast`` audio, ``hf_clap`` /
+    ``hf_auto`` text; not on resume or ``init_checkpoint``), embed four synthetic clips and four captions
+    through the training model and through the folder's own transformers model, extractor and
+    tokenizer, and stop with one line when their centred cosine falls below 0.99
+    (training/step0.py; docs/training.md, "Fine-tune a pretrained CLAP or AST")."""
     audio: AudioTowerConfig = Field(default_factory=AudioTowerConfig)
     text: TextTowerConfig = Field(default_factory=TextTowerConfig)
 

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from index.errors import DataError
-from training import distributed
+from training import distributed, step0
 from training.accumulate import accumulated_backward, surrogate
 from training.config import ConfigError, TrainConfig, load_train_config, short_clip_padding
 from training.context import LoopContext
@@ -199,6 +199,7 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
     resume_dir = cfg.out_dir / "last" if cfg.resume and (cfg.out_dir / "last").is_dir() else None
     cfg, model, tokenizer = build_model(cfg, train_records, runtime, resume_dir=resume_dir)
     model.to(runtime.device).train()  # checkpoints load in eval mode
+    step0_checked = check_pretrained_start(cfg, model, tokenizer, runtime, resuming=resume_dir is not None)
     env = BuildEnv(languages=tuple(cfg.data.languages), embed_dim=model.embed_dim)
     objective = build_objective(cfg.objective, env).to(runtime.device)
     loss_mode = distributed.loss_mode_for(cfg.distributed.loss, objective, runtime.world_size)
@@ -261,6 +262,8 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
         restore_trainer_state(run, resume_dir)
     else:
         run.metrics.truncate_after(0)
+        if step0_checked:
+            run.metrics.write(step0.metrics_record(step0_checked))
     if isinstance(batches, StreamBatches) and batches.coverage is not None:  # printed by the loader, kept here
         cover = batches.coverage
         run.metrics.write({"kind": "data_plan", "step": run.state.step, "clips": cover.clips,
@@ -281,6 +284,16 @@ def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
         runtime.world_size,
     )
     return run
+
+
+def check_pretrained_start(
+    cfg: TrainConfig, model: DualEncoder, tokenizer: Any, runtime: Runtime, *, resuming: bool
+) -> list[step0.Step0Result]:
+    """``model.step0_check``: a run from a pretrained folder stops here, before step 1, in one line when
+    a tower does not start as the folder's own model (training/step0.py); every rank checks alike."""
+    if not step0.applies(cfg, resuming=resuming):
+        return []
+    return step0.check_step0(model, cfg, tokenizer, runtime.device)
 
 
 def build_train_loader(

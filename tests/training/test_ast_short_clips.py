@@ -12,8 +12,9 @@ through the data path as training (``decode_window``, a WAV file) and evaluation
 evaluation, and the extractor is fed that window. The negative cases show the old waveform
 zero-padding fails both checks.
 
-Cost: ~4 s (a 2-layer, 64-wide random ``ASTModel`` at the real 128 × 1024 input size); the last test
-checks the exported ONNX encoder (what a bundle serves) on NaN-tailed clips against the tower.
+Cost: ~5 s (a 2-layer, 64-wide random ``ASTModel`` at the real 128 × 1024 input size); one test
+checks the exported ONNX encoder (what a bundle serves) on NaN-tailed clips against the tower,
+another the run-time step-0 check (training/step0.py) passes frame padding and stops the waveform zero-pad.
 """
 
 from __future__ import annotations
@@ -136,3 +137,29 @@ def test_exported_ast_encoder_pads_frames_as_the_tower(small_ast: Path, tmp_path
         want = tower(torch.from_numpy(waves)).numpy()
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_run_time_step0_check_passes_frame_padding_and_stops_waveform_zero_pad(small_ast: Path) -> None:
+    """``model.step0_check`` (training/step0.py) at the start of an AST fine-tune: the folder's own
+    ``ASTModel`` + ``ASTFeatureExtractor`` against the training tower on four probe clips, centred; the
+    resolved frame padding passes, the waveform zero-pad of before stops the run in one line."""
+    from training.config import ConfigError
+    from training.models.dual_encoder import build_dual_encoder
+    from training.models.tokenizer import build_tokenizer
+    from training.step0 import MIN_CENTRED_COS, check_step0
+
+    def step0(*extra: str) -> list:  # type: ignore[type-arg]
+        cfg = load_train_config(PRESETS / "ast_xlmr.yaml", [f"model.audio.path={small_ast}", "model.text.kind=builtin",
+                                                            *extra])
+        tokenizer = build_tokenizer(cfg.model, ["a dog barks", "rain on a roof"])
+        torch.manual_seed(0)
+        model = build_dual_encoder(cfg.model, cfg.frontend, vocab_size=tokenizer.vocab_size)
+        return check_step0(model, cfg, tokenizer, torch.device("cpu"))
+
+    results = step0()
+    assert [r.tower for r in results] == ["audio"] and results[0].worst >= 0.999, results
+    with pytest.raises(ConfigError) as caught:
+        step0("frontend.short_clip_padding=pad")
+    message = str(caught.value)
+    assert message.startswith("model.step0_check: the audio tower (hf_ast") and "\n" not in message, message
+    assert f"< {MIN_CENTRED_COS}" in message, message

@@ -33,6 +33,8 @@ BACKBONES = {
     ("minilm", "text"): ("text.tower.model.", "minilm", ""),
 }
 """The pretrained backbones whose saved weights the two steps must move (the CNN starts random)."""
+STEP0_CHECKED = {"clap": ("audio", "text"), "ast_xlmr": ("audio", "text"), "minilm": ("text",)}
+"""The towers whose step 0 each preset's run checks against the folder's own model."""
 
 
 @pytest.fixture(scope="module", params=PRESETS)
@@ -58,6 +60,12 @@ def test_training_steps_have_finite_losses_and_move_both_towers(preset: PresetRu
     rows = [json.loads(line) for line in (preset.run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [row["loss"] for row in rows if "loss" in row]
     assert losses and all(math.isfinite(v) for v in losses)
+    # model.step0_check ran before step 1 (training/step0.py): every pretrained tower starts as its folder's model
+    checks = [row for row in rows if row.get("kind") == "step0_check"]
+    assert len(checks) == 1, rows[:3]
+    checked = {key for key in checks[0] if key.endswith("_centred_cos")}
+    assert checked == {f"{t}_centred_cos" for t in STEP0_CHECKED[preset.name]}, checks[0]
+    assert all(checks[0][key] >= checks[0]["threshold"] for key in checked), checks[0]
     checkpoint = preset.checkpoint / "model.safetensors"
     trained = tensors(checkpoint)
     for tower, prefix in TOWER_PREFIXES.items():

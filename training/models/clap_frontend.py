@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from training.config import ConfigError
 from training.models.frontend import dft_kernels
 
 MEL_FLOOR = 1e-10
@@ -82,6 +83,9 @@ class ClapWaveFrontend(nn.Module):
         super().__init__()
         self.clip_samples = int(extractor.nb_max_samples)
         self.padding = str(extractor.padding)
+        self.truncation = str(extractor.truncation)
+        if self.truncation != "rand_trunc":  # check_clap_settings refuses it first, in one line
+            raise ValueError(f"ClapWaveFrontend computes truncation='rand_trunc' features, not {self.truncation!r}")
         hop = int(extractor.hop_length)
         self.mel = ClapMelFrontend(
             mel_filters=extractor.mel_filters_slaney, n_fft=int(extractor.fft_window_size),
@@ -109,6 +113,25 @@ class ClapWaveFrontend(nn.Module):
         else:  # pad: zeros after the clip
             valid = positions < length
         return gathered * valid.to(gathered.dtype)
+
+
+def check_clap_settings(extractor: Any, audio_config: Any, *, folder: Any, key: str) -> None:
+    """The refusals ``tonearm train`` (``hf_clap``) and ``export --pretrained`` share, in one line each
+    (issue 41): a fused checkpoint (``enable_fusion``), and an extractor whose ``truncation`` is not
+    ``rand_trunc`` (the only setting whose one-channel features an unfused HTS-AT takes; ``fusion``
+    gives four channels). `folder` names the model folder, `key` the option or config key."""
+    if audio_config.enable_fusion:
+        raise ConfigError(
+            f"{key}: {folder} is a fused CLAP (enable_fusion=true); its features depend on random crops and on "
+            "the batch, so neither a bundle nor a fine-tune's step 0 reproduces them — use an unfused "
+            "checkpoint (e.g. laion/clap-htsat-unfused)"
+        )
+    truncation = str(getattr(extractor, "truncation", "rand_trunc"))
+    if truncation != "rand_trunc":
+        raise ConfigError(
+            f"{key}: {folder}/preprocessor_config.json has truncation={truncation!r}, but this unfused model only "
+            "runs on one-channel features (truncation='rand_trunc'; 'fusion' makes get_audio_features fail)"
+        )
 
 
 def clap_extractor(path: str | None, *, sample_rate: int, n_fft: int, hop_length: int, n_mels: int,

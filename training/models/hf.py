@@ -214,13 +214,14 @@ class ClapAudioTower(nn.Module):
 
     def __init__(self, clap: nn.Module, frontend_cfg: FrontendConfig, path: str | None = None) -> None:
         super().__init__()
-        from training.models.clap_frontend import ClapWaveFrontend, clap_extractor
+        from training.models.clap_frontend import (
+            ClapWaveFrontend,
+            check_clap_settings,
+            clap_extractor,
+        )
 
         audio_cfg = clap.config.audio_config
-        if audio_cfg.enable_fusion:
-            raise ConfigError(
-                "model.audio.path: fused CLAP checkpoints are not supported; use an unfused one"
-            )
+        check_clap_settings(None, audio_cfg, folder=path or "the checkpoint's CLAP", key="model.audio.path")
         _check_mels(frontend_cfg, int(audio_cfg.num_mel_bins), "CLAP audio model")
         extractor = clap_extractor(
             path, sample_rate=frontend_cfg.sample_rate, n_fft=frontend_cfg.n_fft,
@@ -228,6 +229,7 @@ class ClapAudioTower(nn.Module):
             f_min=frontend_cfg.f_min, f_max=frontend_cfg.f_max,
             max_frames=int(audio_cfg.spec_size * (audio_cfg.spec_size // audio_cfg.num_mel_bins)),
         )
+        check_clap_settings(extractor, audio_cfg, folder=path, key="model.audio.path")  # as export --pretrained
         if int(extractor.sampling_rate) != frontend_cfg.sample_rate:
             raise ConfigError(
                 f"frontend.sample_rate={frontend_cfg.sample_rate} but the CLAP feature extractor in "
@@ -291,6 +293,28 @@ class HFAutoAudioTower(nn.Module):
         return hidden.mean(dim=1)
 
 
+def load_clap_model(path: str | None, config: dict[str, Any] | None) -> Any:
+    """``ClapModel`` for the ``hf_clap`` towers; a local folder's ``config.json`` and
+    ``preprocessor_config.json`` are checked first (fused checkpoint, ``truncation``: the refusals of
+    ``export --pretrained``, :func:`training.models.clap_frontend.check_clap_settings`), so such a
+    folder is refused in one line before its weights load."""
+    if config is None and path is not None and (Path(path).expanduser() / "config.json").is_file():
+        import transformers
+
+        from training.models.clap_frontend import check_clap_settings
+
+        folder = Path(path).expanduser()
+        try:
+            hf_config = transformers.AutoConfig.from_pretrained(folder)
+            extractor = (transformers.ClapFeatureExtractor.from_pretrained(folder)
+                         if (folder / "preprocessor_config.json").is_file() else None)
+        except (OSError, ValueError, TypeError) as err:
+            raise ConfigError(f"model.audio.path: {folder} cannot be read as a CLAP folder: {first_line(err)}") from None
+        if getattr(hf_config, "audio_config", None) is not None:
+            check_clap_settings(extractor, hf_config.audio_config, folder=folder, key="model.audio.path")
+    return load_hf_model("ClapModel", path=path, config=config, key="model.audio.path")
+
+
 def build_hf_text_tower(
     kind: str, *, path: str | None, pooling: str, config: dict[str, Any] | None
 ) -> tuple[nn.Module, dict[str, Any]]:
@@ -307,7 +331,7 @@ def build_hf_audio_tower(
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Audio tower for ``kind`` and the full HF config dict it was built from."""
     if kind == "hf_clap":
-        clap = load_hf_model("ClapModel", path=path, config=config, key="model.audio.path")
+        clap = load_clap_model(path, config)
         return ClapAudioTower(clap, frontend_cfg, path), clap.config.to_dict()
     if kind == "hf_ast":
         model = load_hf_model("ASTModel", path=path, config=config, key="model.audio.path")
@@ -320,5 +344,5 @@ def build_hf_clap_pair(
     *, path: str | None, frontend_cfg: FrontendConfig, config: dict[str, Any] | None
 ) -> tuple[nn.Module, nn.Module, dict[str, Any]]:
     """Audio and text towers of one ``ClapModel`` (loaded once), and its config dict."""
-    clap = load_hf_model("ClapModel", path=path, config=config, key="model.audio.path")
+    clap = load_clap_model(path, config)
     return ClapAudioTower(clap, frontend_cfg, path), ClapTextTower(clap), clap.config.to_dict()

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from index.tokenizer import TextTokenizer
 from training.config import ConfigError
-from training.models.clap_frontend import ClapWaveFrontend
+from training.models.clap_frontend import ClapWaveFrontend, check_clap_settings
 from training.models.hf import check_model_folder, first_line, load_model_and_tokenizer
 from training.models.tokenizer import load_hf_tokenizer
 
@@ -133,16 +133,7 @@ def check_clap_folder(path: Path) -> None:
 
 def _settings(extractor: Any, audio_config: Any, path: Path) -> ClapSettings:
     fe = extractor
-    if audio_config.enable_fusion:
-        raise ConfigError(
-            f"{KEY}: {path} is a fused CLAP (enable_fusion=true); its features depend on random crops and on "
-            "the batch, so no bundle reproduces them — use an unfused checkpoint (e.g. laion/clap-htsat-unfused)"
-        )
-    if fe.truncation != "rand_trunc":
-        raise ConfigError(
-            f"{KEY}: {path / PREPROCESSOR} has truncation={fe.truncation!r}, but this unfused model only runs "
-            "on one-channel features (truncation='rand_trunc'; 'fusion' makes get_audio_features fail)"
-        )
+    check_clap_settings(fe, audio_config, folder=path, key=KEY)  # the same refusals as training's hf_clap
     if fe.padding not in PADDINGS:
         raise ConfigError(f"{KEY}: {path / PREPROCESSOR} has padding={fe.padding!r}; expected one of {PADDINGS}")
     if int(fe.feature_size) != int(audio_config.num_mel_bins):

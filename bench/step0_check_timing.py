@@ -1,6 +1,6 @@
 """Time the run-time step-0 check (training/step0.py) on the full-size random-weight CLAP and AST.
 
-    PYTHONPATH=. python scripts/step0_check_timing.py cpu|cuda [FOLDER_FOR_THE_MODELS]
+    PYTHONPATH=. python bench/step0_check_timing.py cpu|cuda [FOLDER_FOR_THE_MODELS]
 
 Builds the two model folders as the tests do (tests/real_size_models.py; reused when FOLDER holds
 them), then runs ``check_step0`` twice per case (the first call on a GPU pays its start-up): the CLAP

@@ -92,7 +92,7 @@ def measure(search: Search, queries: np.ndarray, flt: dict | None, exact: np.nda
         rows = search(queries[i : i + 1], flt)
         times.append(time.perf_counter() - started)
         truth = set(exact[i].tolist())
-        hits += len(truth & set(int(r) for r in rows if r >= 0))
+        hits += len(truth & {int(r) for r in rows if r >= 0})
     ms = np.array(times) * 1000
     return {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)), "recall": hits / exact.size}
 

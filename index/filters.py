@@ -3,6 +3,9 @@
 Where a filter is evaluated: here, in numpy, over a columnar :class:`MetadataTable` built from the
 items' metadata (``audio_ids.jsonl`` rows of a bundle). The result is a boolean mask over the
 index rows that the vector backends take (:meth:`index.vector_index.FaissVectorIndex.search`).
+On the Milvus backend the same tree is also written as a Milvus boolean expression
+(:func:`milvus_expr`) over the metadata published with the vectors, and Milvus evaluates it
+(:meth:`index.milvus_index.MilvusVectorIndex.search`); the mask still checks fields and types.
 No expression string is ever evaluated: a filter is a small JSON object (docs/service.md, Filters).
 
 Grammar (JSON):

@@ -29,6 +29,11 @@ bundle's collections, which is what other consumers and replicas read (docs/serv
   search ``ef``), ``IVF_FLAT`` (``nlist``; search ``nprobe``), ``AUTOINDEX``.
 * Hits are read from the entity's ``row`` field (milvus-lite 3.x keys hits by the primary
   field's name, the server by ``id``).
+* **Filters** are evaluated by Milvus: publish writes each clip's metadata (a caption row: its
+  clip's) into the JSON field :data:`META_FIELD` and its fields and kinds into the registry
+  (``meta_fields``); :meth:`MilvusVectorIndex.expression` writes a filter as Milvus's ``filter``
+  expression (:func:`index.filters.milvus_expr`). Collections published without it (before, or by
+  the Ray writers) are filtered on our side (:func:`index.loader.filtered_search`).
 * **Index-only bundles** (`tonearm index`, no captions) publish an audio collection and an
   empty text one (the aliases always name both collections of one bundle).
 * **Many writers** (`tonearm index --ray --milvus-uri`): :func:`begin_audio_publish` creates the

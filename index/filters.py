@@ -3,6 +3,9 @@
 Where a filter is evaluated: here, in numpy, over a columnar :class:`MetadataTable` built from the
 items' metadata (``audio_ids.jsonl`` rows of a bundle). The result is a boolean mask over the
 index rows that the vector backends take (:meth:`index.vector_index.FaissVectorIndex.search`).
+On the Milvus backend the same tree is also written as a Milvus boolean expression
+(:func:`milvus_expr`) over the metadata published with the vectors, and Milvus evaluates it
+(:meth:`index.milvus_index.MilvusVectorIndex.search`); the mask still checks fields and types.
 No expression string is ever evaluated: a filter is a small JSON object (docs/service.md, Filters).
 
 Grammar (JSON):
@@ -466,3 +469,130 @@ def filter_json_schemas(fields: Mapping[str, str] | None, *, ref_prefix: str = "
             )
         schemas[filter_json_schema_name(depth)] = schema
     return schemas
+
+
+# ----------------------------------------------------------------------------- Milvus expressions
+
+MILVUS_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+"""The escapes both Milvus parsers read alike (the 2.3 server's and milvus-lite 3.x's): milvus-lite
+knows no ``\\u``/``\\x``/octal escapes, so every other character is written as itself (UTF-8)."""
+
+
+def milvus_string(value: str) -> str | None:
+    """``value`` as a double-quoted Milvus string literal; None when it holds a character neither
+    parser reads back (a control character other than tab, CR and LF, or a lone surrogate)."""
+    out = ['"']
+    for ch in value:
+        escaped = MILVUS_ESCAPES.get(ch)
+        if escaped is not None:
+            out.append(escaped)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F or 0xD800 <= ord(ch) <= 0xDFFF:
+            return None
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
+
+
+class _Inexpressible(Exception):
+    pass
+
+
+def milvus_expr(flt: Filter, fields: Mapping[str, str], *, json_field: str = "meta", row_field: str = "row",
+                in_operator: bool = True) -> str | None:
+    """The Milvus boolean expression equivalent to ``flt`` over a collection whose ``json_field`` (a
+    JSON field) holds each row's metadata as published (:func:`milvus_metadata`), ``fields`` its
+    kinds (:meth:`MetadataTable.fields`); None when ``flt`` cannot be written as one (a field the
+    collection does not have or holds several types in, an operand of another type, a string no
+    parser reads back: :func:`milvus_string`) — the caller then filters on its own side.
+
+    Never a request string unescaped: field names and string values go through
+    :func:`milvus_string`, numbers through ``repr(float)``, booleans as ``true``/``false``; nothing
+    else of the request reaches the expression.
+
+    Semantics equal :meth:`MetadataTable.mask`'s on both engines: every comparison is guarded by
+    ``exists`` — Milvus 2.3 answers ``!=`` on a missing key with true, milvus-lite 3.x answers every
+    comparison on a missing key with null (three-valued: ``not`` of it stays false), so with the
+    guard a comparison on a missing key is false and ``not`` inverts it. ``in`` is Milvus's ``in``
+    (``in_operator``; milvus-lite 3.x has none on JSON keys: a chain of ``or``). ``{}`` is
+    ``row >= 0``."""
+    try:
+        return _MilvusWriter(fields, json_field, row_field, in_operator).node(flt.root)
+    except _Inexpressible:
+        return None
+
+
+@dataclass(frozen=True)
+class _MilvusWriter:
+    fields: Mapping[str, str]
+    json_field: str
+    row_field: str
+    in_operator: bool
+
+    def node(self, node: Node) -> str:
+        if isinstance(node, Compare):
+            return self.compare(node)
+        if node.op == "not":
+            return f"(not {self.node(node.parts[0])})"
+        if not node.parts:
+            return f"({self.row_field} >= 0)" if node.op == "and" else f"({self.row_field} < 0)"
+        return "(" + f" {node.op} ".join(self.node(part) for part in node.parts) + ")"
+
+    def literal(self, value: Scalar) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, float):
+            return repr(value)
+        text = milvus_string(value)
+        if text is None:
+            raise _Inexpressible
+        return text
+
+    def compare(self, node: Compare) -> str:
+        kind = self.fields.get(node.field)
+        values = node.value if isinstance(node.value, tuple) else (node.value,)
+        expected = {"string": str, "number": float, "boolean": bool, "strings": str}.get(kind or "")
+        if expected is None or any(type(v) is not expected for v in values):
+            raise _Inexpressible  # unknown or mixed field, or another type: MetadataTable says why
+        key = milvus_string(node.field)
+        if key is None:
+            raise _Inexpressible
+        path = f"{self.json_field}[{key}]"
+        literals = [self.literal(v) for v in values]
+        op = node.op
+        if kind == "strings":
+            if op == "eq":
+                test = f"json_contains({path}, {literals[0]})"
+            elif op == "ne":
+                test = f"not json_contains({path}, {literals[0]})"
+            elif op in ("in", "any"):
+                test = f"json_contains_any({path}, [{', '.join(literals)}])"
+            elif op == "all":
+                test = f"json_contains_all({path}, [{', '.join(literals)}])"
+            else:
+                raise _Inexpressible
+        elif op == "in":
+            if self.in_operator and kind != "boolean":
+                test = f"{path} in [{', '.join(literals)}]"
+            else:
+                test = " or ".join(f"{path} == {lit}" for lit in literals)
+        elif op in ("any", "all"):
+            raise _Inexpressible
+        else:
+            symbol = {"eq": "==", "ne": "!=", "lt": "<", "lte": "<=", "gt": ">", "gte": ">="}[op]
+            test = f"{path} {symbol} {literals[0]}"
+        return f"((exists {path}) and ({test}))"
+
+
+def milvus_metadata(item: Mapping[str, Any], fields: Mapping[str, str]) -> dict[str, Any]:
+    """The JSON object a catalogue row is published with (Milvus's ``meta`` field): its filterable
+    metadata (:func:`item_metadata`) limited to ``fields`` of one kind (not ``mixed``); ``null`` and
+    empty lists left out (both are missing values to :class:`MetadataTable`)."""
+    out: dict[str, Any] = {}
+    for key, value in item_metadata(item).items():
+        kind = fields.get(key)
+        if kind in (None, "mixed") or value is None or value == []:
+            continue
+        if _kind_of(value) == kind:
+            out[key] = value
+    return out

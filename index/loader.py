@@ -30,6 +30,7 @@ from index.bundle import BundleManifest, read_manifest, verify_files
 from index.errors import BundleError, TonearmError
 from index.evalset import EvalSet, read_eval_set, read_jsonl
 from index.faiss_index import DEFAULT_MMAP_THRESHOLD
+from index.filters import Filter
 from index.length_groups import length_groups
 from index.tokenizer import TextTokenizer
 from index.vector_index import (
@@ -455,17 +456,20 @@ class LoadedBundle:
     # ------------------------------------------------------------------ search
 
     def search_audio(
-        self, queries: np.ndarray, k: int, *, allowed: np.ndarray | None = None
+        self, queries: np.ndarray, k: int, *, allowed: np.ndarray | None = None, where: Filter | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Top-k clips: (scores (n, k), rows (n, k) into ``audio_items``; -1 / -inf past the end).
 
         ``allowed`` (a boolean mask over the clips, :meth:`index.filters.MetadataTable.mask`) keeps
-        only the clips that pass: FAISS pre-filters or over-fetches (:mod:`index.vector_index`);
-        other backends over-fetch, and rank the passing clips' vectors exactly when few pass."""
+        only the clips that pass: FAISS pre-filters or over-fetches (:mod:`index.vector_index`).
+        ``where``: the filter ``allowed`` was made from (``allowed`` may be stricter: a clip excluded,
+        a takedown; never looser), for backends that evaluate filters themselves: Milvus evaluates
+        it as an expression and ``allowed`` is checked on its hits (:func:`filtered_search`)."""
         index = self._need(self._audio_index)
-        if allowed is None:
+        if allowed is None and where is None:
             return index.search(queries, k)
-        return filtered_search(index, queries, k, np.asarray(allowed, dtype=bool))
+        return filtered_search(index, queries, k, None if allowed is None else np.asarray(allowed, dtype=bool),
+                               where=where)
 
     def audio_embeddings(self) -> np.ndarray:
         """All clip vectors (N, d), row order = ``audio_items``, read back from the audio index.
@@ -482,9 +486,11 @@ class LoadedBundle:
         *,
         languages: Collection[str] | None = None,
         allowed_clips: np.ndarray | None = None,
+        where: Filter | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Top-k captions (rows into ``text_items``), only in ``languages`` when given (empty = all),
-        only of the clips ``allowed_clips`` passes when given (a mask over ``audio_items``)."""
+        only of the clips ``allowed_clips`` passes when given (a mask over ``audio_items``; ``where``
+        the filter it was made from, as in :meth:`search_audio`)."""
         if not self.has_captions:
             raise NoCaptionIndex(
                 f"bundle {self.bundle_id} has no caption index (built by `tonearm index` from audio files only); "
@@ -505,7 +511,8 @@ class LoadedBundle:
                     lo, hi = ranges[lang]
                     in_language[lo:hi] = True
                 rows &= in_language
-            return filtered_search(index, queries, k, rows)
+            return filtered_search(index, queries, k, rows, where=where,
+                                   languages=None if every_language else sorted(languages or ()))
         if every_language:
             return index.search(queries, k)
         return index.search(queries, k, sorted(languages or ()))
@@ -534,10 +541,22 @@ class LoadedBundle:
 
 
 def filtered_search(
-    index: VectorIndex, queries: np.ndarray, k: int, allowed: np.ndarray
+    index: VectorIndex, queries: np.ndarray, k: int, allowed: np.ndarray | None, *,
+    where: Filter | None = None, languages: Sequence[str] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k of the rows ``allowed`` passes: FAISS decides itself (:mod:`index.vector_index`); other
-    backends (Milvus) over-fetch, or rank the passing rows' vectors exactly when few pass."""
+    """Top-k of the rows ``allowed`` passes (and, with ``languages``, of those languages: ``allowed``
+    already says so). FAISS decides itself (:mod:`index.vector_index`). Milvus evaluates ``where``
+    when its collection carries the metadata (:meth:`index.milvus_index.MilvusVectorIndex.expression`)
+    and ``allowed`` is checked on the hits; otherwise — a collection published without metadata, a
+    filter not expressible there — it over-fetches, or ranks the passing rows' vectors exactly when
+    few pass (on our side)."""
+    expression = getattr(index, "expression", None)
+    if where is not None and not isinstance(index, FaissVectorIndex) and callable(expression):
+        text = expression(where)
+        if text is not None:
+            return index.search(queries, k, languages, where=text, keep=allowed)  # type: ignore[call-arg]
+    if allowed is None:
+        raise ValueError("filtered_search needs the mask unless the backend evaluates the filter")
     if isinstance(index, FaissVectorIndex):
         return index.search(queries, k, allowed=allowed)
     if np.count_nonzero(allowed) <= PREFILTER_FRACTION * index.ntotal:

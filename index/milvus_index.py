@@ -29,6 +29,11 @@ bundle's collections, which is what other consumers and replicas read (docs/serv
   search ``ef``), ``IVF_FLAT`` (``nlist``; search ``nprobe``), ``AUTOINDEX``.
 * Hits are read from the entity's ``row`` field (milvus-lite 3.x keys hits by the primary
   field's name, the server by ``id``).
+* **Filters** are evaluated by Milvus: publish writes each clip's metadata (a caption row: its
+  clip's) into the JSON field :data:`META_FIELD` and its fields and kinds into the registry
+  (``meta_fields``); :meth:`MilvusVectorIndex.expression` writes a filter as Milvus's ``filter``
+  expression (:func:`index.filters.milvus_expr`). Collections published without it (before, or by
+  the Ray writers) are filtered on our side (:func:`index.loader.filtered_search`).
 * **Index-only bundles** (`tonearm index`, no captions) publish an audio collection and an
   empty text one (the aliases always name both collections of one bundle).
 * **Many writers** (`tonearm index --ray --milvus-uri`): :func:`begin_audio_publish` creates the
@@ -73,6 +78,7 @@ from index.errors import (
     TonearmError,
 )
 from index.evalset import read_jsonl
+from index.filters import Filter, MetadataTable, milvus_expr, milvus_metadata
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +94,9 @@ QUERY_CHUNK = 10_000
 MAX_LIMIT = 16_384  # Milvus's topk ceiling
 TIE_MARGIN = 8
 LANG_MAX = 32
+META_FIELD = "meta"
+"""The JSON field holding each row's metadata (a clip's; a caption row: its clip's), published since
+filters are evaluated by Milvus; the registry's ``meta_fields`` lists its fields and their kinds."""
 KINDS = ("audio", "text")
 INDEX_TYPES = ("FLAT", "IVF_FLAT", "HNSW", "AUTOINDEX")
 RECALL_QUERIES = 256
@@ -362,7 +371,7 @@ def _mapped(what: str, target: MilvusTarget) -> Iterator[None]:
 # ----------------------------------------------------------------------------- publish
 
 
-def _schema(dim: int, *, text: bool) -> Any:
+def _schema(dim: int, *, text: bool, meta: bool = False) -> Any:
     from pymilvus import DataType, MilvusClient
 
     schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
@@ -370,6 +379,8 @@ def _schema(dim: int, *, text: bool) -> Any:
     if text:
         schema.add_field("lang", DataType.VARCHAR, max_length=LANG_MAX)
         schema.add_field("clip_row", DataType.INT64)
+    if meta:
+        schema.add_field(META_FIELD, DataType.JSON)
     schema.add_field("vector", DataType.FLOAT_VECTOR, dim=dim)
     return schema
 
@@ -485,24 +496,27 @@ def _check_index_type(index_type: str) -> None:
 
 
 def create_collection(target: MilvusTarget, name: str, *, dim: int, text: bool, index_type: str,
-                      n: int) -> dict[str, int]:
+                      n: int, meta: bool = False) -> dict[str, int]:
     """(Re)create collection ``name`` for about ``n`` vectors; its build parameters. A collection
-    left by a publish interrupted before its registry row is dropped first (start over)."""
+    left by a publish interrupted before its registry row is dropped first (start over). ``meta``:
+    with the JSON field :data:`META_FIELD` (each row's metadata, for filters evaluated by Milvus)."""
     build = build_params(index_type, n)
     if target.call("has_collection", name):
         target.call("drop_collection", name, bulk=True)
     target.call(
-        "create_collection", name, schema=_schema(dim, text=text),
+        "create_collection", name, schema=_schema(dim, text=text, meta=meta),
         index_params=_index_params(target.client(), index_type, build), bulk=True,
     )
     return build
 
 
 def write_rows(target: MilvusTarget, name: str, keys: Sequence[int] | np.ndarray, vectors: np.ndarray,
-               text_items: Sequence[dict[str, Any]] | None = None, *, upsert: bool = False) -> None:
+               text_items: Sequence[dict[str, Any]] | None = None, *, upsert: bool = False,
+               metas: Sequence[dict[str, Any]] | None = None) -> None:
     """The one write path of vectors into a collection: ``keys[i]`` is the ``row`` field of
-    ``vectors[i]`` (and ``text_items[i]`` its ``lang`` / ``clip_row``), in chunks of
-    :data:`INSERT_CHUNK`. ``upsert``: a batch written twice (a Ray task retried) leaves one copy."""
+    ``vectors[i]`` (and ``text_items[i]`` its ``lang`` / ``clip_row``, ``metas[i]`` its
+    :data:`META_FIELD`), in chunks of :data:`INSERT_CHUNK`. ``upsert``: a batch written twice (a Ray
+    task retried) leaves one copy."""
     method = "upsert" if upsert else "insert"
     for start in range(0, len(vectors), INSERT_CHUNK):
         rows = []
@@ -511,6 +525,8 @@ def write_rows(target: MilvusTarget, name: str, keys: Sequence[int] | np.ndarray
             if text_items is not None:
                 record["lang"] = str(text_items[i]["lang"])
                 record["clip_row"] = int(text_items[i]["clip_row"])
+            if metas is not None:
+                record[META_FIELD] = metas[i]
             rows.append(record)
         target.call(method, name, rows, bulk=True)
 
@@ -544,15 +560,21 @@ def publish(bundle_dir: Path, target: MilvusTarget, *, index_type: str = "FLAT")
     audio, text = bundle_vectors(root, manifest)
     captions = caption_index(manifest)
     text_items = read_jsonl(root / captions.ids_file, required=("lang", "clip_row")) if captions else []
+    audio_items = read_jsonl(root / manifest.audio_index.ids_file, required=("id",))
+    fields = {name: kind for name, kind in MetadataTable.from_items(audio_items).fields().items() if kind != "mixed"}
+    clip_metas = [milvus_metadata(item, fields) for item in audio_items]
+    metas = {"audio": clip_metas, "text": [clip_metas[int(t["clip_row"])] for t in text_items]}
     info: dict[str, Any] = {"n_audio": len(audio), "n_text": len(text), "index_type": index_type,
-                            "dim": manifest.embed_dim, "build_params": {}, "recall_at_10": {}}
+                            "dim": manifest.embed_dim, "build_params": {}, "recall_at_10": {},
+                            "meta_fields": fields}
     with _mapped(f"publishing {manifest.bundle_id}", target):
         for kind, vectors, queries in (("audio", audio, text if len(text) else audio), ("text", text, audio)):
             name = target.collection(manifest.bundle_id, kind)
             build = create_collection(target, name, dim=manifest.embed_dim, text=kind == "text",
-                                      index_type=index_type, n=len(vectors))
+                                      index_type=index_type, n=len(vectors), meta=True)
             info["build_params"][kind] = build
-            write_rows(target, name, np.arange(len(vectors)), vectors, text_items if kind == "text" else None)
+            write_rows(target, name, np.arange(len(vectors)), vectors, text_items if kind == "text" else None,
+                       metas=metas[kind])
             target.call("flush", name, bulk=True)
             index = MilvusVectorIndex(target, name, ntotal=len(vectors), dim=manifest.embed_dim,
                                       index_type=index_type, build=build)
@@ -688,8 +710,12 @@ class MilvusVectorIndex:
     def __init__(
         self, target: MilvusTarget, collection: str, *, ntotal: int, dim: int,
         index_type: str = "FLAT", build: dict[str, int] | None = None, gaps: Sequence[int] = (),
+        meta_fields: Mapping[str, str] | None = None,
     ) -> None:
         self.target = target
+        self.meta_fields = dict(meta_fields) if meta_fields is not None else None
+        """The :data:`META_FIELD` fields and kinds; None for a collection published without metadata
+        (before filters were evaluated by Milvus, or by `tonearm index --ray --milvus-uri`)."""
         self.collection = collection
         self.ntotal = ntotal
         self.d = dim
@@ -705,30 +731,50 @@ class MilvusVectorIndex:
             return rows
         return rows + np.searchsorted(self._gaps - np.arange(len(self._gaps)), rows, side="right")
 
+    def expression(self, flt: Filter) -> str | None:
+        """``flt`` as this collection's Milvus expression (:func:`index.filters.milvus_expr`); None when
+        the collection has no metadata or the filter cannot be written as one (filter on our side)."""
+        if self.meta_fields is None:
+            return None
+        return milvus_expr(flt, self.meta_fields, json_field=META_FIELD, row_field="row",
+                           in_operator=not is_lite(self.target.uri))
+
     def search(
-        self, queries: np.ndarray, k: int, languages: Sequence[str] | None = None, *, bulk: bool = False
+        self, queries: np.ndarray, k: int, languages: Sequence[str] | None = None, *, bulk: bool = False,
+        where: str = "", keep: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` (scores (n, k) float32, rows (n, k) int64; -1 / -inf where fewer hits), ties by row.
 
-        ``bulk``: a search of bulk work (publish's recall check) under the bulk deadline, outside
-        the serving circuit (:meth:`MilvusTarget.call`)."""
+        ``where``: a Milvus expression (:meth:`expression`) the rows must pass, evaluated by Milvus.
+        ``keep``: a boolean mask over the rows checked on the hits as well (a filter's mask made
+        stricter on our side: the query's own clip excluded, a takedown): hits it drops are
+        replaced by fetching further. ``bulk``: a search of bulk work (publish's recall check)
+        under the bulk deadline, outside the serving circuit (:meth:`MilvusTarget.call`)."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         matrix = np.ascontiguousarray(queries, dtype=np.float32)
-        expression = f"lang in {json.dumps(sorted(languages))}" if languages else ""
+        parts = [f"lang in {json.dumps(sorted(languages))}"] if languages else []
+        if where:
+            parts.append(f"({where})")
+        expression = " and ".join(parts)
         scores = np.full((len(matrix), k), -np.inf, dtype=np.float32)
         rows = np.full((len(matrix), k), -1, dtype=np.int64)
         if len(matrix) == 0 or self.ntotal == 0:
             return scores, rows
-        hits = self._fetch(matrix, min(self.ntotal, k + TIE_MARGIN, MAX_LIMIT), expression, bulk=bulk)
+        cap = min(self.ntotal, MAX_LIMIT)
+        first = min(cap, k + TIE_MARGIN)
+        hits = self._fetch(matrix, first, expression, bulk=bulk)
         for q, found in enumerate(hits):
-            # A tie at the cut may continue past what was fetched: widen this query until it does not.
-            limit = len(found)
-            while limit < min(self.ntotal, MAX_LIMIT) and len(found) == limit and len(found) > k \
-                    and found[-1][0] == found[k - 1][0]:
-                limit = min(self.ntotal, MAX_LIMIT, limit * 2)
+            # A tie at the cut may continue past what was fetched, and ``keep`` may drop hits:
+            # widen this query while more rows exist and the k-th kept hit is not settled.
+            limit = first
+            kept = _kept(found, keep)
+            while limit < cap and len(found) == limit and (
+                    len(kept) < k or (len(found) > k and found[-1][0] == kept[k - 1][0])):
+                limit = min(cap, limit * 2)
                 found = self._fetch(matrix[q : q + 1], limit, expression, bulk=bulk)[0]
-            for j, (score, row) in enumerate(found[:k]):
+                kept = _kept(found, keep)
+            for j, (score, row) in enumerate(kept[:k]):
                 scores[q, j] = score
                 rows[q, j] = row
         return scores, rows
@@ -791,6 +837,10 @@ class MilvusVectorIndex:
             log.warning("%s", err)
 
 
+def _kept(found: list[tuple[float, int]], keep: np.ndarray | None) -> list[tuple[float, int]]:
+    return found if keep is None else [hit for hit in found if keep[hit[1]]]
+
+
 def _row(hit: Any) -> int:
     """The hit's bundle row: the entity's ``row`` field (the server keys hits ``id``, milvus-lite 3.x ``row``)."""
     entity = hit.get("entity") or {}
@@ -825,6 +875,7 @@ def open_bundle_indices(
             indices.append(MilvusVectorIndex(
                 target, name, ntotal=n, dim=manifest.embed_dim, index_type=str(info.get("index_type", "FLAT")),
                 build=dict(info.get("build_params", {}).get(kind, {})), gaps=gaps if kind == "audio" else (),
+                meta_fields=info.get("meta_fields"),
             ))
     audio, text = indices
     assert audio is not None

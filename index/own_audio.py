@@ -9,6 +9,10 @@ bundles"): text→audio search works, audio→text search does not. Clip ids and
 uris are the files' POSIX paths relative to ``AUDIO_DIR``, which the manifest
 records as the audio root. Torch-free: needs only the service extra.
 
+Per-file metadata (:mod:`index.file_metadata`): ``AUDIO_DIR/metadata.jsonl`` or ``metadata.csv``
+(or ``--metadata PATH``) is read and checked before anything is embedded, is not itself indexed,
+and each clip's row becomes its ``metadata`` in ``audio_ids.jsonl`` (the filters' fields).
+
 With ``ray`` (`tonearm index --ray [ADDRESS]`) the decoding and embedding run as a Ray
 Data job (:mod:`index.ray_embed`); the bundle written is the same.
 
@@ -43,6 +47,7 @@ from index.audio_formats import SNIFF_BYTES, SUPPORTED, sniff_format
 from index.embed_checkpoint import CHUNK_FILES, Chunk, EmbedCheckpoint, plan_digest
 from index.errors import AudioDecodeError, BundleError, TonearmError
 from index.faiss_ondisk import build_and_save
+from index.file_metadata import find_metadata_file, read_file_metadata
 from index.loader import LoadedBundle, device_providers
 from index.ray_embed import RayOptions
 
@@ -71,17 +76,21 @@ class MilvusPublish:
     index_type: str = "FLAT"
 
 
-def audio_files(audio_dir: Path) -> list[Path]:
-    """Every regular file under ``audio_dir`` (recursive, sorted by relative path); hidden ones skipped."""
+def audio_files(audio_dir: Path, metadata: Path | None = None) -> list[Path]:
+    """Every regular file under ``audio_dir`` (recursive, sorted by relative path); hidden ones and
+    the per-file metadata table (``metadata``) skipped."""
+    skip = metadata.resolve() if metadata is not None else None
     return sorted(
         p for p in audio_dir.rglob("*")
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(audio_dir).parts)
+        and (skip is None or p.resolve() != skip)
     )
 
 
 def index_folder(
     audio_dir: Path, source: Path, out: Path, *, progress: bool = False, ray: RayOptions | None = None,
     milvus: MilvusPublish | None = None, providers: Sequence[str] | None = None, chunk_files: int = CHUNK_FILES,
+    metadata: Path | None = None,
 ) -> IndexedFolder:
     """Embed every decodable file under ``audio_dir`` with ``source``'s audio encoder; publish ``out`` atomically.
 
@@ -89,15 +98,18 @@ def index_folder(
     the same command resumes it after an interruption (:mod:`index.embed_checkpoint`).
 
     ``ray``: embed on a Ray cluster instead of in this process (same vectors to float tolerance).
-    ``milvus`` (with ``ray``): the workers write the vectors into Milvus; ``out`` gets no FAISS file."""
+    ``milvus`` (with ``ray``): the workers write the vectors into Milvus; ``out`` gets no FAISS file.
+    ``metadata``: the per-file metadata table (default: :data:`index.file_metadata.NAMES` in ``audio_dir``)."""
     audio_dir, out = Path(audio_dir).resolve(), Path(out)
     if not audio_dir.is_dir():
         raise TonearmError(f"{audio_dir}: audio directory not found")
     if milvus is not None and ray is None:
         raise TonearmError("--milvus-uri needs --ray: without Ray, build the bundle and run `tonearm bundle publish`")
-    files = audio_files(audio_dir)
+    table = find_metadata_file(audio_dir, Path(metadata) if metadata is not None else None)
+    files = audio_files(audio_dir, table)
+    metas = read_file_metadata(table, [p.relative_to(audio_dir).as_posix() for p in files]) if table else {}
     if milvus is not None and ray is not None:
-        return _index_into_milvus(audio_dir, source, out, files, ray, milvus)
+        return _index_into_milvus(audio_dir, source, out, files, ray, milvus, metas)
     bundle = LoadedBundle.open(source, verify=True, providers=providers)
     checkpoint = None
     try:
@@ -121,7 +133,7 @@ def index_folder(
             file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS, factory=built.spec.factory, dim=built.index.d,
             ntotal=built.index.ntotal, search_params=built.search_params, ann_recall_at_10=built.ann_recall_at_10,
         )
-        path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index)
+        path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index, metas=metas)
     if checkpoint is not None:
         checkpoint.remove()
     return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped)
@@ -130,13 +142,18 @@ def index_folder(
 def _write_bundle(
     staging: Path, source: Path, manifest: fmt.BundleManifest, audio_dir: Path, bundle_id: str,
     clip_ids: list[str], audio_index: fmt.IndexInfo, milvus_only: fmt.MilvusOnlyInfo | None = None,
+    *, metas: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
-    """Encoders, tokenizer, ids and manifest of the index-only bundle into ``staging``; publish it."""
+    """Encoders, tokenizer, ids (with each clip's ``metas`` row as its ``metadata``) and manifest of the
+    index-only bundle into ``staging``; publish it."""
     for name in {manifest.audio_encoder.file, manifest.text_encoder.file, manifest.tokenizer.file}:
         shutil.copyfile(source / name, staging / name)
     with (staging / fmt.AUDIO_IDS).open("w", encoding="utf-8") as handle:
         for clip_id in clip_ids:  # uri = id: both are the path relative to the audio root
-            handle.write(json.dumps({"id": clip_id, "uri": clip_id, "captions": {}}, ensure_ascii=False) + "\n")
+            row: dict[str, Any] = {"id": clip_id, "uri": clip_id, "captions": {}}
+            if metas and clip_id in metas:
+                row["metadata"] = metas[clip_id]
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
     new = manifest.model_copy(update={
         "bundle_id": bundle_id,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -151,7 +168,8 @@ def _write_bundle(
 
 
 def _index_into_milvus(
-    audio_dir: Path, source: Path, out: Path, files: list[Path], ray: RayOptions, milvus: MilvusPublish
+    audio_dir: Path, source: Path, out: Path, files: list[Path], ray: RayOptions, milvus: MilvusPublish,
+    metas: dict[str, dict[str, Any]],
 ) -> IndexedFolder:
     """The Ray pass with each actor writing its vectors into Milvus (module docstring).
 
@@ -197,7 +215,7 @@ def _index_into_milvus(
             ann_recall_at_10=float(info["recall_at_10"]["audio"]),
         )
         only = fmt.MilvusOnlyInfo(uri=target.uri, index_type=index_type, gaps=gaps)
-        path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index, only)
+        path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index, only, metas=metas)
     return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped, published=info)
 
 
@@ -306,8 +324,9 @@ def cli_index(args: argparse.Namespace) -> int:
         milvus = MilvusPublish(target_from_args(args.milvus_uri, args.milvus_token_env),
                                index_type=args.milvus_index or "FLAT")
     providers = device_providers(getattr(args, "device", "cpu"))
+    metadata = getattr(args, "metadata", None)
     result = index_folder(Path(args.audio_dir), Path(args.bundle), out, progress=True, ray=ray, milvus=milvus,
-                          providers=providers)
+                          providers=providers, metadata=Path(metadata) if metadata else None)
     console = Console()
     for rel, reason in result.skipped:
         console.print(f"[yellow]skipped[/yellow] {rel}: {reason}", highlight=False, soft_wrap=True)

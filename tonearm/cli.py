@@ -177,6 +177,9 @@ def _add_index(sub: argparse._SubParsersAction) -> None:
     p.add_argument("audio_dir", help="folder searched recursively; files soundfile cannot read are skipped")
     p.add_argument("--bundle", required=True, help="source bundle whose ONNX encoders and tokenizer are reused")
     p.add_argument("--out", required=True, help="new bundle directory (its name is the bundle id; must not exist)")
+    p.add_argument("--metadata", metavar="PATH", default=None,
+                   help="per-file metadata, CSV or JSONL with a 'file' column (default: AUDIO_DIR/metadata.jsonl "
+                        "or metadata.csv when present); the filters' fields (docs/bundle.md)")
     _add_ray_options(p)
     _add_device_option(p)
     milvus = p.add_argument_group(

@@ -121,14 +121,17 @@ def test_top10_equals_faiss_hits_read_from_the_entity(tiny_bundle, published):
 
 
 def test_filtered_search_on_milvus_gives_the_faiss_answers(tiny_bundle, published):
-    """Metadata filters on the Milvus backend (over-fetch when many clips pass, exact over the passing
-    vectors when few do) answer as FAISS does, and as numpy over the passing clips."""
+    """Metadata filters on the Milvus backend answer as FAISS does, and as numpy over the passing
+    clips: evaluated by Milvus (``where``: publish wrote the clips' metadata and the registry its
+    fields), and on our side without it (over-fetch when many clips pass, exact when few do)."""
     from index.filters import MetadataTable, parse_filter
 
     local = LoadedBundle.open(tiny_bundle)
     remote = LoadedBundle.open(tiny_bundle, milvus=published)
     try:
         table = MetadataTable.from_items(local.audio_items)
+        assert published_info(published, local.bundle_id)["meta_fields"] == {
+            k: v for k, v in table.fields().items() if v != "mixed"}
         queries = local.encode_text(["a dog barks", "rain on a roof", "bells"])
         vectors = local.audio_embeddings()
         selective = {"id": local.audio_items[7]["id"]}
@@ -137,16 +140,21 @@ def test_filtered_search_on_milvus_gives_the_faiss_answers(tiny_bundle, publishe
             allowed = table.mask(parse_filter(flt))
             passing = np.flatnonzero(allowed)
             fs, fr = local.search_audio(queries, 10, allowed=allowed)
-            ms, mr = remote.search_audio(queries, 10, allowed=allowed)
+            for where in (None, parse_filter(flt)):
+                ms, mr = remote.search_audio(queries, 10, allowed=allowed, where=where)
+                np.testing.assert_allclose(ms, fs, atol=1e-4)
+                for i in range(len(queries)):
+                    ref = np.sort(vectors[passing] @ queries[i])[::-1][:10]
+                    np.testing.assert_allclose(fs[i, : ref.size], ref, atol=1e-5)
+                    assert set(mr[i, : ref.size]) <= set(passing.tolist()) and (mr[i, ref.size:] == -1).all()
+            ms, mr = remote.search_audio(queries, 10, where=parse_filter(flt))  # Milvus alone, no mask
             np.testing.assert_allclose(ms, fs, atol=1e-4)
-            for i in range(len(queries)):
-                ref = np.sort(vectors[passing] @ queries[i])[::-1][:10]
-                np.testing.assert_allclose(fs[i, : ref.size], ref, atol=1e-5)
-                assert set(mr[i, : ref.size]) <= set(passing.tolist()) and (mr[i, ref.size:] == -1).all()
         clips = local.encode_audio(local.eval_set().waveforms[:2])
         allowed = table.mask(parse_filter(selective))
         fs, fr = local.search_text(clips, 5, languages=["fra"], allowed_clips=allowed)
         ms, mr = remote.search_text(clips, 5, languages=["fra"], allowed_clips=allowed)
+        np.testing.assert_array_equal(mr, fr)
+        ms, mr = remote.search_text(clips, 5, languages=["fra"], allowed_clips=allowed, where=parse_filter(selective))
         np.testing.assert_array_equal(mr, fr)
         assert {local.text_items[r]["clip_row"] for r in fr[fr >= 0]} == {7}
         assert {local.text_items[r]["lang"] for r in fr[fr >= 0]} == {"fra"}

@@ -84,7 +84,7 @@ class BundleLike(Protocol):
     def encode_audio(self, waveforms: Sequence[np.ndarray]) -> np.ndarray: ...
 
     def search_audio(
-        self, queries: np.ndarray, k: int, *, allowed: np.ndarray | None = None
+        self, queries: np.ndarray, k: int, *, allowed: np.ndarray | None = None, where: Filter | None = None
     ) -> tuple[np.ndarray, np.ndarray]: ...
 
     def search_text(
@@ -94,6 +94,7 @@ class BundleLike(Protocol):
         *,
         languages: Collection[str] | None = None,
         allowed_clips: np.ndarray | None = None,
+        where: Filter | None = None,
     ) -> tuple[np.ndarray, np.ndarray]: ...
 
     def warmup(self) -> None: ...
@@ -252,8 +253,9 @@ class Searcher:
         with index_calls():
             if mask is None:
                 found = self.bundle.search_audio(queries, k)
-            else:
-                found = self.bundle.search_audio(queries, k, allowed=mask)
+            else:  # ``where``: a backend that evaluates filters itself (Milvus) gets the filter the mask came from
+                found = self.bundle.search_audio(queries, k, allowed=mask,
+                                                 where=clip_filter.filter if clip_filter is not None else None)
         if not items.size:
             return found
         return merge_top_k(found, items.search_items(queries, k, added_allowed), k)
@@ -470,7 +472,8 @@ class Searcher:
                 if mask is None:
                     found = self.bundle.search_text(embeddings[group], k, languages=[lang])
                 else:
-                    found = self.bundle.search_text(embeddings[group], k, languages=[lang], allowed_clips=mask)
+                    found = self.bundle.search_text(embeddings[group], k, languages=[lang], allowed_clips=mask,
+                                                    where=flt.filter if flt is not None else None)
             if items.caption_langs:
                 added = items.search_captions(embeddings[group], k, lang, flt.added if flt is not None else None)
                 found = merge_top_k(found, added, k)
@@ -529,7 +532,7 @@ class Searcher:
             bundle_allowed[row] = False
         else:
             raise ServiceError("unknown-target", f"{item_id!r} is not in the catalogue of bundle {self.bundle_id}")
-        scores, rows = self.search_clips(vector[None, :], k, items, bundle_allowed=bundle_allowed,
+        scores, rows = self.search_clips(vector[None, :], k, items, clip_filter, bundle_allowed=bundle_allowed,
                                          added_allowed=added_allowed)
         return self._audio_hits(scores[0], rows[0], min_score=min_score, include_captions=False, items=items)
 

@@ -127,7 +127,7 @@ class KeywordBundle:
             out = out[:, [1, 2, 3, 0, 4]]
         return out
 
-    def search_audio(self, queries: np.ndarray, k: int, *, allowed: np.ndarray | None = None):
+    def search_audio(self, queries: np.ndarray, k: int, *, allowed: np.ndarray | None = None, where: Any = None):
         if allowed is not None:  # the real filtered search of index.vector_index over a Flat index
             return FaissVectorIndex(self.audio_index, {}).search(queries, k, allowed=allowed)
         return self.audio_index.search(np.ascontiguousarray(queries, dtype=np.float32), k)
@@ -142,6 +142,7 @@ class KeywordBundle:
         *,
         languages: Collection[str] | None = None,
         allowed_clips: np.ndarray | None = None,
+        where: Any = None,
     ):
         scores = queries @ self._text_emb.T
         if languages:

@@ -36,6 +36,16 @@ import numpy as np
 Padding = Literal["repeatpad", "repeat", "pad", "reflect", "frames"]
 
 
+def prepare_whole_clip(wave: np.ndarray, multiple: int) -> np.ndarray:
+    """A clip of any length as ``long_clips = "whole"`` embeds it: reflected at its end to the next multiple
+    of ``multiple`` samples (``PeAudioFeatureExtractor._reflect_pad``; a NaN tail, the training path's marker,
+    is dropped first)."""
+    wave = np.asarray(wave, dtype=np.float32)
+    if wave.shape[0] and np.isnan(wave[-1]):
+        wave = wave[~np.isnan(wave)]
+    return pad_short_clip(wave, wave.shape[0] + multiple, "reflect", multiple)
+
+
 def keeps_short_clips(padding: str) -> bool:
     """True when a padded short clip stays shorter than the window (embedded at its own length)."""
     return padding == "reflect"

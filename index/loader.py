@@ -25,7 +25,7 @@ import onnxruntime as ort
 
 from index import bundle as fmt
 from index.audio import eval_chunks
-from index.audio_frontend import Padding, keeps_short_clips, pad_short_clip
+from index.audio_frontend import Padding, keeps_short_clips, pad_short_clip, prepare_whole_clip
 from index.bundle import BundleManifest, read_manifest, verify_files
 from index.errors import BundleError, TonearmError
 from index.evalset import EvalSet, read_eval_set, read_jsonl
@@ -221,6 +221,9 @@ def encode_clips(
     """What a bundle does to any clip (the service, `tonearm index`, on Ray too): clips shorter than
     ``clip_samples`` zero-padded, or padded as the manifest's ``audio_frontend`` says (a pretrained
     model's own padding, :mod:`index.audio_frontend`); then chunk-and-average."""
+    if frontend is not None and frontend.long_clips == "whole":
+        waveforms = [prepare_whole_clip(w, int(frontend.pad_multiple or 1)) for w in waveforms]
+        return encode_waveforms(encoder, waveforms, clip_samples=clip_samples, embed_dim=embed_dim, whole=True)
     if frontend is not None:
         waveforms = [pad_short_clip(w, clip_samples, frontend.padding, frontend.pad_multiple) for w in waveforms]
     return encode_waveforms(encoder, waveforms, clip_samples=clip_samples, embed_dim=embed_dim,
@@ -229,15 +232,17 @@ def encode_clips(
 
 def encode_waveforms(
     encoder: OnnxEncoder, waveforms: Sequence[np.ndarray], *, clip_samples: int, embed_dim: int,
-    keep_short: bool = False, padding: Padding = "pad",
+    keep_short: bool = False, padding: Padding = "pad", whole: bool = False,
 ) -> np.ndarray:
     """(n, d) clip embeddings: L2-normalized mean over each clip's ``eval_chunks`` (docs/corpus.md);
     clips shorter than a window are padded with ``padding`` (:mod:`index.audio_frontend`).
 
     ``keep_short`` (a bundle whose ``audio_frontend`` pads short clips to their own length,
     :func:`index.audio_frontend.keeps_short_clips`): a clip shorter than ``clip_samples`` is one
-    window of its own length instead of being zero-padded; windows run in calls of equal length."""
-    chunks = [w[None, :] if keep_short and 0 < w.shape[0] < clip_samples else eval_chunks(w, clip_samples, padding)
+    window of its own length instead of being zero-padded; windows run in calls of equal length.
+    ``whole`` (``audio_frontend.long_clips = "whole"``): every clip is one window of its own length."""
+    chunks = [w[None, :] if (whole and w.shape[0]) or (keep_short and 0 < w.shape[0] < clip_samples)
+              else eval_chunks(w, clip_samples, padding)
               for w in (np.asarray(x, dtype=np.float32) for x in waveforms)]
     if not chunks:
         return np.zeros((0, embed_dim), np.float32)

@@ -18,7 +18,6 @@ from training.config import ConfigError, FrontendConfig, ModelConfig
 from training.models.audio_cnn import AudioCNN
 from training.models.text_transformer import TextTransformer
 
-
 PAIRED_KINDS = ("hf_clap", "hf_pe_audio")
 """Tower kinds that are one pretrained joint space (CLAP, PE-Audio): heads start as the identity."""
 

@@ -24,8 +24,15 @@ What the encoders see per clip (docs/models.md, "Bring your own model"):
   the extractor's batch zero-padding + ``padding_mask`` only matter in mixed-length batches, and
   the loader never mixes lengths in one call);
 * the window (``clip_samples``, a hop multiple): as the extractor (no padding);
-* longer: the extractor has no policy (the model would attend over the whole clip, at a cost
-  quadratic in length); bundles chunk and average windows as every tonearm bundle does.
+* longer: the extractor has no policy: the model attends over the whole clip (25 tokens/s; 1,500 at
+  60 s, where the attention is still cheaper than the codec). Bundles do the same
+  (``audio_frontend.long_clips = "whole"``): the window-mean of 10-s windows was measured against
+  the whole-clip forward and agrees on the raw cosine (0.9998 at 60 s) but not on what tells clips
+  apart (centred cosine 0.5–0.74 at 20–60 s; docs/models.md "PE-Audio: long clips").
+
+Fine-tuning (``model.audio.kind: hf_pe_audio``, configs/real/pe_audio.yaml) runs the same modules
+(:class:`PeAudioAudioTower`, :class:`PeAudioTextTower`); folders of the layouts in :data:`LAYOUTS`
+(``pe_audio``; ``pe_audio_video``, whose audio branch is a whole ``PeAudioModel``) are accepted by both.
 """
 
 from __future__ import annotations
@@ -65,7 +72,11 @@ class PeAudioSettings:
     """``PeAudioFeatureExtractor.to_dict()`` + the window: the bundle manifest's ``frontend``."""
     padding: str = "reflect"
     truncation: str = "none"
-    """The extractor's own policy for long clips: none (whole clip); bundles chunk instead."""
+    """The extractor's own policy for long clips: none (the whole clip)."""
+    long_clips: str = "whole"
+    """The bundle's rule for clips longer than the window: ``whole``, the model's own forward over the
+    whole clip (the window-mean was measured against it and differs on what tells clips apart,
+    docs/models.md "PE-Audio: long clips")."""
 
     @property
     def pad_multiple(self) -> int:

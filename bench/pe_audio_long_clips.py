@@ -7,7 +7,7 @@ model itself does: it has no maximum length). Reports the raw cosine and the cos
 embeddings (the mean over the set of different clips of that length removed), which is what differs
 between clips. Also the forward's time per clip of each rule.
 
-    PYTHONPATH=. python scripts/pe_audio_long_clips.py FOLDER [--seconds 10 20 30 45 60] [--clips 6]
+    PYTHONPATH=. python bench/pe_audio_long_clips.py FOLDER [--seconds 10 20 30 45 60] [--clips 6]
 
 FOLDER: a saved PeAudioModel (tests/small_pe_audio.py builds a small random-weight one).
 """

@@ -170,12 +170,12 @@ def parity_clips(wave: np.ndarray, n: int, *, reflect: bool = False) -> list[np.
 
     ``reflect`` (PE-Audio, ~1 s of CPU per second of audio in each of torch and ONNX): a short clip of
     a twentieth of the window plus 7 samples (not a hop multiple, so the reflection runs), one of
-    exactly the window and one of 12 s + 7 samples (embedded whole, ``long_clips = "whole"``) — 22.5 s of
-    audio, not 43 s. Chunk-and-average of longer clips is the loader's
-    mean over such windows, the same code for every family (``index.loader.encode_waveforms``)."""
+    exactly the window and one of 10.5 s + 7 samples (embedded whole, ``long_clips = "whole"``) — 21 s of
+    audio, not 43 s. Chunk-and-average of longer clips (CLAP) is the loader's mean over such windows, the
+    same code for every family (``index.loader.encode_waveforms``)."""
     tiled = np.resize(np.asarray(wave, dtype=np.float32), 3 * n)
     if reflect:
-        return [tiled[: n // 20 + 7], tiled[:n], tiled[: n + n // 5 + 7]]
+        return [tiled[: n // 20 + 7], tiled[:n], tiled[: n + n // 20 + 7]]
     return [tiled[: n // 3], tiled[:n], tiled[: 5 * n // 2]]
 
 

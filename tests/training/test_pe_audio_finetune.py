@@ -179,3 +179,59 @@ def test_trains_with_every_objective(name: str, small_pe: Path, pe_manifest: Pat
     assert torch.equal(trained[codec], start[codec])
     text = dict(ckpt.model.text.tower.named_parameters())["text_audio_head.proj.weight"]
     assert not torch.equal(text, start["text_audio_head.proj.weight"]), "the text head did not train"
+
+
+def test_a_fine_tuned_pe_audio_exports_a_bundle_the_service_embeds_as_training_did(
+    small_pe: Path, pe_manifest: Path, tmp_path: Path
+) -> None:
+    """The checkpoint's bundle records PE-Audio's rules (reflect to the hop, long clips whole) and the
+    service's path (``LoadedBundle.encode_audio``) gives the checkpoint's own evaluation embeddings."""
+    from index import bundle as fmt
+    from index.loader import LoadedBundle
+    from training.checkpoint import load_checkpoint
+    from training.export import export_bundle
+    from training.loop import train
+
+    overrides = [f"model.audio.path={small_pe}", "model.embed_dim=32", f"data.manifest={pe_manifest}",
+                 f"out_dir={tmp_path / 'run'}", "device=cpu", "threads=2", "optim.epochs=1", "optim.batch_size=4",
+                 "optim.warmup_steps=0", "optim.amp=false", "eval.every_epochs=1", "eval.batch_size=4",
+                 "data.num_workers=0", "data.clip_seconds=2.0"]
+    run = train(load_train_config(PRESETS / "pe_audio.yaml", overrides))
+    checkpoint = run / "last" if (run / "last").is_dir() else run
+    bundle_dir = export_bundle(checkpoint, manifest=pe_manifest, out_dir=tmp_path / "bundles", progress=False)
+    frontend = fmt.read_manifest(bundle_dir).audio_frontend
+    assert frontend is not None
+    assert (frontend.source, frontend.padding, frontend.pad_multiple, frontend.long_clips) == (
+        "pe_audio_feature_extractor", "reflect", 1920, "whole")
+    model = load_checkpoint(checkpoint).model.eval()
+    waves = [w for w in clips() if w.shape[0] != WINDOW]  # 0.5, 3 and 14 s: shorter and longer than 2 s
+    with torch.no_grad():
+        want = embed_chunks(model, [eval_chunks(w, 2 * RATE, "reflect") for w in waves], batch_size=3, device=CPU)
+    bundle = LoadedBundle.open(bundle_dir)
+    got = torch.from_numpy(bundle.encode_audio(waves))
+    bundle.close()
+    cos = centred_cos(got, want)
+    assert cos.min() >= 0.999, cos.tolist()
+
+
+def test_export_pretrained_of_a_pe_av_folder_serves_its_audio_branch_with_long_clips_whole(
+    small_pe: Path, small_pe_av: Path, pe_manifest: Path, tmp_path: Path
+) -> None:
+    """`tonearm export --pretrained` of the ``pe_audio_video`` layout; the reference is the ``PeAudioModel``
+    the weights came from, fed by its own extractor over the whole clip (0.5, 3 and 14 s)."""
+    from index import bundle as fmt
+    from index.loader import LoadedBundle
+    from tonearm.cli import main
+
+    assert main(["export", "--pretrained", str(small_pe_av), "--data", str(pe_manifest), "--out",
+                 str(tmp_path / "bundles"), "--languages", "eng"]) == 0
+    (bundle_dir,) = [p for p in (tmp_path / "bundles").iterdir() if p.is_dir()]
+    manifest = fmt.read_manifest(bundle_dir)
+    assert manifest.audio_frontend is not None and manifest.audio_frontend.long_clips == "whole"
+    assert manifest.audio_encoder.parity_min_cosine >= 0.999  # the export's own check includes a 10.5-s clip
+    waves = [w for w in clips() if w.shape[0] != WINDOW]
+    bundle = LoadedBundle.open(bundle_dir)
+    got = torch.from_numpy(bundle.encode_audio(waves))
+    bundle.close()
+    cos = centred_cos(got, reference_audio(small_pe, waves))
+    assert cos.min() >= 0.999, cos.tolist()

@@ -9,7 +9,8 @@ default 32), so 16 clips of 10 s make every such tensor 16× larger — activati
 This script exports the codec encoder of the default (full-size) ``PeAudioEncoderConfig`` (random
 weights, ~22 M parameters: the transformer after it works on 25 tokens/s and costs little) to ONNX and
 runs it in ONNX Runtime as the service does (CPU provider, arena off) at a batch of 1, 4 and 16 clips
-of 10 s and at one clip of 60 s, each in a fresh process; it prints the peak RSS of each.
+of 10 s and at one clip of 60 s, each in a fresh process; it prints the RSS before the call and its
+peak during it (Linux: the peak is reset through /proc/self/clear_refs just before the call).
 
     PYTHONPATH=. python bench/pe_audio_memory.py [--batches 1 4 16] [--long 60]
 """
@@ -17,7 +18,6 @@ of 10 s and at one clip of 60 s, each in a fresh process; it prints the peak RSS
 from __future__ import annotations
 
 import argparse
-import resource
 import subprocess
 import sys
 import tempfile
@@ -46,12 +46,20 @@ def run(path: str, batch: int, seconds: float) -> None:
     options.enable_cpu_mem_arena = False  # the service's default (service/settings.py onnx_memory_arena)
     options.intra_op_num_threads = 2
     session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     wave = (0.1 * np.random.default_rng(0).standard_normal((batch, 1, int(seconds * RATE)))).astype(np.float32)
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+    before = status_kib("VmRSS")
     session.run(None, {"waveform": wave})
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = status_kib("VmHWM")
     print(f"| {batch} | {seconds:g} | {before / 1024:.0f} | {peak / 1024:.0f} | {(peak - before) / 1024:.0f} |",
           flush=True)
+
+
+def status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def main() -> None:

@@ -232,6 +232,26 @@ def test_export_pretrained_of_a_pe_av_folder_serves_its_audio_branch_with_long_c
     waves = [w for w in clips() if w.shape[0] != WINDOW]
     bundle = LoadedBundle.open(bundle_dir)
     got = torch.from_numpy(bundle.encode_audio(waves))
+    # the codec's activation memory is bounded per call (index.loader.CODEC_CALL_SAMPLES): five 10-s clips
+    # run two at a time, with the embeddings each clip gets alone
+    from index.loader import CODEC_CALL_SAMPLES, encode_clips
+
+    class Recorded:  # the bundle's real encoder; records each call's shape
+        def __init__(self, encoder: object) -> None:
+            self.encoder, self.calls = encoder, []
+
+        def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+            self.calls.append(feeds["waveform"].shape)
+            return self.encoder.run(feeds)  # type: ignore[attr-defined]
+
+    recorded = Recorded(bundle._need(bundle._audio_encoder))
+    tens = [clips()[4 + i % 2] * (1 + i) for i in range(5)]
+    together = encode_clips(recorded, tens, clip_samples=bundle.clip_samples, embed_dim=bundle.embed_dim,  # type: ignore[arg-type]
+                            frontend=manifest.audio_frontend)
+    calls = recorded.calls
+    alone = np.concatenate([bundle.encode_audio([w]) for w in tens])
     bundle.close()
+    assert [c[0] for c in calls] == [2, 2, 1] and all(c[0] * c[1] <= CODEC_CALL_SAMPLES for c in calls)
+    np.testing.assert_allclose(together, alone, atol=1e-5)
     cos = centred_cos(got, reference_audio(small_pe, waves))
     assert cos.min() >= 0.999, cos.tolist()

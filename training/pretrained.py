@@ -110,7 +110,7 @@ def frontend_info(model: Pretrained) -> fmt.AudioFrontendInfo:
     s = model.settings
     if isinstance(model, PretrainedPeAudio):
         return fmt.AudioFrontendInfo(source="pe_audio_feature_extractor", padding="reflect",
-                                     pad_multiple=model.settings.pad_multiple, long_clips=s.long_clips,
+                                     pad_multiple=model.settings.pad_multiple, long_clips=model.settings.long_clips,
                                      model_truncation=s.truncation)
     return fmt.AudioFrontendInfo(padding=s.padding, model_truncation=s.truncation)  # type: ignore[arg-type]
 

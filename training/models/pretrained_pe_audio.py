@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -73,7 +73,7 @@ class PeAudioSettings:
     padding: str = "reflect"
     truncation: str = "none"
     """The extractor's own policy for long clips: none (the whole clip)."""
-    long_clips: str = "whole"
+    long_clips: Literal["chunk", "whole"] = "whole"
     """The bundle's rule for clips longer than the window: ``whole``, the model's own forward over the
     whole clip (the window-mean was measured against it and differs on what tells clips apart,
     docs/models.md "PE-Audio: long clips")."""
@@ -368,7 +368,8 @@ def build_pe_audio_pair(
         from training.models.hf import hf_config_from_dict
 
         model = transformers.PeAudioModel(hf_config_from_dict(config))
-        hop = int(np.prod(model.config.audio_config.dac_config.downsampling_ratios))
+        audio_config: Any = model.config.audio_config
+        hop = int(np.prod(audio_config.dac_config.downsampling_ratios))
         rate = sample_rate
     else:
         if path is None:

@@ -294,13 +294,16 @@ def eval_chunks(wave: np.ndarray, n: int, padding: Padding = "pad") -> np.ndarra
 
     ``len <= n`` gives one window padded with ``padding`` (zeros by default, see :func:`fit_length`); longer clips give ``ceil(len / n)``
     non-overlapping windows starting at 0, n, 2n, … with the last one moved left
-    so that it ends exactly at the end of the clip (it may overlap its neighbour).
+    so that it ends exactly at the end of the clip (it may overlap its neighbour). With ``reflect``
+    (PE-Audio, ``audio_frontend.long_clips = "whole"``) a longer clip is one window of its own length.
     """
     wave = np.asarray(wave, dtype=np.float32)
     if wave.ndim != 1:
         raise ValueError(f"expected a 1-D waveform, got shape {wave.shape}")
     if wave.shape[0] <= n:
         return fit_length(wave, n, mode="start", padding=padding)[None, :]
+    if padding == "reflect":  # PE-Audio: the model's own forward over the whole clip (long_clips="whole")
+        return wave[None, :]
     count = -(-wave.shape[0] // n)
     starts = [i * n for i in range(count - 1)] + [wave.shape[0] - n]
     return np.stack([wave[s : s + n] for s in starts]).astype(np.float32, copy=False)

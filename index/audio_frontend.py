@@ -17,7 +17,10 @@ Bundles exported from a checkpoint zero-pad clips shorter than ``clip_samples``
 * ``reflect`` (PE-Audio's ``PeAudioFeatureExtractor._reflect_pad``): reflected at its end to the
   next multiple of ``multiple`` samples (the codec's hop) and kept at that length — the model has
   no fixed input length, so the loader embeds such a clip as one window of its own length
-  (:func:`keeps_short_clips`).
+  (:func:`keeps_short_clips`). Without ``multiple`` (the training and evaluation data path of an
+  ``hf_pe_audio`` tower, whose windows are stacked in batches) the tail up to N samples is NaN, as
+  for ``frames``: the tower (:class:`training.models.pretrained_pe_audio.PeAudioAudioTower`) embeds
+  the clip at its own length, reflect-padded to the hop, exactly as the bundle's loader does.
 
 Clips of N samples or more are returned unchanged (the loader's chunk-and-average
 handles them). numpy only: the service applies it to every upload, after decoding and
@@ -31,6 +34,16 @@ from typing import Literal
 import numpy as np
 
 Padding = Literal["repeatpad", "repeat", "pad", "reflect", "frames"]
+
+
+def prepare_whole_clip(wave: np.ndarray, multiple: int) -> np.ndarray:
+    """A clip of any length as ``long_clips = "whole"`` embeds it: reflected at its end to the next multiple
+    of ``multiple`` samples (``PeAudioFeatureExtractor._reflect_pad``; a NaN tail, the training path's marker,
+    is dropped first)."""
+    wave = np.asarray(wave, dtype=np.float32)
+    if wave.shape[0] and np.isnan(wave[-1]):
+        wave = wave[~np.isnan(wave)]
+    return pad_short_clip(wave, wave.shape[0] + multiple, "reflect", multiple)
 
 
 def keeps_short_clips(padding: str) -> bool:
@@ -48,8 +61,8 @@ def pad_short_clip(wave: np.ndarray, n: int, padding: Padding, multiple: int | N
     if padding == "frames":
         return np.concatenate([wave, np.full(n - length, np.nan, np.float32)])
     if padding == "reflect":
-        if not multiple:
-            raise ValueError("padding 'reflect' needs the multiple to pad to (audio_frontend.pad_multiple)")
+        if not multiple:  # the training data path: the hf_pe_audio tower pads (and crops) itself
+            return np.concatenate([wave, np.full(n - length, np.nan, np.float32)])
         if length % multiple == 0:
             return wave
         # numpy's reflect (edge sample not repeated) is what the extractor calls; it reflects

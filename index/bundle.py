@@ -177,7 +177,11 @@ class AudioFrontendInfo(_Frozen):
     padding: Literal["repeatpad", "repeat", "pad", "reflect", "frames"]
     pad_multiple: int | None = Field(default=None, ge=1)
     """``reflect`` only: short clips are padded to a multiple of this many samples (the hop)."""
-    long_clips: Literal["chunk"] = "chunk"
+    long_clips: Literal["chunk", "whole"] = "chunk"
+    """``chunk``: clips longer than ``clip_samples`` are the L2-normalised mean of their windows;
+    ``whole`` (PE-Audio bundles, ``reflect`` padding only): one window of the clip's own length, reflect-padded
+    to ``pad_multiple`` — the model's own forward (docs/models.md, "PE-Audio: long clips"). Bundles made
+    before this field could say ``whole`` read as ``chunk``, which is what they did."""
     model_truncation: str
     """The extractor's own setting for long clips, replaced by ``long_clips`` (deterministic)."""
 
@@ -185,6 +189,8 @@ class AudioFrontendInfo(_Frozen):
     def _multiple_for_reflect(self) -> AudioFrontendInfo:
         if (self.padding == "reflect") != (self.pad_multiple is not None):
             raise ValueError("audio_frontend.pad_multiple is set exactly when padding is 'reflect'")
+        if self.long_clips == "whole" and self.padding != "reflect":
+            raise ValueError("audio_frontend.long_clips 'whole' needs padding 'reflect' (a model of any input length)")
         return self
 
 

@@ -25,7 +25,7 @@ import onnxruntime as ort
 
 from index import bundle as fmt
 from index.audio import eval_chunks
-from index.audio_frontend import Padding, keeps_short_clips, pad_short_clip
+from index.audio_frontend import Padding, keeps_short_clips, pad_short_clip, prepare_whole_clip
 from index.bundle import BundleManifest, read_manifest, verify_files
 from index.errors import BundleError, TonearmError
 from index.evalset import EvalSet, read_eval_set, read_jsonl
@@ -50,6 +50,12 @@ TEXT_BATCH = 64
 TOKENIZE_CHUNK = 1024
 """Texts tokenized (and length-sorted) together: a bundle's captions are grouped within such chunks."""
 AUDIO_BATCH = 16
+CODEC_CALL_SAMPLES = 960_000
+"""Most waveform samples in one audio encoder call of a raw-waveform bundle (PE-Audio, ``audio_frontend``
+source ``pe_audio_feature_extractor``): 20 s at 48 kHz, two 10-s clips. Its codec encoder keeps 64 channels
+at every input sample (a 123-MB float32 tensor per 10-s clip and intermediate), so its activation memory
+is proportional to the samples of a call: 16 concurrent 10-s clips in one call took the service to 9.4 GB
+RSS (docs/models.md, "PE-Audio: serving memory"). A longer clip still runs whole, alone."""
 AUDIO_INPUTS = ("waveform",)
 TEXT_INPUTS = ("input_ids", "attention_mask")
 OUTPUTS = ("embedding",)
@@ -236,6 +242,10 @@ def encode_clips(
     """What a bundle does to any clip (the service, `tonearm index`, on Ray too): clips shorter than
     ``clip_samples`` zero-padded, or padded as the manifest's ``audio_frontend`` says (a pretrained
     model's own padding, :mod:`index.audio_frontend`); then chunk-and-average."""
+    if frontend is not None and frontend.long_clips == "whole":
+        waveforms = [prepare_whole_clip(w, int(frontend.pad_multiple or 1)) for w in waveforms]
+        return encode_waveforms(encoder, waveforms, clip_samples=clip_samples, embed_dim=embed_dim, whole=True,
+                                max_call_samples=CODEC_CALL_SAMPLES)
     if frontend is not None:
         waveforms = [pad_short_clip(w, clip_samples, frontend.padding, frontend.pad_multiple) for w in waveforms]
     return encode_waveforms(encoder, waveforms, clip_samples=clip_samples, embed_dim=embed_dim,
@@ -244,15 +254,18 @@ def encode_clips(
 
 def encode_waveforms(
     encoder: OnnxEncoder, waveforms: Sequence[np.ndarray], *, clip_samples: int, embed_dim: int,
-    keep_short: bool = False, padding: Padding = "pad",
+    keep_short: bool = False, padding: Padding = "pad", whole: bool = False, max_call_samples: int | None = None,
 ) -> np.ndarray:
     """(n, d) clip embeddings: L2-normalized mean over each clip's ``eval_chunks`` (docs/corpus.md);
     clips shorter than a window are padded with ``padding`` (:mod:`index.audio_frontend`).
 
     ``keep_short`` (a bundle whose ``audio_frontend`` pads short clips to their own length,
     :func:`index.audio_frontend.keeps_short_clips`): a clip shorter than ``clip_samples`` is one
-    window of its own length instead of being zero-padded; windows run in calls of equal length."""
-    chunks = [w[None, :] if keep_short and 0 < w.shape[0] < clip_samples else eval_chunks(w, clip_samples, padding)
+    window of its own length instead of being zero-padded; windows run in calls of equal length.
+    ``whole`` (``audio_frontend.long_clips = "whole"``): every clip is one window of its own length.
+    ``max_call_samples``: a call holds at most this many samples (at least one window; :data:`CODEC_CALL_SAMPLES`)."""
+    chunks = [w[None, :] if (whole and w.shape[0]) or (keep_short and 0 < w.shape[0] < clip_samples)
+              else eval_chunks(w, clip_samples, padding)
               for w in (np.asarray(x, dtype=np.float32) for x in waveforms)]
     if not chunks:
         return np.zeros((0, embed_dim), np.float32)
@@ -262,8 +275,9 @@ def encode_waveforms(
     lengths = np.asarray([w.shape[0] for w in windows])
     for length in np.unique(lengths):
         rows = np.flatnonzero(lengths == length)
-        for s in range(0, len(rows), AUDIO_BATCH):
-            part = rows[s : s + AUDIO_BATCH]
+        per_call = AUDIO_BATCH if max_call_samples is None else max(1, min(AUDIO_BATCH, max_call_samples // int(length)))
+        for s in range(0, len(rows), per_call):
+            part = rows[s : s + per_call]
             emb[part] = encoder.run({"waveform": np.stack([windows[i] for i in part])})
     summed = np.zeros((len(chunks), emb.shape[1]), dtype=np.float64)
     np.add.at(summed, owner, emb)

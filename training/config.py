@@ -38,12 +38,13 @@ class FrontendConfig(_Strict):
     n_mels: int = 64
     f_min: float = 0.0
     f_max: float = 8_000.0
-    short_clip_padding: Literal["auto", "pad", "repeatpad", "repeat", "frames"] = "auto"
+    short_clip_padding: Literal["auto", "pad", "repeatpad", "repeat", "frames", "reflect"] = "auto"
     """How clips shorter than ``data.clip_seconds`` reach the audio tower, in training, evaluation and
     the exported bundle alike (:mod:`index.audio_frontend`): ``pad`` = zeros after the clip;
     ``repeatpad`` / ``repeat`` = tiled as CLAP's feature extractor does. ``auto`` = the model's own:
     an `hf_clap` tower's extractor setting (``preprocessor_config.json``, else CLAP's default
-    ``repeatpad``), ``pad`` for every other tower."""
+    ``repeatpad``), ``reflect`` for an `hf_pe_audio` tower (the clip at its own length, reflect-padded to
+    the codec's hop by the tower, as ``PeAudioFeatureExtractor``), ``pad`` for every other tower."""
 
 
 class DataConfig(_Strict):
@@ -93,7 +94,7 @@ class DataConfig(_Strict):
 
 
 class AudioTowerConfig(_Strict):
-    kind: Literal["cnn", "hf_ast", "hf_clap", "hf_auto"] = "cnn"
+    kind: Literal["cnn", "hf_ast", "hf_clap", "hf_pe_audio", "hf_auto"] = "cnn"
     path: str | None = None
     """Local directory or hub id for the `hf_*` kinds (from_pretrained)."""
     channels: list[int] = Field(default_factory=lambda: [32, 64, 128, 192])
@@ -101,7 +102,7 @@ class AudioTowerConfig(_Strict):
 
 
 class TextTowerConfig(_Strict):
-    kind: Literal["builtin", "hf_auto", "hf_clap"] = "builtin"
+    kind: Literal["builtin", "hf_auto", "hf_clap", "hf_pe_audio"] = "builtin"
     path: str | None = None
     pooling: Literal["mean", "cls"] = "mean"
     vocab_size: int = Field(4000, ge=260)
@@ -287,12 +288,14 @@ class TrainConfig(_Strict):
         return self
 
 
-def model_short_clip_padding(audio: AudioTowerConfig) -> Literal["pad", "repeatpad", "repeat", "frames"]:
+def model_short_clip_padding(audio: AudioTowerConfig) -> Literal["pad", "repeatpad", "repeat", "frames", "reflect"]:
     """The padding a tower's own feature extractor applies to short clips (see ``short_clip_padding``):
     AST's extractor pads fbank frames (``frames``, :mod:`index.audio_frontend`), CLAP's reads its
     ``padding``; every other tower zero-pads the waveform."""
     if audio.kind == "hf_ast":
         return "frames"
+    if audio.kind == "hf_pe_audio":
+        return "reflect"
     if audio.kind != "hf_clap":
         return "pad"
     settings = Path(audio.path) / "preprocessor_config.json" if audio.path else None
@@ -304,7 +307,7 @@ def model_short_clip_padding(audio: AudioTowerConfig) -> Literal["pad", "repeatp
     return "repeatpad"  # ClapFeatureExtractor's default (laion/clap-htsat-unfused)
 
 
-def short_clip_padding(frontend: FrontendConfig) -> Literal["pad", "repeatpad", "repeat", "frames"]:
+def short_clip_padding(frontend: FrontendConfig) -> Literal["pad", "repeatpad", "repeat", "frames", "reflect"]:
     """The resolved padding of a front end (``auto`` outside a TrainConfig = ``pad``)."""
     value = frontend.short_clip_padding
     return "pad" if value == "auto" else value

@@ -237,6 +237,18 @@ def embed_texts(
     return torch.cat(out) if out else torch.zeros(0, model.embed_dim)
 
 
+def stack_windows(chunks: Sequence[np.ndarray]) -> np.ndarray:
+    """Every clip's windows as one (W, n) array. Windows of different lengths (a PE-Audio clip longer than
+    the window is one window of its own length) are right-padded with NaN, the marker the ``hf_pe_audio``
+    tower reads as "no audio here" (:mod:`index.audio_frontend`), so each runs at its own length."""
+    if not chunks:
+        return np.zeros((0, 1), np.float32)
+    width = max(c.shape[1] for c in chunks)
+    if all(c.shape[1] == width for c in chunks):
+        return np.concatenate(chunks, axis=0)
+    return np.concatenate([np.pad(c, ((0, 0), (0, width - c.shape[1])), constant_values=np.nan) for c in chunks])
+
+
 def embed_chunks(
     model: Any,
     chunks: Sequence[np.ndarray],
@@ -246,7 +258,7 @@ def embed_chunks(
     progress: bool = False,
 ) -> torch.Tensor:
     """(N, d) clip embeddings: the L2-normalized mean of each clip's chunk embeddings."""
-    flat = np.concatenate(chunks, axis=0) if chunks else np.zeros((0, 1), np.float32)
+    flat = stack_windows(chunks)
     owner = torch.repeat_interleave(
         torch.arange(len(chunks)), torch.tensor([len(c) for c in chunks])
     )

@@ -49,6 +49,7 @@ from index.loader import (
     OUTPUTS,
     TEXT_INPUTS,
     OnnxEncoder,
+    encode_clips,
     encode_texts,
     encode_waveforms,
 )
@@ -102,12 +103,22 @@ def run_name(checkpoint_dir: Path) -> str:
 # ----------------------------------------------------------------------------- data
 
 
-def checkpoint_audio_frontend(cfg: TrainConfig) -> fmt.AudioFrontendInfo | None:
+PE_AUDIO_HOP = 1920
+"""PE-Audio's codec hop (samples at 48 kHz), for checkpoints whose tower does not say (it always does)."""
+
+
+def checkpoint_audio_frontend(cfg: TrainConfig, model: Any = None) -> fmt.AudioFrontendInfo | None:
     """The manifest's ``audio_frontend`` of a checkpoint bundle: recorded when short clips are not
-    zero-padded (an `hf_clap` tower's own repeat-padding), so the service pads uploads as training did."""
+    zero-padded (an `hf_clap` tower's own repeat-padding), so the service pads uploads as training did.
+    An `hf_pe_audio` tower (``reflect``): short clips at their own length, long clips whole, as its
+    evaluation embedded them (``model``: the checkpoint's dual encoder, for the codec's hop)."""
     padding = short_clip_padding(cfg.frontend)
     if padding == "pad":
         return None
+    if padding == "reflect":
+        hop = int(getattr(getattr(getattr(model, "audio", None), "tower", None), "hop_length", PE_AUDIO_HOP))
+        return fmt.AudioFrontendInfo(source="pe_audio_feature_extractor", padding="reflect", pad_multiple=hop,
+                                     long_clips="whole", model_truncation="none")
     if padding == "frames":  # an hf_ast tower: the extractor keeps the first max_length frames
         return fmt.AudioFrontendInfo(source="ast_feature_extractor", padding=padding, model_truncation="first_frames")
     return fmt.AudioFrontendInfo(padding=padding, model_truncation="rand_trunc")
@@ -206,11 +217,24 @@ def export_encoders(
     return _Encoders(audio, text, audio_cos, text_cos, audio_fp32, text_fp32, quantize)
 
 
+def encode_bundle_audio(encoder: OnnxEncoder, waves: Sequence[np.ndarray], cfg: TrainConfig,
+                        frontend: fmt.AudioFrontendInfo | None) -> np.ndarray:
+    """What the service does to these clips with this bundle: a PE-Audio bundle (``reflect``) through its
+    ``audio_frontend`` (:func:`index.loader.encode_clips`), every other one zero/tile-padded and chunked."""
+    if frontend is not None and frontend.padding == "reflect":
+        return encode_clips(encoder, waves, clip_samples=clip_samples_of(cfg), embed_dim=cfg.model.embed_dim,
+                            frontend=frontend)
+    return encode_waveforms(encoder, waves, clip_samples=clip_samples_of(cfg), embed_dim=cfg.model.embed_dim,
+                            padding=short_clip_padding(cfg.frontend))
+
+
 def embed_catalogue_audio(
-    encoder: OnnxEncoder, records: Sequence[ClipRecord], cfg: TrainConfig, advance: Callable[[int], None]
+    encoder: OnnxEncoder, records: Sequence[ClipRecord], cfg: TrainConfig, advance: Callable[[int], None],
+    model: Any = None,
 ) -> np.ndarray:
     """(N, d) clip embeddings with the evaluation policy, decoding a few clips at a time."""
     clip_samples, padding = clip_samples_of(cfg), short_clip_padding(cfg.frontend)
+    frontend = checkpoint_audio_frontend(cfg, model)
     parts = []
     for start in range(0, len(records), EMBED_CLIPS_PER_STEP):
         batch = records[start : start + EMBED_CLIPS_PER_STEP]
@@ -219,8 +243,7 @@ def embed_catalogue_audio(
                                policy=cfg.data.eval_crop, padding=padding)
             for r in batch
         ]
-        parts.append(encode_waveforms(encoder, waves, clip_samples=clip_samples, embed_dim=cfg.model.embed_dim,
-                                      padding=padding))
+        parts.append(encode_bundle_audio(encoder, waves, cfg, frontend))
         advance(len(batch))
     return np.concatenate(parts)
 
@@ -236,16 +259,22 @@ def embed_catalogue_texts(
     return np.concatenate(parts) if parts else np.zeros((0, dim), np.float32)
 
 
+def reflect_frontend(cfg: TrainConfig, model: Any = None) -> fmt.AudioFrontendInfo | None:
+    """The bundle's ``audio_frontend`` when the loader must apply it (PE-Audio), else None."""
+    frontend = checkpoint_audio_frontend(cfg, model)
+    return frontend if frontend is not None and frontend.padding == "reflect" else None
+
+
 def embed_catalogue_on_ray(
     encoders: _Encoders, tokenizer: TextTokenizer, records: Sequence[ClipRecord], texts: Sequence[str],
-    cfg: TrainConfig, options: RayOptions,
+    cfg: TrainConfig, options: RayOptions, model: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The catalogue's (audio, caption) embeddings as two Ray Data jobs (same vectors as above)."""
     dim = cfg.model.embed_dim
     audio = embed_audio_files(
         [r.audio for r in records], encoders.audio.path.read_bytes(), decode=decode_whole, embed_dim=dim,
         sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples_of(cfg), policy=cfg.data.eval_crop,
-        options=options, padding=short_clip_padding(cfg.frontend),
+        options=options, padding=short_clip_padding(cfg.frontend), frontend=reflect_frontend(cfg, model),
     )
     failed = [(r.audio, e) for r, e in zip(records, audio.errors, strict=True) if e]
     if failed:
@@ -273,17 +302,16 @@ def build_held_out(records: Sequence[ClipRecord], cfg: TrainConfig) -> EvalSet:
 
 
 def evaluate_staged(
-    staging: Path, encoders: _Encoders, tokenizer: TextTokenizer, cfg: TrainConfig
+    staging: Path, encoders: _Encoders, tokenizer: TextTokenizer, cfg: TrainConfig, model: Any = None,
 ) -> tuple[fmt.EvaluationInfo, fmt.QuantizationInfo | None]:
     """SPEC §5 report of the stored held-out set with the ONNX encoders; with quantized encoders
     also the fp32 report, the per-item agreement and the loss check (:mod:`training.quantize`)."""
     eval_set = read_eval_set(staging / fmt.EVAL_DIR)
-    clip_samples = clip_samples_of(cfg)
+    frontend = checkpoint_audio_frontend(cfg, model)
     dim, languages, quantize = cfg.model.embed_dim, cfg.data.languages, encoders.quantize
 
     def audio_with(encoder: OnnxEncoder) -> Callable[[Sequence[np.ndarray]], np.ndarray]:
-        return lambda waves: encode_waveforms(encoder, waves, clip_samples=clip_samples, embed_dim=dim,
-                                              padding=short_clip_padding(cfg.frontend))
+        return lambda waves: encode_bundle_audio(encoder, waves, cfg, frontend)
 
     def text_with(encoder: OnnxEncoder) -> Callable[[Sequence[str]], np.ndarray]:
         return lambda texts: encode_texts(encoder, tokenizer, texts, embed_dim=dim)
@@ -366,7 +394,7 @@ def export_bundle(
             sample_rate=cfg.frontend.sample_rate,
             clip_seconds=cfg.data.clip_seconds,
             clip_samples=clip_samples_of(cfg),
-            audio_frontend=checkpoint_audio_frontend(cfg),
+            audio_frontend=checkpoint_audio_frontend(cfg, ckpt.model),
             files={},
             **sections,
         )
@@ -394,10 +422,11 @@ def _build_contents(
     text_items, ranges = catalogue_texts(records, cfg.data.languages)
     if ray is not None:
         audio_emb, text_emb = embed_catalogue_on_ray(encoders, tokenizer, records, [t["text"] for t in text_items],
-                                                     cfg, ray)
+                                                     cfg, ray, ckpt.model)
     else:
         with _progress(progress) as task:
-            audio_emb = embed_catalogue_audio(encoders.audio, records, cfg, task("embedding clips", len(records)))
+            audio_emb = embed_catalogue_audio(encoders.audio, records, cfg, task("embedding clips", len(records)),
+                                              ckpt.model)
             text_emb = embed_catalogue_texts(encoders.text, tokenizer, [t["text"] for t in text_items], dim,
                                              task("embedding captions", len(text_items)))
     audio_built = build_and_save(audio_emb, staging / fmt.AUDIO_INDEX, index_factory, queries=text_emb)
@@ -410,7 +439,7 @@ def _build_contents(
     _write_jsonl(staging / fmt.TEXT_IDS, text_items)
     eval_set = build_held_out(held_out, cfg)
     write_eval_set(staging / fmt.EVAL_DIR, eval_set)
-    evaluation, quantization = evaluate_staged(staging, encoders, tokenizer, cfg)
+    evaluation, quantization = evaluate_staged(staging, encoders, tokenizer, cfg, ckpt.model)
     return {
         "eval_set": fmt.EvalSetInfo(
             split=split, n_clips=len(eval_set.clip_ids), n_captions=len(eval_set.captions),

@@ -46,6 +46,7 @@ from index.loader import (
     OUTPUTS,
     TEXT_INPUTS,
     device_providers,
+    encode_clips,
     encode_texts,
     encode_waveforms,
 )
@@ -100,7 +101,9 @@ def pad_multiple(model: Pretrained) -> int | None:
 def load_pretrained(folder: Path) -> Pretrained:
     """The folder's model, by the family its ``config.json`` names (one-line refusal otherwise)."""
     family = detect_family(folder)
-    return load_pretrained_pe_audio(folder) if family == "pe_audio" else load_pretrained_clap(folder)
+    if family in ("pe_audio", "pe_audio_video"):
+        return load_pretrained_pe_audio(folder)
+    return load_pretrained_clap(folder)
 
 
 def frontend_info(model: Pretrained) -> fmt.AudioFrontendInfo:
@@ -108,7 +111,8 @@ def frontend_info(model: Pretrained) -> fmt.AudioFrontendInfo:
     s = model.settings
     if isinstance(model, PretrainedPeAudio):
         return fmt.AudioFrontendInfo(source="pe_audio_feature_extractor", padding="reflect",
-                                     pad_multiple=model.settings.pad_multiple, model_truncation=s.truncation)
+                                     pad_multiple=model.settings.pad_multiple, long_clips=model.settings.long_clips,
+                                     model_truncation=s.truncation)
     return fmt.AudioFrontendInfo(padding=s.padding, model_truncation=s.truncation)  # type: ignore[arg-type]
 
 
@@ -127,6 +131,9 @@ class PretrainedEncoders:
         return pad_short_clip(wave, s.clip_samples, s.padding, pad_multiple(self.clap))  # type: ignore[arg-type]
 
     def encode_audio(self, waves: Sequence[np.ndarray]) -> np.ndarray:
+        if isinstance(self.clap, PretrainedPeAudio):  # exactly the service's path (long clips whole)
+            return encode_clips(self.audio, waves, clip_samples=self.clap.settings.clip_samples, embed_dim=self.dim,
+                                frontend=frontend_info(self.clap))
         prepared = [self.prepare(w) for w in waves]
         return encode_waveforms(self.audio, prepared, clip_samples=self.clap.settings.clip_samples,
                                 embed_dim=self.dim, keep_short=keeps_short_clips(self.clap.settings.padding))
@@ -153,7 +160,8 @@ def reference_clip_features(clap: Pretrained, wave: np.ndarray) -> np.ndarray:
     """What the model's own pipeline gives a clip under the bundle's policy: its embedding of
     the clip (≤ ``max_length_s``) or the normalised mean over its chunk windows (longer)."""
     n = clap.settings.clip_samples
-    windows = [wave] if wave.shape[0] <= n else list(eval_chunks(wave, n))
+    whole = isinstance(clap, PretrainedPeAudio) and clap.settings.long_clips == "whole"
+    windows = [wave] if wave.shape[0] <= n or whole else list(eval_chunks(wave, n))
     mean = torch.nn.functional.normalize(torch.stack([reference_window(clap, w) for w in windows]), dim=-1).mean(0)
     return torch.nn.functional.normalize(mean, dim=-1).numpy()
 
@@ -162,12 +170,13 @@ def parity_clips(wave: np.ndarray, n: int, *, reflect: bool = False) -> list[np.
     """A short clip (a third), one of exactly ``max_length_s`` and a long one (2.5x), from a real clip.
 
     ``reflect`` (PE-Audio, ~1 s of CPU per second of audio in each of torch and ONNX): a short clip of
-    a twentieth of the window plus 7 samples (not a hop multiple, so the reflection runs) and one of
-    exactly the window — 10.5 s of audio, not 43 s. Chunk-and-average of longer clips is the loader's
-    mean over such windows, the same code for every family (``index.loader.encode_waveforms``)."""
+    a twentieth of the window plus 7 samples (not a hop multiple, so the reflection runs), one of
+    exactly the window and one of 10.5 s + 7 samples (embedded whole, ``long_clips = "whole"``) — 21 s of
+    audio, not 43 s. Chunk-and-average of longer clips (CLAP) is the loader's mean over such windows, the
+    same code for every family (``index.loader.encode_waveforms``)."""
     tiled = np.resize(np.asarray(wave, dtype=np.float32), 3 * n)
     if reflect:
-        return [tiled[: n // 20 + 7], tiled[:n]]
+        return [tiled[: n // 20 + 7], tiled[:n], tiled[: n + n // 20 + 7]]
     return [tiled[: n // 3], tiled[:n], tiled[: 5 * n // 2]]
 
 

@@ -7,7 +7,9 @@ tonearm can serve.
 * ``clap`` — Hugging Face ``ClapModel`` (the LAION CLAP checkpoints): exported
   (:mod:`training.pretrained`).
 * ``pe_audio`` — Meta's Perception Encoder Audio (``PeAudioModel``): exported
-  (:mod:`training.models.pretrained_pe_audio`).
+  (:mod:`training.models.pretrained_pe_audio`);
+* ``pe_audio_video`` — ``PeAudioVideoModel`` (the ``facebook/pe-av-*`` checkpoints): its audio branch is
+  a whole ``PeAudioModel`` (``audio_model.*`` + the tied ``text_model.*``), exported as ``pe_audio``.
 """
 
 from __future__ import annotations
@@ -19,11 +21,23 @@ from training.config import ConfigError
 
 KEY = "--pretrained"
 
-SUPPORTED: dict[str, str] = {"clap": "ClapModel (LAION CLAP)", "pe_audio": "PeAudioModel (Meta Perception Encoder Audio)"}
+SUPPORTED: dict[str, str] = {
+    "clap": "ClapModel (LAION CLAP)",
+    "pe_audio": "PeAudioModel (Meta Perception Encoder Audio, facebook/pe-a-frame-*)",
+    "pe_audio_video": "PeAudioVideoModel (facebook/pe-av-*; its audio–text branch)",
+}
 """``model_type`` → what it is, for the families ``export --pretrained`` serves."""
 
 RECOGNISED: dict[str, str] = {}
 """Families tonearm knows but cannot export yet (refused with a line that says so)."""
+
+NO_TEXT_SPACE: dict[str, str] = {
+    "pe_audio_encoder": "PeAudioEncoder: the audio encoder alone, without text tower or heads",
+    "pe_audio_video_encoder": "PeAudioVideoEncoder: the audio-video fusion encoder alone",
+    "pe_video": "PeVideoModel: video and text, no audio tower",
+    "pe_video_encoder": "PeVideoEncoder: the video encoder alone",
+}
+"""Perception Encoder folders transformers declares that hold no audio–text space (refused in one line)."""
 
 
 def supported_line() -> str:
@@ -45,6 +59,12 @@ def detect_family(folder: Path | str) -> str | None:
         raise ConfigError(f"{KEY}: {config} cannot be read: {str(err).splitlines()[0] if str(err) else err!r}") from None
     if model_type in SUPPORTED:
         return str(model_type)
+    if model_type in NO_TEXT_SPACE:
+        raise ConfigError(
+            f"{KEY}: {Path(folder)} holds a {model_type!r} model ({NO_TEXT_SPACE[model_type]}), which has no "
+            f"audio–text space to serve; use the pe_audio or pe_audio_video folder it came from "
+            f"(supported: {supported_line()})"
+        )
     if model_type in RECOGNISED:
         raise ConfigError(
             f"{KEY}: {Path(folder)} holds a {model_type!r} model ({RECOGNISED[model_type]}); its export is not "

@@ -23,8 +23,9 @@ def folder_with(tmp_path: Path, name: str, config: str) -> Path:
 def test_detects_clap_and_pe_audio_and_defers_missing_folders(tmp_path: Path) -> None:
     assert detect_family(folder_with(tmp_path, "clap", json.dumps({"model_type": "clap"}))) == "clap"
     assert detect_family(folder_with(tmp_path, "pe", json.dumps({"model_type": "pe_audio"}))) == "pe_audio"
+    assert detect_family(folder_with(tmp_path, "pe_av", json.dumps({"model_type": "pe_audio_video"}))) == "pe_audio_video"
     assert detect_family(tmp_path / "nowhere") is None  # the loader says "does not exist"
-    assert set(SUPPORTED) == {"clap", "pe_audio"}
+    assert set(SUPPORTED) == {"clap", "pe_audio", "pe_audio_video"}
 
 
 @pytest.mark.parametrize(
@@ -33,6 +34,8 @@ def test_detects_clap_and_pe_audio_and_defers_missing_folders(tmp_path: Path) ->
         (json.dumps({"model_type": "bert"}), "holds a 'bert' model, not a model of a supported family"),
         (json.dumps({"architectures": ["X"]}), "holds a 'unknown' model"),
         ("{not json", "config.json cannot be read"),
+        (json.dumps({"model_type": "pe_audio_encoder"}), "holds a 'pe_audio_encoder' model (PeAudioEncoder"),
+        (json.dumps({"model_type": "pe_video"}), "holds a 'pe_video' model (PeVideoModel: video and text, no audio"),
     ],
 )
 def test_other_families_are_refused_in_one_line_naming_the_supported_ones(

@@ -4,8 +4,8 @@ One fp32 export is shared by every assert (`--quantize` is family-independent co
 ``training.export.quantization_records``, exercised at full size on CLAP by
 tests/training/test_pretrained_quantize.py; quantizing this 1.3-GB text tower here would add
 minutes to the suite). The references are the transformers model itself: ``PeAudioFeatureExtractor`` +
-``get_audio_embeds`` per window (the mean of the normalised window embeddings for a clip longer
-than the window, the bundle's recorded long-clip policy) and ``text_audio_embeds`` as
+``get_audio_embeds`` of the clip (clips longer than the window are embedded whole, the bundle's
+recorded ``long_clips = "whole"``; the export's own check includes a 10.5-s clip) and ``text_audio_embeds`` as
 ``PeAudioModel.forward`` computes them. The bundle side is the service's own path:
 ``LoadedBundle.encode_audio`` / ``encode_text`` (decode-free: waveforms at 48 kHz).
 
@@ -66,7 +66,7 @@ def test_pe_audio_bundle_matches_the_model_through_the_service_path(real_pe_audi
     manifest = fmt.read_manifest(pe_bundle)
     frontend = manifest.audio_frontend
     assert frontend is not None and frontend.source == "pe_audio_feature_extractor"
-    assert (frontend.padding, frontend.pad_multiple, frontend.long_clips) == ("reflect", 1920, "chunk")
+    assert (frontend.padding, frontend.pad_multiple, frontend.long_clips) == ("reflect", 1920, "whole")
     assert manifest.sample_rate == RATE and manifest.clip_samples == 10 * RATE and manifest.embed_dim == 1024
     assert manifest.audio_encoder.quantization == "none" and manifest.audio_encoder.parity_min_cosine >= 0.999
     assert manifest.text_encoder.quantization == "none" and manifest.text_encoder.parity_min_cosine >= 0.999
@@ -106,3 +106,49 @@ def test_pe_audio_bundle_matches_the_model_through_the_service_path(real_pe_audi
     print(f"PE-Audio bundle vs model: audio {np.round(audio_cos, 6)}, text {np.round(text_cos, 6)}")
     assert (audio_cos >= 0.999).all(), audio_cos
     assert (text_cos >= 0.999).all(), text_cos
+
+
+def test_pe_audio_finetune_step0_at_full_size_is_the_model(real_pe_audio_dir: Path) -> None:
+    """`tonearm train configs/real/pe_audio.yaml model.audio.path=FOLDER` at step 0, forward only, on the
+    full-size folder: the evaluation data path (0.5 s and 3 s reflect-padded by the tower; 14 s whole)
+    against ``PeAudioFeatureExtractor`` + ``get_audio_embeds``, and the captions against ``text_audio_embeds``
+    (cosine >= 0.999; the small-config tests in test_pe_audio_finetune.py hold the centred comparisons
+    and the negative cases). The two models are loaded one after the other (2.4 GB each)."""
+    import torch
+    import transformers
+
+    from index.audio import eval_chunks
+    from tests.real_size_models import PRESETS
+    from training.config import load_train_config
+    from training.evaluate import embed_chunks
+    from training.models.dual_encoder import build_dual_encoder
+    from training.models.tokenizer import build_tokenizer
+
+    rng = np.random.default_rng(1)
+    clips = [(0.1 * rng.standard_normal(int(s * RATE))).astype(np.float32) for s in (0.5, 3.0, 14.0)]
+    texts = ["a dog barks twice", "rain falls on a tin roof"]
+    cfg = load_train_config(PRESETS / "pe_audio.yaml", [f"model.audio.path={real_pe_audio_dir}"])
+    tokenizer = build_tokenizer(cfg.model, [])
+    model = build_dual_encoder(cfg.model, cfg.frontend, vocab_size=tokenizer.vocab_size).eval()
+    ids, mask = tokenizer.encode(texts)
+    with torch.no_grad():
+        got_audio = embed_chunks(model, [eval_chunks(c, 10 * RATE, "reflect") for c in clips], batch_size=2,
+                                 device=torch.device("cpu"))
+        got_text = model.encode_text(torch.from_numpy(ids), torch.from_numpy(mask))
+    del model
+    gc.collect()
+    ref = transformers.PeAudioModel.from_pretrained(real_pe_audio_dir).eval()
+    extractor = transformers.PeAudioFeatureExtractor.from_pretrained(real_pe_audio_dir)
+    with torch.no_grad():
+        want_audio = []
+        for clip in clips:
+            inputs = extractor(clip, sampling_rate=RATE, return_tensors="pt")
+            want_audio.append(ref.get_audio_embeds(inputs["input_values"], padding_mask=inputs["padding_mask"])[0])
+        out = ref(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                  input_values=torch.zeros(1, 1, 1920))
+    del ref
+    gc.collect()
+    audio_cos = torch.nn.functional.cosine_similarity(got_audio, torch.stack(want_audio), dim=-1)
+    text_cos = torch.nn.functional.cosine_similarity(got_text, out.text_audio_embeds, dim=-1)
+    print(f"PE-Audio full-size step 0: audio {audio_cos.tolist()}, text {text_cos.tolist()}")
+    assert audio_cos.min() >= 0.999 and text_cos.min() >= 0.999

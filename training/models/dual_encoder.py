@@ -14,9 +14,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from training.config import FrontendConfig, ModelConfig
+from training.config import ConfigError, FrontendConfig, ModelConfig
 from training.models.audio_cnn import AudioCNN
 from training.models.text_transformer import TextTransformer
+
+PAIRED_KINDS = ("hf_clap", "hf_pe_audio")
+"""Tower kinds that are one pretrained joint space (CLAP, PE-Audio): heads start as the identity."""
 
 
 class ProjectionHead(nn.Module):
@@ -143,6 +146,16 @@ def _build_towers(
             path=audio_cfg.path, frontend_cfg=frontend_cfg, config=hf_configs.get("audio")
         )
         return audio, text, {"audio": config, "text": config}
+    if audio_cfg.kind == "hf_pe_audio" or text_cfg.kind == "hf_pe_audio":
+        from training.models.pretrained_pe_audio import build_pe_audio_pair
+
+        if not (audio_cfg.kind == text_cfg.kind == "hf_pe_audio" and text_cfg.path in (None, audio_cfg.path)):
+            raise ConfigError("model.audio.kind and model.text.kind are both hf_pe_audio, from one folder "
+                              "(model.audio.path; model.text.path unset): PE-Audio's joint space is the pair")
+        audio, text, config = build_pe_audio_pair(
+            path=audio_cfg.path, sample_rate=frontend_cfg.sample_rate, config=hf_configs.get("audio")
+        )
+        return audio, text, {"audio": config, "text": config}
     if audio_cfg.kind == "cnn":
         audio = AudioCNN(audio_cfg, frontend_cfg)
     else:
@@ -185,13 +198,13 @@ def build_dual_encoder(
         audio.out_dim,
         d,
         dropout=model_cfg.audio.dropout,
-        identity_init=model_cfg.audio.kind == "hf_clap",
+        identity_init=model_cfg.audio.kind in PAIRED_KINDS,
     )
     text_head = ProjectionHead(
         text.out_dim,
         d,
         dropout=model_cfg.text.dropout,
-        identity_init=model_cfg.text.kind == "hf_clap",
+        identity_init=model_cfg.text.kind in PAIRED_KINDS,
     )
     return DualEncoder(
         AudioEncoder(audio, audio_head), TextEncoder(text, text_head), embed_dim=d, hf_configs=used

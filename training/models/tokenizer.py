@@ -112,8 +112,8 @@ def build_tokenizer(model_cfg: ModelConfig, texts: Iterable[str]) -> TextTokeniz
     if text.kind == "builtin":
         return train_bpe_tokenizer(texts, vocab_size=text.vocab_size, max_length=text.max_length)
     path = text.path
-    if path is None and text.kind == "hf_clap" and model_cfg.audio.kind == "hf_clap":
-        path = model_cfg.audio.path  # the CLAP pair: one directory for both towers
+    if path is None and text.kind in ("hf_clap", "hf_pe_audio") and model_cfg.audio.kind == text.kind:
+        path = model_cfg.audio.path  # the CLAP / PE-Audio pair: one directory for both towers
     if path is None:
         raise ConfigError(f"model.text.path is required for model.text.kind={text.kind!r}")
     return load_hf_tokenizer(path, max_length=text.max_length)

@@ -197,34 +197,10 @@ def auto_text_reference(refs: References, cfg: TrainConfig, probe: Probe) -> Ten
     return (hidden * weights).sum(1) / weights.sum(1)
 
 
-def _pe_audio(refs: References, folder: str) -> Any:
-    """The folder's ``PeAudioModel`` (or a ``pe-av`` folder's audio branch) with its own extractor and tokenizer."""
-    from training.models.pretrained_pe_audio import load_pretrained_pe_audio
-
-    key = ("PretrainedPeAudio", folder)
-    if key not in refs.models:
-        refs.models[key] = load_pretrained_pe_audio(folder)
-    return refs.models[key]
-
-
-def pe_audio_audio_reference(refs: References, cfg: TrainConfig, probe: Probe) -> Tensor:
-    """``PeAudioModel.get_audio_embeds`` on ``PeAudioFeatureExtractor``'s output of each clip (one at a time:
-    the extractor's padding mask of a lone clip is all ones), on the CPU where the export checks it too."""
-    model = _pe_audio(refs, str(cfg.model.audio.path))
-    return torch.stack([model.reference_audio(c[: probe.window]) for c in probe.clips]).to(refs.device)
-
-
-def pe_audio_text_reference(refs: References, cfg: TrainConfig, probe: Probe) -> Tensor:
-    """``text_audio_embeds`` as ``PeAudioModel.forward`` computes them, with the folder's own tokenizer."""
-    return _pe_audio(refs, str(cfg.model.text.path or cfg.model.audio.path)).reference_text(probe.captions).to(refs.device)
-
-
 Reference = Callable[[References, TrainConfig, Probe], Tensor]
-AUDIO_REFERENCES: dict[str, Reference] = {"hf_clap": clap_audio_reference, "hf_ast": ast_audio_reference,
-                                          "hf_pe_audio": pe_audio_audio_reference}
+AUDIO_REFERENCES: dict[str, Reference] = {"hf_clap": clap_audio_reference, "hf_ast": ast_audio_reference}
 """Audio tower kind → the folder's own model on its own extractor's features."""
-TEXT_REFERENCES: dict[str, Reference] = {"hf_clap": clap_text_reference, "hf_auto": auto_text_reference,
-                                         "hf_pe_audio": pe_audio_text_reference}
+TEXT_REFERENCES: dict[str, Reference] = {"hf_clap": clap_text_reference, "hf_auto": auto_text_reference}
 """Text tower kind → the folder's own model on its own tokenizer's ids."""
 
 
@@ -237,7 +213,7 @@ def checked_towers(cfg: TrainConfig) -> list[str]:
     if cfg.model.audio.kind in AUDIO_REFERENCES and cfg.model.audio.path:
         towers.append("audio")
     text = cfg.model.text
-    if text.kind in TEXT_REFERENCES and (text.path or (text.kind in ("hf_clap", "hf_pe_audio") and cfg.model.audio.path)):
+    if text.kind in TEXT_REFERENCES and (text.path or (text.kind == "hf_clap" and cfg.model.audio.path)):
         towers.append("text")
     return towers
 

@@ -71,22 +71,27 @@ def centred_cosines(got: Tensor, want: Tensor) -> Tensor:
     return nn.functional.cosine_similarity(g - g.mean(0), w - w.mean(0), dim=-1)
 
 
+def probe_signal(kind: int, t: np.ndarray, seconds: float, rng: np.random.Generator) -> np.ndarray:
+    """One of four unrelated float32 signals at times ``t``: a chirp with noise, white noise, a pulsed
+    tone, a high tone over faint noise (``kind`` 0–3)."""
+    if kind == 0:
+        x = 0.3 * np.sin(2 * np.pi * (200 + 2000 * t / seconds) * t) + 0.05 * rng.standard_normal(t.shape)
+    elif kind == 1:
+        x = 0.2 * rng.standard_normal(t.shape)
+    elif kind == 2:
+        x = 0.3 * np.sin(2 * np.pi * 440 * t) * (np.sin(2 * np.pi * 3 * t) > 0)
+    else:
+        x = 0.3 * np.sin(2 * np.pi * 3000 * t) + 0.01 * rng.standard_normal(t.shape)
+    return x.astype(np.float32)
+
+
 def probe_clips(sample_rate: int, window: int) -> list[np.ndarray]:
     """Four different float32 clips of :data:`PROBE_WINDOWS` × `window` samples (seeded)."""
     rng = np.random.default_rng(0)
     clips = []
     for kind, fraction in enumerate(PROBE_WINDOWS):
         t = np.arange(max(1, int(fraction * window))) / sample_rate
-        seconds = max(float(t[-1]), 1e-3)
-        if kind == 0:
-            x = 0.3 * np.sin(2 * np.pi * (200 + 2000 * t / seconds) * t) + 0.05 * rng.standard_normal(t.shape)
-        elif kind == 1:
-            x = 0.2 * rng.standard_normal(t.shape)
-        elif kind == 2:
-            x = 0.3 * np.sin(2 * np.pi * 440 * t) * (np.sin(2 * np.pi * 3 * t) > 0)
-        else:
-            x = 0.3 * np.sin(2 * np.pi * 3000 * t) + 0.01 * rng.standard_normal(t.shape)
-        clips.append(x.astype(np.float32))
+        clips.append(probe_signal(kind, t, max(float(t[-1]), 1e-3), rng))
     return clips
 
 

@@ -35,7 +35,7 @@ from tests.real_size_models import PRESETS
 from training.config import ConfigError, load_train_config
 from training.models.dual_encoder import build_dual_encoder
 from training.models.tokenizer import build_tokenizer
-from training.step0 import MIN_CENTRED_COS, centred_cosines, check_step0
+from training.step0 import MIN_CENTRED_COS, centred_cosines, check_step0, probe_signal
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the first test may build the session fixtures
 
@@ -44,18 +44,8 @@ CPU = torch.device("cpu")
 
 
 def signal(seconds: float, kind: int, rate: int) -> np.ndarray:
-    """Four unrelated signals: a chirp with noise, white noise, a pulsed tone, a high tone over faint noise."""
-    t = np.arange(int(seconds * rate)) / rate
-    rng = np.random.default_rng(kind)
-    if kind == 0:
-        x = 0.3 * np.sin(2 * np.pi * (200 + 2000 * t / seconds) * t) + 0.05 * rng.standard_normal(t.shape)
-    elif kind == 1:
-        x = 0.2 * rng.standard_normal(t.shape)
-    elif kind == 2:
-        x = 0.3 * np.sin(2 * np.pi * 440 * t) * (np.sin(2 * np.pi * 3 * t) > 0)
-    else:
-        x = 0.3 * np.sin(2 * np.pi * 3000 * t) + 0.01 * rng.standard_normal(t.shape)
-    return x.astype(np.float32)
+    """Four unrelated signals (:func:`training.step0.probe_signal`): inputs only, the reference is transformers'."""
+    return probe_signal(kind, np.arange(int(seconds * rate)) / rate, seconds, np.random.default_rng(kind))
 
 
 def training_crops(folder: Path, cfg: Any, rate: int, n: int, padding: str | None = None) -> tuple[np.ndarray, list[np.ndarray]]:

@@ -432,15 +432,11 @@ def backfill_pair_weights(jobs: list[Job]) -> int:
     return len(todo)
 
 
-JOB_PRELOAD = ["bench.quality_job"]
-"""What the job processes' forkserver imports once (torch, torch._dynamo, matplotlib, the training
-loop): each job then starts as a fork of it instead of paying ~8 s of imports of its own."""
-
-
 def _job_context() -> multiprocessing.context.ForkServerContext:
-    """The forkserver the jobs are forked from (started on first use, with :data:`JOB_PRELOAD`)."""
+    """The forkserver the jobs are forked from: it imports torch, torch._dynamo, matplotlib and the
+    training loop once (training/warm_imports.py), where a fresh process paid ~8 s per job."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(JOB_PRELOAD)
+    ctx.set_forkserver_preload(["training.warm_imports"])
     return ctx
 
 
@@ -452,9 +448,10 @@ def _job_main(spec: str, log_path: str) -> None:
     sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115 (the process's own stream)
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
     os.chdir(ROOT)
-    from bench.quality_job import one_thread
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # one core per job, its loader workers too
+    import torch
 
-    one_thread()
+    torch.set_num_threads(1)
     fields = json.loads(spec)
     try:
         run_job(Job(**{**fields, "out_dir": Path(fields["out_dir"]), "preset": Path(fields["preset"]),

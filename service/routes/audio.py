@@ -60,10 +60,11 @@ def audio_root(searcher: Searcher, settings: Settings) -> Path | None:
 
 def added_file(searcher: Searcher, item_log: ItemLog | None, clip_id: str) -> Path | None:
     """The stored audio of the added item ``clip_id`` in the searcher's catalogue; None when it is not one."""
-    row = searcher.items.row_of.get(clip_id)
+    overlay = searcher.items  # one overlay throughout: a write swaps in the next one at any time
+    row = overlay.row_of.get(clip_id)
     if row is None:
         return None
-    path = item_log.stored_audio(searcher.items.items[row].audio) if item_log is not None else None
+    path = item_log.stored_audio(overlay.items[row].audio) if item_log is not None else None
     if path is None or not path.is_file():
         raise ServiceError("not-found", f"the stored audio of item {clip_id!r} is missing from the item log")
     return path

@@ -49,6 +49,8 @@ ID_PATTERN = re.compile(r"^[^\x00-\x1f\x7f]{1,256}$")
 """Item ids: 1–256 characters, no control characters (slashes are allowed: bundle clips of
 `tonearm index` are named by their relative paths, and the routes take ``{id:path}``)."""
 FORMAT_PATTERN = re.compile(r"^[a-z0-9]{1,8}$")
+STORED_AUDIO = re.compile(r"[0-9a-f]{64}\.[a-z0-9]{1,8}")
+"""Names of stored audio files: the content's sha256 and the format (never a path)."""
 
 
 class ItemError(DataError):
@@ -268,6 +270,12 @@ class ItemLog:
         if record.audio is None:
             raise ItemError(f"record of {record.id!r} has no audio")
         return self.root / AUDIO_DIR / record.audio
+
+    def stored_audio(self, name: str) -> Path | None:
+        """The file of a stored audio name (``<sha256>.<format>``, as records hold); None for any other name."""
+        if not STORED_AUDIO.fullmatch(name):
+            return None
+        return self.root / AUDIO_DIR / name
 
     def __iter__(self) -> Iterator[ItemRecord]:
         self.follow()

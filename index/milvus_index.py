@@ -32,12 +32,15 @@ bundle's collections, which is what other consumers and replicas read (docs/serv
 * **Filters** are evaluated by Milvus: publish writes each clip's metadata (a caption row: its
   clip's) into the JSON field :data:`META_FIELD` and its fields and kinds into the registry
   (``meta_fields``); :meth:`MilvusVectorIndex.expression` writes a filter as Milvus's ``filter``
-  expression (:func:`index.filters.milvus_expr`). Collections published without it (before, or by
-  the Ray writers) are filtered on our side (:func:`index.loader.filtered_search`).
+  expression (:func:`index.filters.milvus_expr`). Both publish paths (:func:`publish` and the Ray
+  writers) lay the rows out with :func:`catalogue_metas`. Collections published without it (before
+  issue 40, or by the Ray writers before they carried it) are filtered on our side
+  (:func:`index.loader.filtered_search`).
 * **Index-only bundles** (`tonearm index`, no captions) publish an audio collection and an
   empty text one (the aliases always name both collections of one bundle).
 * **Many writers** (`tonearm index --ray --milvus-uri`): :func:`begin_audio_publish` creates the
-  collections, each Ray actor writes its vectors through a :class:`CollectionSink` (the same
+  collections, each Ray actor writes its vectors and their clips' metadata (computed on the driver
+  by :func:`catalogue_metas`, travelling with the rows) through a :class:`CollectionSink` (the same
   :func:`write_rows` as :func:`publish`, by upsert), and :func:`finish_audio_publish` checks the
   count, measures recall against exact search streamed out of the collection and writes the
   same registry row. Such a bundle has no FAISS file (``manifest.milvus_only``; its ``gaps``
@@ -545,6 +548,25 @@ def _register(target: MilvusTarget, bundle_id: str, info: dict[str, Any]) -> Non
     target.call("flush", target.registry, bulk=True)
 
 
+def catalogue_metas(audio_items: Sequence[Mapping[str, Any]]) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    """The one layout of the :data:`META_FIELD` column, for both publish paths: the fields a filter can
+    use in Milvus with their kinds (the clips' filterable metadata, :class:`MetadataTable`; a field
+    holding several kinds is left out: filtered on our side) and each clip's JSON object
+    (:func:`index.filters.milvus_metadata`). A caption row carries its clip's object."""
+    fields = {name: kind for name, kind in MetadataTable.from_items(audio_items).fields().items() if kind != "mixed"}
+    return fields, [milvus_metadata(item, fields) for item in audio_items]
+
+
+def kept_fields(written: Mapping[str, str], kept_items: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """The registry's ``meta_fields`` of a collection whose rows were written with the layout of
+    :func:`catalogue_metas` over more items than it keeps (the Ray writers lay out every candidate
+    file before decoding; files that fail to decode leave gaps): the fields of the kept clips that
+    the rows hold with the same kind. Without gaps this is exactly what :func:`publish` records; a
+    field that only a dropped file made ``mixed`` is left out (filtered on our side, same answers)."""
+    fields, _ = catalogue_metas(kept_items)
+    return {name: kind for name, kind in fields.items() if written.get(name) == kind}
+
+
 def publish(bundle_dir: Path, target: MilvusTarget, *, index_type: str = "FLAT") -> bool:
     """Write a bundle's vectors to Milvus; False when it was already published (nothing written).
 
@@ -561,8 +583,7 @@ def publish(bundle_dir: Path, target: MilvusTarget, *, index_type: str = "FLAT")
     captions = caption_index(manifest)
     text_items = read_jsonl(root / captions.ids_file, required=("lang", "clip_row")) if captions else []
     audio_items = read_jsonl(root / manifest.audio_index.ids_file, required=("id",))
-    fields = {name: kind for name, kind in MetadataTable.from_items(audio_items).fields().items() if kind != "mixed"}
-    clip_metas = [milvus_metadata(item, fields) for item in audio_items]
+    fields, clip_metas = catalogue_metas(audio_items)
     metas = {"audio": clip_metas, "text": [clip_metas[int(t["clip_row"])] for t in text_items]}
     info: dict[str, Any] = {"n_audio": len(audio), "n_text": len(text), "index_type": index_type,
                             "dim": manifest.embed_dim, "build_params": {}, "recall_at_10": {},
@@ -624,15 +645,16 @@ def is_lite(uri: str) -> bool:
 
 @dataclass(frozen=True)
 class CollectionSink:
-    """Writes vectors into one collection from any process (a Ray actor): picklable, connects on
-    first use, writes through :func:`write_rows` with upsert (a retried batch leaves one copy)."""
+    """Writes vectors and their rows' metadata (:data:`META_FIELD`, laid out by :func:`catalogue_metas`)
+    into one collection from any process (a Ray actor): picklable, connects on first use, writes
+    through :func:`write_rows` with upsert (a retried batch leaves one copy)."""
 
     target: MilvusTarget
     collection: str
 
-    def __call__(self, keys: np.ndarray, vectors: np.ndarray) -> None:
+    def __call__(self, keys: np.ndarray, vectors: np.ndarray, metas: Sequence[dict[str, Any]]) -> None:
         with _mapped(f"writing vectors into {self.collection}", self.target):
-            write_rows(self.target, self.collection, keys, vectors, upsert=True)
+            write_rows(self.target, self.collection, keys, vectors, upsert=True, metas=metas)
 
 
 def check_new_bundle(target: MilvusTarget, bundle_id: str, index_type: str) -> None:
@@ -656,21 +678,22 @@ def begin_audio_publish(target: MilvusTarget, bundle_id: str, *, dim: int, index
     """Start publishing an index-only bundle whose vectors other processes write (`tonearm index
     --ray --milvus-uri`): refuses a bundle id already published, (re)creates its audio collection
     (``n``: at most this many vectors, for the build parameters) and its empty text collection
-    (the active aliases always name both), and returns the sink the writers use."""
+    (the active aliases always name both), both with the :data:`META_FIELD` column as :func:`publish`
+    makes them, and returns the sink the writers use."""
     check_new_bundle(target, bundle_id, index_type)
     with _mapped(f"publishing {bundle_id}", target):
         for kind in KINDS:
             create_collection(target, target.collection(bundle_id, kind), dim=dim, text=kind == "text",
-                              index_type=index_type, n=n if kind == "audio" else 0)
+                              index_type=index_type, n=n if kind == "audio" else 0, meta=True)
     return CollectionSink(target, target.collection(bundle_id, "audio"))
 
 
 def finish_audio_publish(target: MilvusTarget, bundle_id: str, *, dim: int, index_type: str, n_max: int,
-                         n: int, gaps: Sequence[int]) -> dict[str, Any]:
+                         n: int, gaps: Sequence[int], meta_fields: Mapping[str, str]) -> dict[str, Any]:
     """After the writers of :func:`begin_audio_publish`: flush, check the collection holds exactly the
     ``n`` vectors expected (keys ``0 .. n + len(gaps)`` but ``gaps``), measure recall@10 on a sample of
     its own vectors against exact search streamed out of it (the driver never holds them all), and
-    record the bundle in the registry. Returns the registry info."""
+    record the bundle in the registry with ``meta_fields`` (:func:`kept_fields`). Returns the registry info."""
     audio, text = target.collection(bundle_id, "audio"), target.collection(bundle_id, "text")
     build = build_params(index_type, n_max)
     with _mapped(f"publishing {bundle_id}", target):
@@ -692,6 +715,7 @@ def finish_audio_publish(target: MilvusTarget, bundle_id: str, *, dim: int, inde
             "n_audio": n, "n_text": 0, "index_type": index_type, "dim": dim,
             "build_params": {"audio": build, "text": build_params(index_type, 0)},
             "recall_at_10": {"audio": _measure_recall(index, queries, exact), "text": 1.0},
+            "meta_fields": dict(meta_fields),
         }
         _register(target, bundle_id, info)
     return info

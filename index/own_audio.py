@@ -156,11 +156,8 @@ def _write_bundle(
     for name in {manifest.audio_encoder.file, manifest.text_encoder.file, manifest.tokenizer.file}:
         shutil.copyfile(source / name, staging / name)
     with (staging / fmt.AUDIO_IDS).open("w", encoding="utf-8") as handle:
-        for clip_id in clip_ids:  # uri = id: both are the path relative to the audio root
-            row: dict[str, Any] = {"id": clip_id, "uri": clip_id, "captions": {}}
-            if metas and clip_id in metas:
-                row["metadata"] = metas[clip_id]
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+        for clip_id in clip_ids:
+            handle.write(json.dumps(clip_item(clip_id, metas), ensure_ascii=False) + "\n")
     new = manifest.model_copy(update={
         "bundle_id": bundle_id,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -174,6 +171,15 @@ def _write_bundle(
     return fmt.publish(staging, fmt.BundleManifest.model_validate(new.model_dump()))
 
 
+def clip_item(clip_id: str, metas: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
+    """A clip's row of ``audio_ids.jsonl`` (uri = id: both are the path relative to the audio root),
+    with its ``metas`` row as its ``metadata``; what filters and the Milvus layout read."""
+    row: dict[str, Any] = {"id": clip_id, "uri": clip_id, "captions": {}}
+    if metas and clip_id in metas:
+        row["metadata"] = metas[clip_id]
+    return row
+
+
 def _index_into_milvus(
     audio_dir: Path, source: Path, out: Path, files: list[Path], ray: RayOptions, milvus: MilvusPublish,
     metas: dict[str, dict[str, Any]],
@@ -181,7 +187,9 @@ def _index_into_milvus(
     """The Ray pass with each actor writing its vectors into Milvus (module docstring).
 
     The format check runs here first, so a file it refuses takes no collection key; a file that
-    passes it but fails to decode on a worker leaves a gap (``manifest.milvus_only.gaps``)."""
+    passes it but fails to decode on a worker leaves a gap (``manifest.milvus_only.gaps``). Each row's
+    metadata is laid out here, before the pass, by the publish's own :func:`catalogue_metas` over the
+    clips the bundle holds if every candidate decodes."""
     from index import milvus_index
     from index.ray_embed import connect, embed_audio_files
 
@@ -200,13 +208,15 @@ def _index_into_milvus(
     LoadedBundle.open(source, verify=False).close()  # the encoders load here before any worker starts
     connect(ray.address)  # the cluster is reachable before anything is created in Milvus
     target, index_type, dim = milvus.target, milvus.index_type, manifest.embed_dim
+    rels = [path.relative_to(audio_dir).as_posix() for path in candidates]
+    items = [clip_item(rel, metas) for rel in rels]
+    written_fields, row_metas = milvus_index.catalogue_metas(items)
     sink = milvus_index.begin_audio_publish(target, out.name, dim=dim, index_type=index_type, n=len(candidates))
     done = embed_audio_files(
         candidates, (source / manifest.audio_encoder.file).read_bytes(), decode=decode_file, embed_dim=dim,
         sample_rate=manifest.sample_rate, clip_samples=manifest.clip_samples, policy="chunk", options=ray, sink=sink,
-        frontend=manifest.audio_frontend,
+        metas=row_metas, frontend=manifest.audio_frontend,
     )
-    rels = [path.relative_to(audio_dir).as_posix() for path in candidates]
     gaps = [i for i, error in enumerate(done.errors) if error]
     position = {path.relative_to(audio_dir).as_posix(): i for i, path in enumerate(files)}
     skipped = sorted(skipped + [(rels[i], done.errors[i].removeprefix(f"{candidates[i]}: ")) for i in gaps],
@@ -215,8 +225,10 @@ def _index_into_milvus(
     if not clip_ids:
         raise TonearmError(f"{audio_dir}: no decodable audio file among {len(files)} files")
     with fmt.staged_bundle(out.parent, out.name) as staging:
+        kept = milvus_index.kept_fields(written_fields, [item for item, error in zip(items, done.errors, strict=True)
+                                                         if not error])
         info = milvus_index.finish_audio_publish(target, out.name, dim=dim, index_type=index_type,
-                                                 n_max=len(candidates), n=len(clip_ids), gaps=gaps)
+                                                 n_max=len(candidates), n=len(clip_ids), gaps=gaps, meta_fields=kept)
         audio_index = fmt.IndexInfo(
             file="", ids_file=fmt.AUDIO_IDS, factory=f"milvus:{index_type}", dim=dim, ntotal=len(clip_ids),
             ann_recall_at_10=float(info["recall_at_10"]["audio"]),

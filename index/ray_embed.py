@@ -19,8 +19,10 @@ A pass over files (or captions) becomes one Ray Data pipeline::
 * The driver puts the rows back in input order; the bundle, ids and index are
   then written by the same code as the single-process path.
 * With a *sink* (`tonearm index --ray --milvus-uri`) each actor writes its own vectors into the
-  Milvus collection (:class:`index.milvus_index.CollectionSink`, row = the file's position) and
-  returns only row numbers and errors: the driver never holds the vectors.
+  Milvus collection (:class:`index.milvus_index.CollectionSink`, row = the file's position), with
+  each file's metadata object (``metas``, laid out on the driver; it travels in the file's row as
+  JSON, so each actor gets only its own files'), and returns only row numbers and errors: the
+  driver never holds the vectors.
 
 Addresses (``--ray [ADDRESS]``): none — ``RAY_ADDRESS``, else the cluster last started on
 this machine, else a new local Ray instance; ``auto`` — an existing cluster only;
@@ -33,6 +35,7 @@ path on every worker (a shared volume); docs/deploy.md, "Ray".
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -66,9 +69,9 @@ Policy = Literal["center", "chunk"]
 Decode = Callable[[Path, int], np.ndarray]
 """(path, sample rate) -> mono float32 waveform, or :class:`AudioDecodeError`; a module-level
 function (Ray pickles it by reference)."""
-Sink = Callable[[np.ndarray, np.ndarray], None]
-"""(row numbers, vectors) -> None: where an actor writes its vectors itself instead of returning
-them to the driver (:class:`index.milvus_index.CollectionSink`); picklable."""
+Sink = Callable[[np.ndarray, np.ndarray, list[dict[str, Any]]], None]
+"""(row numbers, vectors, the rows' metadata objects) -> None: where an actor writes its vectors
+itself instead of returning them to the driver (:class:`index.milvus_index.CollectionSink`); picklable."""
 AUDIO_BATCH_FILES = 16
 """Files per actor call (the single-process `tonearm index` embeds 16 at a time too)."""
 TEXT_BATCH = 256
@@ -213,7 +216,8 @@ class AudioEmbedder:
             out[ok] = encode_waveforms(self.encoder, waves, clip_samples=self.clip_samples,
                                        embed_dim=self.embed_dim, padding=self.padding)
         if self.sink is not None:  # written from here: only row numbers and errors go back to the driver
-            self.sink(batch["row"][ok].astype(np.int64), out[ok])
+            metas = [json.loads(str(meta)) for meta in batch["meta"][ok]]
+            self.sink(batch["row"][ok].astype(np.int64), out[ok], metas)
             out = out[:, :0]
         return {"row": batch["row"], "embedding": out, "error": np.array(errors, dtype=object),
                 **_stamps(len(errors), began)}
@@ -306,18 +310,25 @@ def _worker_error(err: BaseException) -> TonearmError:
 def embed_audio_files(paths: Sequence[Path | str], model: bytes, *, decode: Decode, embed_dim: int, sample_rate: int,
                       clip_samples: int, policy: Policy, options: RayOptions,
                       advance: Callable[[int], None] | None = None, sink: Sink | None = None,
+                      metas: Sequence[dict[str, Any]] | None = None,
                       padding: Padding = "pad", frontend: AudioFrontendInfo | None = None) -> RayEmbedded:
     """Clip embeddings of ``paths`` (decoded, prepared with ``policy``, chunk-averaged) on Ray.
 
-    ``sink``: each actor writes its vectors there (row = position in ``paths``) and the driver
-    gets none back (``embeddings`` is (n, 0)): a collection larger than the driver's memory."""
+    ``sink``: each actor writes its vectors there (row = position in ``paths``) with ``metas[row]``
+    (the row's metadata object; ``{}`` when not given) and the driver gets none back
+    (``embeddings`` is (n, 0)): a collection larger than the driver's memory."""
     if not paths:
         return RayEmbedded(np.zeros((0, 0 if sink is not None else embed_dim), np.float32), [], 0)
     ray = connect(options.address)
     constructor = {"model": ray.put(model), "decode": decode, "embed_dim": embed_dim, "sample_rate": sample_rate,
                    "clip_samples": clip_samples, "policy": policy, "sink": sink, "padding": padding,
                    "frontend": frontend}
-    rows = [{"row": i, "path": str(p)} for i, p in enumerate(paths)]
+    rows: list[dict[str, Any]] = [{"row": i, "path": str(p)} for i, p in enumerate(paths)]
+    if metas is not None and len(metas) != len(rows):
+        raise ValueError(f"{len(metas)} metadata objects for {len(rows)} files")
+    if sink is not None:
+        for row in rows:
+            row["meta"] = json.dumps(metas[row["row"]] if metas is not None else {}, ensure_ascii=False)
     return _run(rows, AudioEmbedder, constructor, batch_size=AUDIO_BATCH_FILES, options=options,
                 dim=embed_dim, advance=advance)
 

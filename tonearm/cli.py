@@ -297,6 +297,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_lazy("tonearm.serve:cli_serve", "service"))
 
 
+def _add_items(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("items", help="the item log of POST /v1/items (docs/service.md, Items)")
+    isub = p.add_subparsers(dest="items_command", required=True)
+    export = isub.add_parser(
+        "export", help="write the log's current items as a folder `tonearm index` takes (audio named by id + metadata.jsonl)")
+    where = export.add_mutually_exclusive_group(required=True)
+    where.add_argument("--items-dir", metavar="DIR", help="the item log's directory (TONEARM_ITEMS_DIR)")
+    where.add_argument("--bundles-dir", metavar="DIR", help="the bundles directory (its log is DIR/.items)")
+    export.add_argument("--out", required=True, help="new folder (must not exist)")
+    export.set_defaults(handler=_lazy("index.item_export:cli_export", "service"))
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark of a source checkout (bench/NAME.py), e.g. `bench quality`",
                        add_help=False)
@@ -309,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tonearm", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_synth, _add_data, _add_train, _add_evaluate, _add_export, _add_index, _add_bundle, _add_serve, _add_bench):
+    for add in (_add_synth, _add_data, _add_train, _add_evaluate, _add_export, _add_index, _add_bundle, _add_items, _add_serve,
+                _add_bench):
         add(sub)
     return parser
 

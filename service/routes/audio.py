@@ -8,6 +8,13 @@ tampered bundle is refused with 404 like a missing file. One byte range per requ
 (``bytes=a-b``, ``bytes=a-``, ``bytes=-n``, RFC 9110 §14): 206 with ``Content-Range``;
 an unsatisfiable range gets 416; anything else the full file (200). Browsers' ``<audio>``
 elements seek with exactly these requests.
+
+Items added through ``POST /v1/items`` are served too: their audio as uploaded, from the item
+log's content-addressed store (``audio/<sha256>.<format>``, :mod:`index.item_log`), with the
+media type of the format the upload was recognised as. The catalogue a search sees decides what
+is served: an added item wins over a bundle clip of its id (an upsert replaces the clip), and a
+deleted item or a taken-down clip is 404 like an unknown id. Their answers are not cached by
+clients (``no-cache``): an id can be replaced or taken down at any time.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from service.deps import SearcherDep, SettingsDep
+from index.item_log import ItemLog
+from service.deps import SearcherDep, SettingsDep, StateDep
 from service.errors import ServiceError
 from service.schemas import problem_responses
 from service.searcher import Searcher
@@ -50,9 +58,22 @@ def audio_root(searcher: Searcher, settings: Settings) -> Path | None:
     return path.resolve().parent
 
 
+def added_file(searcher: Searcher, item_log: ItemLog | None, clip_id: str) -> Path | None:
+    """The stored audio of the added item ``clip_id`` in the searcher's catalogue; None when it is not one."""
+    overlay = searcher.items  # one overlay throughout: a write swaps in the next one at any time
+    row = overlay.row_of.get(clip_id)
+    if row is None:
+        return None
+    path = item_log.stored_audio(overlay.items[row].audio) if item_log is not None else None
+    if path is None or not path.is_file():
+        raise ServiceError("not-found", f"the stored audio of item {clip_id!r} is missing from the item log")
+    return path
+
+
 def clip_file(searcher: Searcher, settings: Settings, clip_id: str) -> Path:
-    """The clip's audio file, confined to the audio root; ServiceError ``not-found`` otherwise."""
-    row = searcher.clip_rows.get(clip_id)
+    """The clip's audio file, confined to the audio root; ServiceError ``not-found`` otherwise
+    (also for a clip taken down through ``DELETE /v1/items/{id}``)."""
+    row = searcher.clip_rows.get(clip_id) if clip_id not in searcher.items.hidden_ids else None
     uri = searcher.bundle.audio_items[row].get("uri") if row is not None else None
     if not uri:
         raise ServiceError("not-found", f"clip {clip_id!r} has no audio in bundle {searcher.bundle_id}")
@@ -98,16 +119,26 @@ def _read(path: Path, start: int, length: int) -> Iterator[bytes]:
             yield chunk
 
 
-@router.get("/{clip_id:path}", responses={**problem_responses(404, 416, 503),
-                                     200: {"content": {"audio/wav": {}}}, 206: {"description": "Partial content"}})
-def clip_audio(clip_id: str, request: Request, searcher: SearcherDep, settings: SettingsDep) -> Response:
-    """Stream a clip's audio (supports `Range: bytes=…`, as `<audio>` elements send).
+AUDIO_CONTENT: dict[str, dict[str, object]] = {media_type: {} for media_type in (*dict.fromkeys(MEDIA_TYPES.values()), "application/octet-stream")}
+
+
+@router.get("/{clip_id:path}", response_class=Response, responses={**problem_responses(404, 416, 503),
+                                     200: {"content": AUDIO_CONTENT},
+                                     206: {"description": "Partial content", "content": AUDIO_CONTENT}})
+def clip_audio(clip_id: str, request: Request, searcher: SearcherDep, settings: SettingsDep,
+               state: StateDep) -> Response:
+    """Stream the audio of a clip or an added item (supports `Range: bytes=…`, as `<audio>` elements send).
 
     Ids may contain `/` (`tonearm index` names clips by their relative path)."""
-    path = clip_file(searcher, settings, clip_id)
+    store = state.items
+    path = added_file(searcher, store.log if store is not None else None, clip_id)
+    cache = "no-cache"
+    if path is None:
+        path = clip_file(searcher, settings, clip_id)
+        cache = "no-cache" if store is not None else "public, max-age=3600"
     size = path.stat().st_size
     media_type = MEDIA_TYPES.get(path.suffix.lower(), "application/octet-stream")
-    headers = {"Accept-Ranges": "bytes", "Cache-Control": "public, max-age=3600"}
+    headers = {"Accept-Ranges": "bytes", "Cache-Control": cache}
     span = parse_range(request.headers.get("range"), size)
     if span is None:
         return StreamingResponse(_read(path, 0, size), media_type=media_type,

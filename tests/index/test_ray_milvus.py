@@ -7,6 +7,14 @@ server (tests/milvus_server.py). Each actor writes its own files' vectors into t
 the driver gets back only row numbers and errors. Compared with the single-process path:
 the same clip ids row by row, the same vectors (float tolerance), the same top-k through the
 Milvus backend, and a bundle the service serves and activates with TONEARM_INDEX_BACKEND=milvus.
+
+Both runs index the folder with a per-file metadata table (``--metadata``): the Ray writers publish
+each clip's metadata as `tonearm bundle publish` does (same JSON objects, same registry fields),
+so filtered searches are evaluated by Milvus and equal numpy brute force over the clips whose
+metadata (as written in the table, checked here in plain Python) passes. The corrupt file's row
+gives ``rating`` a second type among the candidates: the Ray layout, made before decoding, leaves
+that field out and the registry does not list it, so that filter is evaluated on our side — with
+the same answer.
 """
 
 from __future__ import annotations
@@ -31,6 +39,30 @@ from index.milvus_index import MilvusTarget, active_bundle, publish, published_i
 
 pytestmark = pytest.mark.slow
 QUERIES = ["a short noise burst", "white noise", "a quiet hiss", "static"]
+LICENSES = ("cc0", "by", "nc")
+FILTERS = [  # (filter, the same predicate in plain Python over a file's metadata row)
+    ({"license": "cc0"}, lambda m: m["license"] == "cc0"),
+    ({"seconds": {"lte": 1.5}}, lambda m: m["seconds"] <= 1.5),
+    ({"tags": {"any": ["loud"]}, "loop": False}, lambda m: "loud" in m["tags"] and not m["loop"]),
+    ({"or": [{"not": {"license": {"in": ["by", "nc"]}}}, {"seconds": {"gt": 3}}]},
+     lambda m: m["license"] == "cc0" or m["seconds"] > 3),
+    ({"id": "set2/clip10.wav"}, lambda m: m["file"] == "set2/clip10.wav"),
+    ({"rating": {"gte": 3}}, lambda m: m["rating"] >= 3),  # a field the Ray layout leaves to our side
+]
+
+
+def _metadata_table(folder: Path, path: Path) -> dict[str, dict]:
+    """A ``--metadata`` JSONL for the folder's clips (and one row for the corrupt file); file → row."""
+    rows = {}
+    for i in range(N_FILES):
+        rel = f"set{i % 4}/clip{i:02d}.wav"
+        assert (folder / rel).is_file()
+        rows[rel] = {"file": rel, "license": LICENSES[i % 3], "seconds": round(0.3 + 0.12 * i, 2),
+                     "tags": ["even" if i % 2 == 0 else "odd"] + (["loud"] if i % 3 == 0 else []),
+                     "loop": i % 4 == 0, "rating": i % 5}
+    rows["set1/broken.wav"] = {"file": "set1/broken.wav", "license": "cc0", "rating": "bad"}
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows.values()))
+    return rows
 
 
 def test_ray_workers_publish_what_index_and_bundle_publish_give(
@@ -38,11 +70,14 @@ def test_ray_workers_publish_what_index_and_bundle_publish_give(
 ) -> None:
     target = MilvusTarget(uri=milvus_server.uri)
     tag = uuid.uuid4().hex[:8]
-    local = index_folder(sound_folder, tiny_bundle, tmp_path / f"local-{tag}")  # the single-process path
+    table = _metadata_table(sound_folder, tmp_path / f"meta-{tag}.jsonl")
+    local = index_folder(sound_folder, tiny_bundle, tmp_path / f"local-{tag}",  # the single-process path
+                         metadata=tmp_path / f"meta-{tag}.jsonl")
     assert publish(local.path, target) is True
     out = tmp_path / f"ray-{tag}"
     run = tonearm("-v", "index", str(sound_folder), "--bundle", str(tiny_bundle), "--out", str(out),
-                  "--ray", ray_address, "--ray-workers", "2", "--milvus-uri", target.uri, home=ray_home)
+                  "--ray", ray_address, "--ray-workers", "2", "--milvus-uri", target.uri,
+                  "--metadata", str(tmp_path / f"meta-{tag}.jsonl"), home=ray_home)
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"{N_FILES} files indexed, 2 skipped" in run.stdout
     assert "set1/broken.wav" in run.stdout and "readme.txt" in run.stdout
@@ -60,6 +95,8 @@ def test_ray_workers_publish_what_index_and_bundle_publish_give(
     assert {k: mine[k] for k in ("n_audio", "n_text", "index_type", "dim")} == {
         k: theirs[k] for k in ("n_audio", "n_text", "index_type", "dim")}
     assert mine["recall_at_10"]["audio"] == 1.0
+    assert theirs["meta_fields"]["rating"] == "number" and "license" in theirs["meta_fields"]
+    assert mine["meta_fields"] == {k: v for k, v in theirs["meta_fields"].items() if k != "rating"}
 
     with pytest.raises(BundleError, match="TONEARM_INDEX_BACKEND=milvus"):
         LoadedBundle.open(out)  # no FAISS file to fall back on
@@ -74,6 +111,8 @@ def test_ray_workers_publish_what_index_and_bundle_publish_give(
         np.testing.assert_array_equal(got[1], expected[1])
         np.testing.assert_allclose(got[0], expected[0], atol=1e-4)
         np.testing.assert_array_equal(got[1], faiss.search_audio(queries, 10)[1])
+        _assert_same_metadata(target, out.name, local.path.name, on_ray.audio_items)
+        _assert_filters_are_brute_force(on_ray, single, table, queries, vectors)
 
         on_ray.mark_active()  # the active aliases name its (audio, empty text) collections
         assert active_bundle(target) == out.name
@@ -81,6 +120,51 @@ def test_ray_workers_publish_what_index_and_bundle_publish_give(
         for bundle in (on_ray, single, faiss):
             bundle.close()
     _serve_and_activate(tmp_path, out.name, local.path.name, target.uri)
+
+
+def _assert_same_metadata(target: MilvusTarget, ray_id: str, local_id: str, clips: list[dict]) -> None:
+    """Each clip's ``meta`` JSON in the Ray-written collection is the one `bundle publish` wrote (less
+    the field only the corrupt file made two-typed); the empty text collections carry the column too."""
+    from index.milvus_index import META_FIELD
+
+    def metas(bundle_id: str, kind: str = "audio") -> list[dict]:
+        rows = target.call("query", target.collection(bundle_id, kind), filter="row >= 0",
+                           output_fields=["row", META_FIELD], consistency_level="Strong", bulk=True)
+        return sorted((row[META_FIELD] for row in rows), key=lambda meta: meta["id"])
+
+    mine, theirs = metas(ray_id), metas(local_id)
+    assert [meta["id"] for meta in mine] == sorted(clip["id"] for clip in clips)
+    assert mine == [{k: v for k, v in meta.items() if k != "rating"} for meta in theirs]
+    assert {"license", "seconds", "tags", "loop"} <= set(mine[0]) and "rating" in theirs[0]
+    for bundle_id in (ray_id, local_id):
+        fields = {f["name"] for f in target.call("describe_collection", target.collection(bundle_id, "text"))["fields"]}
+        assert META_FIELD in fields, bundle_id
+
+
+def _assert_filters_are_brute_force(on_ray: LoadedBundle, single: LoadedBundle, table: dict[str, dict],
+                                    queries: np.ndarray, vectors: np.ndarray) -> None:
+    """Filtered top-k on the Ray-published collection = numpy over the clips whose table row passes;
+    evaluated by Milvus alone (no mask given) wherever the registry lists the filter's fields."""
+    from index.filters import parse_filter
+
+    for raw, passes in FILTERS:
+        flt = parse_filter(raw)
+        allowed = np.array([passes({**table[clip["id"]], "file": clip["id"]}) for clip in on_ray.audio_items])
+        assert 0 < allowed.sum() < len(allowed), raw
+        by_milvus = on_ray._audio_index.expression(flt) is not None  # type: ignore[union-attr]
+        assert by_milvus == ("rating" not in raw), raw
+        assert single._audio_index.expression(flt) is not None, raw  # type: ignore[union-attr]
+        k = 5
+        scores, rows = on_ray.search_audio(queries, k, allowed=None if by_milvus else allowed, where=flt)
+        passing = np.flatnonzero(allowed)
+        exact = queries @ vectors[passing].T
+        order = np.argsort(-exact, axis=1, kind="stable")[:, :k]
+        expected_rows = np.where(order < len(passing), passing[np.minimum(order, len(passing) - 1)], -1)
+        n = min(k, len(passing))
+        np.testing.assert_array_equal(rows[:, :n], expected_rows[:, :n], err_msg=str(raw))
+        np.testing.assert_allclose(scores[:, :n], np.take_along_axis(exact, order, 1)[:, :n], atol=1e-4)
+        assert (rows[:, n:] == -1).all(), raw
+        np.testing.assert_array_equal(rows, single.search_audio(queries, k, allowed=allowed, where=flt)[1])
 
 
 def _serve_and_activate(bundles_dir: Path, ray_id: str, local_id: str, uri: str) -> None:
@@ -97,8 +181,10 @@ def _serve_and_activate(bundles_dir: Path, ray_id: str, local_id: str, uri: str)
                 assert r.status_code == 200, r.text
             body = client.post("/v1/search/text", json={"query": QUERIES[0], "k": 5}).json()
             assert body["bundle_id"] == bundle_id, body
-            answers[bundle_id] = [(hit["id"], round(hit["score"], 4)) for hit in body["hits"]]
-        assert answers[ray_id] == answers[local_id] and len(answers[ray_id]) == 5
+            filtered = client.post("/v1/search/text", json={"query": QUERIES[0], "k": 5,
+                                                            "filter": {"license": "cc0", "loop": False}}).json()
+            answers[bundle_id] = [(hit["id"], round(hit["score"], 4)) for hit in body["hits"] + filtered["hits"]]
+        assert answers[ray_id] == answers[local_id] and len(answers[ray_id]) == 10
         assert json.loads(json.dumps(answers))  # plain data
 
 

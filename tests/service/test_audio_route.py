@@ -1,4 +1,5 @@
-"""`GET /v1/audio/{clip_id}` over real uvicorn: byte ranges, and nothing outside the audio root."""
+"""`GET /v1/audio/{clip_id}` over real uvicorn: byte ranges, nothing outside the audio root, and the
+audio of items added through `POST /v1/items` (none of deleted items or taken-down clips)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 
 from service.app import create_app
 from service.routes.audio import parse_range
-from tests.service.conftest import make_settings
+from tests.service.conftest import ADMIN, make_settings
+from tests.service.fakes import tone, wav_bytes
 
 
 def _clip(bundle: Path) -> tuple[str, str]:
@@ -90,6 +92,51 @@ def test_a_symlink_out_of_the_audio_root_is_not_followed(served, tiny_bundle: Pa
         server.wait_ready()
         response = httpx.get(f"{server.url}/v1/audio/{clip_id}")
         assert response.status_code == 404 and b"secret" not in response.content
+
+
+def test_added_items_are_served_and_deleted_items_and_takedowns_are_not(served, tiny_bundle: Path,
+                                                                        tiny_corpus: Path, tmp_path: Path) -> None:
+    with (tiny_bundle / "audio_ids.jsonl").open(encoding="utf-8") as handle:
+        clips = [json.loads(line) for line, _ in zip(handle, range(3), strict=False)]
+    (replaced, _), (taken_down, taken_uri) = [(c["id"], c["uri"]) for c in clips[:2]]
+    wav = wav_bytes(tone(["dog"], seconds=0.5))
+    flac = wav_bytes(tone(["bell"], seconds=0.5), fmt="FLAC")
+    bell = wav_bytes(tone(["bell", "rain"], seconds=0.5))
+    app, server = served(items_dir=tmp_path / "items")
+    with server:
+        server.wait_ready()
+
+        def audio(item_id: str, **headers: str) -> httpx.Response:
+            return httpx.get(f"{server.url}/v1/audio/{item_id}", headers=headers)
+
+        def post(item_id: str, data: bytes, name: str) -> None:
+            r = httpx.post(f"{server.url}/v1/items", headers=ADMIN, data={"id": item_id},
+                           files={"file": (name, data, "application/octet-stream")})
+            assert r.status_code == 201, r.text
+
+        assert audio("added/dog").status_code == 404
+        post("added/dog", wav, "x.bin")  # the declared type and name say nothing: the content does
+        post("added-bell", flac, "y.bin")
+        post(replaced, bell, "z.bin")  # an upsert of a bundle clip's id replaces its audio too
+        for item_id, data, media_type in (("added/dog", wav, "audio/wav"), ("added-bell", flac, "audio/flac"),
+                                          (replaced, bell, "audio/wav")):
+            full = audio(item_id)
+            assert full.status_code == 200 and full.content == data, item_id
+            assert full.headers["content-type"] == media_type and full.headers["cache-control"] == "no-cache"
+            part = audio(item_id, Range="bytes=4-11")
+            assert part.status_code == 206 and part.content == data[4:12]
+            assert part.headers["content-range"] == f"bytes 4-11/{len(data)}"
+        clip = audio(taken_down)
+        assert clip.status_code == 200 and clip.content == (tiny_corpus.parent / taken_uri).read_bytes()
+
+        for item_id in ("added/dog", taken_down, replaced):
+            assert httpx.delete(f"{server.url}/v1/items/{item_id}", headers=ADMIN).status_code == 200
+            gone = audio(item_id)
+            assert gone.status_code == 404 and gone.json()["type"].endswith("not-found"), item_id
+            assert gone.content not in (wav, bell)
+        assert audio("added-bell").content == flac  # the others are untouched
+        post(taken_down, wav, "w.bin")  # putting a taken-down id back serves the new audio
+        assert audio(taken_down).content == wav
 
 
 def test_parse_range() -> None:

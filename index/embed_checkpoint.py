@@ -34,14 +34,17 @@ class Chunk:
     skipped: list[tuple[str, str]]
 
 
-def plan_digest(*, bundle_id: str, encoder_sha256: str, audio_dir: Path, files: Sequence[Path], chunk_files: int) -> str:
-    """sha256 of everything that decides the pass's vectors and its chunk boundaries."""
+def plan_digest(*, bundle_id: str, encoder_sha256: str, audio_dir: Path, files: Sequence[Path], chunk_files: int,
+                precision: str = "fp32") -> str:
+    """sha256 of everything that decides the pass's vectors and its chunk boundaries (``precision``:
+    `--precision`; an fp32 plan's digest is what it was before the option existed)."""
     listing = []
     for path in files:
         stat = path.stat()
         listing.append([path.relative_to(audio_dir).as_posix(), stat.st_size, stat.st_mtime_ns])
     body = json.dumps({"bundle": bundle_id, "encoder": encoder_sha256, "root": str(audio_dir), "files": listing,
-                       "chunk_files": chunk_files}, sort_keys=True, separators=(",", ":"))
+                       "chunk_files": chunk_files, **({"precision": precision} if precision != "fp32" else {})},
+                      sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(body.encode()).hexdigest()
 
 

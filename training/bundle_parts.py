@@ -28,6 +28,7 @@ from index import bundle as fmt
 from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS
 from index.faiss_index import BuiltIndex
+from index.half_precision import PROBE_TEXTS, catalogue_pass_info, gate, half_precision_copy
 from index.loader import OnnxEncoder
 from index.report import METRIC_CONVENTION
 from training.data.manifest import ClipRecord
@@ -198,3 +199,26 @@ def quantization_records(found: Any, quantize: QuantizeConfig) -> tuple[fmt.Eval
     evaluation = fmt.EvaluationInfo(report=found.report, convention=METRIC_CONVENTION,
                                     fp32_text_report=found.fp32_report, quantization_delta=found.delta)
     return evaluation, info
+
+
+
+Encode = Callable[[list[Any]], np.ndarray]
+
+
+def half_copies(audio: Path, text: Path, scratch: Path) -> tuple[Path, Path]:
+    """fp16 copies of both encoder files for the catalogue pass (`--precision fp16`, :mod:`index.half_precision`)."""
+    return (half_precision_copy(audio, scratch / f"{audio.stem}.fp16.onnx"),
+            half_precision_copy(text, scratch / f"{text.stem}.fp16.onnx"))
+
+
+def probe_texts(records: Sequence[ClipRecord], languages: Sequence[str], catalogue: Sequence[str]) -> list[str]:
+    """The caption probe set of an fp16 pass: the parity captions and the first catalogue captions."""
+    return parity_texts(records, languages) + list(catalogue[:PROBE_TEXTS])
+
+
+def half_precision_gate(audio: tuple[Encode, Encode, Sequence[Any]], text: tuple[Encode, Encode, Sequence[Any]],
+                        providers: Sequence[str]) -> fmt.CataloguePassInfo:
+    """Both encoders' fp16 copies held to fp32 on their probe sets, ``(fp32, fp16, items)`` each
+    (:func:`index.half_precision.gate`: one line below the gate); the manifest's ``catalogue_pass``."""
+    found = {"audio": gate("audio", *audio), "text": gate("text", *text)}
+    return catalogue_pass_info(found, "cuda" if "CUDAExecutionProvider" in providers else "cpu")

@@ -146,3 +146,13 @@ def test_fp16_pass_of_export_and_index_keeps_fp32_encoders_and_records_it(
     again = index_folder(audio, half.path, tmp_path / "fp32", providers=CPU)  # from the fp16-embedded bundle
     assert fmt.read_manifest(again.path).catalogue_pass is None  # this pass's record, not its source's
     assert "catalogue_pass" not in (again.path / fmt.MANIFEST_NAME).read_text()  # fp32: the manifest as before
+
+
+def test_fp16_pass_of_a_trained_export(tiny_checkpoint: Path, tiny_corpus: Path, tmp_path: Path) -> None:
+    """`tonearm export CHECKPOINT --precision fp16`: the same record from the trained pipeline."""
+    from training.export import export_bundle
+
+    path = export_bundle(tiny_checkpoint, manifest=tiny_corpus, out_dir=tmp_path, progress=False, precision="fp16")
+    record = fmt.read_manifest(path).catalogue_pass
+    assert record is not None and set(record.probe_items) == {"audio", "text"}
+    assert min(record.parity_min_centred_cosine.values()) >= MIN_CENTRED_COSINE

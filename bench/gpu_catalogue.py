@@ -12,11 +12,13 @@ One prepared command on the GPU machine (``device`` tool), each step timed and r
      model's rate: clips/s from the pass's own progress line, wall time;
   3. the same first ``--parity-files`` clips embedded on the CPU provider (the reference): min
      cosine CUDA vs CPU, and the CPU pass's clips/s on this machine's cores for comparison;
-  4. fp16 (issue 41, :mod:`index.half_precision`): the export in step 1 runs with ``--precision fp16``
-     (its catalogue pass on fp16 copies, after their parity gate: the gate's centred cosines are
-     recorded; when the gate refuses, the refusal line is recorded and the export reruns in fp32), and
-     ``tonearm index --device cuda --precision fp16`` runs the same clips as step 2: clips/s, the gate's
-     centred cosine, and fp16 vs fp32 (CUDA) over every clip: min cosine, min and mean centred cosine.
+  4. fp16 (issue 41, :mod:`index.half_precision`): ``tonearm index --device cuda --precision fp16``
+     runs the same clips as step 2: clips/s, its parity gate's centred cosine, and fp16 vs fp32 (CUDA)
+     over every clip: min cosine, min and mean centred cosine. For the families in ``--fp16-export``
+     (default CLAP only: PE-Audio's export is 100 s, twice that if its gate refused) the export in step 1
+     runs with ``--precision fp16`` too (captions and clips on fp16 copies: both gates recorded; when a
+     gate refuses, the refusal line is recorded and the export reruns in fp32). The encoder files stay
+     fp32 either way, so the same bundle is the source of both index passes.
 * **CLAP-size bf16 epoch from shards on one GPU under NCCL** (``distributed.force_process_group``
   under a one-process ``torchrun``): the tiny corpus's train clips repeated to ``--train-clips``
   under distinct ids, ``tonearm data shard`` at 48 kHz, ``configs/real/clap.yaml`` for one
@@ -119,7 +121,7 @@ def clips_per_second(text: str) -> float | None:
 
 
 def catalogue(family: str, work: Path, corpus: Path, device: str, files: int, parity_files: int,
-              fp16: bool = False) -> dict[str, Any]:
+              fp16: bool = False, fp16_export: bool = False) -> dict[str, Any]:
     from real_size_models import real_model_dir
 
     from index.loader import LoadedBundle, device_providers
@@ -131,14 +133,14 @@ def catalogue(family: str, work: Path, corpus: Path, device: str, files: int, pa
     bundles = work / f"bundles-{family}"
     if not bundles.is_dir():  # a rerun in the same --work keeps the bundle (and says so: export_s null)
         # fp16 on CUDA: the bundle's encoder files stay fp32, so the same bundle is the source of both index passes.
-        precision = "fp16" if fp16 else "fp32"
+        precision = "fp16" if fp16 and fp16_export else "fp32"
         code, tail, seconds = tonearm("export", "--pretrained", str(folder), "--data", str(corpus / "manifest.jsonl"),
                                       "--out", str(bundles), "--device", device, "--precision", precision,
                                       log=work / f"export-{family}.log")
         text = (work / f"export-{family}.log").read_text()
-        if fp16:
+        if precision == "fp16":
             result.update(export_fp16_exit=code, export_fp16_s=seconds, export_fp16_gate=half_gate(text))
-        if code == 2 and fp16 and "--precision fp16" in tail:  # the gate refused: record it, bundle in fp32
+        if code == 2 and precision == "fp16" and "--precision fp16" in tail:  # the gate refused: record it, bundle in fp32
             result["export_fp16_refused"] = [line for line in tail.splitlines() if "--precision fp16" in line][-1][-600:]
             code, tail, seconds = tonearm("export", "--pretrained", str(folder), "--data", str(corpus / "manifest.jsonl"),
                                           "--out", str(bundles), "--device", device, log=work / f"export-{family}.log")
@@ -373,7 +375,8 @@ def record(paths: list[Path]) -> int:
                 lines.append(f"| {family} | | failed: {row.get('error', '')[:300]} | | | | | |")
                 continue
             cosines = "; ".join(c.split(": ")[-1] for c in row.get("export_cosines", [])) or "passed (≥ 0.999)"
-            lines.append(f"| {family} | {row['files']} | {row['export_s']} | {cosines} | {row['index_clips_per_s']} | "
+            export_s = f"{row['export_s']} (its pass in fp16)" if row.get("export_fp16_exit") == 0 else row["export_s"]
+            lines.append(f"| {family} | {row['files']} | {export_s} | {cosines} | {row['index_clips_per_s']} | "
                          f"{row['index_wall_clips_per_s']} | {row['min_cos_vs_cpu']} ({row['min_centred_cos_vs_cpu']}) | "
                          f"{row['cpu_clips_per_s']} ({row['cpu_threads']} threads) |")
     lines += fp16_rows(runs)
@@ -440,8 +443,12 @@ def fp16_rows(runs: list[tuple[Path, dict[str, Any]]]) -> list[str]:
     ]
     for family, row in rows:
         gate = row.get("export_fp16_gate") or {}
-        export = (f"{gate.get('audio', '–')} / {gate.get('text', '–')}" if row.get("export_fp16_exit") == 0
-                  else f"refused: {row.get('export_fp16_refused', row.get('export_fp16_exit'))}"[:300])
+        if "export_fp16_exit" not in row:
+            export = "not run (export in fp32)"
+        elif row["export_fp16_exit"] == 0:
+            export = f"{gate.get('audio', '–')} / {gate.get('text', '–')}"
+        else:
+            export = f"refused: {row.get('export_fp16_refused', row['export_fp16_exit'])}"[:300]
         if row.get("fp16_index_exit") != 0:
             lines.append(f"| {family} | {row.get('files')} | {export} | {row.get('index_clips_per_s')} | "
                          f"failed: {row.get('fp16_error', row.get('error', ''))[:300]} | | | "
@@ -527,6 +534,8 @@ def main() -> int:
     parser.add_argument("--skip-train", action="store_true",
                         help="leave out the training steps (" + ", ".join(TRAIN_STEPS) + "): the catalogue passes only")
     parser.add_argument("--no-fp16", action="store_true", help="catalogue passes in fp32 only (no --precision fp16 runs)")
+    parser.add_argument("--fp16-export", nargs="*", choices=("clap", "pe_audio"), default=["clap"],
+                        help="families whose export --pretrained also runs with --precision fp16 (default: clap)")
     parser.add_argument("--record", type=Path, nargs="+", help="write the BENCHMARKS.md section from these JSONs and exit")
     args = parser.parse_args()
     if args.record:
@@ -557,7 +566,7 @@ def main() -> int:
         if name.startswith("catalogue:"):
             family = name.split(":", 1)[1]
             step(f"catalogue_{family}", args.out)(catalogue, family, args.work, corpus, args.device, args.files,
-                                                  args.parity_files, fp16)
+                                                  args.parity_files, fp16, family in args.fp16_export)
         elif name == "clap_epoch" and (path := shards_at(48000, args.train_clips)):
             step("clap_epoch_shards_nccl", args.out)(clap_epoch, args.work, path, args.device, args.batch, args.workers)
         elif name == "ask" and (path := shards_at(16000, 64)):

@@ -59,7 +59,8 @@ FP32_OPS = (
 _NO_VALUE = {"Shape", "Size"}
 """Ops whose output depends on an input's shape only, not on its values."""
 EXTERNAL_DATA_BYTES = 2 * 1024**3
-"""ONNX protobufs are capped at 2 GB: a larger copy keeps its weights in an external file."""
+"""ONNX protobufs are capped at 2 GB: a larger encoder keeps its weights in an external file, and the
+converter (its shape inference on the in-memory model) cannot copy it; refused in one line."""
 
 
 class HalfPrecisionParityError(TonearmError):
@@ -167,6 +168,10 @@ def drop_round_trips(model: Any) -> int:
 def half_precision_copy(src: Path | str, dst: Path | str) -> Path:
     """Write the fp16 copy of the ONNX model ``src`` (fp32 inputs/outputs; module docstring) to ``dst``."""
     src, dst = Path(src), Path(dst)
+    size = sum(p.stat().st_size for p in (src, *src.parent.glob(f"{src.name}.data")))
+    if size >= EXTERNAL_DATA_BYTES:  # the converter's shape inference runs on the in-memory model: ≤ 2 GB
+        raise TonearmError(f"--precision fp16: {src.name} is {size / 1e9:.1f} GB with its weights; fp16 copies of "
+                           "encoders over 2 GB are not made (yet): rerun with --precision fp32")
     try:
         import onnx
         from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
@@ -176,7 +181,7 @@ def half_precision_copy(src: Path | str, dst: Path | str) -> Path:
     half = convert_float_to_float16(model, keep_io_types=True, op_block_list=[*DEFAULT_OP_BLOCK_LIST, *FP32_OPS],
                                     node_block_list=fp32_node_names(model))
     drop_round_trips(half)
-    onnx.save(half, str(dst), save_as_external_data=half.ByteSize() >= EXTERNAL_DATA_BYTES)
+    onnx.save(half, str(dst))
     log.info("%s: fp16 copy for the catalogue pass written to %s (%.1f MB -> %.1f MB)", src.name, dst,
              src.stat().st_size / 1e6, dst.stat().st_size / 1e6)
     return dst

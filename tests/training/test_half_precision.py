@@ -7,7 +7,8 @@ log-mel) and a PE-Audio (0.5 M; codec + rotary transformer). The small PE-Audio'
 probe signals to nearly one vector (plain cosine fp16 vs fp32 ≥ 0.99999), so what tells them apart is at
 fp16's rounding level: its real fp16 copy is what the gate must stop (centred cosine ~0.2–0.7).
 
-Cost: ~20 s (two model folders, their ONNX exports, one export --pretrained of six clips, two index passes).
+Cost: ~15 s on two cores (two model folders and their ONNX exports ~6 s, one export --pretrained of six clips
+and two index passes ~5 s, a trained export ~1 s besides the session's shared tiny run).
 """
 
 from __future__ import annotations

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import multiprocessing.context
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -431,18 +432,51 @@ def backfill_pair_weights(jobs: list[Job]) -> int:
     return len(todo)
 
 
+def _job_context() -> multiprocessing.context.ForkServerContext:
+    """The forkserver the jobs are forked from: it imports torch, torch._dynamo, matplotlib and the
+    training loop once (training/warm_imports.py), where a fresh process paid ~8 s per job."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["training.warm_imports"])
+    return ctx
+
+
+def _job_main(spec: str, log_path: str) -> None:
+    """A job process's body: output into its log, one thread, the job run from ``spec``."""
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115 (the process's own stream)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
+    os.chdir(ROOT)
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # one core per job, its loader workers too
+    import torch
+
+    torch.set_num_threads(1)
+    fields = json.loads(spec)
+    try:
+        run_job(Job(**{**fields, "out_dir": Path(fields["out_dir"]), "preset": Path(fields["preset"]),
+                       "manifest": Path(fields["manifest"])}))
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()  # its last line, the error, is what the lead process reports
+        sys.stderr.flush()
+        raise SystemExit(1) from None
+
+
 def _job_process(job: Job, log_dir: Path) -> dict[str, Any]:
-    """Run one job in its own Python process (one thread), its output in a log file."""
+    """Run one job in its own process (one thread, forked from the jobs' forkserver), its output in a log file."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / (job.key.replace("/", "__") + ".log")
     spec = json.dumps({**job.__dict__, "out_dir": str(job.out_dir), "preset": str(job.preset),
                        "manifest": str(job.manifest)})
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    with log_path.open("w", encoding="utf-8") as log:
-        code = subprocess.run([sys.executable, str(Path(__file__)), "--run-job", spec], cwd=ROOT, env=env,
-                              stdout=log, stderr=subprocess.STDOUT).returncode
+    process = _job_context().Process(target=_job_main, args=(spec, str(log_path)), name=job.key)
+    process.start()
+    process.join()
+    code = process.exitcode
     if code != 0:
-        tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:] or [""]
+        lines = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines() if log_path.is_file() else []
+        tail = lines[-1:] or [""]
         raise TonearmError(f"{job.key} failed (exit {code}): {tail[0]} — full log {log_path}")
     return json.loads(job.result_path.read_text(encoding="utf-8"))
 

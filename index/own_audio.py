@@ -31,7 +31,6 @@ import json
 import logging
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -45,7 +44,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from index import bundle as fmt
 from index.audio import decode_audio
 from index.audio_formats import SNIFF_BYTES, SUPPORTED, sniff_format
-from index.embed_checkpoint import CHUNK_FILES, Chunk, EmbedCheckpoint, plan_digest
+from index.embed_checkpoint import (
+    CHUNK_FILES,
+    Chunk,
+    EmbedCheckpoint,
+    PassRate,
+    embed_in_chunks,
+    plan_digest,
+)
 from index.errors import AudioDecodeError, BundleError, TonearmError
 from index.faiss_ondisk import build_and_save
 from index.file_metadata import find_metadata_file, read_file_metadata
@@ -122,8 +128,9 @@ def index_folder(
     try:
         if ray is None:
             manifest = bundle.manifest
-            digest = plan_digest(bundle_id=manifest.bundle_id, encoder_sha256=manifest.files[manifest.audio_encoder.file].sha256,
-                                 audio_dir=audio_dir, files=files, chunk_files=chunk_files, precision=precision)
+            digest = plan_digest(bundle=manifest.bundle_id, encoder=manifest.files[manifest.audio_encoder.file].sha256,
+                                 root=str(audio_dir), files=[(p.relative_to(audio_dir).as_posix(), p) for p in files],
+                                 chunk_files=chunk_files, **({"precision": precision} if precision != "fp32" else {}))
             with tempfile.TemporaryDirectory() as scratch:
                 encode: Callable[[Sequence[np.ndarray]], np.ndarray] = bundle.encode_audio
                 if precision == "fp16":
@@ -283,63 +290,46 @@ def _embed(
     checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
     encode: Callable[[Sequence[np.ndarray]], np.ndarray] | None = None,
 ) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
-    """The pass in chunks of ``chunk_files`` files; a chunk found in ``checkpoint`` is loaded, not embedded.
-    Progress: files done, clips/s of this run and the time left at that rate (bar and log).
-    ``encode``: the waveforms' vectors (default: the bundle's own audio encoder)."""
+    """The pass in chunks of ``chunk_files`` files (:func:`index.embed_checkpoint.embed_in_chunks`); a chunk
+    found in ``checkpoint`` is loaded, not embedded. Progress: files done, clips/s of this run and the time
+    left at that rate (bar and log). ``encode``: the waveforms' vectors (default: the bundle's own audio encoder)."""
     encode = encode or bundle.encode_audio
-    clip_ids: list[str] = []
-    parts: list[np.ndarray] = []
-    skipped: list[tuple[str, str]] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[speed]}"))
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("embedding audio", total=len(files), speed="")
-        began, embedded_here, logged = time.monotonic(), 0, 0
+        rate, logged = PassRate(len(files)), 0
 
-        def advance(n: int, done: int) -> None:
+        def advance(n: int, /, *, resumed: bool = False) -> None:
             nonlocal logged
-            rate = embedded_here / max(time.monotonic() - began, 1e-9)
-            left = f"{(len(files) - done) / rate / 60:.1f} min left" if rate > 0 else "? left"
-            bar.update(task, advance=n, speed=f"{rate:.1f} clips/s, {left}")
-            if done - logged >= 100 or done == len(files):
-                log.info("index progress: %d/%d files, %.1f clips/s, %s", done, len(files), rate, left)
-                logged = done
+            rate.add(n, resumed=resumed)
+            bar.update(task, advance=n, speed=rate.describe())
+            if rate.done - logged >= 100 or rate.done == len(files):
+                log.info("index progress: %d/%d files, %s", rate.done, len(files), rate.describe())
+                logged = rate.done
 
-        done = 0
-        for number, start in enumerate(range(0, len(files), chunk_files)):
-            paths = files[start : start + chunk_files]
-            chunk = checkpoint.load(number) if checkpoint is not None else None
-            if chunk is not None:
-                log.info("resumed: chunk %d (%d files) from %s", number, len(paths), checkpoint.folder)  # type: ignore[union-attr]
-                done += len(paths)
-                advance(len(paths), done)
-            else:
-                ids: list[str] = []
-                vectors: list[np.ndarray] = []
-                missed: list[tuple[str, str]] = []
-                batch: list[np.ndarray] = []
-                for k, path in enumerate(paths, 1):
-                    rel = path.relative_to(audio_dir).as_posix()
-                    try:
-                        batch.append(decode_file(path, bundle.sample_rate))
-                        ids.append(rel)
-                    except AudioDecodeError as err:  # listed once, by cli_index (not logged as well)
-                        missed.append((rel, str(err).removeprefix(f"{path}: ")))
-                    if len(batch) == EMBED_BATCH or (k == len(paths) and batch):
-                        vectors.append(encode(batch))
-                        batch = []
-                    embedded_here += 1
-                    done += 1
-                    advance(1, done)
-                chunk = Chunk(ids, np.concatenate(vectors) if vectors else np.zeros((0, bundle.embed_dim), np.float32),
-                              missed)
-                if checkpoint is not None:
-                    checkpoint.save(number, chunk)
-            clip_ids += chunk.clip_ids
-            parts.append(chunk.embeddings)
-            skipped += chunk.skipped
-    embeddings = np.concatenate(parts) if parts else np.zeros((0, bundle.embed_dim), np.float32)
-    return clip_ids, embeddings, skipped
+        def embed(start: int, stop: int, step: Callable[[int], None]) -> Chunk:
+            ids: list[str] = []
+            vectors: list[np.ndarray] = []
+            missed: list[tuple[str, str]] = []
+            batch: list[np.ndarray] = []
+            for k, path in enumerate(files[start:stop], start + 1):
+                rel = path.relative_to(audio_dir).as_posix()
+                try:
+                    batch.append(decode_file(path, bundle.sample_rate))
+                    ids.append(rel)
+                except AudioDecodeError as err:  # listed once, by cli_index (not logged as well)
+                    missed.append((rel, str(err).removeprefix(f"{path}: ")))
+                if len(batch) == EMBED_BATCH or (k == stop and batch):
+                    vectors.append(encode(batch))
+                    batch = []
+                step(1)
+            return Chunk(ids, np.concatenate(vectors) if vectors else np.zeros((0, bundle.embed_dim), np.float32),
+                         missed)
+
+        done = embed_in_chunks(len(files), embed, dim=bundle.embed_dim, checkpoint=checkpoint,
+                               chunk_files=chunk_files, advance=advance)
+    return done.clip_ids, done.embeddings, done.skipped
 
 
 def _embed_on_ray(

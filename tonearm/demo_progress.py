@@ -20,7 +20,7 @@ from typing import Any
 
 STAGES = ("synthesizing the corpus", "training", "exporting the bundle")
 STAGE_WEIGHTS = (0.19, 0.67, 0.14)
-EXPORT_PROGRESS = re.compile(r"export progress: (?P<what>.+) (?P<done>\d+)/(?P<total>\d+)$")
+EXPORT_PROGRESS = re.compile(r"export progress: (?P<what>.+) (?P<done>\d+)/(?P<total>\d+)(?: \(.*\))?$")
 SYNTH_PROGRESS = re.compile(r"synth progress: rendered clips (?P<done>\d+)/(?P<total>\d+)$")
 EPOCH_DONE = re.compile(r"^epoch (?P<epoch>\d+): loss")
 

@@ -5,7 +5,8 @@ the ``--quantize*`` options.
 
 How a bundle is made (SPEC §6), in one place: ``training.export`` turns a *checkpoint* into
 encoders, ``training.pretrained`` a *pretrained model folder*; both then run the same steps with
-these parts — embed the catalogue with the ONNX encoders, build the FAISS indices, store and
+these parts — embed the catalogue with the ONNX encoders (the clips pass checkpointed in chunks
+and resumed after an interruption: :func:`embed_clips`), build the FAISS indices, store and
 evaluate the held-out set, write the manifest — and ``training.export_cli`` is the one
 ``tonearm export`` entry point choosing between them. Neither of the two imports the other.
 """
@@ -25,6 +26,15 @@ from typing import Any
 import numpy as np
 
 from index import bundle as fmt
+from index.embed_checkpoint import (
+    CHUNK_FILES,
+    Advance,
+    Chunk,
+    EmbedCheckpoint,
+    PassRate,
+    embed_in_chunks,
+    plan_digest,
+)
 from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS
 from index.faiss_index import BuiltIndex
@@ -32,6 +42,7 @@ from index.half_precision import PROBE_TEXTS, catalogue_pass_info, gate, half_pr
 from index.loader import OnnxEncoder
 from index.report import METRIC_CONVENTION
 from training.data.manifest import ClipRecord
+from training.onnx_export import external_data_file
 from training.quantize import QuantizeConfig, check_loss
 
 log = logging.getLogger("training.export")
@@ -97,28 +108,34 @@ def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
 
 
 @contextmanager
-def progress(enabled: bool) -> Iterator[Callable[[str, int], Callable[[int], None]]]:
-    """``task(description, total)`` → ``advance(n)``; a no-op when disabled."""
+def progress(enabled: bool) -> Iterator[Callable[[str, int], Advance]]:
+    """``task(description, total)`` → ``advance(n, resumed=False)``; a no-op when disabled. Each task shows
+    (bar and log, every 10 %) this run's clips/s and the time left at that rate
+    (:class:`index.embed_checkpoint.PassRate`; ``resumed``: items loaded from a checkpoint, not counted)."""
     if not enabled:
-        yield lambda _description, _total: lambda _n: None
+        def no_op(_n: int, /, *, resumed: bool = False) -> None:
+            return None
+
+        yield lambda _description, _total: no_op
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[speed]}"))
     with Progress(*columns, transient=False) as bar:
 
-        def task(description: str, total: int) -> Callable[[int], None]:
-            task_id = bar.add_task(description, total=total)
-            done, next_log = 0, 0
+        def task(description: str, total: int) -> Advance:
+            task_id = bar.add_task(description, total=total, speed="")
+            rate, next_log = PassRate(total), 0
 
-            def advance(n: int) -> None:
+            def advance(n: int, /, *, resumed: bool = False) -> None:
                 # Also to the log (every 10 %), so a log file, not only a terminal, shows the progress.
-                nonlocal done, next_log
-                bar.advance(task_id, n)
-                done += n
-                if done >= next_log or done >= total:
-                    log.info("export progress: %s %d/%d", description, done, total)
-                    next_log = done + max(1, total // 10)
+                nonlocal next_log
+                rate.add(n, resumed=resumed)
+                bar.update(task_id, advance=n, speed=rate.describe())
+                if rate.done >= next_log or rate.done >= total:
+                    log.info("export progress: %s %d/%d (%s)", description, rate.done, total, rate.describe())
+                    next_log = rate.done + max(1, total // 10)
 
             return advance
 
@@ -200,6 +217,50 @@ def quantization_records(found: Any, quantize: QuantizeConfig) -> tuple[fmt.Eval
                                     fp32_text_report=found.fp32_report, quantization_delta=found.delta)
     return evaluation, info
 
+
+# ----------------------------------------------------------------------------- the catalogue pass, checkpointed
+
+
+def partial_base(out_dir: Path, name: str, fingerprint: str) -> Path:
+    """Where an export's checkpointed catalogue pass lives: ``OUT/.<name>-<8 hex>.partial/`` — hidden, named
+    by the bundle id without its timestamp, so the same command finds it again (:mod:`index.embed_checkpoint`)."""
+    return out_dir / f".{name}-{fingerprint[:8]}"
+
+
+def catalogue_checkpoint(base: Path, encoder: Path, records: Sequence[ClipRecord], *, chunk_files: int,
+                         providers: Sequence[str], frontend: dict[str, Any], precision: str = "fp32") -> EmbedCheckpoint:
+    """The checkpoint of the clips pass: its plan is the served audio encoder's sha256 (and its external
+    data file's, if any), the ONNX Runtime providers, the audio preparation (``frontend``), every clip's id
+    and its audio file's path, size and mtime, the chunk size and ``precision`` when not fp32 (`--precision fp16`
+    embeds with fp16 copies) — a pass with any of them changed starts over."""
+    checksums = [fmt.sha256_file(p) for p in (encoder, external_data_file(encoder)) if p.is_file()]
+    digest = plan_digest(encoder=checksums, providers=list(providers), frontend=frontend,
+                         ids=[r.id for r in records], files=[(str(r.audio), Path(r.audio)) for r in records],
+                         chunk_files=chunk_files, per_step=EMBED_CLIPS_PER_STEP,
+                         **({"precision": precision} if precision != "fp32" else {}))
+    return EmbedCheckpoint(base, digest)
+
+
+EMBED_CLIPS_PER_STEP = 8
+"""Clips decoded and encoded together (within a chunk)."""
+
+
+def embed_clips(records: Sequence[ClipRecord], encode: Callable[[Sequence[ClipRecord]], np.ndarray], *, dim: int,
+                advance: Advance, checkpoint: EmbedCheckpoint | None, chunk_files: int = CHUNK_FILES) -> np.ndarray:
+    """(N, d) embeddings of ``records``, :data:`EMBED_CLIPS_PER_STEP` clips at a time through ``encode``
+    (decode + the bundle's audio encoder), in chunks checkpointed in ``checkpoint``
+    (:func:`index.embed_checkpoint.embed_in_chunks`: a finished chunk is loaded, not embedded again)."""
+
+    def embed(start: int, stop: int, step: Callable[[int], None]) -> Chunk:
+        parts = []
+        for first in range(start, stop, EMBED_CLIPS_PER_STEP):
+            batch = records[first : min(first + EMBED_CLIPS_PER_STEP, stop)]
+            parts.append(encode(batch))
+            step(len(batch))
+        return Chunk([r.id for r in records[start:stop]], np.concatenate(parts), [])
+
+    return embed_in_chunks(len(records), embed, dim=dim, checkpoint=checkpoint, chunk_files=chunk_files,
+                           advance=advance).embeddings
 
 
 Encode = Callable[[list[Any]], np.ndarray]

@@ -39,6 +39,7 @@ import torch
 from index import bundle as fmt
 from index.audio import decode_audio
 from index.bundle_eval import evaluate_eval_set
+from index.embed_checkpoint import CHUNK_FILES, Advance, EmbedCheckpoint, discard
 from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, load_eval_waveform, read_eval_set, write_eval_set
 from index.faiss_index import build_index, parse_factory, save_index
@@ -62,14 +63,17 @@ from training.bundle_parts import (
     OPSET,
     audio_uri,
     canonical_hash,
+    catalogue_checkpoint,
     catalogue_records,
     catalogue_texts,
     cosines,
+    embed_clips,
     half_copies,
     half_precision_gate,
     held_out_records,
     make_bundle_id,
     parity_texts,
+    partial_base,
     probe_texts,
     quantization_records,
 )
@@ -90,9 +94,6 @@ from training.onnx_export import (
 from training.quantize import EncoderPair, QuantizeConfig, measure, quantize_model
 
 log = logging.getLogger(__name__)
-
-EMBED_CLIPS_PER_STEP = 8
-
 
 # ----------------------------------------------------------------------------- identity
 
@@ -233,23 +234,32 @@ def encode_bundle_audio(encoder: OnnxEncoder, waves: Sequence[np.ndarray], cfg: 
 
 
 def embed_catalogue_audio(
-    encoder: OnnxEncoder, records: Sequence[ClipRecord], cfg: TrainConfig, advance: Callable[[int], None],
-    model: Any = None,
+    encoder: OnnxEncoder, records: Sequence[ClipRecord], cfg: TrainConfig, advance: Advance,
+    model: Any = None, *, checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
 ) -> np.ndarray:
-    """(N, d) clip embeddings with the evaluation policy, decoding a few clips at a time."""
+    """(N, d) clip embeddings with the evaluation policy, decoding a few clips at a time; checkpointed
+    in chunks in ``checkpoint`` (:func:`training.bundle_parts.embed_clips`)."""
     clip_samples, padding = clip_samples_of(cfg), short_clip_padding(cfg.frontend)
     frontend = checkpoint_audio_frontend(cfg, model)
-    parts = []
-    for start in range(0, len(records), EMBED_CLIPS_PER_STEP):
-        batch = records[start : start + EMBED_CLIPS_PER_STEP]
+
+    def encode(batch: Sequence[ClipRecord]) -> np.ndarray:
         waves = [
             load_eval_waveform(r.audio, sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples,
                                policy=cfg.data.eval_crop, padding=padding)
             for r in batch
         ]
-        parts.append(encode_bundle_audio(encoder, waves, cfg, frontend))
-        advance(len(batch))
-    return np.concatenate(parts)
+        return encode_bundle_audio(encoder, waves, cfg, frontend)
+
+    return embed_clips(records, encode, dim=cfg.model.embed_dim, advance=advance, checkpoint=checkpoint,
+                       chunk_files=chunk_files)
+
+
+def audio_plan(cfg: TrainConfig, model: Any = None) -> dict[str, Any]:
+    """What besides the encoder decides a clip's vector here (the catalogue checkpoint's plan)."""
+    frontend = checkpoint_audio_frontend(cfg, model)
+    return {"sample_rate": cfg.frontend.sample_rate, "clip_samples": clip_samples_of(cfg),
+            "eval_crop": cfg.data.eval_crop, "padding": short_clip_padding(cfg.frontend),
+            "audio_frontend": frontend.model_dump(mode="json") if frontend is not None else None}
 
 
 def embed_catalogue_texts(
@@ -358,12 +368,16 @@ def export_bundle(
     ray: RayOptions | None = None,
     providers: Sequence[str] = CPU,
     precision: Precision = "fp32",
+    chunk_files: int = CHUNK_FILES,
 ) -> Path:
     """Export ``checkpoint_dir`` with the clips of ``manifest`` (only those of ``splits`` when
     given); returns ``out_dir/<bundle_id>``. The held-out set is chosen from every clip.
     ``ray``: the catalogue's embedding pass runs on a Ray cluster (same bundle); ``providers``:
     the ONNX Runtime providers of the checks and the in-process pass (``--device cuda``); ``precision``
-    ``fp16``: the in-process pass runs fp16 copies of the encoders (:mod:`index.half_precision`)."""
+    ``fp16``: the in-process pass runs fp16 copies of the encoders (:mod:`index.half_precision`).
+    The in-process clips pass is checkpointed every ``chunk_files`` clips in
+    ``out_dir/.<run name>-<8 hex>.partial/`` (:func:`training.bundle_parts.partial_base`) and the same
+    call resumes it after an interruption; the folder is removed once the bundle is published."""
     checkpoint_dir, manifest, out_dir = Path(checkpoint_dir), Path(manifest), Path(out_dir)
     quantize = quantize or QuantizeConfig.from_choice(None, quantize_text=quantize_text)  # quantize_text: old alias
     check_precision_options(precision, None, ray=ray is not None, quantized=quantize.encoders)
@@ -380,11 +394,13 @@ def export_bundle(
                                   quantize.model_dump(mode="json") if quantize.encoders else False,
                                   *([sorted(splits)] if splits else []), *(["fp16"] if precision == "fp16" else [])])
     bundle_id = make_bundle_id(run_name(checkpoint_dir), created=created, fingerprint=fingerprint)
+    partial = partial_base(out_dir, run_name(checkpoint_dir), fingerprint)
     with fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
         sections = _build_contents(
             ckpt, records, held_out, staging, Path(scratch), split=split, index_factory=index_factory,
             quantize=quantize, progress=progress, source_manifest=manifest, ray=ray, providers=providers,
             precision=precision,
+            partial=partial, chunk_files=chunk_files,
         )
         manifest_model = fmt.BundleManifest(
             bundle_id=bundle_id,
@@ -406,7 +422,9 @@ def export_bundle(
             files={},
             **sections,
         )
-        return fmt.publish(staging, manifest_model)
+        path = fmt.publish(staging, manifest_model)
+    discard(partial)
+    return path
 
 
 def _build_contents(
@@ -424,8 +442,11 @@ def _build_contents(
     ray: RayOptions | None = None,
     providers: Sequence[str] = CPU,
     precision: Precision = "fp32",
+    partial: Path | None = None,
+    chunk_files: int = CHUNK_FILES,
 ) -> dict[str, Any]:
-    """Write every bundle file except the manifest; return the manifest sections they determine."""
+    """Write every bundle file except the manifest; return the manifest sections they determine.
+    ``partial``: checkpoint the in-process clips pass in ``<partial>.partial/`` (None: not checkpointed)."""
     cfg, tokenizer, dim = ckpt.config, ckpt.tokenizer, ckpt.config.model.embed_dim
     encoders = export_encoders(ckpt, staging, scratch, records=records, quantize=quantize, providers=providers)
     text_items, ranges = catalogue_texts(records, cfg.data.languages)
@@ -438,8 +459,12 @@ def _build_contents(
         if precision == "fp16":
             audio, text, catalogue_pass = half_encoders(ckpt, encoders, records, [t["text"] for t in text_items],
                                                         scratch, providers)
+        checkpoint = None if partial is None else catalogue_checkpoint(
+            partial, encoders.audio.path, records, chunk_files=chunk_files, providers=providers,
+            frontend=audio_plan(cfg, ckpt.model), precision=precision)
         with _progress(progress) as task:
-            audio_emb = embed_catalogue_audio(audio, records, cfg, task("embedding clips", len(records)), ckpt.model)
+            audio_emb = embed_catalogue_audio(audio, records, cfg, task("embedding clips", len(records)),
+                                              ckpt.model, checkpoint=checkpoint, chunk_files=chunk_files)
             text_emb = embed_catalogue_texts(text, tokenizer, [t["text"] for t in text_items], dim,
                                              task("embedding captions", len(text_items)))
     audio_built = build_and_save(audio_emb, staging / fmt.AUDIO_INDEX, index_factory, queries=text_emb)

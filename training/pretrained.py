@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from index import bundle as fmt
 from index.audio import decode_audio, eval_chunks
 from index.audio_frontend import keeps_short_clips, pad_short_clip
 from index.bundle_eval import evaluate_eval_set
+from index.embed_checkpoint import CHUNK_FILES, Advance, EmbedCheckpoint, discard
 from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, write_eval_set
 from index.faiss_index import build_index, parse_factory, save_index
@@ -58,14 +59,17 @@ from training.bundle_parts import (
     OPSET,
     audio_uri,
     canonical_hash,
+    catalogue_checkpoint,
     catalogue_records,
     catalogue_texts,
     cosines,
+    embed_clips,
     half_copies,
     half_precision_gate,
     held_out_records,
     make_bundle_id,
     parity_texts,
+    partial_base,
     probe_texts,
     quantization_records,
     quantize_config,
@@ -243,14 +247,20 @@ def export_pretrained_encoders(clap: Pretrained, staging: Path, scratch: Path | 
     return PretrainedEncoders(clap, staging / fmt.AUDIO_ENCODER, staging / fmt.TEXT_ENCODER, providers), fp32
 
 
-def _embed_audio(encoders: PretrainedEncoders, records: Sequence[ClipRecord], rate: int,
-                 advance: Callable[[int], None]) -> np.ndarray:
-    parts = []
-    for start in range(0, len(records), 8):
-        batch = records[start : start + 8]
-        parts.append(encoders.encode_audio([decode_audio(r.audio, sample_rate=rate) for r in batch]))
-        advance(len(batch))
-    return np.concatenate(parts)
+def embed_catalogue_audio(encoders: PretrainedEncoders, records: Sequence[ClipRecord], rate: int, advance: Advance, *,
+                 checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES) -> np.ndarray:
+    """(N, d) clip embeddings, a few clips at a time; checkpointed in chunks in ``checkpoint``
+    (:func:`training.bundle_parts.embed_clips`)."""
+    return embed_clips(records, lambda batch: encoders.encode_audio([decode_audio(r.audio, sample_rate=rate)
+                                                                     for r in batch]),
+                       dim=encoders.dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files)
+
+
+def audio_plan(model: Pretrained) -> dict[str, Any]:
+    """What besides the encoder decides a clip's vector here (the catalogue checkpoint's plan)."""
+    s = model.settings
+    return {"sample_rate": s.sample_rate, "clip_samples": s.clip_samples, "padding": s.padding,
+            "audio_frontend": frontend_info(model).model_dump(mode="json")}
 
 
 def _embed_on_ray(clap: Pretrained, encoders: PretrainedEncoders, records: Sequence[ClipRecord], texts: Sequence[str],
@@ -305,11 +315,15 @@ def export_pretrained_bundle(
     providers: Sequence[str] = CPU,
     ray: RayOptions | None = None,
     precision: Precision = "fp32",
+    chunk_files: int = CHUNK_FILES,
 ) -> Path:
     """Bundle of the model folder ``model_dir`` (CLAP or PE-Audio) over the clips of ``manifest``; returns its path.
     ``providers``: ONNX Runtime providers of the checks and the catalogue pass (``--device cuda``); ``ray``: the
     catalogue pass (clips and captions) runs as two Ray Data jobs instead (same bundle, vectors to float tolerance);
-    ``precision`` ``fp16``: the in-process pass runs fp16 copies of the encoders (:mod:`index.half_precision`)."""
+    ``precision`` ``fp16``: the in-process pass runs fp16 copies of the encoders (:mod:`index.half_precision`).
+    The in-process clips pass is checkpointed every ``chunk_files`` clips in ``out_dir/.<name>-<8 hex>.partial/``
+    (:func:`training.bundle_parts.partial_base`) and the same call resumes it after an interruption; the folder
+    is removed once the bundle is published."""
     model_dir, manifest, out_dir = Path(model_dir), Path(manifest), Path(out_dir)
     check_precision_options(precision, None, ray=ray is not None, quantized=(quantize or QuantizeConfig()).encoders)
     clap = load_pretrained(model_dir)  # refuses families other than SUPPORTED in one line
@@ -331,10 +345,12 @@ def export_pretrained_bundle(
                                   *(["fp16"] if precision == "fp16" else [])])
     name = "pretrained-" + model_dir.resolve().name
     bundle_id = make_bundle_id(name, created=created, fingerprint=fingerprint)
+    partial = partial_base(out_dir, name, fingerprint)
     with fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
         sections = _build(clap, records, held_out, staging, Path(scratch), split=split, languages=langs,
                           index_factory=index_factory, progress=progress, source_manifest=manifest,
-                          quantize=quantize, providers=providers, ray=ray, precision=precision)
+                          quantize=quantize, providers=providers, ray=ray, partial=partial, chunk_files=chunk_files,
+                          precision=precision)
         s = clap.settings
         body = fmt.BundleManifest(
             bundle_id=bundle_id,
@@ -354,7 +370,9 @@ def export_pretrained_bundle(
             files={},
             **sections,
         )
-        return fmt.publish(staging, body)
+        path = fmt.publish(staging, body)
+    discard(partial)
+    return path
 
 
 def _build(
@@ -362,8 +380,10 @@ def _build(
     split: str, languages: list[str], index_factory: str | None, progress: bool, source_manifest: Path,
     quantize: QuantizeConfig, providers: Sequence[str] = CPU, ray: RayOptions | None = None,
     precision: Precision = "fp32",
+    partial: Path | None = None, chunk_files: int = CHUNK_FILES,
 ) -> dict[str, Any]:
-    """Every bundle file except the manifest; the manifest sections they determine.
+    """Every bundle file except the manifest; the manifest sections they determine. ``partial``: checkpoint
+    the in-process clips pass in ``<partial>.partial/`` (None: not checkpointed).
 
     The fp32 encoders are held to :data:`MIN_COSINE`; a quantized encoder's recorded parity is its own
     cosine to the model (not held to it) and its cost is measured on the held-out set against fp32."""
@@ -387,8 +407,12 @@ def _build(
         if precision == "fp16":
             passing, catalogue_pass = _half_encoders(clap, encoders, records, languages,
                                                      [t["text"] for t in text_items], scratch, providers)
+        checkpoint = None if partial is None else catalogue_checkpoint(
+            partial, encoders.audio.path, records, chunk_files=chunk_files, providers=providers,
+            frontend=audio_plan(clap), precision=precision)
         with _progress(progress) as task:
-            audio_emb = _embed_audio(passing, records, rate, task("embedding clips", len(records)))
+            audio_emb = embed_catalogue_audio(passing, records, rate, task("embedding clips", len(records)),
+                                              checkpoint=checkpoint, chunk_files=chunk_files)
             text_emb = passing.encode_text([t["text"] for t in text_items])
     audio_built = build_index(audio_emb, index_factory, queries=text_emb)
     text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)

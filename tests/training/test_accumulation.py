@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
+from tests.ranks import spawn_ranks
 from tests.training.test_distributed_equivalence import (
     ATOL,
     CASES,
@@ -139,7 +139,7 @@ def _unused_parameter_error(rank: int, world: int) -> str:
 
 def test_micro_batches_under_ddp_give_the_one_process_global_batch(tmp_path: Path) -> None:
     out = tmp_path / "accumulated.pt"
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    spawn_ranks(_worker, args=(2, free_port(), str(out)), nprocs=2)
     results = torch.load(out)
     assert "set distributed.find_unused_parameters=true" in results["unused"]
     for name in DISTRIBUTED:

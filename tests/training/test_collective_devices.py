@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.conftest import ROOT, TINY_CONFIG
+from tests.ranks import spawn_ranks
 from tests.training.test_distributed_runs import free_port
 from training import distributed
 
@@ -52,7 +52,7 @@ def _loop_worker(rank: int, world: int, port: int, manifest: str, out_dir: str) 
 
 def test_training_loop_sends_every_collective_from_the_group_device(tiny_corpus: Path, tmp_path: Path) -> None:
     """The real loop (with optim.accum_steps=2: the accumulated step under DDP) on 2 gloo processes."""
-    mp.spawn(_loop_worker, args=(2, free_port(), str(tiny_corpus), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_loop_worker, args=(2, free_port(), str(tiny_corpus), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         sent = json.loads((tmp_path / f"sent.{rank}.json").read_text())
         # Gathers of the embedding batch, logged terms, stop flags and the RNG states of last/.

@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tests.ranks import spawn_ranks
 from training import distributed
 from training.config import ConfigError, ObjectiveConfig
 from training.loop import TrainStep, wrap_for_training
@@ -215,7 +216,7 @@ def two_process_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     for attempt in (1, 2):
         out = tmp_path_factory.mktemp("ddp")
         try:
-            mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+            spawn_ranks(_worker, args=(2, free_port(), str(out)), nprocs=2)
             break
         except mp.ProcessExitedException as err:
             if err.signal_name is None or attempt == 2:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from tests.conftest import ROOT, TINY_CONFIG
+from tests.ranks import spawn_ranks
 from tonearm.cli import main
 from training.config import load_train_config
 from training.loop import train
@@ -100,7 +100,7 @@ def test_resume_under_two_processes_matches_an_uninterrupted_run(tiny_corpus: Pa
         (str(split), 4, False, free_port()),  # stops mid-way through epoch 2, saving last/
         (str(split), None, True, free_port()),  # resumes from last/
     ]
-    mp.spawn(_train_worker, args=(2, str(tiny_corpus), jobs), nprocs=2, join=True)
+    spawn_ranks(_train_worker, args=(2, str(tiny_corpus), jobs), nprocs=2)
     assert (split / "interrupted_at_step").read_text() == "4"
     metrics = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in metrics if r["kind"] == "epoch"] == [3, 6]
@@ -195,7 +195,7 @@ def test_knowledge_sources_are_encoded_in_shards_and_gathered_in_order(
     tiny_checkpoint: Path, tiny_corpus: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "pairs.pt"
-    mp.spawn(_context_worker, args=(2, free_port(), str(tiny_checkpoint), str(tiny_corpus), str(out)), nprocs=2, join=True)
+    spawn_ranks(_context_worker, args=(2, free_port(), str(tiny_checkpoint), str(tiny_corpus), str(out)), nprocs=2)
     audio, text, clip = torch.load(out)
     expected_audio, expected_text, expected_clip = _context_pairs(tiny_checkpoint, tiny_corpus)
     assert torch.equal(clip, expected_clip)  # every (clip, caption) pair once, in record order
@@ -245,7 +245,7 @@ def test_teacher_audio_cache_is_sharded_across_ranks(tiny_checkpoint: Path, tiny
     from training.checkpoint import load_checkpoint
 
     out = str(tmp_path / "teacher")
-    mp.spawn(_teacher_worker, args=(2, free_port(), str(tiny_checkpoint), str(tiny_corpus), out), nprocs=2, join=True)
+    spawn_ranks(_teacher_worker, args=(2, free_port(), str(tiny_checkpoint), str(tiny_corpus), out), nprocs=2)
     model = load_checkpoint(tiny_checkpoint).model.eval()
     for rank in (0, 1):
         got = torch.load(f"{out}.{rank}")

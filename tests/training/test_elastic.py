@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.utils.data import DistributedSampler
 
 from tests.conftest import TINY_CONFIG
+from tests.ranks import spawn_ranks
 from tests.training.test_distributed_runs import SMALL_RUN, _train_worker, free_port
 from training.config import load_train_config
 from training.elastic import EpochBatches
@@ -81,7 +81,7 @@ def test_two_processes_resume_on_one_and_one_on_two(
 ) -> None:
     # 12 clips, batches of 2 per rank: 3 steps/epoch on 2 processes, 6 on 1.
     two_to_one, one_to_two = tmp_path / "two_to_one", tmp_path / "one_to_two"
-    mp.spawn(_train_worker, args=(2, str(tiny_corpus), [(str(two_to_one), 4, False, free_port())]), nprocs=2, join=True)
+    spawn_ranks(_train_worker, args=(2, str(tiny_corpus), [(str(two_to_one), 4, False, free_port())]), nprocs=2)
     state = _loop_state(two_to_one)
     assert (state["epoch"], state["batch_in_epoch"], state["samples_in_epoch"]) == (1, 1, 4)
 
@@ -97,7 +97,7 @@ def test_two_processes_resume_on_one_and_one_on_two(
 
     train(config(one_to_two), interrupt_after_steps=8)  # epoch 2, batch 2 of 6: 4 clips consumed
     assert _loop_state(one_to_two)["samples_in_epoch"] == 4
-    mp.spawn(_train_worker, args=(2, str(tiny_corpus), [(str(one_to_two), None, True, free_port())]), nprocs=2, join=True)
+    spawn_ranks(_train_worker, args=(2, str(tiny_corpus), [(str(one_to_two), None, True, free_port())]), nprocs=2)
     # 8 clips left over 2 processes: 2 steps.
     assert [e["step"] for e in _events(one_to_two) if e["kind"] == "epoch"] == [6, 10]
     assert torch.isfinite(torch.tensor([e["loss"] for e in _events(one_to_two) if e["kind"] == "epoch"])).all()

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch.multiprocessing as mp
 
+from tests.ranks import spawn_ranks
 from tests.training.test_distributed_runs import free_port
 from training.data.epoch_plan import Layout, coverage, draw_order, segment_cut, slot_seed
 
@@ -283,7 +283,7 @@ def test_two_gloo_processes_from_shards_resume_on_one(subset_shards: tuple[Path,
 
     folder, bad_id = subset_shards
     out = tmp_path / "run"
-    mp.spawn(_shard_worker, args=(2, str(folder), str(out), 4, free_port()), nprocs=2, join=True)
+    spawn_ranks(_shard_worker, args=(2, str(folder), str(out), 4, free_port()), nprocs=2)
     state = json.loads((out / "last" / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and state["data_plan"]["segments"] == [
         {"world": 2, "workers": 1, "batch_size": 3, "shuffle_buffer": 3, "batches": 1}]

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.conftest import ROOT, TINY_CONFIG
+from tests.ranks import spawn_ranks
 
 LANGUAGES = ["eng", "fra", "deu", "spa", "nld", "cat", "jpn", "zho"]
 
@@ -120,7 +120,7 @@ def test_ask_and_distillation_presets_train_from_shards_as_from_the_manifest(
     runs = {"ask": run_overrides(shards, ask, tmp_path / "ask_shards", tiny_checkpoint),
             "distill": run_overrides(shards, distill, tmp_path / "distill_shards", tiny_checkpoint)}
     out = str(tmp_path / "objects")
-    mp.spawn(_shard_worker, args=(2, [free_port(), free_port()], runs, out), nprocs=2, join=True)
+    spawn_ranks(_shard_worker, args=(2, [free_port(), free_port()], runs, out), nprocs=2)
     ranks = [torch.load(f"{out}.{rank}") for rank in (0, 1)]
 
     manifest = [f"data.manifest={tiny_corpus}"]

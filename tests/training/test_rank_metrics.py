@@ -10,8 +10,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.multiprocessing as mp
 
+from tests.ranks import spawn_ranks
 from tests.training.test_distributed_runs import free_port
 
 SLOW_RANK_WAIT_S = 0.05
@@ -46,7 +46,7 @@ def _starved_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_rank_zero_logs_the_mean_and_the_starved_ranks_data_wait(tmp_path: Path) -> None:
-    mp.spawn(_starved_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_starved_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     # The reference: each rank's own measure, computed here from its raw counters.
     waits = [r["own"]["wait"] / r["own"]["wall"] for r in ranks]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.ranks import spawn_ranks
 from tests.training.test_distributed_runs import free_port
 
 
@@ -49,8 +49,8 @@ def test_validation_split_over_two_ranks_gives_the_single_process_report(
     from training.evaluate import evaluate_prepared
 
     out = str(tmp_path / "report")
-    mp.spawn(_shared_worker, args=(2, free_port(), str(tiny_checkpoint), str(tiny_corpus), crop, out),
-             nprocs=2, join=True)
+    spawn_ranks(_shared_worker, args=(2, free_port(), str(tiny_checkpoint), str(tiny_corpus), crop, out),
+             nprocs=2)
     assert json.loads(Path(f"{out}.1").read_text()) is None  # rank 0 alone holds the report
     shared = json.loads(Path(f"{out}.0").read_text())
     loaded, eval_set = _eval_set(tiny_checkpoint, tiny_corpus, crop)

@@ -11,7 +11,14 @@ One prepared command on the GPU machine (``device`` tool), each step timed and r
   2. ``tonearm index FOLDER_OF_WAVS --bundle B --device cuda`` over ``--files`` 10-s clips at the
      model's rate: clips/s from the pass's own progress line, wall time;
   3. the same first ``--parity-files`` clips embedded on the CPU provider (the reference): min
-     cosine CUDA vs CPU, and the CPU pass's clips/s on this machine's cores for comparison.
+     cosine CUDA vs CPU, and the CPU pass's clips/s on this machine's cores for comparison;
+  4. fp16 (issue 41, :mod:`index.half_precision`): ``tonearm index --device cuda --precision fp16``
+     runs the same clips as step 2: clips/s, its parity gate's centred cosine, and fp16 vs fp32 (CUDA)
+     over every clip: min cosine, min and mean centred cosine. For the families in ``--fp16-export``
+     (default CLAP only: PE-Audio's export is 100 s, twice that if its gate refused) the export in step 1
+     runs with ``--precision fp16`` too (captions and clips on fp16 copies: both gates recorded; when a
+     gate refuses, the refusal line is recorded and the export reruns in fp32). The encoder files stay
+     fp32 either way, so the same bundle is the source of both index passes.
 * **CLAP-size bf16 epoch from shards on one GPU under NCCL** (``distributed.force_process_group``
   under a one-process ``torchrun``): the tiny corpus's train clips repeated to ``--train-clips``
   under distinct ids, ``tonearm data shard`` at 48 kHz, ``configs/real/clap.yaml`` for one
@@ -22,6 +29,7 @@ One prepared command on the GPU machine (``device`` tool), each step timed and r
   start to exit and the exit status (must be non-zero, with the rank's own error).
 
     python bench/gpu_catalogue.py --out $OUT/gpu_catalogue.json          # on the GPU machine
+    python bench/gpu_catalogue.py --out $OUT/x.json --work /tmp/gc --files 128 --train-clips 1024 --skip-train  # fp32+fp16 catalogue only
     python bench/gpu_catalogue.py --record bench/results/gpu_catalogue_h100.json   # here: BENCHMARKS.md
     python bench/gpu_catalogue.py --device cpu --steps catalogue:clap clap_epoch ask fail --files 4 --train-clips 32 --batch 4 --out /tmp/g.json  # smoke
 """
@@ -48,6 +56,9 @@ sys.path.append(str(ROOT / "tests"))  # after ROOT: tests/training must not shad
 
 START, END = "<!-- bench/gpu_catalogue.py -->", "<!-- /bench/gpu_catalogue.py -->"
 RESULTS: dict[str, Any] = {}
+PARTIAL: dict[str, Any] = {}
+"""What the running step has measured so far (kept in RESULTS when a later part of it breaks)."""
+TRAIN_STEPS = ("clap_epoch", "ask", "export_trained", "fail")
 
 
 def save(out: Path) -> None:
@@ -59,12 +70,13 @@ def step(name: str, out: Path):
 
     def run(fn, *args: Any, **kwargs: Any) -> Any:
         began = time.monotonic()
+        PARTIAL.clear()
         print(f"== {name}", flush=True)
         try:
             value = fn(*args, **kwargs)
             RESULTS[name] = {"ok": True, "seconds": round(time.monotonic() - began, 1), **(value or {})}
         except Exception as err:  # recorded, the next step still runs
-            RESULTS[name] = {"ok": False, "seconds": round(time.monotonic() - began, 1),
+            RESULTS[name] = {**PARTIAL, "ok": False, "seconds": round(time.monotonic() - began, 1),
                              "error": f"{type(err).__name__}: {err}"[-3000:], "trace": traceback.format_exc()[-3000:]}
             value = None
         print(json.dumps({k: v for k, v in RESULTS[name].items() if k != "trace"}, default=str)[:1500], flush=True)
@@ -108,7 +120,8 @@ def clips_per_second(text: str) -> float | None:
     return float(found[-1]) if found else None
 
 
-def catalogue(family: str, work: Path, corpus: Path, device: str, files: int, parity_files: int) -> dict[str, Any]:
+def catalogue(family: str, work: Path, corpus: Path, device: str, files: int, parity_files: int,
+              fp16: bool = False, fp16_export: bool = False) -> dict[str, Any]:
     from real_size_models import real_model_dir
 
     from index.loader import LoadedBundle, device_providers
@@ -119,11 +132,21 @@ def catalogue(family: str, work: Path, corpus: Path, device: str, files: int, pa
     result["model_build_s"] = round(time.monotonic() - began, 1)
     bundles = work / f"bundles-{family}"
     if not bundles.is_dir():  # a rerun in the same --work keeps the bundle (and says so: export_s null)
+        # fp16 on CUDA: the bundle's encoder files stay fp32, so the same bundle is the source of both index passes.
+        precision = "fp16" if fp16 and fp16_export else "fp32"
         code, tail, seconds = tonearm("export", "--pretrained", str(folder), "--data", str(corpus / "manifest.jsonl"),
-                                      "--out", str(bundles), "--device", device, log=work / f"export-{family}.log")
+                                      "--out", str(bundles), "--device", device, "--precision", precision,
+                                      log=work / f"export-{family}.log")
+        text = (work / f"export-{family}.log").read_text()
+        if precision == "fp16":
+            result.update(export_fp16_exit=code, export_fp16_s=seconds, export_fp16_gate=half_gate(text))
+        if code == 2 and precision == "fp16" and "--precision fp16" in tail:  # the gate refused: record it, bundle in fp32
+            result["export_fp16_refused"] = [line for line in tail.splitlines() if "--precision fp16" in line][-1][-600:]
+            code, tail, seconds = tonearm("export", "--pretrained", str(folder), "--data", str(corpus / "manifest.jsonl"),
+                                          "--out", str(bundles), "--device", device, log=work / f"export-{family}.log")
+            text = (work / f"export-{family}.log").read_text()
         result.update(export_exit=code, export_s=seconds)
-        result["export_cosines"] = re.findall(r"(\w+ encoder vs the model's own \w+ embedding: min cosine [0-9.]+)",
-                                              (work / f"export-{family}.log").read_text())
+        result["export_cosines"] = re.findall(r"(\w+ encoder vs the model's own \w+ embedding: min cosine [0-9.]+)", text)
         if code != 0:
             raise RuntimeError(f"export --pretrained failed ({code}): {tail[-1500:]}")
     else:
@@ -164,7 +187,55 @@ def catalogue(family: str, work: Path, corpus: Path, device: str, files: int, pa
     result.update(parity_clips=len(names), min_cos_vs_cpu=round(float(cos.min()), 6),
                   min_centred_cos_vs_cpu=round(float(ccos.min()), 6),
                   cpu_clips_per_s=round(len(names) / cpu_seconds, 2), cpu_threads=os.cpu_count())
+    save_partial(result)
+    if fp16:
+        result.update(index_fp16(work, family, audio, bundle, device, vectors, order, files))
     return result
+
+
+def half_gate(text: str) -> dict[str, float]:
+    """The fp16 parity gate's min centred cosine per encoder, from a command's log (index.half_precision)."""
+    found = re.findall(r"fp16 (\w+) encoder vs fp32 on \d+ probe items: min centred cosine ([0-9.]+)", text)
+    return {name: float(value) for name, value in found}
+
+
+def index_fp16(work: Path, family: str, audio: Path, bundle: Path, device: str, fp32: np.ndarray,
+               order: list[str], files: int) -> dict[str, Any]:
+    """`tonearm index --precision fp16` over the same clips; its vectors vs the fp32 pass's (CUDA), every clip."""
+    import shutil
+
+    from index.half_precision import centred_cosines
+    from index.loader import LoadedBundle
+
+    indexed = work / f"indexed-{family}-{device}-fp16"
+    if indexed.exists():
+        shutil.rmtree(indexed)
+    code, tail, seconds = tonearm("index", str(audio), "--bundle", str(bundle), "--out", str(indexed), "--device", device,
+                                  "--precision", "fp16", log=work / f"index-{family}-fp16.log")
+    found: dict[str, Any] = {"fp16_index_exit": code, "fp16_index_s": seconds,
+                             "fp16_gate": half_gate((work / f"index-{family}-fp16.log").read_text())}
+    if code != 0:
+        found["fp16_error"] = tail.strip().splitlines()[-1][-600:] if tail.strip() else f"exit {code}"
+        return found
+    half = LoadedBundle.open(indexed, verify=False)
+    if [str(item["id"]) for item in half.audio_items] != order:
+        raise RuntimeError("the fp16 and fp32 passes indexed different clips")
+    vectors = half.audio_embeddings()
+    cos = np.sum(vectors * fp32, axis=1) / (np.linalg.norm(vectors, axis=1) * np.linalg.norm(fp32, axis=1))
+    centred = centred_cosines(fp32, vectors)
+    record = half.manifest.catalogue_pass
+    found.update(fp16_index_clips_per_s=clips_per_second(tail), fp16_index_wall_clips_per_s=round(files / seconds, 2),
+                 fp16_vs_fp32_clips=len(order), fp16_vs_fp32_min_cos=round(float(cos.min()), 6),
+                 fp16_vs_fp32_min_centred_cos=round(float(centred.min()), 6),
+                 fp16_vs_fp32_mean_centred_cos=round(float(centred.mean()), 6),
+                 fp16_manifest=None if record is None else record.model_dump(mode="json"))
+    return found
+
+
+def save_partial(result: dict[str, Any]) -> None:
+    """The fp32 figures of the running catalogue step, kept when its fp16 part breaks (recorded by ``step``)."""
+    PARTIAL.clear()
+    PARTIAL.update(result)
 
 
 def shard_corpus(work: Path, corpus: Path, train_clips: int, rate: int) -> Path:
@@ -304,9 +375,11 @@ def record(paths: list[Path]) -> int:
                 lines.append(f"| {family} | | failed: {row.get('error', '')[:300]} | | | | | |")
                 continue
             cosines = "; ".join(c.split(": ")[-1] for c in row.get("export_cosines", [])) or "passed (≥ 0.999)"
-            lines.append(f"| {family} | {row['files']} | {row['export_s']} | {cosines} | {row['index_clips_per_s']} | "
+            export_s = f"{row['export_s']} (its pass in fp16)" if row.get("export_fp16_exit") == 0 else row["export_s"]
+            lines.append(f"| {family} | {row['files']} | {export_s} | {cosines} | {row['index_clips_per_s']} | "
                          f"{row['index_wall_clips_per_s']} | {row['min_cos_vs_cpu']} ({row['min_centred_cos_vs_cpu']}) | "
                          f"{row['cpu_clips_per_s']} ({row['cpu_threads']} threads) |")
+    lines += fp16_rows(runs)
     lines.append("")
     for path, found in runs:
         for name, title in (("clap_epoch_shards_nccl", "CLAP-size bf16 epoch from shards, NCCL, one GPU"),
@@ -336,8 +409,9 @@ def record(paths: list[Path]) -> int:
     lines += [
         "",
         "Reading: the bundle's fp32 ONNX graphs run on ONNX Runtime's CUDA provider with the export's own parity "
-        "against transformers (≥ 0.99999) and give the CPU provider's vectors (centred cosine ≥ 0.99999); no fp16/bf16 "
-        "graph is made, so the index holds exactly what the CPU service computes for a query. At these rates a "
+        "against transformers (≥ 0.99999) and give the CPU provider's vectors (centred cosine ≥ 0.99999); with the "
+        "default --precision fp32 the index holds exactly what the CPU service computes for a query (the fp16 table, "
+        "where present, is the opt-in pass). At these fp32 rates a "
         "50 k-clip catalogue of 10-s clips takes ~51 min with PE-Audio (~110 h on two CPU cores here) and ~4 min with "
         "CLAP on one H100. Not profiled: whether the CLAP pass is bound by its one decoding thread. NCCL ran at world "
         "size 1 (one GPU per lent machine): every collective of the loop (the step's lockstep all-gather, the metric "
@@ -347,6 +421,46 @@ def record(paths: list[Path]) -> int:
     ]
     publish_section("\n".join(lines) + "\n", start=START, end=END)
     return 0
+
+
+def fp16_rows(runs: list[tuple[Path, dict[str, Any]]]) -> list[str]:
+    """The fp16 table (`--precision fp16`, index.half_precision), when a run measured it."""
+    rows = [(family, row) for _, found in runs for name, row in found.items()
+            if name.startswith("catalogue_") and (family := name.removeprefix("catalogue_"))
+            and isinstance(row, dict) and ("fp16_index_exit" in row or "export_fp16_exit" in row)]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "fp16 catalogue pass (`--precision fp16`: fp16 copies of the encoders with normalisations, reductions, "
+        "Softmax/Exp/Log, Sin/Cos, the rotary angles and the mel front end kept fp32; the bundle keeps its fp32 "
+        "encoders; docs/models.md). Gate: min centred cosine fp16 vs fp32 on the probe set (≥ 0.999 to run).",
+        "",
+        "| model | clips | export --precision fp16: gate (audio / text) | tonearm index fp32: clips/s (progress) | "
+        "--precision fp16: clips/s (progress) | fp16 / fp32 | fp16 clips/s (wall, incl. start and conversion) | "
+        "index gate (audio) | fp16 vs fp32 vectors, every clip: min cos / min centred / mean centred |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for family, row in rows:
+        gate = row.get("export_fp16_gate") or {}
+        if "export_fp16_exit" not in row:
+            export = "not run (export in fp32)"
+        elif row["export_fp16_exit"] == 0:
+            export = f"{gate.get('audio', '–')} / {gate.get('text', '–')}"
+        else:
+            export = f"refused: {row.get('export_fp16_refused', row['export_fp16_exit'])}"[:300]
+        if row.get("fp16_index_exit") != 0:
+            lines.append(f"| {family} | {row.get('files')} | {export} | {row.get('index_clips_per_s')} | "
+                         f"failed: {row.get('fp16_error', row.get('error', ''))[:300]} | | | "
+                         f"{(row.get('fp16_gate') or {}).get('audio', '–')} | |")
+            continue
+        fp32, fp16 = row.get("index_clips_per_s"), row.get("fp16_index_clips_per_s")
+        ratio = f"{fp16 / fp32:.2f}×" if fp32 and fp16 else "–"
+        lines.append(f"| {family} | {row['files']} | {export} | {fp32} | {fp16} | {ratio} | "
+                     f"{row['fp16_index_wall_clips_per_s']} | {(row.get('fp16_gate') or {}).get('audio', '–')} | "
+                     f"{row['fp16_vs_fp32_min_cos']} / {row['fp16_vs_fp32_min_centred_cos']} / "
+                     f"{row['fp16_vs_fp32_mean_centred_cos']} |")
+    return lines
 
 
 def export_trained(work: Path, corpus: Path, device: str) -> dict[str, Any]:
@@ -366,6 +480,44 @@ def environment(device: str) -> dict[str, Any]:
             "load": os.getloadavg(), "device": device}
 
 
+def preflight(args: argparse.Namespace, fp16: bool) -> None:
+    """Stop before any work, in one line, when a step could only fail later (minutes of GPU time in)."""
+    unknown = [name for name in args.steps if name not in TRAIN_STEPS and not (
+        name.startswith("catalogue:") and name.split(":", 1)[1] in ("clap", "pe_audio"))]
+    problems = [f"unknown --steps {unknown}"] if unknown else []
+    if args.device == "cuda":
+        import onnxruntime as ort
+        import torch
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            problems.append(f"onnxruntime {ort.__version__} has no CUDAExecutionProvider "
+                            f"({ort.get_available_providers()}): install the onnxruntime-gpu wheel")
+        if any(name in TRAIN_STEPS for name in args.steps) and not torch.cuda.is_available():
+            problems.append(f"torch {torch.__version__} sees no CUDA device (training steps)")
+    if fp16:
+        try:
+            import onnx  # noqa: F401  (index.half_precision converts with onnxruntime.transformers.float16)
+            from onnxruntime.transformers.float16 import convert_float_to_float16  # noqa: F401
+        except ImportError as err:
+            problems.append(f"--precision fp16 needs onnx and onnxruntime.transformers ({err})")
+        helped = subprocess.run([sys.executable, "-m", "tonearm", "index", "--help"], capture_output=True, text=True,
+                                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+        if "--precision" not in helped.stdout:
+            problems.append(f"`tonearm index` of {ROOT} has no --precision option (an older checkout?): "
+                            f"{(helped.stdout + helped.stderr).strip()[-300:]}")
+    if any(name.startswith("catalogue:") for name in args.steps):
+        try:
+            import transformers
+            from real_size_models import real_model_dir  # noqa: F401
+
+            for name in ("ClapModel", "PeAudioModel"):
+                getattr(transformers, name)
+        except (ImportError, AttributeError) as err:
+            problems.append(f"the full-size model folders cannot be built here ({err})")
+    if problems:
+        raise SystemExit("gpu_catalogue.py: " + "; ".join(problems))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_catalogue.json"))
@@ -379,10 +531,19 @@ def main() -> int:
     parser.add_argument("--steps", nargs="+", default=["catalogue:clap", "clap_epoch", "ask", "export_trained", "fail",
                                                     "catalogue:pe_audio"],
                         help="in order: catalogue:FAMILY (clap, pe_audio), clap_epoch, ask, export_trained (after ask), fail")
+    parser.add_argument("--skip-train", action="store_true",
+                        help="leave out the training steps (" + ", ".join(TRAIN_STEPS) + "): the catalogue passes only")
+    parser.add_argument("--no-fp16", action="store_true", help="catalogue passes in fp32 only (no --precision fp16 runs)")
+    parser.add_argument("--fp16-export", nargs="*", choices=("clap", "pe_audio"), default=["clap"],
+                        help="families whose export --pretrained also runs with --precision fp16 (default: clap)")
     parser.add_argument("--record", type=Path, nargs="+", help="write the BENCHMARKS.md section from these JSONs and exit")
     args = parser.parse_args()
     if args.record:
         return record(args.record)
+    if args.skip_train:
+        args.steps = [name for name in args.steps if name not in TRAIN_STEPS]
+    fp16 = args.device == "cuda" and not args.no_fp16  # --precision fp16 is refused without --device cuda
+    preflight(args, fp16)
     args.work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -405,7 +566,7 @@ def main() -> int:
         if name.startswith("catalogue:"):
             family = name.split(":", 1)[1]
             step(f"catalogue_{family}", args.out)(catalogue, family, args.work, corpus, args.device, args.files,
-                                                  args.parity_files)
+                                                  args.parity_files, fp16, family in args.fp16_export)
         elif name == "clap_epoch" and (path := shards_at(48000, args.train_clips)):
             step("clap_epoch_shards_nccl", args.out)(clap_epoch, args.work, path, args.device, args.batch, args.workers)
         elif name == "ask" and (path := shards_at(16000, 64)):

@@ -48,6 +48,8 @@ TEXT_IDS = "text_ids.jsonl"
 EVAL_DIR = "eval"
 
 _ZERO_HASH = "0" * 64
+OMITTED_WHEN_NONE = ("catalogue_pass",)
+"""Manifest fields added after format version 1 was fixed: written only when set."""
 _HASH_KEY = '"manifest_sha256": "'
 _CHUNK = 1 << 20
 
@@ -209,6 +211,21 @@ class MilvusOnlyInfo(_Frozen):
     (normally none). Bundle row ``r`` is the ``r``-th key not listed here."""
 
 
+class CataloguePassInfo(_Frozen):
+    """A catalogue embedded by half-precision copies of the bundle's encoders (`--precision fp16`,
+    :mod:`index.half_precision`); the bundle's own encoder files stay fp32 and embed the queries.
+    Absent (None): the catalogue was embedded by the encoder files as stored."""
+
+    precision: Literal["fp16"]
+    device: Literal["cuda", "cpu"]
+    parity_min_centred_cosine: dict[str, float]
+    """Per encoder (``audio``, ``text``): lowest centred cosine fp16 vs fp32 over the probe set."""
+    probe_items: dict[str, int]
+    """Per encoder: items in the probe set."""
+    min_centred_cosine: float
+    """The gate the pass held each encoder to."""
+
+
 class BundleManifest(_Frozen):
     """Schema of ``manifest.json`` (docs/bundle.md)."""
 
@@ -240,6 +257,8 @@ class BundleManifest(_Frozen):
     """Pretrained bundles only: the model's own short-clip padding; None: zero padding."""
     milvus_only: MilvusOnlyInfo | None = None
     """Set when the vectors live only in Milvus (no FAISS file); None: the bundle's own index."""
+    catalogue_pass: CataloguePassInfo | None = None
+    """Set when the catalogue was embedded in fp16 (`--precision fp16`); None: by the encoders as stored."""
     files: dict[str, FileEntry]
     manifest_sha256: str = _ZERO_HASH
     """sha256 of this file's bytes with this value replaced by 64 zeros."""
@@ -305,6 +324,9 @@ def _self_hash(raw: bytes, claimed: str) -> str:
 def manifest_bytes(manifest: BundleManifest) -> bytes:
     """Serialized manifest with its self-hash filled in."""
     body = manifest.model_copy(update={"manifest_sha256": _ZERO_HASH}).model_dump(mode="json")
+    for key in OMITTED_WHEN_NONE:  # a bundle without them is byte-for-byte what readers before them read
+        if body.get(key) is None:
+            body.pop(key, None)
     raw = (json.dumps(body, indent=2, ensure_ascii=False, sort_keys=False) + "\n").encode()
     digest = hashlib.sha256(raw).hexdigest()
     return raw.replace((_HASH_KEY + _ZERO_HASH + '"').encode(), (_HASH_KEY + digest + '"').encode())

@@ -30,6 +30,7 @@ import argparse
 import json
 import logging
 import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -54,7 +55,8 @@ from index.embed_checkpoint import (
 from index.errors import AudioDecodeError, BundleError, TonearmError
 from index.faiss_ondisk import build_and_save
 from index.file_metadata import find_metadata_file, read_file_metadata
-from index.loader import LoadedBundle, device_providers
+from index.half_precision import PROBE_CLIPS, Precision, check_precision_options, probe_waves
+from index.loader import AUDIO_INPUTS, LoadedBundle, device_providers, encode_clips
 from index.ray_embed import RayOptions
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,7 @@ def audio_files(audio_dir: Path, metadata: Path | None = None) -> list[Path]:
 def index_folder(
     audio_dir: Path, source: Path, out: Path, *, progress: bool = False, ray: RayOptions | None = None,
     milvus: MilvusPublish | None = None, providers: Sequence[str] | None = None, chunk_files: int = CHUNK_FILES,
-    metadata: Path | None = None,
+    metadata: Path | None = None, precision: Precision = "fp32",
 ) -> IndexedFolder:
     """Embed every decodable file under ``audio_dir`` with ``source``'s audio encoder; publish ``out`` atomically.
 
@@ -105,7 +107,9 @@ def index_folder(
 
     ``ray``: embed on a Ray cluster instead of in this process (same vectors to float tolerance).
     ``milvus`` (with ``ray``): the workers write the vectors into Milvus; ``out`` gets no FAISS file.
-    ``metadata``: the per-file metadata table (default: :data:`index.file_metadata.NAMES` in ``audio_dir``)."""
+    ``metadata``: the per-file metadata table (default: :data:`index.file_metadata.NAMES` in ``audio_dir``).
+    ``precision`` ``fp16``: the pass runs an fp16 copy of the audio encoder, held to the fp32 one on a
+    probe set first (:mod:`index.half_precision`); the new bundle keeps the fp32 encoder and records the pass."""
     audio_dir, out = Path(audio_dir).resolve(), Path(out)
     if not audio_dir.is_dir():
         raise TonearmError(f"{audio_dir}: audio directory not found")
@@ -116,17 +120,24 @@ def index_folder(
     metas = read_file_metadata(table, [p.relative_to(audio_dir).as_posix() for p in files]) if table else {}
     if milvus is not None and ray is not None:
         return _index_into_milvus(audio_dir, source, out, files, ray, milvus, metas)
+    if precision != "fp32" and ray is not None:
+        check_precision_options(precision, None, ray=True)
     bundle = LoadedBundle.open(source, verify=True, providers=providers)
     checkpoint = None
+    catalogue_pass = None
     try:
         if ray is None:
             manifest = bundle.manifest
             digest = plan_digest(bundle=manifest.bundle_id, encoder=manifest.files[manifest.audio_encoder.file].sha256,
                                  root=str(audio_dir), files=[(p.relative_to(audio_dir).as_posix(), p) for p in files],
-                                 chunk_files=chunk_files)
-            checkpoint = EmbedCheckpoint(out, digest)
-            clip_ids, embeddings, skipped = _embed(bundle, audio_dir, files, progress=progress, checkpoint=checkpoint,
-                                                   chunk_files=chunk_files)
+                                 chunk_files=chunk_files, **({"precision": precision} if precision != "fp32" else {}))
+            with tempfile.TemporaryDirectory() as scratch:
+                encode: Callable[[Sequence[np.ndarray]], np.ndarray] = bundle.encode_audio
+                if precision == "fp16":
+                    encode, catalogue_pass = _half_encoder(bundle, source, audio_dir, files, Path(scratch), providers)
+                checkpoint = EmbedCheckpoint(out, digest)
+                clip_ids, embeddings, skipped = _embed(bundle, audio_dir, files, progress=progress,
+                                                       checkpoint=checkpoint, chunk_files=chunk_files, encode=encode)
         else:
             clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, audio_dir, files, ray)
     finally:
@@ -140,7 +151,8 @@ def index_folder(
             file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS, factory=built.spec.factory, dim=built.index.d,
             ntotal=built.index.ntotal, search_params=built.search_params, ann_recall_at_10=built.ann_recall_at_10,
         )
-        path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index, metas=metas)
+        path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index, metas=metas,
+                             catalogue_pass=catalogue_pass)
     if checkpoint is not None:
         checkpoint.remove()
     return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped)
@@ -149,7 +161,7 @@ def index_folder(
 def _write_bundle(
     staging: Path, source: Path, manifest: fmt.BundleManifest, audio_dir: Path, bundle_id: str,
     clip_ids: list[str], audio_index: fmt.IndexInfo, milvus_only: fmt.MilvusOnlyInfo | None = None,
-    *, metas: dict[str, dict[str, Any]] | None = None,
+    *, metas: dict[str, dict[str, Any]] | None = None, catalogue_pass: fmt.CataloguePassInfo | None = None,
 ) -> Path:
     """Encoders, tokenizer, ids (with each clip's ``metas`` row as its ``metadata``) and manifest of the
     index-only bundle into ``staging``; publish it."""
@@ -167,6 +179,7 @@ def _write_bundle(
         "eval_set": None,
         "evaluation": None,
         "milvus_only": milvus_only,
+        "catalogue_pass": catalogue_pass,  # this pass's, never the source bundle's
     })
     return fmt.publish(staging, fmt.BundleManifest.model_validate(new.model_dump()))
 
@@ -178,6 +191,38 @@ def clip_item(clip_id: str, metas: dict[str, dict[str, Any]] | None) -> dict[str
     if metas and clip_id in metas:
         row["metadata"] = metas[clip_id]
     return row
+
+
+def _half_encoder(
+    bundle: LoadedBundle, source: Path, audio_dir: Path, files: list[Path], scratch: Path,
+    providers: Sequence[str] | None,
+) -> tuple[Callable[[Sequence[np.ndarray]], np.ndarray], fmt.CataloguePassInfo]:
+    """The fp16 copy of ``bundle``'s audio encoder as an encode function, after the parity gate on the
+    first :data:`index.half_precision.PROBE_CLIPS` decodable files and four synthetic signals."""
+    from index.half_precision import catalogue_pass_info, gate, load_half
+
+    manifest = bundle.manifest
+    if manifest.audio_encoder.quantization != "none":
+        check_precision_options("fp16", None, quantized=["audio"])
+    half = load_half(source / manifest.audio_encoder.file, scratch, inputs=AUDIO_INPUTS, embed_dim=bundle.embed_dim,
+                     providers=providers or bundle.onnx_providers)
+    probe: list[np.ndarray] = []
+    for path in files:
+        if len(probe) == PROBE_CLIPS:
+            break
+        try:
+            probe.append(decode_file(path, bundle.sample_rate))
+        except AudioDecodeError:
+            continue  # listed by the pass itself
+    probe += probe_waves(bundle.sample_rate, bundle.clip_samples)
+
+    def encode(waves: Sequence[np.ndarray]) -> np.ndarray:
+        return encode_clips(half, waves, clip_samples=bundle.clip_samples, embed_dim=bundle.embed_dim,
+                            frontend=manifest.audio_frontend)
+
+    found = gate("audio", bundle.encode_audio, encode, probe)
+    device = "cuda" if "CUDAExecutionProvider" in half.session.get_providers() else "cpu"
+    return encode, catalogue_pass_info({"audio": found}, device)
 
 
 def _index_into_milvus(
@@ -255,10 +300,12 @@ def decode_file(path: Path, sample_rate: int) -> np.ndarray:
 def _embed(
     bundle: LoadedBundle, audio_dir: Path, files: list[Path], *, progress: bool,
     checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
+    encode: Callable[[Sequence[np.ndarray]], np.ndarray] | None = None,
 ) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
     """The pass in chunks of ``chunk_files`` files (:func:`index.embed_checkpoint.embed_in_chunks`); a chunk
     found in ``checkpoint`` is loaded, not embedded. Progress: files done, clips/s of this run and the time
-    left at that rate (bar and log)."""
+    left at that rate (bar and log). ``encode``: the waveforms' vectors (default: the bundle's own audio encoder)."""
+    encode = encode or bundle.encode_audio
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[speed]}"))
     with Progress(*columns, disable=not progress) as bar:
@@ -286,7 +333,7 @@ def _embed(
                 except AudioDecodeError as err:  # listed once, by cli_index (not logged as well)
                     missed.append((rel, str(err).removeprefix(f"{path}: ")))
                 if len(batch) == EMBED_BATCH or (k == stop and batch):
-                    vectors.append(bundle.encode_audio(batch))
+                    vectors.append(encode(batch))
                     batch = []
                 step(1)
             return Chunk(ids, np.concatenate(vectors) if vectors else np.zeros((0, bundle.embed_dim), np.float32),
@@ -326,10 +373,12 @@ def cli_index(args: argparse.Namespace) -> int:
 
         milvus = MilvusPublish(target_from_args(args.milvus_uri, args.milvus_token_env),
                                index_type=args.milvus_index or "FLAT")
-    providers = device_providers(getattr(args, "device", "cpu"))
+    device, precision = args.device, args.precision
+    providers = device_providers(device)
+    check_precision_options(precision, device, ray=ray is not None)
     metadata = getattr(args, "metadata", None)
     result = index_folder(Path(args.audio_dir), Path(args.bundle), out, progress=True, ray=ray, milvus=milvus,
-                          providers=providers, metadata=Path(metadata) if metadata else None)
+                          providers=providers, metadata=Path(metadata) if metadata else None, precision=precision)
     console = Console()
     for rel, reason in result.skipped:
         console.print(f"[yellow]skipped[/yellow] {rel}: {reason}", highlight=False, soft_wrap=True)

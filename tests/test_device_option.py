@@ -3,7 +3,11 @@ provider, and where this onnxruntime has none the command stops before any work 
 (exit status 2) — it never runs on the CPU when a GPU was asked for. On a machine with the CUDA
 provider the refusal cannot happen; the CUDA pass itself is checked where a GPU is lent.
 
-Cost: ~6 s (three CLI processes, nothing embedded).
+`--precision fp16` (index.half_precision) runs only with `--device cuda`: elsewhere it is refused in one
+line before any work (the fp16 copies and their gate are tested on the CPU provider in
+tests/training/test_half_precision.py).
+
+Cost: ~10 s (five CLI processes, nothing embedded).
 """
 
 from __future__ import annotations
@@ -38,6 +42,18 @@ def test_cuda_without_a_cuda_provider_is_one_line(command: tuple[str, ...], tmp_
     assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "--device cuda: this onnxruntime has no CUDAExecutionProvider" in lines[0], run.stderr
+    assert not (tmp_path / command[-1]).exists()
+
+
+@pytest.mark.parametrize("command", [
+    ("export", "CKPT", "--data", "m.jsonl", "--out", "bundles"),
+    ("index", "AUDIO", "--bundle", "B", "--out", "NEW"),
+])
+def test_fp16_without_cuda_is_one_line(command: tuple[str, ...], tmp_path: Path) -> None:
+    run = tonearm(*command[:-1], str(tmp_path / command[-1]), "--precision", "fp16")
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--precision fp16 needs --device cuda" in lines[0], run.stderr
     assert not (tmp_path / command[-1]).exists()
 
 

@@ -38,6 +38,7 @@ from index.embed_checkpoint import (
 from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS
 from index.faiss_index import BuiltIndex
+from index.half_precision import PROBE_TEXTS, catalogue_pass_info, gate, half_precision_copy
 from index.loader import OnnxEncoder
 from index.report import METRIC_CONVENTION
 from training.data.manifest import ClipRecord
@@ -227,14 +228,16 @@ def partial_base(out_dir: Path, name: str, fingerprint: str) -> Path:
 
 
 def catalogue_checkpoint(base: Path, encoder: Path, records: Sequence[ClipRecord], *, chunk_files: int,
-                         providers: Sequence[str], frontend: dict[str, Any]) -> EmbedCheckpoint:
+                         providers: Sequence[str], frontend: dict[str, Any], precision: str = "fp32") -> EmbedCheckpoint:
     """The checkpoint of the clips pass: its plan is the served audio encoder's sha256 (and its external
     data file's, if any), the ONNX Runtime providers, the audio preparation (``frontend``), every clip's id
-    and its audio file's path, size and mtime, and the chunk size — a pass with any of them changed starts over."""
+    and its audio file's path, size and mtime, the chunk size and ``precision`` when not fp32 (`--precision fp16`
+    embeds with fp16 copies) — a pass with any of them changed starts over."""
     checksums = [fmt.sha256_file(p) for p in (encoder, external_data_file(encoder)) if p.is_file()]
     digest = plan_digest(encoder=checksums, providers=list(providers), frontend=frontend,
                          ids=[r.id for r in records], files=[(str(r.audio), Path(r.audio)) for r in records],
-                         chunk_files=chunk_files, per_step=EMBED_CLIPS_PER_STEP)
+                         chunk_files=chunk_files, per_step=EMBED_CLIPS_PER_STEP,
+                         **({"precision": precision} if precision != "fp32" else {}))
     return EmbedCheckpoint(base, digest)
 
 
@@ -258,3 +261,25 @@ def embed_clips(records: Sequence[ClipRecord], encode: Callable[[Sequence[ClipRe
 
     return embed_in_chunks(len(records), embed, dim=dim, checkpoint=checkpoint, chunk_files=chunk_files,
                            advance=advance).embeddings
+
+
+Encode = Callable[[list[Any]], np.ndarray]
+
+
+def half_copies(audio: Path, text: Path, scratch: Path) -> tuple[Path, Path]:
+    """fp16 copies of both encoder files for the catalogue pass (`--precision fp16`, :mod:`index.half_precision`)."""
+    return (half_precision_copy(audio, scratch / f"{audio.stem}.fp16.onnx"),
+            half_precision_copy(text, scratch / f"{text.stem}.fp16.onnx"))
+
+
+def probe_texts(records: Sequence[ClipRecord], languages: Sequence[str], catalogue: Sequence[str]) -> list[str]:
+    """The caption probe set of an fp16 pass: the parity captions and the first catalogue captions."""
+    return parity_texts(records, languages) + list(catalogue[:PROBE_TEXTS])
+
+
+def half_precision_gate(audio: tuple[Encode, Encode, Sequence[Any]], text: tuple[Encode, Encode, Sequence[Any]],
+                        providers: Sequence[str]) -> fmt.CataloguePassInfo:
+    """Both encoders' fp16 copies held to fp32 on their probe sets, ``(fp32, fp16, items)`` each
+    (:func:`index.half_precision.gate`: one line below the gate); the manifest's ``catalogue_pass``."""
+    found = {"audio": gate("audio", *audio), "text": gate("text", *text)}
+    return catalogue_pass_info(found, "cuda" if "CUDAExecutionProvider" in providers else "cpu")

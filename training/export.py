@@ -45,6 +45,7 @@ from index.evalset import MAX_EVAL_CLIPS, EvalSet, load_eval_waveform, read_eval
 from index.faiss_index import build_index, parse_factory, save_index
 from index.faiss_ondisk import build_and_save
 from index.filters import filterable_metadata
+from index.half_precision import PROBE_CLIPS, Precision, check_precision_options, probe_waves
 from index.loader import (
     AUDIO_INPUTS,
     OUTPUTS,
@@ -67,10 +68,13 @@ from training.bundle_parts import (
     catalogue_texts,
     cosines,
     embed_clips,
+    half_copies,
+    half_precision_gate,
     held_out_records,
     make_bundle_id,
     parity_texts,
     partial_base,
+    probe_texts,
     quantization_records,
 )
 from training.bundle_parts import index_info as _index_info
@@ -363,17 +367,20 @@ def export_bundle(
     splits: Sequence[str] | None = None,
     ray: RayOptions | None = None,
     providers: Sequence[str] = CPU,
+    precision: Precision = "fp32",
     chunk_files: int = CHUNK_FILES,
 ) -> Path:
     """Export ``checkpoint_dir`` with the clips of ``manifest`` (only those of ``splits`` when
     given); returns ``out_dir/<bundle_id>``. The held-out set is chosen from every clip.
     ``ray``: the catalogue's embedding pass runs on a Ray cluster (same bundle); ``providers``:
-    the ONNX Runtime providers of the checks and the in-process pass (``--device cuda``).
+    the ONNX Runtime providers of the checks and the in-process pass (``--device cuda``); ``precision``
+    ``fp16``: the in-process pass runs fp16 copies of the encoders (:mod:`index.half_precision`).
     The in-process clips pass is checkpointed every ``chunk_files`` clips in
     ``out_dir/.<run name>-<8 hex>.partial/`` (:func:`training.bundle_parts.partial_base`) and the same
     call resumes it after an interruption; the folder is removed once the bundle is published."""
     checkpoint_dir, manifest, out_dir = Path(checkpoint_dir), Path(manifest), Path(out_dir)
     quantize = quantize or QuantizeConfig.from_choice(None, quantize_text=quantize_text)  # quantize_text: old alias
+    check_precision_options(precision, None, ray=ray is not None, quantized=quantize.encoders)
     ckpt, all_records = _load_inputs(checkpoint_dir, manifest)
     records = catalogue_records(all_records, splits, manifest)
     cfg = ckpt.config
@@ -385,13 +392,14 @@ def export_bundle(
     weights_sha = fmt.sha256_file(checkpoint_dir / "model.safetensors")
     fingerprint = canonical_hash([weights_sha, config_json, str(manifest.resolve()), index_factory,
                                   quantize.model_dump(mode="json") if quantize.encoders else False,
-                                  *([sorted(splits)] if splits else [])])
+                                  *([sorted(splits)] if splits else []), *(["fp16"] if precision == "fp16" else [])])
     bundle_id = make_bundle_id(run_name(checkpoint_dir), created=created, fingerprint=fingerprint)
     partial = partial_base(out_dir, run_name(checkpoint_dir), fingerprint)
     with fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
         sections = _build_contents(
             ckpt, records, held_out, staging, Path(scratch), split=split, index_factory=index_factory,
             quantize=quantize, progress=progress, source_manifest=manifest, ray=ray, providers=providers,
+            precision=precision,
             partial=partial, chunk_files=chunk_files,
         )
         manifest_model = fmt.BundleManifest(
@@ -433,6 +441,7 @@ def _build_contents(
     source_manifest: Path,
     ray: RayOptions | None = None,
     providers: Sequence[str] = CPU,
+    precision: Precision = "fp32",
     partial: Path | None = None,
     chunk_files: int = CHUNK_FILES,
 ) -> dict[str, Any]:
@@ -441,17 +450,22 @@ def _build_contents(
     cfg, tokenizer, dim = ckpt.config, ckpt.tokenizer, ckpt.config.model.embed_dim
     encoders = export_encoders(ckpt, staging, scratch, records=records, quantize=quantize, providers=providers)
     text_items, ranges = catalogue_texts(records, cfg.data.languages)
+    catalogue_pass = None
     if ray is not None:
         audio_emb, text_emb = embed_catalogue_on_ray(encoders, tokenizer, records, [t["text"] for t in text_items],
                                                      cfg, ray, ckpt.model)
     else:
+        audio, text = encoders.audio, encoders.text
+        if precision == "fp16":
+            audio, text, catalogue_pass = half_encoders(ckpt, encoders, records, [t["text"] for t in text_items],
+                                                        scratch, providers)
         checkpoint = None if partial is None else catalogue_checkpoint(
             partial, encoders.audio.path, records, chunk_files=chunk_files, providers=providers,
-            frontend=audio_plan(cfg, ckpt.model))
+            frontend=audio_plan(cfg, ckpt.model), precision=precision)
         with _progress(progress) as task:
-            audio_emb = embed_catalogue_audio(encoders.audio, records, cfg, task("embedding clips", len(records)),
+            audio_emb = embed_catalogue_audio(audio, records, cfg, task("embedding clips", len(records)),
                                               ckpt.model, checkpoint=checkpoint, chunk_files=chunk_files)
-            text_emb = embed_catalogue_texts(encoders.text, tokenizer, [t["text"] for t in text_items], dim,
+            text_emb = embed_catalogue_texts(text, tokenizer, [t["text"] for t in text_items], dim,
                                              task("embedding captions", len(text_items)))
     audio_built = build_and_save(audio_emb, staging / fmt.AUDIO_INDEX, index_factory, queries=text_emb)
     text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)
@@ -481,6 +495,34 @@ def _build_contents(
         "text_index": _index_info(text_built, file=fmt.TEXT_INDEX, ids_file=fmt.TEXT_IDS, ranges=ranges),
         "evaluation": evaluation,
         "quantization": quantization,
+        "catalogue_pass": catalogue_pass,
     }
+
+
+def half_encoders(
+    ckpt: Checkpoint, encoders: _Encoders, records: Sequence[ClipRecord], texts: Sequence[str], scratch: Path,
+    providers: Sequence[str],
+) -> tuple[OnnxEncoder, OnnxEncoder, fmt.CataloguePassInfo]:
+    """fp16 copies of the staged (fp32) encoders for the catalogue pass, after the parity gate on the
+    first catalogue clips and four synthetic signals, and on the parity and first catalogue captions."""
+    cfg, dim = ckpt.config, ckpt.config.model.embed_dim
+    audio_path, text_path = half_copies(encoders.audio.path, encoders.text.path, scratch)
+    audio = _load_session(audio_path, AUDIO_INPUTS, dim, providers)
+    text = _load_session(text_path, TEXT_INPUTS, dim, providers)
+    frontend = checkpoint_audio_frontend(cfg, ckpt.model)
+    clips = [load_eval_waveform(r.audio, sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples_of(cfg),
+                                policy=cfg.data.eval_crop, padding=short_clip_padding(cfg.frontend))
+             for r in records[:PROBE_CLIPS]] + probe_waves(cfg.frontend.sample_rate, clip_samples_of(cfg))
+
+    def audio_with(encoder: OnnxEncoder) -> Callable[[list[Any]], np.ndarray]:
+        return lambda waves: encode_bundle_audio(encoder, waves, cfg, frontend)
+
+    def text_with(encoder: OnnxEncoder) -> Callable[[list[Any]], np.ndarray]:
+        return lambda items: encode_texts(encoder, ckpt.tokenizer, items, embed_dim=dim)
+
+    info = half_precision_gate((audio_with(encoders.audio), audio_with(audio), clips),
+                               (text_with(encoders.text), text_with(text),
+                                probe_texts(records, cfg.data.languages, texts)), providers)
+    return audio, text, info
 
 

@@ -8,6 +8,7 @@ import argparse
 
 from index import bundle as fmt
 from index.errors import BundleError
+from index.half_precision import check_precision_options
 from index.loader import device_providers
 from index.ray_embed import RayOptions
 from training.bundle_parts import quantize_config
@@ -22,7 +23,11 @@ def cli_export(args: argparse.Namespace) -> int:
 
     if (args.checkpoint is None) == (getattr(args, "pretrained", None) is None):
         raise BundleError("tonearm export: give a CHECKPOINT directory or --pretrained MODEL_DIR (one of them)")
-    providers = device_providers(getattr(args, "device", "cpu"))  # before any work: one line without CUDA
+    device = args.device
+    providers = device_providers(device)  # before any work: one line without CUDA
+    quantize = quantize_config(args)
+    check_precision_options(args.precision, device, ray=args.ray is not None,
+                            quantized=quantize.encoders)
     if args.pretrained is not None:
         from training.pretrained import cli_export_pretrained
 
@@ -31,7 +36,7 @@ def cli_export(args: argparse.Namespace) -> int:
 
     path = export_bundle(
         args.checkpoint, manifest=args.data, out_dir=args.out, index_factory=args.index,
-        quantize=quantize_config(args), progress=True, splits=args.split,
+        quantize=quantize, progress=True, splits=args.split, precision=args.precision,
         ray=None if args.ray is None else RayOptions(address=args.ray or None, workers=args.ray_workers,
                                                     progress=True),
         providers=providers,

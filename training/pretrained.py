@@ -41,6 +41,7 @@ from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, write_eval_set
 from index.faiss_index import build_index, parse_factory, save_index
 from index.filters import filterable_metadata
+from index.half_precision import PROBE_CLIPS, Precision, check_precision_options, probe_waves
 from index.languages import DEFAULT_LANGUAGES
 from index.loader import (
     AUDIO_INPUTS,
@@ -63,10 +64,13 @@ from training.bundle_parts import (
     catalogue_texts,
     cosines,
     embed_clips,
+    half_copies,
+    half_precision_gate,
     held_out_records,
     make_bundle_id,
     parity_texts,
     partial_base,
+    probe_texts,
     quantization_records,
     quantize_config,
 )
@@ -310,15 +314,18 @@ def export_pretrained_bundle(
     quantize: QuantizeConfig | None = None,
     providers: Sequence[str] = CPU,
     ray: RayOptions | None = None,
+    precision: Precision = "fp32",
     chunk_files: int = CHUNK_FILES,
 ) -> Path:
     """Bundle of the model folder ``model_dir`` (CLAP or PE-Audio) over the clips of ``manifest``; returns its path.
     ``providers``: ONNX Runtime providers of the checks and the catalogue pass (``--device cuda``); ``ray``: the
-    catalogue pass (clips and captions) runs as two Ray Data jobs instead (same bundle, vectors to float tolerance).
+    catalogue pass (clips and captions) runs as two Ray Data jobs instead (same bundle, vectors to float tolerance);
+    ``precision`` ``fp16``: the in-process pass runs fp16 copies of the encoders (:mod:`index.half_precision`).
     The in-process clips pass is checkpointed every ``chunk_files`` clips in ``out_dir/.<name>-<8 hex>.partial/``
     (:func:`training.bundle_parts.partial_base`) and the same call resumes it after an interruption; the folder
     is removed once the bundle is published."""
     model_dir, manifest, out_dir = Path(model_dir), Path(manifest), Path(out_dir)
+    check_precision_options(precision, None, ray=ray is not None, quantized=(quantize or QuantizeConfig()).encoders)
     clap = load_pretrained(model_dir)  # refuses families other than SUPPORTED in one line
     all_records, langs = _load_records(manifest, languages)
     records = catalogue_records(all_records, splits, manifest)
@@ -334,14 +341,16 @@ def export_pretrained_bundle(
     quantize = quantize or QuantizeConfig()
     fingerprint = canonical_hash([weights_sha, clap.settings.extractor, str(manifest.resolve()), index_factory,
                                   langs, *([sorted(splits)] if splits else []),
-                                  *([quantize.model_dump(mode="json")] if quantize.encoders else [])])
+                                  *([quantize.model_dump(mode="json")] if quantize.encoders else []),
+                                  *(["fp16"] if precision == "fp16" else [])])
     name = "pretrained-" + model_dir.resolve().name
     bundle_id = make_bundle_id(name, created=created, fingerprint=fingerprint)
     partial = partial_base(out_dir, name, fingerprint)
     with fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
         sections = _build(clap, records, held_out, staging, Path(scratch), split=split, languages=langs,
                           index_factory=index_factory, progress=progress, source_manifest=manifest,
-                          quantize=quantize, providers=providers, ray=ray, partial=partial, chunk_files=chunk_files)
+                          quantize=quantize, providers=providers, ray=ray, partial=partial, chunk_files=chunk_files,
+                          precision=precision)
         s = clap.settings
         body = fmt.BundleManifest(
             bundle_id=bundle_id,
@@ -370,6 +379,7 @@ def _build(
     clap: Pretrained, records: list[ClipRecord], held_out: list[ClipRecord], staging: Path, scratch: Path, *,
     split: str, languages: list[str], index_factory: str | None, progress: bool, source_manifest: Path,
     quantize: QuantizeConfig, providers: Sequence[str] = CPU, ray: RayOptions | None = None,
+    precision: Precision = "fp32",
     partial: Path | None = None, chunk_files: int = CHUNK_FILES,
 ) -> dict[str, Any]:
     """Every bundle file except the manifest; the manifest sections they determine. ``partial``: checkpoint
@@ -389,16 +399,21 @@ def _build(
         audio_cos, text_cos = found.get("audio", audio_cos), found.get("text", text_cos)
         log.info("%s encoders vs the model: audio %.6f, text %.6f", quantize.label, audio_cos, text_cos)
     text_items, ranges = catalogue_texts(records, languages)
+    catalogue_pass = None
     if ray is not None:
         audio_emb, text_emb = _embed_on_ray(clap, encoders, records, [t["text"] for t in text_items], ray)
     else:
+        passing = encoders
+        if precision == "fp16":
+            passing, catalogue_pass = _half_encoders(clap, encoders, records, languages,
+                                                     [t["text"] for t in text_items], scratch, providers)
         checkpoint = None if partial is None else catalogue_checkpoint(
             partial, encoders.audio.path, records, chunk_files=chunk_files, providers=providers,
-            frontend=audio_plan(clap))
+            frontend=audio_plan(clap), precision=precision)
         with _progress(progress) as task:
-            audio_emb = embed_catalogue_audio(encoders, records, rate, task("embedding clips", len(records)),
-                                     checkpoint=checkpoint, chunk_files=chunk_files)
-            text_emb = encoders.encode_text([t["text"] for t in text_items])
+            audio_emb = embed_catalogue_audio(passing, records, rate, task("embedding clips", len(records)),
+                                              checkpoint=checkpoint, chunk_files=chunk_files)
+            text_emb = passing.encode_text([t["text"] for t in text_items])
     audio_built = build_index(audio_emb, index_factory, queries=text_emb)
     text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)
     save_index(audio_built.index, staging / fmt.AUDIO_INDEX)
@@ -426,7 +441,25 @@ def _build(
         "text_index": _index_info(text_built, file=fmt.TEXT_INDEX, ids_file=fmt.TEXT_IDS, ranges=ranges),
         "evaluation": evaluation,
         "quantization": quantization,
+        "catalogue_pass": catalogue_pass,
     }
+
+
+def _half_encoders(
+    clap: Pretrained, encoders: PretrainedEncoders, records: Sequence[ClipRecord], languages: Sequence[str],
+    texts: Sequence[str], scratch: Path, providers: Sequence[str],
+) -> tuple[PretrainedEncoders, fmt.CataloguePassInfo]:
+    """fp16 copies of the staged (fp32) encoders for the catalogue pass, after the parity gate on the first
+    catalogue clips and four synthetic signals, and on the parity and first catalogue captions."""
+    s = clap.settings
+    audio, text = half_copies(encoders.audio.path, encoders.text.path, scratch)
+    half = PretrainedEncoders(clap, audio, text, providers)
+    clips = [decode_audio(r.audio, sample_rate=s.sample_rate) for r in records[:PROBE_CLIPS]]
+    clips += probe_waves(s.sample_rate, s.clip_samples)
+    info = half_precision_gate((encoders.encode_audio, half.encode_audio, clips),
+                               (encoders.encode_text, half.encode_text, probe_texts(records, languages, texts)),
+                               providers)
+    return half, info
 
 
 def _evaluate(eval_set: EvalSet, languages: Sequence[str], encoders: PretrainedEncoders, fp32: PretrainedEncoders,
@@ -458,7 +491,7 @@ def cli_export_pretrained(args: argparse.Namespace) -> int:
     path = export_pretrained_bundle(
         args.pretrained, manifest=args.data, out_dir=args.out, languages=getattr(args, "languages", None),
         index_factory=args.index, splits=args.split, progress=True, quantize=quantize_config(args),
-        providers=providers, ray=ray,
+        providers=providers, ray=ray, precision=getattr(args, "precision", "fp32"),
     )
     manifest = fmt.read_manifest(path)
     console = Console()

@@ -6,8 +6,9 @@ from their observed range (``DynamicQuantizeLinear``) and the products run as
 ``MatMulInteger``. Convolutions stay fp32 — the audio towers' frontend computes its
 STFT as a convolution whose precision the mel features need — so the gain comes
 from the transformer layers, where real-size towers (RoBERTa/XLM-R, AST, HTS-AT)
-spend their time. fp16 (``onnxruntime.transformers.float16``, float inputs and
-outputs kept fp32) is for GPU providers; it is not measured on a GPU here.
+spend their time. fp16 (:func:`index.half_precision.half_precision_copy`: float inputs and
+outputs, normalisations, reductions, Softmax and the mel front end kept fp32) is for GPU
+providers; it is not measured on a GPU here.
 
 Quantization is never assumed harmless; on the bundle's own held-out set the export measures
 
@@ -105,12 +106,10 @@ def quantize_model(src: Path | str, dst: Path | str, *, precision: Precision = "
 
         quantize_dynamic(src, dst, weight_type=QuantType.QInt8, op_types_to_quantize=QUANTIZED_OPS,
                          use_external_data_format=external)
-    else:
-        import onnx
-        from onnxruntime.transformers.float16 import convert_float_to_float16
+    else:  # the same fp16 copy as the fp16 catalogue pass: fragile ops and the mel front end stay fp32
+        from index.half_precision import half_precision_copy
 
-        model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True)
-        onnx.save(model, str(dst), save_as_external_data=external)
+        half_precision_copy(src, dst)
     log.info("%s: %s copy written to %s (%.1f MB -> %.1f MB)", src.name, precision, dst,
              src.stat().st_size / 1e6, dst.stat().st_size / 1e6)
     return dst

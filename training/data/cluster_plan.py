@@ -8,7 +8,8 @@ the node. The figures are the loader's own formulas, not a simulation:
 
 * index (per rank): ``records.jsonl`` held as Python objects, :data:`RECORDS_RSS_FACTOR` × its
   bytes (measured: a 124 MB records.jsonl of 40 k clips × 8 languages × 5 captions grew a
-  process by 297 MB, at its peak too: it is read line by line), plus the epoch's sequence in each worker (16 bytes per usable clip);
+  process by 297 MB, at its peak too: it is read line by line; at 400 k clips, 1,321 MiB grew it
+  by 3,029 MiB, 2.29×, bench/records_memory.py), plus the epoch's sequence in each worker (16 bytes per usable clip);
 * shuffle buffers: workers × entries × crop bytes (float32 crops);
 * batches in flight, in shared memory: ``prefetch_factor`` × workers × batch × crop bytes.
 

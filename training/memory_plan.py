@@ -24,7 +24,8 @@ counted from the run's own objects or formulas, not guessed:
   then holds, per local pair, the audio and text embeddings and their concatenation
   ``[u; v]`` (the coarse K-Means input; 16·d bytes a pair, the same as the embedding pass's
   lists and their ``torch.cat``), the concatenation also once on the host (FAISS labels every
-  pair on the CPU), and on rank 0 the K-Means input (≤ 256·N_c pairs of 2d fp32) on GPU and host.
+  pair on the CPU), partitioned every pair's clip id (gathered and sorted, 16 B a pair), and on
+  rank 0 the K-Means input (≤ 256·N_c pairs of 2d fp32) on GPU and host.
 * Not counted: activations (they scale with batch, caption count and crop; measured figures in
   docs/BENCHMARKS.md ``gpu_real_size``), the CUDA context and allocator slack, the objective's
   own scalars (τ, …).
@@ -196,7 +197,8 @@ class KnowledgeCount:
         pairs = self.local_pairs * (4 * d * FP32 + 4 * INT64)  # u, v, [u; v] (or the pass's lists + cat), ids
         clips = self.local_clips * (2 * d * FP32 + 2 * INT64) if self.fine else 0
         gathered = self.kmeans_points * 2 * d * FP32 if rank0 and self.share > 1 else 0
-        return pairs + clips + gathered
+        ids = self.pairs * 2 * INT64 if self.share > 1 else 0  # every pair's clip id, gathered and sorted
+        return pairs + clips + gathered + ids
 
     def host_rebuild(self, *, rank0: bool) -> int:
         """Bytes on a rank's host at a rebuild: [u; v] of its pairs for FAISS, and rank 0's K-Means input."""

@@ -88,6 +88,14 @@ def _gb(value: float) -> str:
     return f"{value / 2**30:.1f} GiB"
 
 
+def _size_of(url: str) -> int:
+    """Bytes of a file at ``url`` (local or fsspec), without reading it."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return int(fs.size(path))
+
+
 def _size(value: float) -> str:
     """GiB, or MiB under one GiB (the per-rank figures of small runs)."""
     return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
@@ -95,7 +103,7 @@ def _size(value: float) -> str:
 
 def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
     """The plan of ``cfg`` on ``cluster`` (module doc)."""
-    from training.data.stream import TRAIN_SPLIT, cached_corpus, read_text
+    from training.data.stream import TRAIN_SPLIT, cached_corpus
     from training.evaluate import clip_samples
     from training.memory_plan import count_knowledge, count_model, teacher_parameters
 
@@ -117,7 +125,7 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
                                             ranks_on_node=ranks)
     layout = Layout(world=world, workers=workers, batch_size=cfg.optim.batch_size, buffer=entries)
     cover = coverage(usable, clips, layout)
-    records_bytes = len(read_text(f"{corpus.url.rstrip('/')}/records.jsonl").encode("utf-8"))
+    records_bytes = _size_of(f"{corpus.url.rstrip('/')}/records.jsonl")
     index = int(RECORDS_RSS_FACTOR * records_bytes) + SEQUENCE_BYTES * usable * max(1, workers)
     buffers = buffer_bytes * max(1, workers)
     prefetch = cfg.data.prefetch_factor * max(1, workers) * cfg.optim.batch_size * crop if workers else 0

@@ -83,6 +83,40 @@ def status_kib(field: str) -> int:
     raise KeyError(field)
 
 
+class PackedRecord:
+    """The prototype of a compact record: captions as one UTF-8 JSON bytes, decoded on access."""
+
+    __slots__ = ("captions_json", "id", "ordinal", "seconds", "shard")
+
+
+def measure_packed(url: str) -> None:
+    """In a fresh process: what the same records would take with packed captions (not what
+    open_corpus does: the measurement behind a possible change), and the cost of a decode."""
+    before = status_kib("VmRSS")
+    started = time.perf_counter()
+    rows: list[PackedRecord] = []
+    shards: dict[str, str] = {}
+    ordinal: dict[str, int] = {}
+    with open(Path(url) / "records.jsonl", encoding="utf-8") as handle:
+        for line in handle:
+            row = json.loads(line)
+            record = PackedRecord()
+            record.id, record.seconds = row["id"], row["seconds"]
+            record.captions_json = json.dumps(row["captions"], ensure_ascii=False, separators=(",", ":")).encode()
+            record.shard = shards.setdefault(row["shard"], row["shard"])
+            record.ordinal = ordinal[record.shard] = ordinal.get(record.shard, -1) + 1
+            rows.append(record)
+    seconds = time.perf_counter() - started
+    after, peak = status_kib("VmRSS"), status_kib("VmHWM")
+    sample = rows[: min(len(rows), 100_000)]
+    started = time.perf_counter()
+    for record in sample:
+        json.loads(record.captions_json)
+    decode = (time.perf_counter() - started) / max(1, len(sample))
+    print(json.dumps({"before": before * 1024, "after": after * 1024, "peak": peak * 1024, "seconds": seconds,
+                      "clips": len(rows), "decode_us": decode * 1e6}))
+
+
 def measure(url: str) -> None:
     """In a fresh process: RSS before/after open_corpus and the peak, as JSON on stdout."""
     from training.data.stream import open_corpus
@@ -100,10 +134,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clips", type=int, default=400_000)
     parser.add_argument("--no-write", action="store_true")
-    parser.add_argument("--measure", help=argparse.SUPPRESS)  # the child process
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # the child processes
+    parser.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        measure(args.measure)
+        (measure_packed if args.packed else measure)(args.measure)
         return
     from training.data.cluster_plan import RECORDS_RSS_FACTOR
 
@@ -115,10 +150,13 @@ def main() -> None:
         written = time.perf_counter() - started
         size = (folder / "records.jsonl").stat().st_size
         print(f"records.jsonl: {size / 1e6:.0f} MB for {args.clips:,} clips, written in {written:.0f} s", flush=True)
-        child = subprocess.run([sys.executable, __file__, "--measure", str(folder)], check=True,
-                               capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.environ.get(
-                                   "PYTHONPATH", str(Path(__file__).resolve().parents[1]))})
-        got = json.loads(child.stdout.strip().splitlines()[-1])
+        env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", str(Path(__file__).resolve().parents[1]))}
+        results = []
+        for extra in ([], ["--packed"]):
+            child = subprocess.run([sys.executable, __file__, "--measure", str(folder), *extra], check=True,
+                                   capture_output=True, text=True, env=env)
+            results.append(json.loads(child.stdout.strip().splitlines()[-1]))
+        got, packed = results
     load_end = os.getloadavg()[0]
     grown, peak = got["after"] - got["before"], got["peak"] - got["before"]
     planned = RECORDS_RSS_FACTOR * size
@@ -141,6 +179,13 @@ def main() -> None:
         "|---:|---:|---:|---:|---:|---:|---:|",
         f"| {args.clips:,} | {size / 2**20:,.0f} MiB | {got['seconds']:.0f} s | {grown / 2**20:,.0f} MiB | "
         f"{peak / 2**20:,.0f} MiB | {grown / size:.2f}× | {planned / 2**20:,.0f} MiB ({RECORDS_RSS_FACTOR}× the file) |",
+        "",
+        f"A prototype of a compact record (`--packed`, in this script only; **not** what `open_corpus` "
+        f"does): the captions of a clip kept as one UTF-8 JSON `bytes`, decoded when read, in a `__slots__` "
+        f"object with its id, shard and ordinal, grows the same read by "
+        f"**{(packed['after'] - packed['before']) / 2**20:,.0f} MiB** "
+        f"({(packed['after'] - packed['before']) / size:.2f}× the file; {grown / (packed['after'] - packed['before']):.1f}× "
+        f"less) for a decode of {packed['decode_us']:.0f} µs per clip when its captions are used.",
         "",
         "Per node that is 8 × the growth (each rank reads the file; forked loader workers share the pages "
         "copy-on-write). `--plan` counts the figure in its last column per rank. The load (other jobs on the "

@@ -111,14 +111,17 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="drop captions in languages outside data.languages (same as data.drop_other_languages=true)",
     )
-    plan = p.add_argument_group("dry run (--plan): the data plan of a data.shards run on a cluster, no training")
+    plan = p.add_argument_group("dry run (--plan): the plan and memory of a data.shards run on a cluster, no training")
     plan.add_argument("--plan", action="store_true", help="print steps per epoch, coverage, loader workers, shuffle "
-                      "buffers, host and /dev/shm use per node for the cluster below and exit; refuse one that does not fit")
+                      "buffers, host and /dev/shm use per node, and per rank the model, gradients, AdamW state and "
+                      "ASK knowledge bases against GPU and host memory, for the cluster below, and exit; refuse a "
+                      "plan that does not fit")
     plan.add_argument("--nodes", type=int, default=1, help="with --plan: nodes (default 1)")
     plan.add_argument("--gpus-per-node", type=int, default=8, help="with --plan: GPUs = ranks per node (default 8)")
     plan.add_argument("--cores-per-node", type=int, default=96, help="with --plan: CPU cores per node (default 96)")
     plan.add_argument("--memory-per-node", default="512Gi", help="with --plan: memory per node (default 512Gi)")
     plan.add_argument("--shm-per-node", default=None, help="with --plan: /dev/shm per node (default: half the memory)")
+    plan.add_argument("--gpu-memory", default="80Gi", help="with --plan: memory of one GPU (default 80Gi)")
     p.set_defaults(handler=_lazy("training.launch:cli_train", "train"))
 
 

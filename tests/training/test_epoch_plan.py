@@ -370,3 +370,132 @@ def test_the_plan_dry_run_matches_what_the_stream_serves_and_refuses_what_does_n
     with pytest.raises(DataError, match="does not fit"):
         cli_plan(args, cfg)
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+# --- `--plan`: the model, its optimizer and ASK's knowledge bases against GPU and host memory ------------
+
+
+def _plan_config(folder: Path, tmp_path: Path, *extra: str):  # noqa: ANN202
+    from training.config import load_train_config
+
+    return load_train_config(ROOT / "configs" / "tiny.yaml", shard_run(str(folder), str(tmp_path), *extra))
+
+
+def _cluster(ranks: int = 2, *, memory: int = 2**34, shm: int = 2**33, gpu: int = 80 * 2**30):  # noqa: ANN202
+    from training.data.cluster_plan import Cluster
+
+    return Cluster(nodes=1, gpus_per_node=ranks, cores_per_node=2 * ranks, memory_per_node=memory,
+                   shm_per_node=shm, gpu_memory=gpu)
+
+
+def test_the_plan_counts_the_model_gradients_and_adamw_state_of_the_run(subset_shards: tuple[Path, str],
+                                                                         tmp_path: Path) -> None:
+    """References: the model built normally (on CPU, weights and all) and a real AdamW step of it —
+    the parameters that got a gradient and the optimizer's own state tensors, with the audio tower
+    frozen (frozen parameters get neither gradient nor moments)."""
+    import torch
+
+    from training.data.cluster_plan import plan_for
+    from training.finetune import apply_freezing
+    from training.loop import build_optimizer
+    from training.models.dual_encoder import build_dual_encoder
+
+    folder, _ = subset_shards
+    cfg = _plan_config(folder, tmp_path, "optim.audio.freeze=true")
+    torch.manual_seed(0)
+    model = build_dual_encoder(cfg.model, cfg.frontend, vocab_size=cfg.model.text.vocab_size)
+    apply_freezing(model, cfg, epoch=0)
+    optimizer = build_optimizer(model, model, cfg)
+    audio, text = model(0.1 * torch.randn(2, 16_000), torch.randint(1, 50, (2, 6)), torch.ones(2, 6, dtype=torch.long))
+    (audio.sum() + text.sum()).backward()
+    optimizer.step()
+    total = sum(p.numel() for p in model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    moments = sum(t.numel() * t.element_size() for state in optimizer.state.values() for key, t in state.items()
+                  if key != "step")
+    assert 0 < grads < 4 * total  # the frozen tower really has none
+
+    one = plan_for(cfg, _cluster(1))
+    assert (one.parameters, one.trainable) == (total, grads // 4)
+    assert one.gpu_bytes == 4 * total + grads + moments  # no knowledge bases, no teachers, no DDP at world size 1
+    two = plan_for(cfg, _cluster(2))
+    assert two.gpu_bytes == one.gpu_bytes + grads  # DDP's gradient buckets: one more copy of the gradients
+    unfrozen = plan_for(_plan_config(folder, tmp_path), _cluster(1))
+    assert unfrozen.trainable == unfrozen.parameters == total
+
+
+def test_the_plan_counts_asks_knowledge_bases_as_the_real_ones_hold_them(subset_shards: tuple[Path, str],
+                                                                          tmp_path: Path) -> None:
+    """Reference: the fine and coarse KBs built by training.knowledge from random embeddings of the
+    run's shape — one pair per English caption of the usable train clips, counted in the manifest
+    the shards were written from — and the bytes of their tensors."""
+    import torch
+    import torch.nn.functional as F
+
+    from training.data.cluster_plan import plan_for
+    from training.knowledge import build_coarse_kb, build_fine_kb
+
+    folder, _ = subset_shards
+    rows = [json.loads(line) for line in (folder.parent / "manifest.jsonl").read_text().splitlines()]
+    captions = [len(r["captions"]["eng"]) for r in rows if r["split"] == "train" and "eng" in r["captions"]]
+    knowledge = "objective.knowledge={sources: [train], n_clusters: 4, partition: none}"
+    cfg = _plan_config(folder, tmp_path, knowledge)
+    without = plan_for(_plan_config(folder, tmp_path), _cluster(2))
+    plan = plan_for(cfg, _cluster(2))
+    d = cfg.model.embed_dim
+    clip = torch.repeat_interleave(torch.arange(len(captions)), torch.tensor(captions))
+    audio = F.normalize(torch.randn(len(captions), d), dim=-1)[clip]
+    text = F.normalize(torch.randn(len(clip), d), dim=-1)
+    fine, coarse = build_fine_kb(audio, text, clip), build_coarse_kb(audio, text, n_clusters=4)
+    # Each tensor once. On CUDA a side's keys are the very tensor the other side has as partners;
+    # on this CPU FAISS holds the keys (a copy of equal values), so equal float tables count once.
+    held: list[torch.Tensor] = []
+    for side in (fine.audio, fine.text, coarse.audio, coarse.text):
+        for tensor in (side.keys, side.partner_table, side.partner_row, side.clip):
+            if not any(tensor.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() or (
+                    tensor.is_floating_point() and t.shape == tensor.shape and torch.equal(t, tensor)) for t in held):
+                held.append(tensor)
+    assert plan.kb_gpu_bytes == sum(t.numel() * t.element_size() for t in held)
+    rebuild = len(clip) * (16 * d + 32) + len(captions) * (8 * d + 16)  # u, v, [u; v], ids; the clips' rows
+    assert plan.kb_rebuild_bytes == rebuild
+    assert plan.gpu_bytes == without.gpu_bytes + rebuild
+    split = plan_for(_plan_config(folder, tmp_path, knowledge.replace("none", "auto")), _cluster(2))
+    assert split.kb_gpu_bytes < plan.kb_gpu_bytes  # half the fine rows, the same coarse prototypes
+
+
+def test_the_plan_says_which_memory_does_not_fit_and_what_to_change(subset_shards: tuple[Path, str], tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from index.errors import DataError
+    from training.data.cluster_plan import cli_plan, plan_for
+
+    folder, _ = subset_shards
+    cfg = _plan_config(folder, tmp_path, "objective.knowledge={sources: [train], n_clusters: 4, partition: none}")
+    fits = plan_for(cfg, _cluster(2))
+    assert fits.fits and fits.advice == ()
+    model = fits.gpu_bytes - fits.kb_rebuild_bytes
+
+    def refused(**sizes: str) -> str:
+        args = argparse.Namespace(nodes=1, gpus_per_node=2, cores_per_node=4, **{
+            "memory_per_node": "16Gi", "shm_per_node": "8Gi", "gpu_memory": "80Gi", **sizes})
+        with pytest.raises(DataError, match="does not fit") as err:
+            cli_plan(args, cfg)
+        out = capsys.readouterr().out
+        return "\n".join([line for line in out.splitlines() if "DOES NOT FIT" in line] + [str(err.value)])
+
+    # the model alone is over the GPU: it says to freeze a tower
+    said = refused(gpu_memory=str(int(0.9 * model)))
+    assert said.startswith("GPU memory per rank") and "optim.audio.freeze" in said and "host" not in said
+    # the model fits, its knowledge bases at their rebuild do not: it names the knowledge bases
+    said = refused(gpu_memory=str(int((model + fits.kb_rebuild_bytes // 2) / 0.9)))
+    assert said.startswith("GPU memory per rank") and "objective.knowledge.partition" in said
+    # host memory: a node of less than the shuffle buffers, records and rebuild copies counted
+    said = refused(memory_per_node=str(int(fits.node_host_bytes / 0.8 * 0.9)))
+    assert said.count("DOES NOT FIT") == 2 and "host memory per node" in said and "data.shuffle_buffer" in said
+    assert "GPU" not in said and "/dev/shm:" not in said
+    args = argparse.Namespace(nodes=1, gpus_per_node=2, cores_per_node=4, memory_per_node="16Gi",
+                              shm_per_node="8Gi", gpu_memory="80Gi")
+    assert cli_plan(args, cfg) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" not in out and "ASK KBs between rebuilds" in out and "AdamW moments" in out

@@ -8,11 +8,17 @@ the node. The figures are the loader's own formulas, not a simulation:
 
 * index (per rank): ``records.jsonl`` held as Python objects, :data:`RECORDS_RSS_FACTOR` × its
   bytes (measured: a 124 MB records.jsonl of 40 k clips × 8 languages × 5 captions grew a
-  process by 297 MB, at its peak too: it is read line by line), plus the epoch's sequence in each worker (16 bytes per usable clip);
+  process by 297 MB, at its peak too: it is read line by line; at 400 k clips, 1,321 MiB grew it
+  by 3,029 MiB, 2.29×, bench/records_memory.py), plus the epoch's sequence in each worker (16 bytes per usable clip);
 * shuffle buffers: workers × entries × crop bytes (float32 crops);
 * batches in flight, in shared memory: ``prefetch_factor`` × workers × batch × crop bytes.
 
-The model, optimizer, knowledge bases and CUDA context are not counted (see docs/training.md).
+Then, per rank, what the run holds besides its data (:mod:`training.memory_plan`: the model built
+on the ``meta`` device from the config, its gradients and AdamW moments, distillation teachers and
+their host caches, ASK's knowledge bases between rebuilds and at a rebuild's peak), as a table of
+GPU and host figures; rank 0's GPU (the fullest) is set against ``--gpu-memory`` and the node's
+host figures against its memory. Activations, the CUDA context and torch's own resident memory
+are not counted (see docs/training.md).
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ RECORDS_RSS_FACTOR = 2.4
 SEQUENCE_BYTES = 16
 """Bytes per usable clip of the epoch's sequence in each worker (two int64)."""
 HOST_HEADROOM = 0.8
-"""Share of a node's memory the loader may plan for (the rest: model, optimizer, CUDA, the OS)."""
+"""Share of a node's memory the plan may fill (the rest: torch and CUDA libraries, the OS)."""
+GPU_HEADROOM = 0.9
+"""Share of a GPU's memory the counted figures may fill (the rest: CUDA context, allocator slack)."""
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
@@ -52,6 +60,7 @@ class Cluster:
     cores_per_node: int
     memory_per_node: int
     shm_per_node: int
+    gpu_memory: int = 80 * 2**30
 
 
 @dataclass(frozen=True)
@@ -62,22 +71,47 @@ class ClusterPlan:
     steps: int
     coverage: float
     host_bytes: int
+    """Per node, the loader's (index, shuffle buffers, batches in flight)."""
     shm_bytes: int
+    gpu_bytes: int = 0
+    """Rank 0's GPU: model, gradients, AdamW, teachers, ASK's KBs at their rebuild peak."""
+    node_host_bytes: int = 0
+    """Per node, everything counted on the host (the loader's, teacher caches, ASK's rebuild copies)."""
+    parameters: int = 0
+    trainable: int = 0
+    kb_gpu_bytes: int = 0
+    kb_rebuild_bytes: int = 0
+    advice: tuple[str, ...] = ()
 
 
 def _gb(value: float) -> str:
     return f"{value / 2**30:.1f} GiB"
 
 
+def _size_of(url: str) -> int:
+    """Bytes of a file at ``url`` (local or fsspec), without reading it."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return int(fs.size(path))
+
+
+def _size(value: float) -> str:
+    """GiB, or MiB under one GiB (the per-rank figures of small runs)."""
+    return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
+
+
 def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
     """The plan of ``cfg`` on ``cluster`` (module doc)."""
-    from training.data.stream import TRAIN_SPLIT, cached_corpus, read_text
+    from training.data.stream import TRAIN_SPLIT, cached_corpus
     from training.evaluate import clip_samples
+    from training.memory_plan import count_knowledge, count_model, teacher_parameters
 
     if cfg.data.shards is None:
         raise ConfigError("--plan describes a run from data.shards (data.shards=URL); a manifest run has no shard plan")
     corpus = cached_corpus(cfg)
-    usable = len(corpus.records.get(TRAIN_SPLIT, []))
+    train = corpus.records.get(TRAIN_SPLIT, [])
+    usable = len(train)
     clips = sum(count for _, count in corpus.shards(TRAIN_SPLIT))
     ranks = cluster.gpus_per_node
     world = cluster.nodes * ranks
@@ -91,7 +125,7 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
                                             ranks_on_node=ranks)
     layout = Layout(world=world, workers=workers, batch_size=cfg.optim.batch_size, buffer=entries)
     cover = coverage(usable, clips, layout)
-    records_bytes = len(read_text(f"{corpus.url.rstrip('/')}/records.jsonl").encode("utf-8"))
+    records_bytes = _size_of(f"{corpus.url.rstrip('/')}/records.jsonl")
     index = int(RECORDS_RSS_FACTOR * records_bytes) + SEQUENCE_BYTES * usable * max(1, workers)
     buffers = buffer_bytes * max(1, workers)
     prefetch = cfg.data.prefetch_factor * max(1, workers) * cfg.optim.batch_size * crop if workers else 0
@@ -99,9 +133,60 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
     shm = ranks * prefetch
     fits_host = host <= HOST_HEADROOM * cluster.memory_per_node
     fits_shm = shm <= cluster.shm_per_node
+
+    # What the run holds besides its data (training/memory_plan.py).
+    model = count_model(cfg)
+    state = model.gpu_bytes(world=world)
+    teachers = teacher_parameters(cfg) * 4
+    distill = cfg.objective.distill or {}
+    caches = int(2 * float(distill.get("cache_max_mib", 2048.0)) * 2**20) if distill else 0
+    pairs = sum(len(texts) for record in train for texts in record.captions.values())
+    kb = count_knowledge(cfg, embed_dim=model.embed_dim, train_pairs=pairs, train_clips=usable, world=world)
+    kb_gpu = kb.gpu_resident() if kb else 0
+    kb_rebuild = kb.gpu_rebuild(rank0=True) if kb else 0
+    kb_host = kb.host_rebuild(rank0=False) if kb else 0
+    kb_host0 = kb.host_rebuild(rank0=True) - kb_host if kb else 0
+    fixed_gpu = sum(state.values()) + teachers
+    gpu = fixed_gpu + max(kb_gpu, kb_rebuild)  # rank 0, the fullest: a rebuild replaces the resident KBs
+    gpu_budget = GPU_HEADROOM * cluster.gpu_memory
+    fits_gpu = gpu <= gpu_budget
+    rank_host = index + buffers + prefetch + caches + kb_host
+    node_host = ranks * rank_host + kb_host0
+    fits_all_host = node_host <= HOST_HEADROOM * cluster.memory_per_node
+
+    def cell(value: int | None) -> str:
+        return "" if value is None else _size(value)
+
+    def count(value: int) -> str:
+        return f"{value / 1e6:.1f} M" if value >= 10**5 else f"{value:,}"
+
+    share = f", 1/{kb.share} of the fine rows" if kb and kb.share > 1 else ", whole on every rank" if kb else ""
+    rows: list[tuple[str, int | None, int | None]] = [
+        (f"parameters: {count(model.parameters)}, fp32", state["parameters"], None),
+        (f"gradients: {count(model.trainable)} trainable, fp32" + (" + DDP buckets" if world > 1 else ""),
+         state["gradients"], None),
+        ("AdamW moments: 2 × fp32 per trainable parameter", state["adamw"], None),
+    ]
+    if teachers:
+        rows.append(("distillation teachers: frozen, fp32", teachers, None))
+    if caches:
+        rows.append(("teacher caches: 2 × objective.distill.cache_max_mib", None, caches))
+    if kb:
+        rows += [(f"ASK KBs between rebuilds: {kb.pairs:,} pairs, {kb.clips:,} clips, d {kb.dim}{share}", kb_gpu, None),
+                 ("ASK KB rebuild peak (replaces the line above; rank 0)", kb_rebuild, kb_host + kb_host0)]
+    rows += [
+        ("records metadata (records.jsonl read) + epoch sequence", None, index),
+        (f"shuffle buffers: {max(1, workers)} worker(s)", None, buffers),
+        ("batches in flight (/dev/shm)", None, prefetch),
+        ("total per rank (rank 0)", gpu, rank_host + kb_host0),
+    ]
+    width = max(len(name) for name, _, _ in rows)
+    table = [f"  {'memory per rank':<{width}}  {'GPU':>10}  {'host':>10}"]
+    table += [f"  {name:<{width}}  {cell(g):>10}  {cell(h):>10}" for name, g, h in rows]
     lines = [
         f"cluster: {cluster.nodes} node(s) × {ranks} GPU(s) = world size {world}; {cluster.cores_per_node} cores, "
-        f"{_gb(cluster.memory_per_node)} memory, {_gb(cluster.shm_per_node)} /dev/shm per node",
+        f"{_gb(cluster.memory_per_node)} memory, {_gb(cluster.shm_per_node)} /dev/shm per node, "
+        f"{_gb(cluster.gpu_memory)} per GPU",
         cover.line(layout),
         f"steps per epoch: {cover.steps}; {cfg.optim.epochs} epoch(s): {cover.steps * cfg.optim.epochs} steps "
         f"(global batch {world * cfg.optim.batch_size})",
@@ -115,10 +200,39 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
         f"shared memory per node: {_gb(shm)} of {_gb(cluster.shm_per_node)} (batches in flight: prefetch_factor "
         f"{cfg.data.prefetch_factor} × {workers} workers × batch {cfg.optim.batch_size}) — "
         f"{'fits' if fits_shm else 'DOES NOT FIT'}",
-        "not counted: model, optimizer, CUDA context, knowledge bases (docs/objectives.md)",
+        *table,
+        f"GPU memory per rank: {_size(gpu)} of {_size(gpu_budget)} ({100 * GPU_HEADROOM:.0f} % of --gpu-memory "
+        f"{_size(cluster.gpu_memory)}) — {'fits' if fits_gpu else 'DOES NOT FIT'}; left for activations: "
+        f"{_size(max(0.0, gpu_budget - fixed_gpu - kb_gpu))} (CLAP-size at batch 256 × 8 captions peaked at 56.8 GiB "
+        "in all on an H100, docs/BENCHMARKS.md gpu_real_size)",
+        f"host memory per node, all counted: {_size(node_host)} of {_size(HOST_HEADROOM * cluster.memory_per_node)} — "
+        f"{'fits' if fits_all_host else 'DOES NOT FIT'}",
+        *[f"note: {note}" for note in model.notes],
+        "not counted: activations, the CUDA context, torch's own resident memory (docs/training.md)",
     ]
-    return ClusterPlan(lines=lines, fits=fits_host and fits_shm and cover.steps > 0, layout=layout, steps=cover.steps,
-                       coverage=cover.fraction, host_bytes=host, shm_bytes=shm)
+    advice = []
+    if not fits_gpu and fixed_gpu > gpu_budget:  # the model (and teachers) alone are over
+        advice.append("GPU: freeze a tower (optim.audio.freeze / optim.text.freeze)"
+                      + (", fewer or smaller objective.distill.teachers" if teachers else "")
+                      + " or use GPUs with more memory (--gpu-memory)")
+    elif not fits_gpu:  # the knowledge bases make it not fit
+        advice.append("GPU: partition the knowledge bases (objective.knowledge.partition=auto) over more ranks, "
+                      "fewer caption languages or knowledge sources, or GPUs with more memory (--gpu-memory)")
+    if not (fits_host and fits_all_host):
+        advice.append("host: lower data.shuffle_buffer / data.shuffle_buffer_bytes, data.num_workers or "
+                      "data.prefetch_factor" + (", objective.distill.cache_max_mib" if caches else "")
+                      + (", partition the knowledge bases over more ranks" if kb_host else "")
+                      + ", or give the nodes more memory")
+    if cover.steps == 0:
+        advice.append("the epoch has no step: fewer ranks or a smaller optim.batch_size")
+    if not fits_shm:
+        advice.append("/dev/shm: lower data.prefetch_factor, data.num_workers or optim.batch_size, or give the pods "
+                      "a larger /dev/shm (--shm-per-node)")
+    return ClusterPlan(lines=lines, fits=fits_host and fits_shm and fits_gpu and fits_all_host and cover.steps > 0,
+                       layout=layout, steps=cover.steps, coverage=cover.fraction, host_bytes=host, shm_bytes=shm,
+                       gpu_bytes=gpu, node_host_bytes=node_host, parameters=model.parameters,
+                       trainable=model.trainable, kb_gpu_bytes=kb_gpu, kb_rebuild_bytes=kb_rebuild,
+                       advice=tuple(advice))
 
 
 def cli_plan(args: argparse.Namespace, cfg: TrainConfig) -> int:
@@ -126,13 +240,14 @@ def cli_plan(args: argparse.Namespace, cfg: TrainConfig) -> int:
     memory = parse_bytes(args.memory_per_node)
     cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, cores_per_node=args.cores_per_node,
                       memory_per_node=memory,
-                      shm_per_node=parse_bytes(args.shm_per_node) if args.shm_per_node else memory // 2)
+                      shm_per_node=parse_bytes(args.shm_per_node) if args.shm_per_node else memory // 2,
+                      gpu_memory=parse_bytes(getattr(args, "gpu_memory", None) or "80Gi"))
     for name in ("nodes", "gpus_per_node", "cores_per_node"):
         if getattr(cluster, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     plan = plan_for(cfg, cluster)
     sys.stdout.write("\n".join(plan.lines) + "\n")
     if not plan.fits:
-        raise DataError("the plan does not fit the node (see above): lower data.num_workers, data.prefetch_factor, "
-                        "data.shuffle_buffer or optim.batch_size, or give the nodes more memory / /dev/shm")
+        raise DataError("the plan does not fit the node (see above): "
+                        + "; ".join(plan.advice))
     return 0

@@ -35,7 +35,7 @@ tests/training/test_pe_audio_finetune.py the PE-Audio check and its zero-pad neg
 ``model.step0_check: false`` skips it. Cost: one extra forward of four clips and four captions per
 tower plus loading the folder's model once more (~10 s for AST-base and ~5 s for CLAP on two CPU
 cores; well under a second of GPU). PE-Audio's codec runs over the 27.5 s of probe audio on each
-side at a 10-s window: ~7 s on two CPU cores for the small test config; for the full-size model
+side at a 10-s window: 3–8 s on two CPU cores for the small test config; for the full-size model
 ~45 s is expected from the ~8 s per 10-s window of the catalogue pass (not measured). It runs in
 float32 (TF32 off) on the training device. Towers without a reference here (``hf_auto`` audio, which takes tonearm's own log-mel by design; the
 built-in towers) are not checked; :data:`AUDIO_REFERENCES` / :data:`TEXT_REFERENCES` map a tower

@@ -1,18 +1,26 @@
 """Step 0 of a fine-tune is the pretrained model — checked at run time (issue 41, SPEC §11).
 
-A run that loads a pretrained folder into a tower (``hf_clap`` / ``hf_ast`` audio, ``hf_clap`` /
-``hf_auto`` text) starts, before step 1, by embedding a few inputs twice:
+A run that loads a pretrained folder into a tower (``hf_clap`` / ``hf_ast`` / ``hf_pe_audio`` audio,
+``hf_clap`` / ``hf_pe_audio`` / ``hf_auto`` text) starts, before step 1, by embedding a few inputs twice:
 
 * through the **training model** as the data path feeds it: four synthetic clips of 0.05, 0.3, 1
   and 1.4 windows (0.5, 3, 10 and 14 s for a 10-s window; a chirp with noise, white noise, a pulsed
-  tone, a high tone over faint noise), each brought to the window as evaluation does
-  (:func:`index.audio.eval_chunks` with the run's ``frontend.short_clip_padding``; the first window
-  of the long clip), and four captions in four languages through the run's tokenizer;
-* through the **folder's own transformers model** and its own feature extractor / tokenizer
+  tone, a high tone over faint noise), each brought to the tower as evaluation does
+  (:func:`index.audio.eval_chunks` with the run's ``frontend.short_clip_padding``, its first window;
+  :func:`training.evaluate.stack_windows`): padded to the window, the long clip's first window — or,
+  for ``hf_pe_audio`` (``reflect``), each clip at its own length (a short clip behind the NaN marker
+  the tower reads, the long clip whole: PE-Audio's long-clip rule) — and four captions in four
+  languages through the run's tokenizer;
+* through the **folder's own transformers model** and its own feature extractor / tokenizer, fed the
+  audio the data path gives the tower, unpadded (:attr:`Probe.seen`)
   (``ClapModel.get_audio_features`` on ``ClapFeatureExtractor``'s features of the clip — its
   first window for the long one; ``ASTModel``'s pooled output on ``ASTFeatureExtractor``'s;
-  ``get_text_features`` or the ``AutoModel``'s pooled hidden states on ``AutoTokenizer``'s ids) —
-  code tonearm does not own, loaded afresh from the folder.
+  ``PeAudioModel.get_audio_embeds`` on ``PeAudioFeatureExtractor``'s output of each clip, one per
+  call — the 14-s clip whole, which the extractor reflect-pads to the hop and neither truncates nor
+  windows; ``get_text_features``, ``PeAudioModel.forward``'s ``text_audio_embeds`` or the
+  ``AutoModel``'s pooled hidden states on ``AutoTokenizer``'s ids) — code tonearm does not own,
+  loaded afresh from the folder (a ``pe_audio_video`` folder: the ``PeAudioModel`` of its audio
+  branch, as the tower loads it; its ``PeAudioVideoModel`` needs ``timm``).
 
 What is compared is each tower's output before the run's new projection head. The measure is the
 **centred cosine**: both sets L2-normalised, each set's mean removed, cosine per item; the run
@@ -21,12 +29,15 @@ lowest is below :data:`MIN_CENTRED_COS`. Centring is what gives the check power:
 weakly trained weights unrelated inputs embed at plain cosines of 0.998–0.9999 to each other, so a
 front-end error of plain cosine 0.998 (HTS-AT fed 1,024 padded frames instead of its bicubic
 stretch of 1,001) would pass a plain ``cos ≥ 0.999``; its centred cosine is 0.63
-(tests/training/test_finetune_step0.py measures every error found before on the full-size models).
+(tests/training/test_finetune_step0.py measures every error found before on the full-size models;
+tests/training/test_pe_audio_finetune.py the PE-Audio check and its zero-pad negative case).
 
 ``model.step0_check: false`` skips it. Cost: one extra forward of four clips and four captions per
 tower plus loading the folder's model once more (~10 s for AST-base and ~5 s for CLAP on two CPU
-cores; well under a second of GPU). It runs in float32 (TF32 off) on the training device. Towers
-without a reference here (``hf_auto`` audio, which takes tonearm's own log-mel by design; the
+cores; well under a second of GPU). PE-Audio's codec runs over the 27.5 s of probe audio on each
+side at a 10-s window: 3–8 s on two CPU cores for the small test config; for the full-size model
+~45 s is expected from the ~8 s per 10-s window of the catalogue pass (not measured). It runs in
+float32 (TF32 off) on the training device. Towers without a reference here (``hf_auto`` audio, which takes tonearm's own log-mel by design; the
 built-in towers) are not checked; :data:`AUDIO_REFERENCES` / :data:`TEXT_REFERENCES` map a tower
 kind to its reference, so a new pretrained tower adds one function.
 """
@@ -45,7 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from training.config import ConfigError, TrainConfig, short_clip_padding
-from training.models.dual_encoder import DualEncoder
+from training.models.dual_encoder import PAIRED_KINDS, DualEncoder
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +111,17 @@ class Probe:
     """What both sides of the check embed."""
 
     clips: list[np.ndarray]
-    """Raw clips; the folder's extractor is given each one's first window (``data.clip_seconds``): the
-    audio the data path gives the tower, so the check judges the front end, not the crop length."""
+    """Raw clips, as generated."""
+    seen: list[np.ndarray]
+    """The audio of each clip the data path gives the tower, unpadded — what the folder's extractor is
+    given, so the check judges the front end, not the crop length: a clip up to the window whole; a
+    longer one its first window (``data.clip_seconds``), or the whole clip where the tower's long-clip
+    rule is the model's own forward over it (``hf_pe_audio``, :func:`index.audio.eval_chunks`)."""
     windows: np.ndarray
-    """(4, window) float32: the clips as the run's data path brings them to the window."""
+    """(4, width) float32: the clips as the run's data path brings them to the tower — the first window
+    :func:`index.audio.eval_chunks` makes of each with the run's ``frontend.short_clip_padding``, stacked as
+    evaluation stacks them (:func:`training.evaluate.stack_windows`: windows of different widths, a
+    PE-Audio clip kept whole, are right-padded with the NaN marker)."""
     window: int
     sample_rate: int
     captions: list[str]
@@ -158,8 +176,7 @@ def clap_audio_reference(refs: References, cfg: TrainConfig, probe: Probe) -> Te
         f_min=fe.f_min, f_max=fe.f_max,
         max_frames=int(audio_cfg.spec_size * (audio_cfg.spec_size // audio_cfg.num_mel_bins)),
     )
-    clips = [c[: probe.window] for c in probe.clips]  # the window the data path takes (data.clip_seconds)
-    feats = extractor(clips, sampling_rate=probe.sample_rate, return_tensors="pt")
+    feats = extractor(probe.seen, sampling_rate=probe.sample_rate, return_tensors="pt")
     return model.get_audio_features(input_features=feats["input_features"].to(refs.device)).pooler_output
 
 
@@ -171,8 +188,7 @@ def ast_audio_reference(refs: References, cfg: TrainConfig, probe: Probe) -> Ten
     model = refs.model("ASTModel", folder)
     extractor = ast_extractor(folder, sample_rate=cfg.frontend.sample_rate,
                               num_mel_bins=int(model.config.num_mel_bins), max_length=int(model.config.max_length))
-    clips = [c[: probe.window] for c in probe.clips]
-    feats = extractor(clips, sampling_rate=probe.sample_rate, return_tensors="pt")["input_values"]
+    feats = extractor(probe.seen, sampling_rate=probe.sample_rate, return_tensors="pt")["input_values"]
     return model(input_values=feats.to(refs.device)).pooler_output
 
 
@@ -202,10 +218,54 @@ def auto_text_reference(refs: References, cfg: TrainConfig, probe: Probe) -> Ten
     return (hidden * weights).sum(1) / weights.sum(1)
 
 
+def _pe_audio_model(refs: References, folder: str) -> Any:
+    """The folder's ``PeAudioModel``: ``PeAudioModel.from_pretrained`` for a ``pe_audio`` folder; for a
+    ``pe_audio_video`` one (whose ``PeAudioVideoModel`` needs ``timm`` for its video tower) the
+    ``PeAudioModel`` of its config's ``audio_config`` holding its ``audio_model.*`` weights."""
+    from training.models.pretrained_pe_audio import load_pe_audio_model
+
+    key = ("PeAudioModel", folder)
+    if key not in refs.models:
+        refs.models[key] = load_pe_audio_model(folder, key="model.audio.path").eval().float().to(refs.device)
+    return refs.models[key]
+
+
+def pe_audio_audio_reference(refs: References, cfg: TrainConfig, probe: Probe) -> Tensor:
+    """``PeAudioModel.get_audio_embeds`` on ``PeAudioFeatureExtractor``'s output of each clip as the data
+    path gives it (:attr:`Probe.seen`: a short clip at its own length, which the extractor reflect-pads to
+    the hop; a long clip whole — the extractor neither truncates nor windows), one clip per call, so its
+    ``padding_mask`` is all ones as for the lone clip the tower embeds."""
+    from training.models.pretrained_pe_audio import load_pe_audio_extractor
+
+    folder = str(cfg.model.audio.path)
+    model = _pe_audio_model(refs, folder)
+    extractor = load_pe_audio_extractor(folder, key="model.audio.path")
+    out = []
+    for clip in probe.seen:
+        inputs = extractor(clip, sampling_rate=probe.sample_rate, return_tensors="pt")
+        out.append(model.get_audio_embeds(inputs["input_values"].to(refs.device),
+                                          padding_mask=inputs["padding_mask"].to(refs.device))[0])
+    return torch.stack(out)
+
+
+def pe_audio_text_reference(refs: References, cfg: TrainConfig, probe: Probe) -> Tensor:
+    """``text_audio_embeds`` of ``PeAudioModel.forward`` on the folder's ``AutoTokenizer`` ids (its
+    ``get_text_audio_embeds`` does not ask ModernBERT for hidden states in transformers 5.x; the forward
+    does; it is given one hop of silence as its audio, which the text embeddings do not depend on)."""
+    folder = str(cfg.model.text.path or cfg.model.audio.path)
+    model = _pe_audio_model(refs, folder)
+    ids, mask = _reference_tokens(folder, probe.captions, refs.device)
+    hop = int(np.prod(model.config.audio_config.dac_config.downsampling_ratios))
+    silence = torch.zeros(1, 1, hop, device=refs.device)
+    return model(input_ids=ids, attention_mask=mask, input_values=silence).text_audio_embeds
+
+
 Reference = Callable[[References, TrainConfig, Probe], Tensor]
-AUDIO_REFERENCES: dict[str, Reference] = {"hf_clap": clap_audio_reference, "hf_ast": ast_audio_reference}
+AUDIO_REFERENCES: dict[str, Reference] = {"hf_clap": clap_audio_reference, "hf_ast": ast_audio_reference,
+                                          "hf_pe_audio": pe_audio_audio_reference}
 """Audio tower kind → the folder's own model on its own extractor's features."""
-TEXT_REFERENCES: dict[str, Reference] = {"hf_clap": clap_text_reference, "hf_auto": auto_text_reference}
+TEXT_REFERENCES: dict[str, Reference] = {"hf_clap": clap_text_reference, "hf_auto": auto_text_reference,
+                                         "hf_pe_audio": pe_audio_text_reference}
 """Text tower kind → the folder's own model on its own tokenizer's ids."""
 
 
@@ -218,7 +278,7 @@ def checked_towers(cfg: TrainConfig) -> list[str]:
     if cfg.model.audio.kind in AUDIO_REFERENCES and cfg.model.audio.path:
         towers.append("audio")
     text = cfg.model.text
-    if text.kind in TEXT_REFERENCES and (text.path or (text.kind == "hf_clap" and cfg.model.audio.path)):
+    if text.kind in TEXT_REFERENCES and (text.path or (text.kind in PAIRED_KINDS and cfg.model.audio.path)):
         towers.append("text")
     return towers
 
@@ -244,15 +304,16 @@ def full_precision(device: torch.device) -> Iterator[None]:
 
 def make_probe(cfg: TrainConfig, device: torch.device) -> Probe:
     from index.audio import eval_chunks
-    from training.evaluate import clip_samples
+    from training.evaluate import clip_samples, stack_windows
 
     rate, n = cfg.frontend.sample_rate, clip_samples(cfg.data, cfg.frontend)
     clips = probe_clips(rate, n)
     padding = short_clip_padding(cfg.frontend)
-    windows = np.stack([eval_chunks(c, n, padding)[0] for c in clips])  # type: ignore[arg-type]
+    firsts = [eval_chunks(c, n, padding)[:1] for c in clips]  # type: ignore[arg-type]
+    seen = [c[: first.shape[1]] for c, first in zip(clips, firsts, strict=True)]
     labels = [f"clip {i + 1} ({len(c) / rate:.1f} s)" for i, c in enumerate(clips)]
-    return Probe(clips=clips, windows=windows, window=n, sample_rate=rate, captions=list(CAPTIONS),
-                 device=device, labels=labels)
+    return Probe(clips=clips, seen=seen, windows=stack_windows(firsts), window=n, sample_rate=rate,
+                 captions=list(CAPTIONS), device=device, labels=labels)
 
 
 @torch.no_grad()

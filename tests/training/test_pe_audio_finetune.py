@@ -94,6 +94,64 @@ def test_step0_is_the_model_at_every_length_and_the_wrong_rules_fail(small_pe: P
     print(f"PE-Audio step 0 centred cosine {cos.min():.6f}; zero-pad/window-mean {np.round(wrong.numpy(), 3)}")
 
 
+def test_run_time_step0_check_holds_for_pe_audio_and_stops_a_wrong_data_path(small_pe: Path) -> None:
+    """``model.step0_check`` (training/step0.py) at the start of a PE-Audio fine-tune: the training towers on
+    the probe clips of 0.5, 3, 10 and 14 s (the preset's 10-s window) as the evaluation data path gives them —
+    short clips at their own length (the NaN marker), the 14-s clip whole — against the folder's own
+    ``PeAudioFeatureExtractor`` + ``PeAudioModel.get_audio_embeds`` on each clip at its own length (the 14-s
+    one whole: the extractor neither truncates nor windows) and ``PeAudioModel.forward``'s
+    ``text_audio_embeds``, centred. The same check with the zero-pad of every other tower stops in one line;
+    a wrong sample rate is refused before it."""
+    from training.step0 import MIN_CENTRED_COS, check_step0, make_probe
+
+    def check(*extra: str) -> list:  # type: ignore[type-arg]
+        cfg = load_train_config(PRESETS / "pe_audio.yaml", [f"model.audio.path={small_pe}", "model.embed_dim=32",
+                                                            *extra])
+        tokenizer = build_tokenizer(cfg.model, [])
+        model = build_dual_encoder(cfg.model, cfg.frontend, vocab_size=tokenizer.vocab_size)
+        return check_step0(model, cfg, tokenizer, CPU)
+
+    cfg = load_train_config(PRESETS / "pe_audio.yaml", [f"model.audio.path={small_pe}"])
+    probe = make_probe(cfg, CPU)
+    assert [len(c) / RATE for c in probe.seen] == [0.5, 3.0, 10.0, 14.0]  # the 14-s clip whole, not 10 s
+    assert probe.windows.shape == (4, 14 * RATE)
+    assert np.isnan(probe.windows[0, RATE // 2:]).all() and not np.isnan(probe.windows[0, : RATE // 2]).any()
+    results = check()
+    assert [(r.tower, r.kind) for r in results] == [("audio", "hf_pe_audio"), ("text", "hf_pe_audio")]
+    assert min(r.worst for r in results) >= 0.999, results
+    with pytest.raises(ConfigError) as caught:  # short clips zero-padded to the 10-s window
+        check("frontend.short_clip_padding=pad")
+    message = str(caught.value)
+    assert message.startswith("model.step0_check: the audio tower (hf_pe_audio") and "\n" not in message, message
+    assert f"< {MIN_CENTRED_COS}" in message, message
+    with pytest.raises(ConfigError, match="frontend.sample_rate=16000 but the PE-Audio feature extractor"):
+        check("frontend.sample_rate=16000")
+
+
+def test_a_long_clip_off_the_hop_embeds_as_the_extractor_pads_it_alone_or_in_a_batch(small_pe: Path) -> None:
+    """A clip longer than the window whose length is not a multiple of the hop (2.9 s at a 2-s window) is
+    evaluated whole; alone in a batch (no NaN row) the tower reflect-pads it to the hop as
+    ``PeAudioFeatureExtractor`` does — before, it ran unpadded there and only batches holding a short clip
+    padded it. Reference: the extractor + ``get_audio_embeds``, per element."""
+    model, _ = step0(small_pe)
+    ref = transformers.PeAudioModel.from_pretrained(small_pe).eval()
+    extractor = transformers.PeAudioFeatureExtractor.from_pretrained(small_pe)
+    wave = clips()[7][: int(2.9 * RATE)]  # pulsed noise, 2.9 s: 72.5 hops
+    assert wave.shape[0] == int(2.9 * RATE) and wave.shape[0] % 1920
+    short = clips()[0]  # 0.5 s: a NaN-marked row in the same batch
+    with torch.no_grad():
+        inputs = extractor(wave, sampling_rate=RATE, return_tensors="pt")
+        want = ref.get_audio_embeds(inputs["input_values"], padding_mask=inputs["padding_mask"])[0]
+        alone = model.audio.tower(torch.from_numpy(eval_chunks(wave, 2 * RATE, "reflect")))[0]
+        from training.evaluate import stack_windows
+
+        both = stack_windows([eval_chunks(wave, 2 * RATE, "reflect"), eval_chunks(short, 2 * RATE, "reflect")])
+        batched = model.audio.tower(torch.from_numpy(both))[0]
+    # unpadded, the codec's last frame differs: 1e-4 off the reference where clips differ by ~2e-3
+    torch.testing.assert_close(batched, want, rtol=0, atol=2e-5)
+    torch.testing.assert_close(alone, want, rtol=0, atol=2e-5)
+
+
 def test_text_step0_and_512_token_truncation(small_pe: Path) -> None:
     model, tokenizer = step0(small_pe)
     ref = transformers.PeAudioModel.from_pretrained(small_pe).eval()
@@ -148,8 +206,23 @@ OBJECTIVES = {
     "iot+cacl": ["objective.base={name: iot}", "objective.strategy={name: cacl, anchor: eng}"],
     "infonce_reweight": ["objective.base={name: infonce_reweight}"],
     "triplet": ["objective.base={name: triplet}"],
+    "distill": ["objective.distill={teachers: [TEACHER], mix_lambda: 0.5}"],
+    "ask": ["objective.knowledge={n_clusters: 2, top_k: 2, refresh_epochs: 1}"],
 }
-"""Every base loss, strategy and regularizer of training/objectives/registry.py, in five runs."""
+"""Every base loss, strategy and regularizer of training/objectives/registry.py, in five runs; estimated-
+correspondence distillation (``objective.distill``, from a PE-Audio teacher: TEACHER is :func:`pe_teacher`)
+and ASK (``objective.knowledge``: knowledge bases built by the evaluation data path, long clips whole)."""
+LOSS_KEYS = {"distill": "distill_loss", "ask": "ask_loss"}
+"""The step record's own loss of the objectives beyond the registry's (``loss`` for the others)."""
+
+
+def pe_run_overrides(folder: Path, manifest: Path, out_dir: Path) -> list[str]:
+    """A small CPU run: one epoch of one step (batch 4 of the 4 training clips), 2-s crops, then evaluation.
+    ``model.step0_check`` is off in the objective runs (it is tested on its own and in the export run)."""
+    return [f"model.audio.path={folder}", "model.embed_dim=32", f"data.manifest={manifest}", f"out_dir={out_dir}",
+            "device=cpu", "threads=2", "optim.epochs=1", "optim.batch_size=4", "optim.warmup_steps=0",
+            "optim.amp=false", "optim.lr=1.0e-3", "eval.every_epochs=1", "eval.batch_size=4", "data.num_workers=0",
+            "data.clip_seconds=2.0"]
 
 
 @pytest.fixture(scope="module")
@@ -157,18 +230,35 @@ def pe_manifest(tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return mini_manifest(tiny_corpus, tmp_path_factory.mktemp("pe_manifest") / "manifest.jsonl", per_split=1, train=4)
 
 
+@pytest.fixture(scope="module")
+def pe_teacher(small_pe: Path, pe_manifest: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A stage-1 PE-Audio checkpoint (one InfoNCE step from the small folder): the distillation teacher,
+    at the student's 48 kHz as teachers must be."""
+    from training.loop import train
+
+    run = train(load_train_config(PRESETS / "pe_audio.yaml", [
+        *pe_run_overrides(small_pe, pe_manifest, tmp_path_factory.mktemp("pe_teacher")), "model.step0_check=false"]))
+    return run / "last" if (run / "last").is_dir() else run
+
+
 @pytest.mark.parametrize("name", list(OBJECTIVES))
-def test_trains_with_every_objective(name: str, small_pe: Path, pe_manifest: Path, tmp_path: Path) -> None:
+def test_trains_with_every_objective(
+    name: str, small_pe: Path, pe_manifest: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     from training.checkpoint import load_checkpoint
     from training.loop import train
 
-    overrides = [
-        f"model.audio.path={small_pe}", "model.embed_dim=32", f"data.manifest={pe_manifest}", f"out_dir={tmp_path}",
-        "device=cpu", "threads=2", "optim.epochs=1", "optim.batch_size=4", "optim.warmup_steps=0", "optim.amp=false",
-        "optim.lr=1.0e-3", "eval.every_epochs=1", "eval.batch_size=4", "data.num_workers=0", "data.clip_seconds=2.0",
-        *OBJECTIVES[name],
-    ]
+    objective = OBJECTIVES[name]
+    if name == "distill":
+        objective = [o.replace("TEACHER", str(request.getfixturevalue("pe_teacher"))) for o in objective]
+    overrides = [*pe_run_overrides(small_pe, pe_manifest, tmp_path), "model.step0_check=false", *objective]
     run = train(load_train_config(PRESETS / "pe_audio.yaml", overrides))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    (step,) = [r for r in records if r["kind"] == "step"]
+    key = LOSS_KEYS.get(name, "loss")
+    assert key in step and np.isfinite(step[key]) and np.isfinite(step["loss"]), step
+    if name == "ask":
+        assert [r["ask_kb_builds"] for r in records if r["kind"] == "epoch"] == [1.0]
     ckpt = load_checkpoint(run / "last" if (run / "last").is_dir() else run)
     before = transformers.PeAudioModel.from_pretrained(small_pe)
     trained, start = dict(ckpt.model.audio.tower.named_parameters()), before.state_dict()
@@ -192,11 +282,10 @@ def test_a_fine_tuned_pe_audio_exports_a_bundle_the_service_embeds_as_training_d
     from training.export import export_bundle
     from training.loop import train
 
-    overrides = [f"model.audio.path={small_pe}", "model.embed_dim=32", f"data.manifest={pe_manifest}",
-                 f"out_dir={tmp_path / 'run'}", "device=cpu", "threads=2", "optim.epochs=1", "optim.batch_size=4",
-                 "optim.warmup_steps=0", "optim.amp=false", "eval.every_epochs=1", "eval.batch_size=4",
-                 "data.num_workers=0", "data.clip_seconds=2.0"]
-    run = train(load_train_config(PRESETS / "pe_audio.yaml", overrides))
+    run = train(load_train_config(PRESETS / "pe_audio.yaml", pe_run_overrides(small_pe, pe_manifest, tmp_path / "run")))
+    (check,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+                if '"step0_check"' in line]  # the run-time step-0 check ran before step 1 and passed
+    assert check["audio_centred_cos"] >= 0.999 and check["text_centred_cos"] >= 0.999, check
     checkpoint = run / "last" if (run / "last").is_dir() else run
     bundle_dir = export_bundle(checkpoint, manifest=pe_manifest, out_dir=tmp_path / "bundles", progress=False)
     frontend = fmt.read_manifest(bundle_dir).audio_frontend

@@ -300,8 +300,10 @@ class PeAudioAudioTower(nn.Module):
 
     What it sees equals what ``PeAudioFeatureExtractor`` gives the model (docs/models.md):
 
-    * a row without NaN runs as is (a window of the data path: 10 s, a hop multiple, or any length
-      the bundle's loader prepared — the ONNX graph is this path);
+    * a batch without NaN runs as is (a window of the data path: 10 s, a hop multiple, or any length
+      the bundle's loader prepared — the ONNX graph is this path), reflect-padded to the hop first
+      when eager and its width is not a multiple of it (a long clip that evaluation keeps whole,
+      alone in its batch; before, only a batch holding a short clip padded it);
     * a row with a NaN tail (the training/evaluation data path's marker of a clip shorter than the
       window, ``frontend.short_clip_padding: reflect``, :mod:`index.audio_frontend`) runs at the
       clip's own length, reflect-padded to a multiple of the hop as ``_reflect_pad`` does; such rows
@@ -327,6 +329,9 @@ class PeAudioAudioTower(nn.Module):
             return self._embed(waveform)
         missing = torch.isnan(waveform)
         if not bool(missing.any()):
+            pad = (-waveform.shape[1]) % self.hop_length
+            if pad:  # a long clip kept whole (evaluation) off the hop, with no short row in its batch
+                waveform = nn.functional.pad(waveform[:, None, :], (0, pad), mode="reflect")[:, 0]
             return self._embed(waveform)
         lengths = (~missing).sum(dim=1)
         out: list[Tensor | None] = [None] * waveform.shape[0]

@@ -165,6 +165,37 @@ def drop_round_trips(model: Any) -> int:
     return len(replace)
 
 
+def drop_duplicate_casts(model: Any) -> int:
+    """Remove the second and later copies of a ``Cast`` the converter added twice; returns how many.
+
+    onnxruntime ≤ 1.31's ``convert_float_to_float16`` inserts one ``<input>_cast_to_fp32_node`` per
+    blocked node that reads an fp16 value, so a value read by two blocked nodes (PE-Audio's Snake
+    ``alpha``, read by its Mul and its Reciprocal) gets two nodes of the same name and output, and the
+    model does not load ("two nodes with same node name"; found on an H200 with onnxruntime-gpu
+    1.31.1; 1.32 shares the cast). The copies compute the same value: the first is kept."""
+    graph = model.graph
+    seen: set[tuple[str, tuple[str, ...], tuple[str, ...]]] = set()
+    kept, dropped = [], 0
+    for node in graph.node:
+        key = (node.name, tuple(node.input), tuple(node.output))
+        if node.op_type == "Cast" and node.name and key in seen:
+            dropped += 1
+            continue
+        seen.add(key)
+        kept.append(node)
+    if dropped:
+        del graph.node[:]
+        graph.node.extend(kept)
+        values, names = [], set()
+        for value in graph.value_info:
+            if value.name not in names:
+                names.add(value.name)
+                values.append(value)
+        del graph.value_info[:]
+        graph.value_info.extend(values)
+    return dropped
+
+
 def half_precision_copy(src: Path | str, dst: Path | str) -> Path:
     """Write the fp16 copy of the ONNX model ``src`` (fp32 inputs/outputs; module docstring) to ``dst``."""
     src, dst = Path(src), Path(dst)
@@ -180,6 +211,7 @@ def half_precision_copy(src: Path | str, dst: Path | str) -> Path:
     model = onnx.load(str(src))
     half = convert_float_to_float16(model, keep_io_types=True, op_block_list=[*DEFAULT_OP_BLOCK_LIST, *FP32_OPS],
                                     node_block_list=fp32_node_names(model))
+    drop_duplicate_casts(half)
     drop_round_trips(half)
     onnx.save(half, str(dst))
     log.info("%s: fp16 copy for the catalogue pass written to %s (%.1f MB -> %.1f MB)", src.name, dst,

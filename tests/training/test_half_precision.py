@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import soundfile as sf
 
@@ -157,3 +158,37 @@ def test_fp16_pass_of_a_trained_export(tiny_checkpoint: Path, tiny_corpus: Path,
     record = fmt.read_manifest(path).catalogue_pass
     assert record is not None and set(record.probe_items) == {"audio", "text"}
     assert min(record.parity_min_centred_cosine.values()) >= MIN_CENTRED_COSINE
+
+
+def test_a_cast_the_converter_added_twice_is_kept_once_and_the_copy_loads(tmp_path: Path) -> None:
+    """onnxruntime-gpu 1.31.1's converter (on the H200) cast PE-Audio's fp16 Snake ``alpha`` once per fp32
+    node reading it: two nodes of one name and output, a model onnxruntime refuses to load. The graph here is
+    what it wrote for ``y = x * alpha + 1 / alpha`` with Mul and Reciprocal kept fp32."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from index.half_precision import drop_duplicate_casts
+
+    alpha = numpy_helper.from_array(np.array([2.0, 4.0], dtype=np.float16), "alpha")
+
+    def cast() -> onnx.NodeProto:
+        return helper.make_node("Cast", ["alpha"], ["alpha_cast_to_fp32"], to=TensorProto.FLOAT,
+                                name="alpha_cast_to_fp32_node")
+
+    nodes = [cast(), helper.make_node("Mul", ["x", "alpha_cast_to_fp32"], ["m"], name="mul"),
+             cast(), helper.make_node("Reciprocal", ["alpha_cast_to_fp32"], ["r"], name="reciprocal"),
+             helper.make_node("Add", ["m", "r"], ["y"], name="add")]
+    value = helper.make_tensor_value_info("alpha_cast_to_fp32", TensorProto.FLOAT, [2])
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])], [alpha],
+                              value_info=[value, value])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    broken = tmp_path / "broken.onnx"
+    onnx.save(model, str(broken))
+    with pytest.raises(Exception, match="same node name"):
+        ort.InferenceSession(str(broken), providers=CPU)
+    assert drop_duplicate_casts(model) == 1
+    assert drop_duplicate_casts(model) == 0
+    fixed = tmp_path / "fixed.onnx"
+    onnx.save(model, str(fixed))
+    (y,) = ort.InferenceSession(str(fixed), providers=CPU).run(None, {"x": np.array([1.0, 3.0], dtype=np.float32)})
+    np.testing.assert_allclose(y, [2.5, 12.25])

@@ -35,6 +35,17 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def bundle_or_demo(path: str | None) -> Path:
+    """The bundle a service benchmark serves: ``--bundle`` when given, else the built-in demo bundle
+    (built once and cached, as `make serve` does)."""
+    if path:
+        return Path(path).resolve()
+    from service.settings import Settings
+    from tonearm.demo import ensure_demo_bundle
+
+    return Path(ensure_demo_bundle(Settings().home))
+
+
 def publish_section(section: str, *, start: str, end: str, write: bool = True) -> None:
     """Print a benchmark's section and, unless ``write`` is false (``--no-write``), store it."""
     print(section)

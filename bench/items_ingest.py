@@ -51,7 +51,7 @@ for path in (ROOT, ROOT / "bench"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from bench.benchlib import cpu_model, publish_section  # noqa: E402
+from bench.benchlib import bundle_or_demo, cpu_model, publish_section  # noqa: E402
 from bench.service_load import Server  # noqa: E402
 
 START, END = "<!-- bench:items_ingest:start -->", "<!-- bench:items_ingest:end -->"
@@ -183,13 +183,7 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true", help="print only; do not update docs/BENCHMARKS.md")
     args = parser.parse_args()
 
-    if args.bundle:
-        bundle = Path(args.bundle).resolve()
-    else:
-        from service.settings import Settings
-        from tonearm.demo import ensure_demo_bundle
-
-        bundle = ensure_demo_bundle(Settings().home)
+    bundle = bundle_or_demo(args.bundle)
     manifest = json.loads((bundle / "manifest.json").read_text())
     rate, seconds = int(manifest["sample_rate"]), float(manifest["clip_seconds"])
     batches = [int(b) for b in args.batch.split(",")]

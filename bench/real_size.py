@@ -61,7 +61,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from service_load import Connection, Server, free_port, measure, text_query, wav_clip  # noqa: E402
 
-from benchlib import cpu_model, write_section  # noqa: E402
+from benchlib import bundle_or_demo, cpu_model, write_section  # noqa: E402
 
 START = "<!-- bench:real_size:start -->"
 END = "<!-- bench:real_size:end -->"
@@ -532,13 +532,7 @@ def serve_infinity(server: str, preset: str, work: Path, kinds: list[str], clien
 
 def cmd_tail(args: argparse.Namespace) -> None:
     """Demo bundle, cold text at 16 clients: p99 with micro-batching on (default) and off (batch of one)."""
-    if args.bundle:
-        bundle = Path(args.bundle)
-    else:
-        from service.settings import Settings
-        from tonearm.demo import ensure_demo_bundle
-
-        bundle = ensure_demo_bundle(Settings().home)
+    bundle = bundle_or_demo(args.bundle)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as scratch_dir:
         for repeat in range(args.repeats):

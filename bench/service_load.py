@@ -47,7 +47,7 @@ import httpx
 import numpy as np
 import soundfile as sf
 
-from benchlib import cpu_model, write_section
+from benchlib import bundle_or_demo, cpu_model, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = "reference"
@@ -358,13 +358,7 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true", help="print only; do not update docs/BENCHMARKS.md")
     args = parser.parse_args()
 
-    if args.bundle:
-        bundle = Path(args.bundle).resolve()
-    else:
-        from service.settings import Settings
-        from tonearm.demo import ensure_demo_bundle
-
-        bundle = ensure_demo_bundle(Settings().home)
+    bundle = bundle_or_demo(args.bundle)
     clients = [int(c) for c in args.clients.split(",")]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as scratch:

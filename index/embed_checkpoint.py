@@ -22,7 +22,8 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -153,6 +154,22 @@ class PassRate:
         rate = self.rate
         left = f"{(self.total - self.done) / rate / 60:.1f} min left" if rate > 0 else "? left"
         return f"{rate:.1f} clips/s, {left}"
+
+
+@contextmanager
+def resumable(out: Path) -> Iterator[None]:
+    """Around a pass that publishes ``out``: its chunks stay for a rerun when the pass is interrupted
+    (Ctrl-C, a killed job) or crashes, and go when it ends — published, or refused by one of its
+    checks (a :class:`~index.errors.TonearmError`: a parity or quantization limit, bad input), so that
+    a refused export leaves its output folder as it found it."""
+    from index.errors import TonearmError
+
+    try:
+        yield
+    except TonearmError:
+        discard(out)
+        raise
+    discard(out)
 
 
 def discard(out: Path) -> None:

@@ -39,7 +39,7 @@ import torch
 from index import bundle as fmt
 from index.audio import decode_audio
 from index.bundle_eval import evaluate_eval_set
-from index.embed_checkpoint import CHUNK_FILES, Advance, EmbedCheckpoint, discard
+from index.embed_checkpoint import CHUNK_FILES, Advance, EmbedCheckpoint, resumable
 from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, load_eval_waveform, read_eval_set, write_eval_set
 from index.faiss_index import build_index, parse_factory, save_index
@@ -395,7 +395,7 @@ def export_bundle(
                                   *([sorted(splits)] if splits else []), *(["fp16"] if precision == "fp16" else [])])
     bundle_id = make_bundle_id(run_name(checkpoint_dir), created=created, fingerprint=fingerprint)
     partial = partial_base(out_dir, run_name(checkpoint_dir), fingerprint)
-    with fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
+    with resumable(partial), fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
         sections = _build_contents(
             ckpt, records, held_out, staging, Path(scratch), split=split, index_factory=index_factory,
             quantize=quantize, progress=progress, source_manifest=manifest, ray=ray, providers=providers,
@@ -423,7 +423,6 @@ def export_bundle(
             **sections,
         )
         path = fmt.publish(staging, manifest_model)
-    discard(partial)
     return path
 
 

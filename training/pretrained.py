@@ -36,7 +36,7 @@ from index import bundle as fmt
 from index.audio import decode_audio, eval_chunks
 from index.audio_frontend import keeps_short_clips, pad_short_clip
 from index.bundle_eval import evaluate_eval_set
-from index.embed_checkpoint import CHUNK_FILES, Advance, EmbedCheckpoint, discard
+from index.embed_checkpoint import CHUNK_FILES, Advance, EmbedCheckpoint, resumable
 from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, write_eval_set
 from index.faiss_index import build_index, parse_factory, save_index
@@ -346,7 +346,7 @@ def export_pretrained_bundle(
     name = "pretrained-" + model_dir.resolve().name
     bundle_id = make_bundle_id(name, created=created, fingerprint=fingerprint)
     partial = partial_base(out_dir, name, fingerprint)
-    with fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
+    with resumable(partial), fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
         sections = _build(clap, records, held_out, staging, Path(scratch), split=split, languages=langs,
                           index_factory=index_factory, progress=progress, source_manifest=manifest,
                           quantize=quantize, providers=providers, ray=ray, partial=partial, chunk_files=chunk_files,
@@ -371,7 +371,6 @@ def export_pretrained_bundle(
             **sections,
         )
         path = fmt.publish(staging, body)
-    discard(partial)
     return path
 
 

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from training import distributed
-from training.config import ConfigError, DataConfig, FrontendConfig
+from training.config import ConfigError, DataConfig, FrontendConfig, short_clip_padding
 from training.objectives.distill import DistillConfig, parse_distill_config
 
 log = logging.getLogger(__name__)
@@ -298,6 +298,11 @@ def crop_covers_clips(records: Sequence[_Record], *, clip_seconds: float) -> boo
     return True
 
 
+NAN_TAIL_PADDINGS = ("frames", "reflect")
+"""Short-clip paddings whose training batches carry a NaN tail (AST's ``frames``, PE-Audio's ``reflect``:
+index/audio_frontend.py), read only by the towers that asked for them."""
+
+
 def _load_teacher(directory: Any, *, device: torch.device, frontend: FrontendConfig) -> Teacher:
     from training.checkpoint import load_checkpoint
 
@@ -307,6 +312,14 @@ def _load_teacher(directory: Any, *, device: torch.device, frontend: FrontendCon
         raise ConfigError(
             f"objective.distill.teachers: {directory} was trained at {teacher_rate} Hz, "
             f"the student at {frontend.sample_rate} Hz; teachers must share the student's sample rate"
+        )
+    student_pad, teacher_pad = short_clip_padding(frontend), short_clip_padding(checkpoint.config.frontend)
+    if student_pad in NAN_TAIL_PADDINGS and teacher_pad != student_pad:
+        # the student's batches mark a short clip's tail with NaN, which only its own kind of tower reads
+        raise ConfigError(
+            f"objective.distill.teachers: {directory} pads short clips with {teacher_pad!r}, the student with "
+            f"{student_pad!r}, whose batches mark a short clip's tail with NaN for its own tower; the teacher "
+            f"would embed NaN: use teachers of the student's audio tower kind"
         )
     model = checkpoint.model.to(device).eval()
     model.requires_grad_(False)

@@ -196,6 +196,20 @@ def test_teachers_must_share_the_student_sample_rate(tiny_checkpoint: Path) -> N
         )
 
 
+@pytest.mark.parametrize("padding", ["frames", "reflect"])
+def test_a_teacher_that_cannot_read_the_students_nan_tail_is_refused(tiny_checkpoint: Path, padding: str) -> None:
+    """An AST (``frames``) or PE-Audio (``reflect``) student's batches end short clips with NaN; the tiny
+    CNN teacher zero-pads and would embed NaN (found by reading Teachers._encode_audio, issue 41)."""
+    from training.config import DataConfig, FrontendConfig
+    from training.teachers import build_teachers
+
+    with pytest.raises(ConfigError, match="NaN"):
+        build_teachers(
+            {"teachers": [tiny_checkpoint]}, device="cpu", train_records=[], tokenizer=None,
+            frontend=FrontendConfig(short_clip_padding=padding), data=DataConfig(),
+        )
+
+
 def test_auto_cache_rule_is_whether_the_crop_covers_every_clip(tmp_path: Path) -> None:
     import soundfile as sf
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from index.bundle import read_manifest
 from index.errors import BundleError, BundleNotPublished, IndexBackendError
-from service.allocator import trim
+from service.allocator import freeze_long_lived, trim
 from service.cache import QueryCache
 from service.errors import ServiceError
 from service.gate import GateThresholds, GateVerdict, run_gate
@@ -523,6 +523,8 @@ class BundleRegistry:
         self.metrics.set_active_bundle(
             bundle_id=new.bundle_id, embed_dim=int(new.bundle.embed_dim), languages=list(new.bundle.languages)
         )
+        frozen = freeze_long_lived()  # before ready: the first requests must not pay the collection
+        log.debug("%d objects frozen out of the cyclic GC after the swap to %s", frozen, new.bundle_id)
         self.ready.set()
         trim()  # the gate's evaluation batches and a closed bundle were just freed
 

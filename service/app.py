@@ -33,7 +33,7 @@ from service.deps import AppState, Pool
 from service.encoder_queues import Batchers
 from service.errors import PROBLEM_MEDIA_TYPE, ServiceError, problem_body, slug_for_status
 from service.items import ItemStore, items_dir_of
-from service.metrics import LatencyMiddleware, ServiceMetrics
+from service.metrics import GcPauses, LatencyMiddleware, ServiceMetrics
 from service.openapi_contract import install_language_enums
 from service.pubsub import ActivationBus
 from service.routes import audio, bundles, demo, diagnostics, health, items, search
@@ -267,9 +267,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     if state.items is not None:
         state.items.start(state.registry.active_searcher)
     trimmer = PeriodicTrim.start(state.settings.malloc_trim_interval_s)
+    gc_pauses = GcPauses(state.metrics)
+    gc_pauses.install()
     try:
         yield
     finally:
+        gc_pauses.remove()
         if trimmer is not None:
             trimmer.stop()
         state.batchers.close()

@@ -523,8 +523,9 @@ class BundleRegistry:
         self.metrics.set_active_bundle(
             bundle_id=new.bundle_id, embed_dim=int(new.bundle.embed_dim), languages=list(new.bundle.languages)
         )
-        frozen = freeze_long_lived()  # before ready: the first requests must not pay the collection
-        log.debug("%d objects frozen out of the cyclic GC after the swap to %s", frozen, new.bundle_id)
+        if self.settings.gc_freeze:  # before ready: the first requests must not pay the collection
+            frozen = freeze_long_lived()
+            log.debug("%d objects frozen out of the cyclic GC after the swap to %s", frozen, new.bundle_id)
         self.ready.set()
         trim()  # the gate's evaluation batches and a closed bundle were just freed
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -9,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+GC_PAUSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 class ServiceMetrics:
@@ -40,6 +42,12 @@ class ServiceMetrics:
             "tonearm_activations", "Bundle activations by outcome", ["outcome"], registry=r,
         )
 
+        self.gc_pause = Histogram(
+            "tonearm_gc_pause_seconds",
+            "CPython cyclic garbage collections by generation (the GIL is held: every request waits)",
+            ["generation"], buckets=GC_PAUSE_BUCKETS, registry=r,
+        )
+
     def observe_request(self, *, route: str, method: str, status: int, seconds: float) -> None:
         self.latency.labels(route=route, method=method, status=str(status)).observe(seconds)
 
@@ -49,6 +57,31 @@ class ServiceMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class GcPauses:
+    """Times every cyclic garbage collection of the process into ``tonearm_gc_pause_seconds``
+    (``gc.callbacks``; a few microseconds per collection) while installed.
+
+    A collection runs in whichever thread triggered it, holding the GIL, so nothing else of the
+    process runs meanwhile: long ones are the service's tail latency (service/allocator.py)."""
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self._histogram = metrics.gc_pause
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self._histogram.labels(generation=str(info["generation"])).observe(time.perf_counter() - self._started)
+
+    def install(self) -> None:
+        gc.callbacks.append(self._callback)
+
+    def remove(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
 
 
 class LatencyMiddleware:

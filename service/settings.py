@@ -72,6 +72,10 @@ class Settings(BaseSettings):
     malloc_trim_interval_s: float = Field(default=60.0, ge=0.0)
     """Seconds between `malloc_trim(0)` calls that hand freed heap pages back to the kernel (0: only
     after bundle swaps); glibc alone returns only the top of a heap (docs/service.md, "Memory")."""
+    gc_freeze: bool = True
+    """After each bundle swap, move the objects alive then (the bundles' clip and caption rows) out of
+    CPython's cyclic garbage collector (`gc.freeze`): full collections stop walking millions of them
+    with the GIL held (~75 ms pauses once a second under load on the demo; docs/service.md, "Memory")."""
     faiss_threads: int = Field(default=1, ge=1, le=256)
     """OpenMP threads of FAISS searches; a micro-batch is one search, and the batch workers already
     run in parallel, so more threads only contend with the encoders on small machines."""

@@ -5,6 +5,7 @@ allocating at once and counts the heaps glibc's own ``malloc_info`` reports. ~1 
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -90,3 +91,38 @@ def test_the_periodic_trim_returns_freed_heap_pages_below_a_live_block():
     assert trims >= 1 and before - after > 150, (before, after)  # the 200 MB hole went back to the kernel
     before, after, trims = _trimmed(0)  # off: nothing started, the hole stays resident
     assert trims == -1 and before - after < 50, (before, after)
+
+
+# ---------------------------------------------------------------- the cyclic GC (service/allocator.py)
+
+
+def _tracked(obj: object) -> bool:
+    """Whether a collection would walk ``obj``: gc.get_objects() lists generations 0–2, not the
+    permanent generation that gc.freeze() fills."""
+    return any(o is obj for o in gc.get_objects())
+
+
+def test_a_swap_freezes_the_bundles_objects_out_of_collections_and_pauses_are_measured(fake_bundles):
+    from service.app import create_app
+    from tests.service.conftest import ADMIN, fake_opener, make_settings, running_client
+
+    gc.unfreeze()
+    try:
+        app = create_app(make_settings(bundles_dir=fake_bundles, bundle="fake-a", gc_freeze=False), opener=fake_opener)
+        with running_client(app):
+            rows = app.state.tonearm.registry.active_searcher().bundle.audio_items
+            assert gc.get_freeze_count() == 0 and _tracked(rows)
+        app = create_app(make_settings(bundles_dir=fake_bundles, bundle="fake-a"), opener=fake_opener)
+        with running_client(app) as client:
+            rows = app.state.tonearm.registry.active_searcher().bundle.audio_items
+            assert gc.get_freeze_count() > 0 and not _tracked(rows)  # loaded before the swap: frozen
+            answer = client.post("/v1/bundles/activate", headers=ADMIN, json={"bundle_id": "fake-b", "force": True})
+            assert answer.status_code == 200, answer.text
+            new_rows = app.state.tonearm.registry.active_searcher().bundle.audio_items
+            assert new_rows is not rows and not _tracked(new_rows)  # every swap freezes what it brought
+            gc.collect()
+            metrics = client.get("/metrics").text
+        pauses = [line for line in metrics.splitlines() if line.startswith('tonearm_gc_pause_seconds_count{generation="2"}')]
+        assert pauses and float(pauses[0].split()[-1]) >= 1, metrics[:2000]
+    finally:
+        gc.unfreeze()

@@ -132,6 +132,25 @@ def add_results(rows: list[dict[str, Any]]) -> None:
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
 
+QUIET = {"below": None}  # `serve --quiet-below LOAD`: wait for the 1-min load average to fall under LOAD before each row
+
+
+def before_row() -> dict[str, float]:
+    """Wait (≤ 5 min) until the machine is quiet, when asked to; the row records the load it started at
+    and, via :func:`client_cpu`, the load generator's own CPU."""
+    below = QUIET["below"]
+    deadline = time.monotonic() + 300
+    while below is not None and os.getloadavg()[0] >= below and time.monotonic() < deadline:
+        time.sleep(2)
+    return {"load_before": round(os.getloadavg()[0], 2), "_cpu0": time.process_time(), "_t0": time.perf_counter()}
+
+
+def client_cpu(mark: dict[str, float]) -> dict[str, float]:
+    """The row's start load and the cores the load generator (this process) used while it ran."""
+    cores = (time.process_time() - mark["_cpu0"]) / max(time.perf_counter() - mark["_t0"], 1e-9)
+    return {"load_before": mark["load_before"], "client_cores": round(cores, 2)}
+
+
 def rss_mib(pid: int) -> float:
     """Resident memory of a process (VmRSS), MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -440,9 +459,10 @@ def serve_tonearm(bundle: Path, *, preset: str, label: str, env: dict[str, str],
             print(rows[-1], flush=True)
             for kind in kinds:
                 for c in clients:
+                    mark = before_row()
                     result = asyncio.run(measure(server.url, server=label, target=preset, kind=kind, clients=c,
                                                  seconds=seconds, clip=clip))
-                    rows.append(_row(preset, label, kind, c, _result_stats(result),
+                    rows.append(_row(preset, label, kind, c, _result_stats(result), **client_cpu(mark),
                                      **({"tokens": tokens} if kind.startswith("text") else {})))
                     print(rows[-1], f"load {os.getloadavg()[0]:.1f}", flush=True)
             rows[0]["rss_after_mib"] = rss_mib(server.process.pid)
@@ -454,6 +474,7 @@ def serve_tonearm(bundle: Path, *, preset: str, label: str, env: dict[str, str],
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """tonearm, the reference server and Infinity on the same bundle / model folder, same clients."""
+    QUIET["below"] = args.quiet_below
     work = work_dir(args)
     bundle = bundle_of(work, args.preset)
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -512,8 +533,9 @@ def serve_infinity(server: str, preset: str, work: Path, kinds: list[str], clien
                 print(startup, flush=True)
                 for kind in wanted:
                     for c in clients:
+                        mark = before_row()
                         stats = asyncio.run(measure_infinity(infinity, kind=kind, clients=c, seconds=seconds, clip=clip))
-                        rows.append(_row(preset, server, kind, c, stats, model=folder,
+                        rows.append(_row(preset, server, kind, c, stats, model=folder, **client_cpu(mark),
                                          **({"tokens": tokens} if kind.startswith("text") else {})))
                         print(rows[-1], f"load {os.getloadavg()[0]:.1f}", flush=True)
                 startup["rss_after_mib"] = rss_mib(infinity.process.pid)
@@ -586,9 +608,14 @@ def like_for_like(results: list[dict]) -> str:
         tokens = "/".join(_fmt(serve.get((s, clients[-1]), {}).get("tokens", "?")) for s in (ours, theirs))
         lines.append(f"| {ours} ÷ {theirs} | {what} | {tokens} | " + " | ".join(cells) + " |\n")
     first = rows[0]
+    measured = [r for r in serve.values() if "load_before" in r]
+    quiet = (f" 1-min load average before each row {min(r['load_before'] for r in measured):.2f}–"
+             f"{max(r['load_before'] for r in measured):.2f}; the load generator (same two cores) used "
+             f"{min(r['client_cores'] for r in measured):.2f}–{max(r['client_cores'] for r in measured):.2f} "
+             f"of a core during a row, the same clients for both servers." if measured else "")
     return (f"\n### Like for like: cold text, tonearm ÷ Infinity at equal tokens and precision (CLAP-size)\n\n"
             f"`{first['command']}` ({first['date']}, {first['cpu']}; same queries for both servers: "
-            f"bench/service_load.py `text_query`). Cells: tonearm req/s / Infinity req/s = ratio; tokens: mean "
+            f"bench/service_load.py `text_query`).{quiet} Cells: tonearm req/s / Infinity req/s = ratio; tokens: mean "
             f"tokens per query as each server encodes it (tonearm / Infinity).\n\n"
             "| tonearm ÷ peer | what | tokens | " + " | ".join(f"{c} client{'s' * (c > 1)}" for c in clients)
             + " |\n|---|---|---|" + "---:|" * len(clients) + "\n" + "".join(lines))
@@ -703,6 +730,8 @@ def main() -> int:
     serve.add_argument("--kinds", default="text-cold,audio")
     serve.add_argument("--clients", default="1,8,16")
     serve.add_argument("--seconds", type=float, default=8.0)
+    serve.add_argument("--quiet-below", type=float, default=None, metavar="LOAD",
+                       help="before each row, wait (at most 5 min) for the 1-min load average to fall below LOAD")
     tail = sub.add_parser("tail")
     tail.add_argument("--seconds", type=float, default=10.0)
     tail.add_argument("--repeats", type=int, default=2)

@@ -13,13 +13,16 @@ language (``manifest.text_index.language_ranges``), so a language filter is an
 Metadata-filtered search (:mod:`index.filters` makes the mask): ``allowed`` is a boolean mask over
 the rows. When few rows pass (at most :data:`PREFILTER_FRACTION` of them, or at most
 :data:`PREFILTER_ROWS`) the search runs with an ``IDSelectorBitmap`` (IVF: over every list, so
-the rows that pass are all scanned); otherwise it over-fetches ``k / fraction`` hits (× 2) and
+the rows that pass are all scanned — or, on an IVF index with at most :data:`EXACT_SUBSET_ROWS`
+passing rows, their vectors are read back by id and ranked exactly: a scan of every list costs
+~40 ms at 1 M rows on disk, reading back a few hundred rows well under 1 ms); otherwise it over-fetches ``k / fraction`` hits (× 2) and
 drops the rows that fail, doubling until ``k`` pass or the whole index was fetched. Either way a
 ``Flat`` index returns exactly the brute-force top-k over the passing rows.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +41,11 @@ PREFILTER_FRACTION = 0.05
 PREFILTER_ROWS = 2048
 """…and so do filters passing at most this many rows, whatever their share."""
 OVERFETCH = 2.0
+EXACT_SUBSET_ROWS = 1024
+"""An IVF pre-filter passing at most this many rows reads their vectors back (``reconstruct_batch``
+through the direct map) and ranks them exactly instead of scanning every list. Measured on an
+on-disk IVF512,SQfp16 of 200 k rows (AMD EPYC): 181 rows 0.15 ms against 5.7 ms for the scan, but
+2,001 rows 16 ms (rows spread over every list: a read-back each) — hence the bound."""
 
 
 class VectorIndex(Protocol):
@@ -65,6 +73,9 @@ class FaissVectorIndex:
         self.params = params
         self.ntotal = int(index.ntotal)
         self._selectors = {lang: faiss.IDSelectorRange(lo, hi) for lang, (lo, hi) in (ranges or {}).items()}
+        self._ivf = faiss.try_extract_index_ivf(index)
+        self._direct_map_lock = threading.Lock()
+        self._direct_map_ready = False
 
     def search(
         self,
@@ -102,6 +113,8 @@ class FaissVectorIndex:
                                 k, allowed, ntotal=self.ntotal)
 
     def _prefiltered(self, queries: np.ndarray, k: int, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self._ivf is not None and np.count_nonzero(allowed) <= EXACT_SUBSET_ROWS:
+            return exact_subset_search(_ReadBack(self), queries, k, allowed)
         bitmap = np.packbits(allowed, bitorder="little")
         selector = _faiss.IDSelectorBitmap(bitmap)  # the wrapper takes the array and keeps it alive
         params = dict(self.params)
@@ -112,9 +125,29 @@ class FaissVectorIndex:
     def vectors(self) -> np.ndarray:
         return all_vectors(self.index)
 
+    def read_back(self, rows: np.ndarray) -> np.ndarray:
+        """The stored (for SQ: decoded) vectors of ``rows``; an IVF index gets its direct map (8 bytes a
+        row) on the first call. Searches never read the direct map, so building it beside them is safe."""
+        if self._ivf is not None and not self._direct_map_ready:
+            with self._direct_map_lock:  # the flag, not direct_map.type, which FAISS sets before filling it
+                if not self._ivf.direct_map.type:
+                    self._ivf.make_direct_map()
+                self._direct_map_ready = True
+        return np.asarray(self.index.reconstruct_batch(np.ascontiguousarray(rows, dtype=np.int64)), dtype=np.float32)
+
+
+class _ReadBack:
+    """``vectors[rows]`` for :func:`exact_subset_search`, read from the index by id."""
+
+    def __init__(self, index: FaissVectorIndex) -> None:
+        self._index = index
+
+    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
+        return self._index.read_back(rows)
+
 
 def exact_subset_search(
-    vectors: np.ndarray, queries: np.ndarray, k: int, allowed: np.ndarray
+    vectors: np.ndarray | _ReadBack, queries: np.ndarray, k: int, allowed: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Exact top-``k`` by inner product over the rows ``allowed`` passes (numpy; for few rows)."""
     rows = np.flatnonzero(allowed)

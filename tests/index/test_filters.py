@@ -18,7 +18,7 @@ from index.filters import (
     MetadataTable,
     parse_filter,
 )
-from index.vector_index import PREFILTER_ROWS, FaissVectorIndex
+from index.vector_index import EXACT_SUBSET_ROWS, PREFILTER_ROWS, FaissVectorIndex
 
 N, D = 6000, 16
 LICENSES = ["cc0", "by", "by-nc"]
@@ -213,3 +213,48 @@ def test_the_deepest_allowed_filter_and_the_largest_list_are_accepted():
     big = {"id": {"in": [f"c{i:05d}" for i in range(MAX_VALUES)]}}
     assert table.mask(parse_filter(big)).all()
     assert parse_filter({}).matches_all and table.mask(parse_filter({})).all()
+
+
+@pytest.mark.parametrize("passing", [1, 300, EXACT_SUBSET_ROWS, EXACT_SUBSET_ROWS + 200])
+def test_ivf_prefilter_finds_every_passing_row_whether_read_back_or_scanned(passing):
+    """At most EXACT_SUBSET_ROWS passing rows are read back by id and ranked exactly, more are found
+    by a scan of every list; with nprobe 1 either must reach rows far from the query's own list."""
+    rng = np.random.default_rng(2)
+    n = 20_000
+    vectors = rng.standard_normal((n, D)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    quantizer = faiss.IndexFlatIP(D)
+    ivf = faiss.IndexIVFFlat(quantizer, D, 64, faiss.METRIC_INNER_PRODUCT)
+    ivf.train(vectors)
+    ivf.add(vectors)
+    index = FaissVectorIndex(ivf, {"nprobe": 1})
+    allowed = np.zeros(n, bool)
+    allowed[rng.choice(n, passing, replace=False)] = True
+    assert passing <= PREFILTER_ROWS  # the pre-filter, not the over-fetch
+    queries = vectors[rng.choice(n, 5, replace=False)]
+    for k in (1, 10):
+        scores, rows = index.search(queries, k, allowed=allowed)
+        _assert_same_top_k(scores, rows, _brute_force(vectors, queries, allowed, k), k)
+    assert bool(ivf.direct_map.type) == (passing <= EXACT_SUBSET_ROWS)  # read back through the direct map
+
+
+def test_an_on_disk_ivf_reads_few_passing_rows_back_from_its_lists(tmp_path):
+    from index.faiss_index import load_index, parse_factory
+    from index.faiss_ondisk import build_sharded
+
+    rng = np.random.default_rng(3)
+    n = 4_000
+    vectors = rng.standard_normal((n, D)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    built = build_sharded(vectors, tmp_path / "audio.faiss", "IVF16,SQfp16", work=tmp_path / "shards", shard_rows=1_500)
+    assert built.built is not None and (tmp_path / "audio.ivfdata").exists()
+    loaded = load_index(tmp_path / "audio.faiss", spec=parse_factory("IVF16,SQfp16", D),
+                        search_params={"nprobe": 1}, mmap_threshold_bytes=0)
+    allowed = np.zeros(n, bool)
+    allowed[rng.choice(n, 40, replace=False)] = True
+    queries = vectors[rng.choice(n, 5, replace=False)]
+    scores, rows = FaissVectorIndex(loaded, {"nprobe": 1}).search(queries, 10, allowed=allowed)
+    reference = _brute_force(vectors, queries, allowed, 10)  # the original vectors; fp16 codes are within 1e-3
+    for i, ref in enumerate(reference):
+        assert rows[i].tolist() == [r for _, r in ref]
+        np.testing.assert_allclose(scores[i], [s for s, _ in ref], atol=2e-3)

@@ -6,6 +6,7 @@ part's tests (training, export, service). Treat them as read-only.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -135,3 +136,13 @@ def demo_home() -> Path:
     stall = float(os.environ.get("TONEARM_DEMO_STALL_SECONDS", DEFAULT_STALL_SECONDS))
     wait_for_demo_bundle(home, stall_seconds=stall)
     return home
+
+
+@pytest.fixture(autouse=True)
+def _thaw_the_gc_after_each_test():
+    """A service app created in this process freezes every object alive at its bundle swap out of the
+    cyclic GC (service/allocator.py: right for a service, whose objects then live until the next swap).
+    In the test process that would include earlier fixtures' GB-size models, whose cycles would then
+    outlive their fixtures; ``gc.unfreeze`` (O(1): one list splice) after each test undoes it."""
+    yield
+    gc.unfreeze()

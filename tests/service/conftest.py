@@ -127,7 +127,11 @@ def make_settings(**overrides) -> Settings:
     """Development settings for tests. The gate's minimum set size is 1 here: fake and tiny bundles
     hold 5–8 held-out clips; tests of the minimum (tests/service/test_gate_real.py) set it."""
     values = {"environment": "development", "admin_token": "test-admin-token-123456", "search_threads": 2,
-              "gate_min_clips": 1}
+              "gate_min_clips": 1,
+              # the test process is not a service: each swap's full collection walks pytest's whole heap
+              # (~0.1-0.3 s, hundreds of app starts); tests/service/test_allocator.py turns it on, and
+              # the services tests start as processes (uvicorn, bench) keep the default
+              "gc_freeze": False}
     values.update(overrides)
     return Settings(**values)
 

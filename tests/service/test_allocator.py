@@ -112,7 +112,7 @@ def test_a_swap_freezes_the_bundles_objects_out_of_collections_and_pauses_are_me
         with running_client(app):
             rows = app.state.tonearm.registry.active_searcher().bundle.audio_items
             assert gc.get_freeze_count() == 0 and _tracked(rows)
-        app = create_app(make_settings(bundles_dir=fake_bundles, bundle="fake-a"), opener=fake_opener)
+        app = create_app(make_settings(bundles_dir=fake_bundles, bundle="fake-a", gc_freeze=True), opener=fake_opener)
         with running_client(app) as client:
             rows = app.state.tonearm.registry.active_searcher().bundle.audio_items
             assert gc.get_freeze_count() > 0 and not _tracked(rows)  # loaded before the swap: frozen

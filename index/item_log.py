@@ -483,6 +483,25 @@ class ItemLog:
         return iter(list(self.state.items.values()))
 
 
+def cli_compact(args: Any) -> int:
+    """`tonearm items compact`: compacts the log of ``--items-dir`` (or ``--bundles-dir``/.items) and says what went."""
+    from rich.console import Console
+
+    items_dir = Path(args.items_dir) if args.items_dir else Path(args.bundles_dir) / ".items"
+    if not (items_dir / LOG_NAME).is_file():
+        raise ItemError(f"{items_dir}: no item log ({LOG_NAME}) here")
+    done = ItemLog(items_dir).compact()
+    console = Console()
+    if not done.compacted:
+        console.print(f"nothing to drop: {done.records_before} records, each one a live item or a delete", highlight=False)
+        return 0
+    console.print(f"{items_dir / LOG_NAME}: {done.records_before} records → {done.records_after} "
+                  f"({done.bytes_before:,} → {done.bytes_after:,} bytes); {done.audio_removed} stored audio files "
+                  f"removed ({done.audio_bytes_removed:,} bytes); replicas replay the new file at their next poll",
+                  highlight=False, soft_wrap=True)
+    return 0
+
+
 def _ident(stat: os.stat_result) -> tuple[int, int]:
     return stat.st_dev, stat.st_ino
 

@@ -285,3 +285,17 @@ def test_acknowledged_records_survive_kill_9_of_a_compaction_mid_way(tmp_path):
     print(f"{killed_mid_write} of 3 compactions were killed before their rename (a temporary file was left)")
     done = ItemLog(tmp_path).compact()  # what a killed compaction left is not in the way
     assert not list(tmp_path.glob(".compact-*")) and done.records_after >= 4000
+
+
+def test_tonearm_items_compact(tmp_path, capsys):
+    from tonearm.cli import main
+
+    log = ItemLog(tmp_path / ".items")
+    log.put("a", b"first", audio_format="wav")
+    log.put("a", b"second", audio_format="wav")
+    assert main(["items", "compact", "--bundles-dir", str(tmp_path)]) == 0
+    assert "2 records → 1" in capsys.readouterr().out
+    assert len((tmp_path / ".items" / LOG_NAME).read_text().splitlines()) == 2  # the header and a's put
+    assert main(["items", "compact", "--items-dir", str(tmp_path / ".items")]) == 0
+    assert "nothing to drop" in capsys.readouterr().out
+    assert main(["items", "compact", "--items-dir", str(tmp_path / "none")]) == 2

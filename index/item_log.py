@@ -456,7 +456,10 @@ class ItemLog:
         now = time.time()
         with os.scandir(self.root / AUDIO_DIR) as entries:
             for entry in entries:
-                info = entry.stat(follow_symlinks=False)
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:  # a writer's upload renamed into place meanwhile (outside the lock)
+                    continue
                 unreferenced = STORED_AUDIO.fullmatch(entry.name) is not None and entry.name not in referenced
                 stale_upload = entry.name.startswith(".tmp-") and now - info.st_mtime > STALE_UPLOAD_S
                 if unreferenced or stale_upload:

@@ -229,6 +229,21 @@ def _preload(root: Path, n: int) -> None:
         handle.write("\n".join(lines) + "\n")
 
 
+def _kill_when(compactor: subprocess.Popen, trigger: str, root: Path) -> None:
+    """SIGKILL the compactor as it writes its new file (a ``.compact-`` file appears), just after its
+    rename (the log is another file: removing audio), or wherever it is (``anywhere``)."""
+    import time
+
+    deadline = time.monotonic() + 20
+    inode = os.stat(root / LOG_NAME).st_ino
+    while trigger != "anywhere" and time.monotonic() < deadline:
+        if trigger == "writing" and any(name.startswith(".compact-") for name in os.listdir(root)):
+            break
+        if trigger == "renamed" and os.stat(root / LOG_NAME).st_ino != inode:
+            break
+    os.kill(compactor.pid, signal.SIGKILL)
+
+
 def test_acknowledged_records_survive_kill_9_of_a_compaction_mid_way(tmp_path):
     import random
     import threading
@@ -240,7 +255,7 @@ def test_acknowledged_records_survive_kill_9_of_a_compaction_mid_way(tmp_path):
     doing: list[tuple[str, str, str]] = []
     rounds = random.Random(7)
     killed_mid_write = 0
-    for _ in range(3):
+    for trigger in ("writing", "renamed", "anywhere"):
         writer = subprocess.Popen([sys.executable, "-c", COMPACT_WRITER, str(tmp_path)], stdout=subprocess.PIPE,
                                   env=env, text=True)
         compactor = subprocess.Popen([sys.executable, "-c", COMPACTOR, str(tmp_path)], stdout=subprocess.PIPE,
@@ -263,8 +278,8 @@ def test_acknowledged_records_survive_kill_9_of_a_compaction_mid_way(tmp_path):
         assert compactor.stdout is not None and compactor.stdout.readline().strip() == "started"
         drainer = threading.Thread(target=drain, daemon=True)
         drainer.start()
-        time.sleep(0.3 + rounds.random() * 0.5)
-        os.kill(compactor.pid, signal.SIGKILL)  # wherever it is: writing, renaming, removing audio
+        time.sleep(0.3 + rounds.random() * 0.3)  # the writer is appending, upserting and deleting meanwhile
+        _kill_when(compactor, trigger, tmp_path)
         time.sleep(0.2)  # the writer goes on once the kernel has dropped the dead compactor's lock
         os.kill(writer.pid, signal.SIGKILL)
         for proc in (writer, compactor):
@@ -292,7 +307,7 @@ def test_acknowledged_records_survive_kill_9_of_a_compaction_mid_way(tmp_path):
         acked.clear()
         doing.clear()
         killed_mid_write += bool(list(tmp_path.glob(".compact-*")))
-    print(f"{killed_mid_write} of 3 compactions were killed before their rename (a temporary file was left)")
+    print(f"{killed_mid_write} of 3 compactors were killed before their rename (a temporary file was left)")
     done = ItemLog(tmp_path).compact()  # what a killed compaction left is not in the way
     assert not list(tmp_path.glob(".compact-*")) and done.records_after >= 4000
 

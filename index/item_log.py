@@ -15,8 +15,20 @@ next writer cuts it off before appending.
 Replicas read the same file: :meth:`ItemLog.follow` reads the records appended since its last call
 (a ``stat`` when nothing changed), so every process that follows the log reaches the same
 :class:`ItemState` (the latest record of an id wins; a delete of an id that is a bundle clip is a
-takedown). ``flock`` serializes appends between processes of one host and on file systems that
-support it across hosts (local disks, most CSI volumes; not every NFS setup).
+takedown). ``flock`` on ``items.lock`` serializes appends and compactions between processes of one
+host and on file systems that support it across hosts (local disks, most CSI volumes; not every NFS
+setup).
+
+Compaction (:meth:`ItemLog.compact`) rewrites the log as one record per live item and one delete
+per deleted id, and removes the stored audio no live item refers to. Under the lock it writes the
+new file beside the log, fsyncs it, renames it over ``items.jsonl`` (atomic) and fsyncs the
+directory — only then does it remove audio. A ``kill -9`` at any point leaves either the old log or
+the new one, and both hold every acknowledged record's effect. The new file starts with a header
+line ``{"op": "compacted", "generation", "base"}``: a *generation* is one file's life, and versions
+(:attr:`ItemLog.version`, the number of records a state reflects) continue from ``base`` (the old
+version + 1), so a version is never reused with another meaning. A reader keeps its file open, so
+the inode it reads cannot be reused: mid-read it finishes the old (complete, unchanged) file, and its
+next :meth:`follow` sees that the path names another file and replays the new one from its start.
 
 This module is the storage; :mod:`index.overlay` makes the searchable side index of a bundle from
 its state, and ``service/items.py`` wires both into the routes.
@@ -30,8 +42,12 @@ import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
 import threading
+import time
+import uuid
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -43,6 +59,12 @@ from index.filters import MAX_FIELD_CHARS, MAX_STRING_CHARS, MAX_VALUES
 
 LOG_NAME = "items.jsonl"
 AUDIO_DIR = "audio"
+LOCK_NAME = "items.lock"
+"""Taken (``flock``, exclusive) by every append and compaction: a file that is never replaced, so a
+writer that waited for it opens the log that is current when it gets it."""
+COMPACT_PREFIX = ".compact-"
+STALE_UPLOAD_S = 3600.0
+"""A ``.tmp-`` upload in ``audio/`` older than this is a crashed writer's (compaction removes it)."""
 MAX_ID_CHARS = 256
 MAX_METADATA_FIELDS = 64
 ID_PATTERN = re.compile(r"^[^\x00-\x1f\x7f]{1,256}$")
@@ -133,15 +155,64 @@ class ItemState:
     items: dict[str, ItemRecord] = field(default_factory=dict)
     deleted: set[str] = field(default_factory=set)
     records: int = 0
+    """Records applied from the current log file (a compacted file counts its own records only)."""
+    delete_records: dict[str, ItemRecord] = field(default_factory=dict, compare=False, repr=False)
+    """The latest delete record of each id in ``deleted`` (what a compaction keeps)."""
 
     def apply(self, record: ItemRecord) -> None:
         self.records += 1
         if record.op == "put":
             self.items[record.id] = record
             self.deleted.discard(record.id)
+            self.delete_records.pop(record.id, None)
         elif record.op == "delete":
             self.items.pop(record.id, None)
             self.deleted.add(record.id)
+            self.delete_records[record.id] = record
+
+    @property
+    def garbage(self) -> int:
+        """Records a compaction would drop: puts replaced or deleted since, deletes repeated."""
+        return self.records - len(self.items) - len(self.deleted)
+
+
+@dataclass(frozen=True)
+class LogHistory:
+    """The records of one log file (a generation) in order, as of one :meth:`ItemLog.history` call:
+    ``records[:length]`` of a list that only grows (taking one is O(1), whatever the log's size).
+    Record ``i`` brings the log to version ``base + i + 1``."""
+
+    generation: str
+    base: int
+    records: Sequence[ItemRecord]
+    length: int
+
+    @property
+    def version(self) -> int:
+        return self.base + self.length
+
+    def since(self, version: int) -> list[ItemRecord] | None:
+        """The records after ``version`` (None: ``version`` is not of this generation)."""
+        if not self.base <= version <= self.version:
+            return None
+        return list(self.records[version - self.base : self.length])
+
+    def all(self) -> list[ItemRecord]:
+        return list(self.records[: self.length])
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """What :meth:`ItemLog.compact` did (``compacted`` False: nothing to drop, the log is unchanged)."""
+
+    compacted: bool
+    records_before: int
+    records_after: int
+    bytes_before: int
+    bytes_after: int
+    audio_removed: int
+    audio_bytes_removed: int
+    version: int
 
 
 def _fsync_dir(path: Path) -> None:
@@ -161,9 +232,49 @@ class ItemLog:
         (self.root / AUDIO_DIR).mkdir(exist_ok=True)
         self.path = self.root / LOG_NAME
         self.path.touch(exist_ok=True)
+        self.lock_path = self.root / LOCK_NAME
+        self.lock_path.touch(exist_ok=True)
         self.state = ItemState()
+        self.generation = ""
+        """The current file's id (its header's; "" for a file that was never compacted)."""
+        self.base = 0
+        self._records: list[ItemRecord] = []
         self._offset = 0
-        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._ident: tuple[int, int] | None = None
+        self._closer: weakref.finalize | None = None
+        self._lock = threading.Lock()  # the reading side: state, offset, open file
+        self._write_lock = threading.Lock()  # appends and compactions of this process (then flock)
+
+    @property
+    def version(self) -> int:
+        """Records the state reflects, counted across compactions (a cache key of the overlays)."""
+        return self.base + len(self._records)
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """This process's write lock, then the lock file's ``flock`` (other processes)."""
+        with self._write_lock, open(self.lock_path, "rb") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    def _store_audio(self, name: str, audio: bytes) -> None:
+        target = self.root / AUDIO_DIR / name
+        fd, tmp = tempfile.mkstemp(dir=self.root / AUDIO_DIR, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(audio)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(self.root / AUDIO_DIR)
 
     # ------------------------------------------------------------------ writing
 
@@ -184,34 +295,31 @@ class ItemLog:
         caps = {check_text(str(lang), "captions"): [check_text(str(t), f"captions[{lang!r}]") for t in texts]
                 for lang, texts in (captions or {}).items()}
         name = f"{hashlib.sha256(audio).hexdigest()}.{audio_format}"
-        target = self.root / AUDIO_DIR / name
-        if not target.exists():
-            fd, tmp = tempfile.mkstemp(dir=self.root / AUDIO_DIR, prefix=".tmp-")
-            try:
-                with os.fdopen(fd, "wb") as handle:
-                    handle.write(audio)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                os.replace(tmp, target)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-                raise
-            _fsync_dir(self.root / AUDIO_DIR)
+        if not (self.root / AUDIO_DIR / name).exists():
+            self._store_audio(name, audio)  # outside the lock: writers of several replicas upload at once
         record = ItemRecord("put", item_id, _now(), name, meta, caps)
-        self._append(record)
+        self._append(record, audio)
         return record
 
     def delete(self, item_id: str) -> ItemRecord:
-        """Append a delete record (durable when this returns); the stored audio stays for other ids."""
+        """Append a delete record (durable when this returns); the stored audio stays until a
+        compaction finds no live item that refers to it."""
         record = ItemRecord("delete", check_item_id(item_id), _now())
         self._append(record)
         return record
 
-    def _append(self, record: ItemRecord) -> None:
+    def _append(self, record: ItemRecord, audio: bytes | None = None) -> None:
         data = (record.to_json() + "\n").encode("utf-8")
-        with self._lock, open(self.path, "r+b") as handle:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        with self._exclusive():
+            if record.audio is not None and audio is not None and not (self.root / AUDIO_DIR / record.audio).exists():
+                self._store_audio(record.audio, audio)  # a compaction removed it since (another id's, deleted)
+            self._append_locked(data)
+        self.follow()
+
+    def _append_locked(self, data: bytes) -> None:
+        # opened under the lock: the current file, never one a compaction has replaced
+        with open(self.path, "r+b") as handle:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)  # what writers before items.lock took
             try:
                 size = handle.seek(0, os.SEEK_END)
                 if size:
@@ -226,7 +334,6 @@ class ItemLog:
                 os.fsync(handle.fileno())
             finally:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-        self.follow()
 
     @staticmethod
     def _last_newline(handle: Any, size: int) -> int:
@@ -245,26 +352,123 @@ class ItemLog:
     # ------------------------------------------------------------------ reading
 
     def follow(self) -> list[ItemRecord]:
-        """Apply the complete records appended since the last call (by any process); return them."""
+        """Apply the complete records appended since the last call (by any process); return them.
+        After a compaction (the path names another file) the state is replayed from the new file,
+        and what it returns is all of that file's records."""
         with self._lock:
-            if self.path.stat().st_size <= self._offset:
+            ident = _ident(os.stat(self.path))
+            if ident != self._ident:
+                self._open_current()
+            assert self._fd is not None
+            size = os.fstat(self._fd).st_size
+            if size <= self._offset:
                 return []
-            with open(self.path, "rb") as handle:
-                handle.seek(self._offset)
-                data = handle.read()
+            data = os.pread(self._fd, size - self._offset, self._offset)
             end = data.rfind(b"\n") + 1  # a torn last line waits (or is cut by the next writer)
             # split on b"\n" only: str.splitlines() also breaks at U+2028, U+0085, \x1c… inside strings
-            new = [ItemRecord.from_json(line.decode("utf-8")) for line in data[:end].split(b"\n") if line]
+            lines = [line for line in data[:end].split(b"\n") if line]
+            if self._offset == 0 and lines:
+                first = json.loads(lines[0].decode("utf-8"))
+                if first.get("op") == "compacted":  # a compacted file's header, not a record
+                    self.generation, self.base = str(first["generation"]), int(first["base"])
+                    lines.pop(0)
+            new = [ItemRecord.from_json(line.decode("utf-8")) for line in lines]
             self._offset += end
             for record in new:
                 self.state.apply(record)
+            self._records.extend(new)
             return new
+
+    def _open_current(self) -> None:
+        """(Re)open the file the path names now and start its state from nothing."""
+        fd = os.open(self.path, os.O_RDONLY)
+        if self._closer is not None:
+            self._closer()  # closes the previous file
+        self._fd, self._ident = fd, _ident(os.fstat(fd))
+        self._closer = weakref.finalize(self, os.close, fd)
+        self.state, self._records, self._offset = ItemState(), [], 0
+        self.generation, self.base = "", 0
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closer is not None:
+                self._closer()
+            self._fd, self._ident, self._closer = None, None, None
+
+    def history(self) -> LogHistory:
+        """The current file's records after :meth:`follow` (O(1): a view of a list that only grows)."""
+        self.follow()
+        with self._lock:
+            return LogHistory(self.generation, self.base, self._records, len(self._records))
 
     def snapshot(self) -> ItemState:
         """A copy of the state after :meth:`follow` (safe to read while other threads append)."""
         self.follow()
         with self._lock:
-            return ItemState(dict(self.state.items), set(self.state.deleted), self.state.records)
+            return ItemState(dict(self.state.items), set(self.state.deleted), self.state.records,
+                             dict(self.state.delete_records))
+
+    # ------------------------------------------------------------------ compaction
+
+    def compact(self, *, min_garbage: int = 1) -> Compaction:
+        """Rewrite the log as its live items and deletes and remove audio no live item refers to, when
+        at least ``min_garbage`` records would be dropped (module docstring: order and durability)."""
+        with self._exclusive():
+            self.follow()  # under the lock: every record any process acknowledged is read
+            with self._lock:
+                state = self.state
+                version = self.version
+                before = os.fstat(self._fd).st_size if self._fd is not None else 0
+                records_before = len(self._records)
+                if state.garbage < max(min_garbage, 1):
+                    return Compaction(False, records_before, records_before, before, before, 0, 0, version)
+                kept = [state.delete_records[i] for i in sorted(state.deleted)] + list(state.items.values())
+                referenced = {r.audio for r in state.items.values()}
+            for stale in self.root.glob(COMPACT_PREFIX + "*"):  # a compaction killed before its rename
+                with contextlib.suppress(FileNotFoundError):
+                    stale.unlink()
+            header = {"base": version + 1, "generation": uuid.uuid4().hex, "op": "compacted", "at": _now(),
+                      "records_before": records_before}
+            body = "".join([json.dumps(header, separators=(",", ":")) + "\n", *(r.to_json() + "\n" for r in kept)])
+            data = body.encode("utf-8")
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=COMPACT_PREFIX)
+            try:
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.chmod(tmp, stat.S_IMODE(os.stat(self.path).st_mode))  # mkstemp's 0600: other replicas read it
+                os.replace(tmp, self.path)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
+            _fsync_dir(self.root)  # the new log is the durable one before any audio goes
+            removed, removed_bytes = self._remove_unreferenced_audio(referenced)
+        self.follow()
+        return Compaction(True, records_before, len(kept), before, len(data), removed, removed_bytes,
+                          version + 1 + len(kept))
+
+    def _remove_unreferenced_audio(self, referenced: set[str | None]) -> tuple[int, int]:
+        """Under the lock: writers store an upload before they take it, and check it is still
+        there once they hold it (:meth:`_append`), so no acknowledged record loses its audio."""
+        removed = removed_bytes = 0
+        now = time.time()
+        with os.scandir(self.root / AUDIO_DIR) as entries:
+            for entry in entries:
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:  # a writer's upload renamed into place meanwhile (outside the lock)
+                    continue
+                unreferenced = STORED_AUDIO.fullmatch(entry.name) is not None and entry.name not in referenced
+                stale_upload = entry.name.startswith(".tmp-") and now - info.st_mtime > STALE_UPLOAD_S
+                if unreferenced or stale_upload:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+                        removed += int(unreferenced)
+                        removed_bytes += info.st_size if unreferenced else 0
+        _fsync_dir(self.root / AUDIO_DIR)
+        return removed, removed_bytes
 
     def audio_path(self, record: ItemRecord) -> Path:
         if record.audio is None:
@@ -280,6 +484,29 @@ class ItemLog:
     def __iter__(self) -> Iterator[ItemRecord]:
         self.follow()
         return iter(list(self.state.items.values()))
+
+
+def cli_compact(args: Any) -> int:
+    """`tonearm items compact`: compacts the log of ``--items-dir`` (or ``--bundles-dir``/.items) and says what went."""
+    from rich.console import Console
+
+    items_dir = Path(args.items_dir) if args.items_dir else Path(args.bundles_dir) / ".items"
+    if not (items_dir / LOG_NAME).is_file():
+        raise ItemError(f"{items_dir}: no item log ({LOG_NAME}) here")
+    done = ItemLog(items_dir).compact()
+    console = Console()
+    if not done.compacted:
+        console.print(f"nothing to drop: {done.records_before} records, each one a live item or a delete", highlight=False)
+        return 0
+    console.print(f"{items_dir / LOG_NAME}: {done.records_before} records → {done.records_after} "
+                  f"({done.bytes_before:,} → {done.bytes_after:,} bytes); {done.audio_removed} stored audio files "
+                  f"removed ({done.audio_bytes_removed:,} bytes); replicas replay the new file at their next poll",
+                  highlight=False, soft_wrap=True)
+    return 0
+
+
+def _ident(stat: os.stat_result) -> tuple[int, int]:
+    return stat.st_dev, stat.st_ino
 
 
 def _now() -> str:

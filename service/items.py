@@ -12,7 +12,9 @@ encoders) and keeps every loaded bundle's overlay in step with the log:
   so a replica that missed a notification (or runs without Redis) can never diverge;
 * before a bundle goes live (startup, activation, a replica following an activation, rollback)
   its overlay is synced: a bundle of another model re-embeds the added items from their stored
-  audio then, after its quality gate judged the bundle alone.
+  audio then, after its quality gate judged the bundle alone;
+* the follower also compacts the log when most of it is records of replaced or deleted items
+  (``TONEARM_ITEMS_COMPACT_MIN``, :meth:`index.item_log.ItemLog.compact`), off the request path.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ log = logging.getLogger(__name__)
 ITEMS_DIR_NAME = ".items"
 """Under the bundles directory (a dot name: never listed as a bundle)."""
 EMBED_BATCH = 16
+SYNC_TRIES = 3
+"""A sync that finds a record's stored audio gone (a compaction replaced the log meanwhile) reads
+the log again and retries: the new file no longer holds that record."""
 
 
 def items_dir_of(settings: Settings, bundles_dir: Path | None) -> Path | None:
@@ -59,22 +64,41 @@ class ItemStore:
     # ------------------------------------------------------------------ overlays
 
     def sync(self, searcher: object) -> ItemOverlay:
-        """Bring ``searcher``'s overlay up to the log (embedding only new or changed items)."""
+        """Bring ``searcher``'s overlay up to the log: the records since its version are appended
+        (embedding only new audio and captions), or the log's file is replayed after a compaction."""
         lock: threading.Lock = searcher.items_lock  # type: ignore[attr-defined]
+        bundle = searcher.bundle  # type: ignore[attr-defined]
         with lock:
-            state = self.log.snapshot()
-            current: ItemOverlay = searcher.items  # type: ignore[attr-defined]
-            if current.version == state.records:
-                return current
-            bundle = searcher.bundle  # type: ignore[attr-defined]
-            overlay = build_overlay(
-                current, state, clip_ids=searcher.clip_rows,  # type: ignore[attr-defined]
-                embed_audio=lambda records: self._embed_audio(bundle, records),
-                embed_text=lambda texts: _batched(bundle.encode_text, list(texts), bundle.embed_dim),
-                version=state.records,
-            )
-            searcher.items = overlay  # type: ignore[attr-defined]
-            return overlay
+            for attempt in range(SYNC_TRIES):
+                history = self.log.history()
+                current: ItemOverlay = searcher.items  # type: ignore[attr-defined]
+                try:
+                    overlay = build_overlay(
+                        current, history, clip_ids=searcher.clip_rows,  # type: ignore[attr-defined]
+                        embed_audio=lambda records: self._embed_audio(bundle, records),
+                        embed_text=lambda texts: _batched(bundle.encode_text, list(texts), bundle.embed_dim),
+                    )
+                except FileNotFoundError:
+                    if attempt == SYNC_TRIES - 1:
+                        raise
+                    continue
+                searcher.items = overlay  # type: ignore[attr-defined]
+                return overlay
+        raise AssertionError("unreachable")
+
+    def compact_if_due(self) -> bool:
+        """Compact the log when the records a compaction drops are at least
+        ``TONEARM_ITEMS_COMPACT_MIN`` and at least half the log (amortized: each compaction
+        rewrites at most as many records as were dropped since the last one)."""
+        least = self.settings.items_compact_min
+        state = self.log.state
+        if least <= 0 or state.garbage < max(least, state.records - state.garbage):
+            return False
+        done = self.log.compact(min_garbage=least)
+        if done.compacted:
+            log.info("item log compacted: %d records → %d, %d audio files removed (%d bytes)",
+                     done.records_before, done.records_after, done.audio_removed, done.audio_bytes_removed)
+        return done.compacted
 
     def _embed_audio(self, bundle: object, records: Sequence[ItemRecord]) -> np.ndarray:
         rate = int(bundle.sample_rate)  # type: ignore[attr-defined]
@@ -91,8 +115,9 @@ class ItemStore:
             while not self._stop.wait(self.settings.items_poll_s):
                 try:
                     self.log.follow()
+                    self.compact_if_due()
                     searcher = active()
-                    if searcher is not None and searcher.items.version != self.log.state.records:  # type: ignore[attr-defined]
+                    if searcher is not None and searcher.items.version != self.log.version:  # type: ignore[attr-defined]
                         self.sync(searcher)
                 except Exception:  # keep following; the next tick retries
                     log.exception("applying the item log failed")

@@ -46,6 +46,10 @@ class Settings(BaseSettings):
     `<bundles_dir>/.items` (on the bundles volume every replica mounts: they share it)."""
     items_poll_s: float = Field(default=0.2, gt=0, le=10)
     """How often a replica checks the item log for records other replicas appended (one `stat`)."""
+    items_compact_min: int = Field(default=10_000, ge=0)
+    """A replica's follower compacts the item log (`tonearm items compact`) once it holds at least
+    this many records a compaction would drop and they are at least half the log; 0: never
+    automatically (docs/service.md, "Compaction")."""
     audio_root: Path | None = None
     """Directory the clips' audio URIs are relative to (`GET /v1/audio/{clip_id}`); default: the
     directory of the bundle's data manifest. Nothing outside it is ever served."""

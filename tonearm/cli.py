@@ -317,6 +317,13 @@ def _add_items(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--bundles-dir", metavar="DIR", help="the bundles directory (its log is DIR/.items)")
     export.add_argument("--out", required=True, help="new folder (must not exist)")
     export.set_defaults(handler=_lazy("index.item_export:cli_export", "service"))
+    compact = isub.add_parser(
+        "compact", help="rewrite the log as its live items and deletes and remove the audio no live item uses "
+        "(safe while replicas serve it; docs/service.md, Items, Compaction)")
+    where = compact.add_mutually_exclusive_group(required=True)
+    where.add_argument("--items-dir", metavar="DIR", help="the item log's directory (TONEARM_ITEMS_DIR)")
+    where.add_argument("--bundles-dir", metavar="DIR", help="the bundles directory (its log is DIR/.items)")
+    compact.set_defaults(handler=_lazy("index.item_log:cli_compact", "service"))
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:

@@ -8,6 +8,7 @@ added items), picked here in plain Python.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -248,3 +249,42 @@ def test_texts_the_log_cannot_hold_or_split_are_handled(fake_client):
         r = fake_client.post("/v1/items", headers=ADMIN, data={"id": "lone", field: value},
                              files={"file": ("a.wav", WAV, "audio/wav")})
         assert_problem(r, 422, "validation-error")
+
+
+def test_the_follower_compacts_the_log_and_every_search_still_sees_the_live_items(fake_bundles):
+    from service.app import create_app
+    from tests.service.conftest import fake_opener, make_settings, running_client, wait_until
+
+    settings = make_settings(bundles_dir=fake_bundles, bundle="fake-a", items_compact_min=4, items_poll_s=0.05)
+    log_path = fake_bundles / ".items" / LOG_NAME
+    with running_client(create_app(settings, opener=fake_opener)) as client:
+        for item_id, concepts in [("a", ["dog"]), ("b", ["rain"]), ("c", ["bell"]), ("a", ["siren"]),
+                                  ("d", ["dog", "bell"]), ("d", ["rain", "bell"]), ("d", ["dog"]),
+                                  ("d", ["bell"])]:  # 5 of the 10 records are garbage: half the log
+            assert _post(client, item_id, concepts, {"license": "cc0"}).status_code == 201
+        assert client.delete("/v1/items/b", headers=ADMIN).status_code == 200
+        assert client.delete("/v1/items/clip-rain", headers=ADMIN).status_code == 200  # a takedown survives it
+        wait_until(lambda: '"op":"compacted"' in log_path.read_text().splitlines()[0], timeout=10,
+                   what="the follower to compact the log")
+        store = client.app.state.tonearm.items
+        wait_until(lambda: client.app.state.tonearm.registry.active_searcher().items.version == store.log.version,
+                   timeout=10, what="the overlay to follow the compacted log")
+
+        added = {"a": ("siren",), "c": ("bell",), "d": ("bell",)}
+        catalogue = {k: v for k, v in _catalogue(added).items() if k != "clip-rain"}
+        hits = _text_hits(client, "a bell in the rain", k=len(catalogue))
+        _assert_same(hits, _brute_force(text_vector("a bell in the rain"), catalogue, len(catalogue)))
+        assert {h["id"] for h in hits} == set(catalogue)
+        similar = client.get("/v1/search/similar/d", params={"k": 4, "filter": json.dumps({"license": "cc0"})})
+        cc0 = {k: v for k, v in catalogue.items() if k in added or LICENSE[k] == "cc0"}
+        _assert_same(similar.json()["hits"], _brute_force(catalogue["d"], cc0, 4, exclude="d"))
+        for item_id in ("b", "clip-rain"):
+            assert client.get(f"/v1/items/{item_id}", headers=ADMIN).status_code == 404
+        audio = client.get("/v1/audio/d")
+        assert audio.status_code == 200 and audio.content == wav_bytes(tone(["bell"]))
+        stored = {p.name for p in (fake_bundles / ".items" / "audio").iterdir()}
+        current = {hashlib.sha256(wav_bytes(tone(list(concepts)))).hexdigest() + ".wav" for concepts in added.values()}
+        assert stored == current  # the uploads replaced (a's dog, d's first three) or deleted (b's rain) are gone
+
+        assert _post(client, "e", ["rain"], {"license": "by"}).status_code == 201  # writes go on
+        assert _text_hits(client, "rain", k=1)[0]["id"] == "e"

@@ -1,14 +1,22 @@
-"""Benchmark: resident memory of a rank's corpus metadata (``records.jsonl`` read by ``open_corpus``)
-against what `tonearm train --plan` counts for it.
+"""Benchmark: resident memory of a rank's corpus metadata (what ``open_corpus`` keeps of ``records.jsonl``)
+against what `tonearm train --plan` counts for it, beside what the earlier reader kept.
 
 A synthetic shard folder's ``index.json`` and ``records.jsonl`` are written with the shard
 writer's own ``write_index`` (training/data/shards.py; no tar files: the metadata is what every
 rank reads) for CLIPS clips × 8 languages × 5 captions (captions of 40–90 characters, accented
 Latin for the European languages, CJK for jpn/zho; drawn from a pool, each line parsed into its
-own objects all the same). A fresh process then reads it with
-``training.data.stream.open_corpus`` as every rank does, and reports its resident memory before
-and after, and its peak (VmHWM), beside ``RECORDS_RSS_FACTOR × the file's bytes`` — the index
-line of ``--plan``. Writes the ``records_memory`` section of docs/BENCHMARKS.md.
+own objects all the same). Fresh processes then read it and report resident memory before and
+after, and the peak (VmHWM):
+
+* ``open_corpus`` + the stream's plan + one epoch's sequence, as a rank with its loader in-process
+  holds them (training/data/shard_records.py: columns, no captions), beside
+  ``training.memory_plan.count_records`` — the index line of ``--plan``; then the captions of one
+  rank's share at world size 8 read again (the knowledge-base pass) and every caption read again
+  clip by clip (the tokenizer, rank 0);
+* the earlier reader (every line kept as a ``ClipRecord`` with its captions, as ``open_corpus``
+  did until this change), reproduced here as the reference.
+
+Writes the ``records_memory`` section of docs/BENCHMARKS.md.
 
     PYTHONPATH=. flock /tmp/tonearm-heavy.lock python bench/records_memory.py [--clips 400000] [--no-write]
 """
@@ -33,6 +41,9 @@ from benchlib import cpu_model, publish_section  # noqa: E402
 START = "<!-- bench:records_memory:start -->"
 END = "<!-- bench:records_memory:end -->"
 LANGUAGES = ("eng", "fra", "deu", "spa", "nld", "cat", "jpn", "zho")
+WORLD = 8
+"""Ranks whose one share of the corpus a knowledge-base pass reads again (one 8-GPU node)."""
+TEXTS_CHUNK_NOTE = "the captions of 20,000 clips at a time (`TEXTS_CHUNK`)"
 CAPTIONS = 5
 SHARD_SIZE = 1000
 LATIN = "abcdefghijklmnopqrstuvwxyz"
@@ -83,51 +94,64 @@ def status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-class PackedRecord:
-    """The prototype of a compact record: captions as one UTF-8 JSON bytes, decoded on access."""
+def measure_before(url: str) -> None:
+    """In a fresh process: the earlier reader — every line a ClipRecord with its captions (a shard's
+    clips sharing its name and path objects), as open_corpus kept them before this change."""
+    from pathlib import PurePosixPath
 
-    __slots__ = ("captions_json", "id", "ordinal", "seconds", "shard")
+    from training.data.manifest import ClipRecord
 
-
-def measure_packed(url: str) -> None:
-    """In a fresh process: what the same records would take with packed captions (not what
-    open_corpus does: the measurement behind a possible change), and the cost of a decode."""
     before = status_kib("VmRSS")
     started = time.perf_counter()
-    rows: list[PackedRecord] = []
-    shards: dict[str, str] = {}
+    records: list[ClipRecord] = []
+    shards: dict[str, tuple[str, PurePosixPath]] = {}
     ordinal: dict[str, int] = {}
     with open(Path(url) / "records.jsonl", encoding="utf-8") as handle:
         for line in handle:
             row = json.loads(line)
-            record = PackedRecord()
-            record.id, record.seconds = row["id"], row["seconds"]
-            record.captions_json = json.dumps(row["captions"], ensure_ascii=False, separators=(",", ":")).encode()
-            record.shard = shards.setdefault(row["shard"], row["shard"])
-            record.ordinal = ordinal[record.shard] = ordinal.get(record.shard, -1) + 1
-            rows.append(record)
+            shard, path = shards.get(row["shard"]) or shards.setdefault(
+                row["shard"], (row["shard"], PurePosixPath(url) / row["shard"]))
+            place = ordinal[shard] = ordinal.get(shard, -1) + 1
+            records.append(ClipRecord(id=row["id"], audio=path, captions=row["captions"], split=row["split"],
+                                      meta={"seconds": row["seconds"], "shard": shard, "ordinal": place}))
     seconds = time.perf_counter() - started
-    after, peak = status_kib("VmRSS"), status_kib("VmHWM")
-    sample = rows[: min(len(rows), 100_000)]
-    started = time.perf_counter()
-    for record in sample:
-        json.loads(record.captions_json)
-    decode = (time.perf_counter() - started) / max(1, len(sample))
-    print(json.dumps({"before": before * 1024, "after": after * 1024, "peak": peak * 1024, "seconds": seconds,
-                      "clips": len(rows), "decode_us": decode * 1e6}))
+    print(json.dumps({"before": before * 1024, "after": status_kib("VmRSS") * 1024, "peak": status_kib("VmHWM") * 1024,
+                      "seconds": seconds, "clips": len(records)}))
 
 
 def measure(url: str) -> None:
-    """In a fresh process: RSS before/after open_corpus and the peak, as JSON on stdout."""
-    from training.data.stream import open_corpus
+    """In a fresh process: RSS before/after what a rank keeps (open_corpus, the stream's plan, an
+    epoch's sequence) and the peak, the plan's count of it, then the passes that read captions again."""
+    import fsspec  # noqa: F401 - imported before the baseline, as a rank has it already
+    import numpy as np
+
+    from training.data.epoch_plan import epoch_sequence
+    from training.data.shard_records import caption_texts
+    from training.data.stream import TRAIN_SPLIT, open_corpus, stream_corpus
+    from training.memory_plan import count_records
 
     before = status_kib("VmRSS")
     started = time.perf_counter()
     corpus = open_corpus(url, languages=list(LANGUAGES), drop_other_languages=False)
+    plan = stream_corpus(corpus)
+    sequence = epoch_sequence(plan.usable, seed=0, epoch=0)
     seconds = time.perf_counter() - started
     after, peak = status_kib("VmRSS"), status_kib("VmHWM")
+    counted = count_records(corpus, eval_split="val", workers=0, world=WORLD, knowledge_pass=True)
+    records = corpus.records[TRAIN_SPLIT]
+    rows = np.arange(len(records) // WORLD)  # one rank's share of the shards (a KB pass)
+    started = time.perf_counter()
+    share = records.with_captions(rows)
+    share_seconds, share_grown = time.perf_counter() - started, status_kib("VmRSS") - after
+    del share
+    started = time.perf_counter()
+    texts = sum(1 for _ in caption_texts(records, LANGUAGES))
+    texts_seconds = time.perf_counter() - started
     print(json.dumps({"before": before * 1024, "after": after * 1024, "peak": peak * 1024, "seconds": seconds,
-                      "clips": len(corpus.records["train"])}))
+                      "clips": len(records), "columns": records.nbytes, "planned": counted.resident,
+                      "pass_share": counted.pass_share, "share_grown": share_grown * 1024,
+                      "share_seconds": share_seconds, "texts": texts, "texts_seconds": texts_seconds,
+                      "sequence": int(sum(a.nbytes for a in sequence))}))
 
 
 def main() -> None:
@@ -135,12 +159,11 @@ def main() -> None:
     parser.add_argument("--clips", type=int, default=400_000)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # the child processes
-    parser.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--before", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        (measure_packed if args.packed else measure)(args.measure)
+        (measure_before if args.before else measure)(args.measure)
         return
-    from training.data.cluster_plan import RECORDS_RSS_FACTOR
 
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,44 +175,53 @@ def main() -> None:
         print(f"records.jsonl: {size / 1e6:.0f} MB for {args.clips:,} clips, written in {written:.0f} s", flush=True)
         env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", str(Path(__file__).resolve().parents[1]))}
         results = []
-        for extra in ([], ["--packed"]):
+        for extra in ([], ["--before"]):
             child = subprocess.run([sys.executable, __file__, "--measure", str(folder), *extra], check=True,
                                    capture_output=True, text=True, env=env)
             results.append(json.loads(child.stdout.strip().splitlines()[-1]))
-        got, packed = results
+        got, old = results
     load_end = os.getloadavg()[0]
+    mib = 2**20
     grown, peak = got["after"] - got["before"], got["peak"] - got["before"]
-    planned = RECORDS_RSS_FACTOR * size
-    print(f"grew {grown / 2**20:.0f} MiB (peak {peak / 2**20:.0f} MiB) in {got['seconds']:.0f} s; "
-          f"--plan counts {planned / 2**20:.0f} MiB", flush=True)
+    old_grown, old_peak = old["after"] - old["before"], old["peak"] - old["before"]
+    print(f"now: grew {grown / mib:.0f} MiB (peak {peak / mib:.0f}) in {got['seconds']:.0f} s, --plan counts "
+          f"{got['planned'] / mib:.0f} MiB; before: grew {old_grown / mib:.0f} MiB in {old['seconds']:.0f} s", flush=True)
+    per_100k = grown / args.clips * 100_000
     lines = [
         START,
         "## records_memory — a rank's corpus metadata (records.jsonl) in memory, beside `--plan`",
         "",
-        f"`PYTHONPATH=. python bench/records_memory.py --clips {args.clips}` · {cpu_model()}, 2 cores · "
-        f"{dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M UTC')} · load average {load_start:.2f} → "
-        f"{load_end:.2f} (1-min)",
+        f"`PYTHONPATH=. flock /tmp/tonearm-heavy.lock python bench/records_memory.py --clips {args.clips}` · "
+        f"{cpu_model()}, 2 cores · {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M UTC')} · load average "
+        f"{load_start:.2f} → {load_end:.2f} (1-min)",
         "",
         f"A synthetic shard folder's metadata written by the shard writer (`write_index`): {args.clips:,} train "
         f"clips × 8 languages × 5 captions (40–90 characters, accented Latin; 14–30 CJK characters for jpn/zho), "
-        f"shards of {SHARD_SIZE}. A fresh process reads it with `open_corpus` (what every rank does at start); "
-        "resident memory from /proc/self/status before and after, and its peak (VmHWM) less the start.",
+        f"shards of {SHARD_SIZE}; records.jsonl is {size / mib:,.0f} MiB. Fresh processes read it; resident memory "
+        "from /proc/self/status before and after, and the peak (VmHWM) less the start.",
         "",
-        "| clips | records.jsonl | read in | RSS growth | peak growth | growth ÷ file | `--plan` index figure |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {args.clips:,} | {size / 2**20:,.0f} MiB | {got['seconds']:.0f} s | {grown / 2**20:,.0f} MiB | "
-        f"{peak / 2**20:,.0f} MiB | {grown / size:.2f}× | {planned / 2**20:,.0f} MiB ({RECORDS_RSS_FACTOR}× the file) |",
+        "| what a rank keeps | read in | RSS growth | peak growth | per 100 k clips | `--plan` index figure |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| **now**: `open_corpus` (columns of ids, seconds, shard, ordinal, line offsets; no captions) + the "
+        f"stream's plan + one epoch's sequence | {got['seconds']:.0f} s | **{grown / mib:,.0f} MiB** | "
+        f"{peak / mib:,.0f} MiB | {per_100k / mib:,.1f} MiB | {got['planned'] / mib:,.0f} MiB (`count_records`, "
+        "no loader worker) |",
+        f"| before: every line a `ClipRecord` with its captions (the earlier `open_corpus`, reproduced in the "
+        f"script) | {old['seconds']:.0f} s | {old_grown / mib:,.0f} MiB | {old_peak / mib:,.0f} MiB | "
+        f"{old_grown / args.clips * 100_000 / mib:,.0f} MiB | {2.4 * size / mib:,.0f} MiB (2.4× the file, "
+        "the earlier figure) |",
         "",
-        f"A prototype of a compact record (`--packed`, in this script only; **not** what `open_corpus` "
-        f"does): the captions of a clip kept as one UTF-8 JSON `bytes`, decoded when read, in a `__slots__` "
-        f"object with its id, shard and ordinal, grows the same read by "
-        f"**{(packed['after'] - packed['before']) / 2**20:,.0f} MiB** "
-        f"({(packed['after'] - packed['before']) / size:.2f}× the file; {grown / (packed['after'] - packed['before']):.1f}× "
-        f"less) for a decode of {packed['decode_us']:.0f} µs per clip when its captions are used.",
+        f"Of the growth, the columns are {got['columns'] / mib:,.1f} MiB ({got['columns'] / got['clips']:.0f} B a "
+        f"clip) and the epoch's sequence {got['sequence'] / mib:,.1f} MiB (each loader worker holds one); the "
+        "rest is the interpreter's and numpy's own pages. Captions are read again when needed, by byte range: "
+        f"one rank's share at world size {WORLD} (a knowledge-base pass over the train shards: "
+        f"{args.clips // WORLD:,} clips) took {got['share_seconds']:.1f} s and held {got['share_grown'] / mib:,.0f} "
+        f"MiB while the pass ran (`--plan` adds {got['pass_share'] / mib:,.0f} MiB to the rebuild's host figure); "
+        f"every caption clip by clip (the tokenizer's {got['texts']:,} texts, rank 0, once) took "
+        f"{got['texts_seconds']:.0f} s and holds {TEXTS_CHUNK_NOTE}.",
         "",
-        "Per node that is 8 × the growth (each rank reads the file; forked loader workers share the pages "
-        "copy-on-write). `--plan` counts the figure in its last column per rank. The load (other jobs on the "
-        "machine) slows the read, not the memory figures.",
+        "Per node that is 8 × the growth (each rank reads the file; forked loader workers share the numpy pages, "
+        "which nothing writes). The load (other jobs on the machine) slows the reads, not the memory figures.",
         END,
     ]
     publish_section("\n".join(lines), start=START, end=END, write=not args.no_write)

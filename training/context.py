@@ -86,7 +86,7 @@ class LoopContext:
         self.device = device
         self._model = model
         self._tokenizer = tokenizer
-        self._records = list(train_records)
+        self._records = train_records  # data.shards: compact columns, captions read when a pass needs them
         self._data_cfg = data_cfg
         self._frontend_cfg = frontend_cfg
         self._batch_size = batch_size
@@ -201,21 +201,20 @@ class LoopContext:
 
         corpus = self._corpus
         assert corpus is not None
+        records = corpus.records[TRAIN_SPLIT]
         stats = StreamStats()
-        rows_of: dict[str, list[int]] = {}
-        for row, record in enumerate(self._records):
-            rows_of.setdefault(str(record.meta["shard"]), []).append(row)
+        rows_of = records.rows_by_shard()
         names = [name for name, _ in corpus.shards(TRAIN_SPLIT) if name in rows_of]
         clip_seconds = self._data_cfg.clip_seconds
         costs = [
             len(rows_of[name]) if self._data_cfg.eval_crop == "center" else sum(
-                max(1, math.ceil(float(self._records[r].meta["seconds"]) / clip_seconds)) for r in rows_of[name])
+                max(1, math.ceil(float(seconds) / clip_seconds)) for seconds in records.seconds[rows_of[name]].tolist())
             for name in names
         ]
         world = distributed.world_size()
         shares = distributed.balanced_assignment(costs, world) if world > 1 else [list(range(len(names)))]
         mine = [names[i] for i in shares[distributed.rank()]]
-        rows = sorted(row for name in mine for row in rows_of[name])
+        rows = sorted(row for name in mine for row in rows_of[name].tolist())
         with self._autocast():
             audio = embed_shard_clips(
                 self._model, corpus, mine, rows, split=TRAIN_SPLIT, data_cfg=self._data_cfg,
@@ -223,7 +222,7 @@ class LoopContext:
                 num_workers=self._num_workers, progress=distributed.rank() == 0, description=f"{what}: clips",
                 stats=stats,
             )
-            captions = eval_captions([self._records[r] for r in rows], tuple(self._data_cfg.languages))
+            captions = eval_captions(records.with_captions(rows), tuple(self._data_cfg.languages))  # this share's
             text = embed_texts(self._model, self._tokenizer, captions.texts, batch_size=self._batch_size,
                                device=self.device)
         local = torch.from_numpy(np.asarray(captions.clip, dtype=np.int64))

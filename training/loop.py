@@ -18,7 +18,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from training.accumulate import accumulated_backward, surrogate
 from training.config import ConfigError, TrainConfig, load_train_config, short_clip_padding
 from training.context import LoopContext
 from training.data.loader import BadSampleBudget, loader_options, loader_workers
+from training.data.shard_records import caption_texts
 from training.data.splits import TRAIN_SPLIT
 from training.data.stream import StreamBatches
 from training.elastic import EpochBatches, rederived_seed, resumed_rng_state
@@ -297,7 +298,7 @@ def check_pretrained_start(
 
 
 def build_train_loader(
-    cfg: TrainConfig, runtime: Runtime, train_records: list[Any], strategy: Any, tokenizer: Any
+    cfg: TrainConfig, runtime: Runtime, train_records: Sequence[Any], strategy: Any, tokenizer: Any
 ) -> tuple[Iterable[Any], EpochBatches | StreamBatches, int]:
     """(loader, its epoch batches, clips on this rank): the manifest's files, or ``data.shards`` streamed."""
     from training.data.dataset import TrainClipDataset, TrainCollate, TrainItem
@@ -356,7 +357,7 @@ def shard_corpus(cfg: TrainConfig) -> Any | None:
     return cached_corpus(cfg)
 
 
-def load_training_data(cfg: TrainConfig) -> tuple[list[Any], list[Any]]:
+def load_training_data(cfg: TrainConfig) -> tuple[Sequence[Any], list[Any]]:
     """(train records, validation records), with clear errors for unusable manifests."""
     from training.data.manifest import load_manifest
     from training.data.splits import carves, select_split
@@ -416,7 +417,7 @@ def load_training_data(cfg: TrainConfig) -> tuple[list[Any], list[Any]]:
 
 
 def build_model(
-    cfg: TrainConfig, records: list[Any], runtime: Runtime, *, resume_dir: Path | None
+    cfg: TrainConfig, records: Sequence[Any], runtime: Runtime, *, resume_dir: Path | None
 ) -> tuple[TrainConfig, DualEncoder, Any]:
     """(config, model, tokenizer): from `last/` when resuming, from `model.init_checkpoint`, or new.
 
@@ -436,15 +437,13 @@ def build_model(
             log.info("model and frontend settings taken from %s", source)
         cfg = cfg.model_copy(update={"model": model_cfg, "frontend": checkpoint.config.frontend})
         return cfg, checkpoint.model, checkpoint.tokenizer
-    texts = [
-        text for r in records for lang in cfg.data.languages for text in r.captions.get(lang, [])
-    ]
+    texts = caption_texts(records, cfg.data.languages)  # consumed on rank 0 only (data.shards: read again)
     tokenizer = build_tokenizer_once(cfg, texts, runtime)
     model = build_dual_encoder(cfg.model, cfg.frontend, vocab_size=tokenizer.vocab_size)
     return cfg, model, tokenizer
 
 
-def build_tokenizer_once(cfg: TrainConfig, texts: list[str], runtime: Runtime) -> Any:
+def build_tokenizer_once(cfg: TrainConfig, texts: Iterable[str], runtime: Runtime) -> Any:
     """Rank 0 trains the tokenizer and the other ranks load its file, so every rank has the same vocabulary."""
     from index.tokenizer import TextTokenizer
     from training.models.tokenizer import build_tokenizer
@@ -601,7 +600,7 @@ def build_schedule(cfg: TrainConfig, *, steps_per_epoch: int, total_steps: int) 
 
 
 def build_distillation_teachers(
-    cfg: TrainConfig, runtime: Runtime, records: list[Any], tokenizer: Any
+    cfg: TrainConfig, runtime: Runtime, records: Sequence[Any], tokenizer: Any
 ) -> Any | None:
     """Frozen teachers for `objective.distill` (SPEC §4.4), built once; None otherwise."""
     if cfg.objective.distill is None:

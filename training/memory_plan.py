@@ -26,6 +26,14 @@ counted from the run's own objects or formulas, not guessed:
   lists and their ``torch.cat``), the concatenation also once on the host (FAISS labels every
   pair on the CPU), partitioned every pair's clip id (gathered and sorted, 16 B a pair), and on
   rank 0 the K-Means input (≤ 256·N_c pairs of 2d fp32) on GPU and host.
+* **The corpus metadata** (``data.shards``, :func:`count_records`): every split's columns of
+  records.jsonl (training/data/shard_records.py: ids, seconds, shard, ordinal, line offsets — their
+  arrays' own bytes) and the ids of clips without a caption in ``data.languages`` (Python strings,
+  ``sys.getsizeof`` each); the stream's per-shard ordinals and rows (two int64 per usable clip) and,
+  in each loader worker, the epoch's sequence (two int64 more); the validation split extracted
+  with its captions as :class:`ClipRecord` s, :data:`RECORDS_RSS_FACTOR` × its lines' bytes. The
+  knowledge-base pass over the train shards reads the captions of this rank's share again, ~1/R of
+  the train lines × the same factor, at a rebuild (:attr:`RecordsCount.pass_share`).
 * Not counted: activations (they scale with batch, caption count and crop; measured figures in
   docs/BENCHMARKS.md ``gpu_real_size``), the CUDA context and allocator slack, the objective's
   own scalars (τ, …).
@@ -42,6 +50,11 @@ from training.config import ConfigError, ModelConfig, TrainConfig
 
 FP32 = 4
 INT64 = 8
+RECORDS_RSS_FACTOR = 2.4
+"""Resident bytes per byte of records.jsonl lines read into :class:`ClipRecord` s with their captions
+(measured: 2.29× at 400 k clips × 8 languages × 5 captions, bench/records_memory.py)."""
+SEQUENCE_BYTES = 2 * INT64
+"""Bytes per usable clip of the epoch's sequence in each worker, and of the stream's per-shard plan."""
 KMEANS_POINTS_PER_CENTROID = 256
 """training.knowledge.KMEANS_POINTS_PER_CENTROID (not imported: that module imports faiss)."""
 DEFAULT_HF_CONFIG = {"hf_clap": "ClapConfig", "hf_ast": "ASTConfig", "hf_pe_audio": "PeAudioConfig"}
@@ -231,3 +244,41 @@ def count_knowledge(cfg: TrainConfig, *, embed_dim: int, train_pairs: int, train
     share = world if ask.partition == "auto" and world > 1 else 1
     return KnowledgeCount(pairs=pairs, clips=clips, dim=embed_dim, share=share, fine=ask.fine, coarse=ask.coarse,
                           clusters=ask.n_clusters)
+
+
+@dataclass(frozen=True)
+class RecordsCount:
+    """What a rank holds of records.jsonl (module doc), in bytes."""
+
+    columns: int
+    """Every split's columns and the unusable clips' ids."""
+    plan: int
+    """The stream's per-shard ordinals and rows."""
+    sequences: int
+    """The epoch's sequence, in every loader worker."""
+    validation: int
+    """The validation split as records with their captions."""
+    pass_share: int
+    """At a knowledge-base pass over the train shards: the captions of this rank's share."""
+
+    @property
+    def resident(self) -> int:
+        return self.columns + self.plan + self.sequences + self.validation
+
+
+def count_records(corpus: Any, *, eval_split: str, workers: int, world: int, knowledge_pass: bool) -> RecordsCount:
+    """:class:`RecordsCount` of a :class:`training.data.stream.ShardCorpus` as a run reads it."""
+    import sys
+
+    from training.data.splits import TRAIN_SPLIT
+
+    splits = corpus.records
+    train = splits.get(TRAIN_SPLIT)
+    usable = len(train) if train is not None else 0
+    unusable = sum(sys.getsizeof(i) + 8 for records in splits.values() for i in records.unusable)
+    val = splits.get(eval_split) if eval_split != TRAIN_SPLIT else None
+    share = -(-train.line_bytes // max(1, world)) if train is not None and knowledge_pass else 0
+    return RecordsCount(columns=sum(records.nbytes for records in splits.values()) + unusable,
+                        plan=SEQUENCE_BYTES * usable, sequences=SEQUENCE_BYTES * usable * max(1, workers),
+                        validation=int(RECORDS_RSS_FACTOR * val.line_bytes) if val is not None else 0,
+                        pass_share=int(RECORDS_RSS_FACTOR * share))

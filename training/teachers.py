@@ -280,8 +280,12 @@ def crop_covers_clips(records: Sequence[_Record], *, clip_seconds: float) -> boo
     """True when every clip lasts at most ``clip_seconds`` (so a training crop is the whole clip).
 
     A clip of a shard corpus (its record names its ``shard``) has no file to open: its duration is
-    records.jsonl's ``seconds`` (rounded to 0.1 ms when sharded, i.e. exact to a sample up to 10 kHz).
+    records.jsonl's ``seconds`` (rounded to 0.1 ms when sharded, i.e. exact to a sample up to 10 kHz),
+    read from the column when ``records`` is a shard corpus' (training/data/shard_records.py).
     """
+    seconds = getattr(records, "seconds", None)
+    if isinstance(seconds, np.ndarray):
+        return not len(seconds) or float(seconds.max()) <= clip_seconds
     for record in records:
         meta = getattr(record, "meta", None) or {}
         if "shard" in meta and "seconds" in meta:
@@ -356,6 +360,8 @@ def build_teachers(
         "cached per clip" if cache_audio else "recomputed every batch (random crops)",
         "recomputed" if config.cache == "off" else "cached per caption",
     )
-    ids = [str(getattr(r, "id", row)) for row, r in enumerate(train_records)] if train_records else None
+    ids = getattr(train_records, "ids", None)  # data.shards' records: their ids, decoded when asked for
+    if ids is None and train_records:
+        ids = [str(getattr(r, "id", row)) for row, r in enumerate(train_records)]
     return Teachers(teachers=teachers, device=device, cache_audio=cache_audio, cache_text=config.cache != "off",
                     cache_max_mib=config.cache_max_mib, autocast_context=autocast, clip_ids=ids)

@@ -199,6 +199,86 @@ def test_resume_after_a_bad_sample_gives_the_same_batches_bit_for_bit(subset_sha
             assert np.array_equal(waves, waves0)
 
 
+def plain_train_records(folder: Path, languages: list[str], split: str = "train") -> tuple[list[dict], list[str]]:
+    """The reference: records.jsonl parsed with json alone — the split's lines with a caption in
+    ``languages`` (captions cut to those), in file order (a row is a position here), and the ids of
+    the split's other lines."""
+    rows, unusable = [], []
+    for line in (folder / "records.jsonl").read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        captions = {lang: texts for lang, texts in record["captions"].items() if lang in languages}
+        if record["split"] == split:
+            (rows if captions else unusable).append({**record, "captions": captions} if captions else record["id"])
+    return rows, unusable
+
+
+def test_the_stream_serves_each_row_the_id_and_captions_records_jsonl_gives_it(
+        subset_shards: tuple[Path, str]) -> None:
+    """A rank holds no captions (training/data/shard_records.py): each item a 2-rank × 2-worker epoch
+    serves (uneven shards of 5, English only, every third train clip without an English caption)
+    carries, at its row, the captions a plain json parse of records.jsonl gives that row, and the
+    rank's record of the row has that line's id, seconds, shard and ordinal."""
+    from torch.utils.data import DataLoader
+
+    from training.data.stream import ShardStream, open_corpus
+
+    folder, bad_id = subset_shards
+    reference, unusable = plain_train_records(folder, ["eng"])
+    served: list[int] = []
+    for rank in (0, 1):
+        corpus = open_corpus(str(folder), languages=["eng"], drop_other_languages=True)
+        records = corpus.records["train"]
+        assert len(records) == len(reference) and corpus.unusable["train"] == unusable
+        stream = ShardStream(corpus, rank=rank, layout=Layout(2, 2, BATCH, 3), sample_rate=16_000,
+                             clip_samples=8_000, seed=0, languages=["eng"])
+        stream.set_epoch(0)
+        loader = DataLoader(stream, batch_size=None, num_workers=2,
+                            collate_fn=lambda batch: [(item.index, item.captions) for item in batch[0]])
+        for batch in loader:
+            for row, captions in batch:
+                line = reference[row]
+                assert captions == line["captions"]
+                clip = records[row]
+                assert (clip.id, clip.meta["seconds"], clip.meta["shard"]) == (line["id"], line["seconds"], line["shard"])
+                served.append(row)
+    assert len(served) == len(set(served)) >= len(reference) - 1 - 3  # all but the bad clip and the cut's tail
+    import webdataset as wds
+
+    ordinal = {}  # the reference: each clip's position among its shard's own members
+    for shard in {line["shard"] for line in reference}:
+        for place, sample in enumerate(wds.WebDataset(str(folder / shard), shardshuffle=False)):
+            ordinal[json.loads(sample["json"])["id"]] = place
+    assert [records[row].meta["ordinal"] for row in range(len(reference))] == [
+        ordinal[line["id"]] for line in reference]
+
+
+def test_captions_read_again_match_records_jsonl_in_any_order_and_language_subset(
+        subset_shards: tuple[Path, str]) -> None:
+    """What the knowledge-base pass (a rank's share of rows, any order), the validation split and the
+    tokenizer (every caption, clip by clip, in data.languages order) read again from records.jsonl by
+    byte range equals a plain json parse of it, for a language subset over uneven shards."""
+    from training.data.shard_records import caption_texts
+    from training.data.stream import open_corpus
+
+    folder, _ = subset_shards
+    languages = ["fra", "eng"]
+    reference, _ = plain_train_records(folder, languages)
+    corpus = open_corpus(str(folder), languages=languages, drop_other_languages=True)
+    records = corpus.records["train"]
+    rows = list(range(len(reference)))
+    random.Random(0).shuffle(rows)
+    share = rows[: len(rows) // 2]
+    got = records.with_captions(share)
+    assert [(r.id, r.captions) for r in got] == [(reference[row]["id"], reference[row]["captions"]) for row in share]
+    assert list(caption_texts(records, languages)) == [
+        text for line in reference for lang in languages for text in line["captions"].get(lang, [])]
+    assert records.pairs == sum(len(texts) for line in reference for texts in line["captions"].values())
+    val, _ = plain_train_records(folder, languages, split="val")
+    held = corpus.records["val"]
+    assert len(val) > 0 and [(r.id, r.captions, r.split) for r in held.with_captions(range(len(held)))] == [
+        (line["id"], line["captions"], "val") for line in val]
+
+
 def test_a_shard_cut_short_loses_its_remaining_samples_without_substitutes(subset_shards: tuple[Path, str],
                                                                          tmp_path: Path) -> None:
     import webdataset as wds

@@ -6,10 +6,10 @@ steps per epoch, coverage), the loader workers per rank and the shuffle buffer e
 the host and shared memory the loader takes per node; refuses (exit 2) a plan that does not fit
 the node. The figures are the loader's own formulas, not a simulation:
 
-* index (per rank): ``records.jsonl`` held as Python objects, :data:`RECORDS_RSS_FACTOR` × its
-  bytes (measured: a 124 MB records.jsonl of 40 k clips × 8 languages × 5 captions grew a
-  process by 297 MB, at its peak too: it is read line by line; at 400 k clips, 1,321 MiB grew it
-  by 3,029 MiB, 2.29×, bench/records_memory.py), plus the epoch's sequence in each worker (16 bytes per usable clip);
+* index (per rank): what the run keeps of ``records.jsonl`` — every split's columns (ids, seconds,
+  shard, ordinal, line offsets: ~45 bytes a clip, no captions), the stream's plan and the epoch's
+  sequence in each worker (16 bytes per usable clip each), the validation split with its captions
+  (:func:`training.memory_plan.count_records`; measured beside it by bench/records_memory.py);
 * shuffle buffers: workers × entries × crop bytes (float32 crops);
 * batches in flight, in shared memory: ``prefetch_factor`` × workers × batch × crop bytes.
 
@@ -33,10 +33,6 @@ from training.config import ConfigError, TrainConfig
 from training.data.epoch_plan import Layout, coverage
 from training.data.loader import shuffle_entries
 
-RECORDS_RSS_FACTOR = 2.4
-"""Resident bytes per byte of records.jsonl once read into ClipRecords (measured, module doc)."""
-SEQUENCE_BYTES = 16
-"""Bytes per usable clip of the epoch's sequence in each worker (two int64)."""
 HOST_HEADROOM = 0.8
 """Share of a node's memory the plan may fill (the rest: torch and CUDA libraries, the OS)."""
 GPU_HEADROOM = 0.9
@@ -88,12 +84,12 @@ def _gb(value: float) -> str:
     return f"{value / 2**30:.1f} GiB"
 
 
-def _size_of(url: str) -> int:
-    """Bytes of a file at ``url`` (local or fsspec), without reading it."""
-    import fsspec
+def _knowledge_from_train(cfg: TrainConfig) -> bool:
+    """Whether ASK's knowledge-base passes stream the train shards (and read their captions again)."""
+    from training.objectives.ask import TRAIN_SOURCE, parse_knowledge_config
 
-    fs, path = fsspec.core.url_to_fs(url)
-    return int(fs.size(path))
+    spec = cfg.objective.knowledge
+    return bool(spec) and TRAIN_SOURCE in parse_knowledge_config(spec or {}).sources
 
 
 def _size(value: float) -> str:
@@ -105,13 +101,13 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
     """The plan of ``cfg`` on ``cluster`` (module doc)."""
     from training.data.stream import TRAIN_SPLIT, cached_corpus
     from training.evaluate import clip_samples
-    from training.memory_plan import count_knowledge, count_model, teacher_parameters
+    from training.memory_plan import count_knowledge, count_model, count_records, teacher_parameters
 
     if cfg.data.shards is None:
         raise ConfigError("--plan describes a run from data.shards (data.shards=URL); a manifest run has no shard plan")
     corpus = cached_corpus(cfg)
-    train = corpus.records.get(TRAIN_SPLIT, [])
-    usable = len(train)
+    train = corpus.records.get(TRAIN_SPLIT)
+    usable = len(train) if train is not None else 0
     clips = sum(count for _, count in corpus.shards(TRAIN_SPLIT))
     ranks = cluster.gpus_per_node
     world = cluster.nodes * ranks
@@ -125,8 +121,9 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
                                             ranks_on_node=ranks)
     layout = Layout(world=world, workers=workers, batch_size=cfg.optim.batch_size, buffer=entries)
     cover = coverage(usable, clips, layout)
-    records_bytes = _size_of(f"{corpus.url.rstrip('/')}/records.jsonl")
-    index = int(RECORDS_RSS_FACTOR * records_bytes) + SEQUENCE_BYTES * usable * max(1, workers)
+    records = count_records(corpus, eval_split=cfg.eval.split, workers=workers, world=world,
+                            knowledge_pass=_knowledge_from_train(cfg))
+    index = records.resident
     buffers = buffer_bytes * max(1, workers)
     prefetch = cfg.data.prefetch_factor * max(1, workers) * cfg.optim.batch_size * crop if workers else 0
     host = ranks * (index + buffers + prefetch)
@@ -140,12 +137,12 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
     teachers = teacher_parameters(cfg) * 4
     distill = cfg.objective.distill or {}
     caches = int(2 * float(distill.get("cache_max_mib", 2048.0)) * 2**20) if distill else 0
-    pairs = sum(len(texts) for record in train for texts in record.captions.values())
+    pairs = train.pairs if train is not None else 0
     kb = count_knowledge(cfg, embed_dim=model.embed_dim, train_pairs=pairs, train_clips=usable, world=world)
     kb_gpu = kb.gpu_resident() if kb else 0
     kb_rebuild = kb.gpu_rebuild(rank0=True) if kb else 0
-    kb_host = kb.host_rebuild(rank0=False) if kb else 0
-    kb_host0 = kb.host_rebuild(rank0=True) - kb_host if kb else 0
+    kb_host = kb.host_rebuild(rank0=False) + records.pass_share if kb else 0
+    kb_host0 = kb.host_rebuild(rank0=True) - kb.host_rebuild(rank0=False) if kb else 0
     fixed_gpu = sum(state.values()) + teachers
     gpu = fixed_gpu + max(kb_gpu, kb_rebuild)  # rank 0, the fullest: a rebuild replaces the resident KBs
     gpu_budget = GPU_HEADROOM * cluster.gpu_memory
@@ -175,7 +172,7 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
         rows += [(f"ASK KBs between rebuilds: {kb.pairs:,} pairs, {kb.clips:,} clips, d {kb.dim}{share}", kb_gpu, None),
                  ("ASK KB rebuild peak (replaces the line above; rank 0)", kb_rebuild, kb_host + kb_host0)]
     rows += [
-        ("records metadata (records.jsonl read) + epoch sequence", None, index),
+        ("records.jsonl columns + epoch sequences + validation split", None, index),
         (f"shuffle buffers: {max(1, workers)} worker(s)", None, buffers),
         ("batches in flight (/dev/shm)", None, prefetch),
         ("total per rank (rank 0)", gpu, rank_host + kb_host0),

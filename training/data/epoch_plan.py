@@ -73,7 +73,8 @@ class Segment:
         return Segment(layout, int(obj["batches"]))
 
 
-def epoch_sequence(usable: Sequence[Sequence[int]], *, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+def epoch_sequence(usable: Sequence[Sequence[int] | np.ndarray], *, seed: int,
+                   epoch: int) -> tuple[np.ndarray, np.ndarray]:
     """(shard number, ordinal in the shard) of each position of the epoch's sequence."""
     order = list(range(len(usable)))
     random.Random(_seed(seed, epoch, 7)).shuffle(order)

@@ -99,9 +99,9 @@ def embed_shard_clips(
     clip ``rows[i]``. Clips of ``rows`` no readable sample gave embed as zeros (named in a warning)."""
     stats = stats if stats is not None else StreamStats()
     started = time.monotonic()
-    records = corpus.records.get(split, [])
+    ids = corpus.records[split].ids
     position = {row: i for i, row in enumerate(rows)}
-    dataset = ShardClipWindows(corpus.url, shards, {records[row].id: row for row in rows},
+    dataset = ShardClipWindows(corpus.url, shards, {ids[row]: row for row in rows},
                                extension=str(corpus.index.get("extension", "flac")),
                                data_cfg=data_cfg, frontend_cfg=frontend_cfg)
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=min(num_workers, len(shards)),

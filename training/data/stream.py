@@ -2,8 +2,9 @@
 
 ``data.shards`` names the folder of the shards: a local path, ``s3://bucket/prefix`` (s3fs; the
 endpoint and keys come from the usual ``AWS_*`` variables), ``gs://`` (gcsfs) or ``https://``.
-``index.json`` and ``records.jsonl`` are read first (counts, languages, captions for the
-tokenizer); then each loader worker opens its own shards one after the other and reads them in
+``index.json`` and ``records.jsonl`` are read first (counts, languages, which clips are usable; a
+rank keeps ids, shards and seconds as columns, no captions: training/data/shard_records.py —
+each sample's ``.json`` member carries its captions); then each loader worker opens its own shards one after the other and reads them in
 order, never the whole corpus (:func:`tar_samples`: one read per member where the file seeks,
 webdataset's tar expander where it does not).
 
@@ -38,7 +39,7 @@ import json
 import logging
 import os
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ from training.data.epoch_plan import (
     slot_seed,
 )
 from training.data.manifest import ClipRecord
+from training.data.shard_records import ShardRecords, read_records
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +89,15 @@ class ShardCorpus:
 
     url: str
     index: dict[str, Any]
-    records: dict[str, list[ClipRecord]]
-    """Per split, the clips in records.jsonl order (captions filtered to ``data.languages``); ``meta``
+    records: dict[str, ShardRecords]
+    """Per split, the clips with a caption in ``data.languages``, in records.jsonl order, as compact
+    columns without their captions (training/data/shard_records.py); ``records[split][row].meta``
     holds the clip's shard and its ordinal (0-based position) in it."""
-    unusable: dict[str, list[str]] = field(default_factory=dict)
-    """Per split, the ids of clips without a caption in ``data.languages`` (``drop_other_languages``)."""
+
+    @property
+    def unusable(self) -> dict[str, list[str]]:
+        """Per split, the ids of clips without a caption in ``data.languages`` (``drop_other_languages``)."""
+        return {split: records.unusable for split, records in self.records.items() if records.unusable}
 
     def shards(self, split: str) -> list[tuple[str, int]]:
         """(name, clips) of the split's shards."""
@@ -102,44 +108,17 @@ class ShardCorpus:
 def open_corpus(url: str, *, languages: Sequence[str], drop_other_languages: bool) -> ShardCorpus:
     """Read a shard folder's index and records; captions outside ``languages`` refuse (or drop).
 
-    ``records.jsonl`` is read line by line (never whole as text), and the clips of one shard share
-    its name and path objects: what stays is the captions (docs/training.md, memory per rank)."""
-    import fsspec
-
+    ``records.jsonl`` is read line by line and kept as columns without the captions
+    (:func:`training.data.shard_records.read_records`; docs/training.md, memory per rank)."""
     try:
         index = json.loads(read_text(_join(url, "index.json")))
-        handle = fsspec.open(_join(url, "records.jsonl"), "rt", encoding="utf-8").open()
+        if not index.get("complete"):
+            raise DataError(f"{url}: index.json says the shards are incomplete; rerun `tonearm data shard` to finish")
+        records = read_records(url, languages=languages, drop_other_languages=drop_other_languages)
     except FileNotFoundError as err:
         raise DataError(f"{url}: no index.json / records.jsonl there ({err}); write shards with "
                         "`tonearm data shard MANIFEST --out DIR`") from None
-    records: dict[str, list[ClipRecord]] = {}
-    unusable: dict[str, list[str]] = {}
-    ordinal: dict[str, int] = {}
-    shard_of: dict[str, tuple[str, Any]] = {}
-    wanted = set(languages)
-    with handle:
-        if not index.get("complete"):
-            raise DataError(f"{url}: index.json says the shards are incomplete; rerun `tonearm data shard` to finish")
-        for line in handle:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            shard, path = shard_of.get(row["shard"]) or shard_of.setdefault(
-                row["shard"], (row["shard"], _shard_path(url, row["shard"])))
-            place = ordinal[shard] = ordinal.get(shard, -1) + 1  # records.jsonl keeps each shard's order
-            captions = {lang: texts for lang, texts in row["captions"].items() if lang in wanted}
-            if len(captions) < len(row["captions"]) and not drop_other_languages:
-                other = sorted(set(row["captions"]) - wanted)
-                raise DataError(
-                    f"{url}: clip {row['id']!r} has captions in {other}, not among data.languages; add them "
-                    "or set data.drop_other_languages=true")
-            if captions:
-                records.setdefault(row["split"], []).append(ClipRecord(
-                    id=row["id"], audio=path, captions=captions, split=row["split"],
-                    meta={"seconds": row["seconds"], "shard": shard, "ordinal": place}))
-            else:
-                unusable.setdefault(row["split"], []).append(row["id"])
-    return ShardCorpus(url=url, index=index, records=records, unusable=unusable)
+    return ShardCorpus(url=url, index=index, records=records)
 
 
 def _tar_members(stream: Any, url: str) -> Iterator[dict[str, Any]]:
@@ -172,12 +151,6 @@ def tar_samples(stream: Any, url: str) -> Iterator[dict[str, Any]]:
     seekable = getattr(stream, "seekable", lambda: False)()
     members = _tar_members(stream, url) if seekable else tar_file_expander([{"url": url, "stream": stream}])
     return group_by_keys(members)
-
-
-def _shard_path(url: str, shard: str) -> Any:
-    from pathlib import PurePosixPath
-
-    return PurePosixPath(_join(url, shard))  # names the clip's shard; never opened as a file
 
 
 def refuse_unsupported(cfg: TrainConfig) -> None:
@@ -238,17 +211,18 @@ def read_samples(stream: Any, url: str, wanted: Collection[int]) -> Iterator[tup
 
 @dataclass
 class StreamCorpus:
-    """What the planner and the workers need of a shard corpus' train split (no captions)."""
+    """What the planner and the workers need of a shard corpus' train split (no captions: each
+    sample's ``.json`` member carries its own). Numpy arrays, so forked workers share the pages."""
 
     names: list[str]
     """Train shards, index.json order."""
     members: list[int]
     """Samples in each shard (index.json's clip count)."""
-    usable: list[list[int]]
-    """Per shard, the ordinals of its clips with a caption in ``data.languages``."""
-    rows: list[list[int]]
+    usable: list[np.ndarray]
+    """Per shard, the ordinals of its clips with a caption in ``data.languages``, ascending."""
+    rows: list[np.ndarray]
     """Per shard, the row (clip index) of each usable ordinal."""
-    ids: list[str]
+    ids: Sequence[str]
     """Clip id of each row."""
     unusable: list[str]
     """Ids of the clips without a caption in ``data.languages`` (left out of every epoch)."""
@@ -270,16 +244,16 @@ class StreamCorpus:
 def stream_corpus(corpus: ShardCorpus) -> StreamCorpus:
     shards = corpus.shards(TRAIN_SPLIT)
     number = {name: s for s, (name, _) in enumerate(shards)}
-    usable: list[list[int]] = [[] for _ in shards]
-    rows: list[list[int]] = [[] for _ in shards]
-    records = corpus.records.get(TRAIN_SPLIT, [])
-    for row, record in enumerate(records):
-        shard = number.get(str(record.meta["shard"]))
-        if shard is not None:
-            usable[shard].append(int(record.meta["ordinal"]))
-            rows[shard].append(row)
+    records = corpus.records.get(TRAIN_SPLIT)
+    empty = np.zeros(0, dtype=np.int64)
+    usable, rows = [empty] * len(shards), [empty] * len(shards)
+    if records is not None:
+        for name, mine in records.rows_by_shard().items():
+            if name in number:  # rows ascend with the ordinal: records.jsonl keeps each shard's order
+                usable[number[name]], rows[number[name]] = records.ordinal[mine].astype(np.int64), mine
     return StreamCorpus(names=[name for name, _ in shards], members=[count for _, count in shards], usable=usable,
-                        rows=rows, ids=[r.id for r in records], unusable=list(corpus.unusable.get(TRAIN_SPLIT, [])))
+                        rows=rows, ids=records.ids if records is not None else [],
+                        unusable=list(records.unusable if records is not None else []))
 
 
 class ShardStream(IterableDataset):
@@ -340,7 +314,7 @@ class ShardStream(IterableDataset):
         for shard in sorted(by_shard, key=lambda s: min(by_shard[s].values())):
             wanted = by_shard[shard]
             url = _join(self.url, self.plan.names[shard])
-            rows = dict(zip(self.plan.usable[shard], self.plan.rows[shard], strict=True))
+            rows = dict(zip(self.plan.usable[shard].tolist(), self.plan.rows[shard].tolist(), strict=True))
             delivered: set[int] = set()
             reason = ""
             try:
@@ -642,7 +616,8 @@ def extract_split(corpus: ShardCorpus, split: str, folder: Path) -> list[ClipRec
 
     folder.mkdir(parents=True, exist_ok=True)
     extension = str(corpus.index.get("extension", "flac"))
-    by_id = {r.id: r for r in corpus.records.get(split, [])}
+    records = corpus.records.get(split)
+    by_id = {r.id: r for r in records.with_captions(range(len(records)))} if records is not None else {}
     out: list[ClipRecord] = []
     for name, _ in corpus.shards(split):
         url = _join(corpus.url, name)
@@ -662,23 +637,25 @@ def extract_split(corpus: ShardCorpus, split: str, folder: Path) -> list[ClipRec
     return out
 
 
-def load_shard_data(cfg: TrainConfig) -> tuple[list[ClipRecord], list[ClipRecord]]:
-    """(train records, validation records) of ``data.shards``: the train split's captions (tokenizer,
-    counts) and the validation split extracted to ``out_dir/val_clips`` (docs/training.md)."""
+def load_shard_data(cfg: TrainConfig) -> tuple[ShardRecords, list[ClipRecord]]:
+    """(train records, validation records) of ``data.shards``: the train split's columns (ids, shards,
+    seconds; captions read again when needed) and the validation split extracted to
+    ``out_dir/val_clips``, captions and all (docs/training.md)."""
     refuse_unsupported(cfg)
     corpus = cached_corpus(cfg)
-    train = corpus.records.get(TRAIN_SPLIT, [])
-    if len(train) < 2:
-        raise DataError(f"{corpus.url}: {len(train)} clip(s) in split 'train'; training needs at least 2")
+    train = corpus.records.get(TRAIN_SPLIT)
+    if train is None or len(train) < 2:
+        raise DataError(f"{corpus.url}: {len(train or [])} clip(s) in split 'train'; training needs at least 2")
     if cfg.data.max_clips is not None:
         raise ConfigError("data.max_clips takes the first clips of a manifest; with data.shards write a smaller "
                           "shard set instead")
     split = cfg.eval.split
     folder = cfg.out_dir / "val_clips" / str(corpus.index.get("plan", "shards"))[:16]  # per shard set
     val = extract_split(corpus, split, folder) if corpus.records.get(split) else []
-    for name, records in ((TRAIN_SPLIT, train), (split, val)):
-        missing = [lang for lang in cfg.data.languages if not any(r.captions.get(lang) for r in records)]
-        if records and missing:
+    present = {lang for r in val for lang, texts in r.captions.items() if texts}
+    for name, count, languages in ((TRAIN_SPLIT, len(train), train.languages_present), (split, len(val), present)):
+        missing = [lang for lang in cfg.data.languages if lang not in languages]
+        if count and missing:
             raise DataError(f"{corpus.url}: no {name!r} captions in {missing} although data.languages lists them; "
                             "set data.languages to the shards' languages")
     if not val:

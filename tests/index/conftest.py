@@ -38,8 +38,9 @@ def ray_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="package")
 def ray_address(ray_home: Path) -> Iterator[str]:
     """A cluster without token authentication (RAY_AUTH_MODE=disabled: the stale token is not its own).
-    Package scope: the two modules that use it run one after the other and share one cluster (a
-    ``ray start --head`` and its shutdown cost ~N s on two cores); it stops after the package's last test."""
+    Package scope: the two modules that use it run one after the other and share one cluster (one
+    ``ray start --head`` and its shutdown less: the two modules took 136 s instead of 142 s on two
+    cores); it stops after the package's last test."""
     from tests.index.test_ray_embed import _ray_env, _ray_head
 
     with _ray_head(_ray_env(ray_home, RAY_AUTH_MODE="disabled")) as address:

@@ -3,13 +3,13 @@ on a local Ray cluster write the single-process bundle (same ids, vectors to flo
 same index and search results).
 
 "2 workers" here means a pool of two embedding actors — two Ray worker processes, one CPU and
-one ONNX session each — on a Ray cluster started with ``ray start --head`` (``ray_address``, shared with
-test_ray_milvus.py: tests/index/conftest.py) bound to
-127.0.0.1 with 2 CPUs; the tests check that both actors embedded files. Ray 2.60 keeps a loopback
-cluster to one node (a second ``ray start --address`` is refused unless the node advertises the
-machine's routable address, and then every Ray server listens on all interfaces), so no second
-node is started: the pool, the sharding of blocks and the object-store transfer of the encoder
-are those of a multi-node cluster, one node wide.
+one ONNX session each — on a Ray cluster started with ``ray start --head`` (``ray_address``, shared
+with test_ray_milvus.py: tests/index/conftest.py) bound to 127.0.0.1 with 2 CPUs; the tests check
+that both actors embedded files. Ray 2.60 keeps a loopback cluster to one node (a second
+``ray start --address`` is refused unless the node advertises the machine's routable address, and
+then every Ray server listens on all interfaces), so no second node is started: the pool, the
+sharding of blocks and the object-store transfer of the encoder are those of a multi-node cluster,
+one node wide.
 """
 
 from __future__ import annotations

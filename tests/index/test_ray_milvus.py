@@ -3,7 +3,8 @@ Milvus server, and the result is what `tonearm index` + `tonearm bundle publish`
 
 The Ray cluster (2 CPUs, a pool of two embedding actors, loopback only) is the one
 tests/index/test_ray_embed.py ran on (``ray_address``, package scope in tests/index/conftest.py), the
-sound folder that module's; the Milvus server is the session's standalone server (tests/milvus_server.py). Each actor writes its own files' vectors into the collection;
+sound folder that module's; the Milvus server is the session's standalone server
+(tests/milvus_server.py). Each actor writes its own files' vectors into the collection;
 the driver gets back only row numbers and errors. Compared with the single-process path:
 the same clip ids row by row, the same vectors (float tolerance), the same top-k through the
 Milvus backend, and a bundle the service serves and activates with TONEARM_INDEX_BACKEND=milvus.

@@ -196,8 +196,10 @@ def export_encoders(
     model.eval()
     audio_dir = scratch if quantize.applies("audio") else staging
     text_dir = scratch if quantize.applies("text") else staging
+    # verify=False: check_audio_parity below runs the file against the model on short, exact and long
+    # clips and on a batch of three (the probe of export_audio_encoder would only repeat it)
     audio_fp32_path = export_audio_encoder(model.audio_module(), audio_dir / fmt.AUDIO_ENCODER,
-                                           sample_rate=cfg.frontend.sample_rate, opset=OPSET)
+                                           sample_rate=cfg.frontend.sample_rate, opset=OPSET, verify=False)
     text_fp32_path = export_text_encoder(model.text_module(), text_dir / fmt.TEXT_ENCODER,
                                          max_length=ckpt.tokenizer.max_length, opset=OPSET)
     ckpt.tokenizer.save(staging / fmt.TOKENIZER)

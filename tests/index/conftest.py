@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 
 def copy_bundle(source: Path, destination: Path) -> Path:
@@ -16,3 +19,29 @@ def copy_bundle(source: Path, destination: Path) -> Path:
     for path in destination.rglob("*"):
         path.chmod(path.stat().st_mode | stat.S_IWUSR)
     return destination
+
+
+# ---------------------------------------------------------------- the Ray cluster of the --ray tests
+
+
+@pytest.fixture(scope="package")
+def ray_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The HOME of the Ray processes of tests/index/test_ray_embed.py and test_ray_milvus.py: it holds a
+    stale token, as on a machine where a local ``tonearm index --ray`` ran before, so every test there
+    also checks that such a token does not stop the CLI from reaching a cluster started without token
+    authentication."""
+    from tests.index.test_ray_embed import _stale_token_home
+
+    return _stale_token_home(tmp_path_factory.mktemp("ray_home"))
+
+
+@pytest.fixture(scope="package")
+def ray_address(ray_home: Path) -> Iterator[str]:
+    """A cluster without token authentication (RAY_AUTH_MODE=disabled: the stale token is not its own).
+    Package scope: the two modules that use it run one after the other and share one cluster (one
+    ``ray start --head`` and its shutdown less: the two modules took 136 s instead of 142 s on two
+    cores); it stops after the package's last test."""
+    from tests.index.test_ray_embed import _ray_env, _ray_head
+
+    with _ray_head(_ray_env(ray_home, RAY_AUTH_MODE="disabled")) as address:
+        yield address

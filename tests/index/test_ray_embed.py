@@ -3,12 +3,13 @@ on a local Ray cluster write the single-process bundle (same ids, vectors to flo
 same index and search results).
 
 "2 workers" here means a pool of two embedding actors — two Ray worker processes, one CPU and
-one ONNX session each — on a Ray cluster this module starts with ``ray start --head`` bound to
-127.0.0.1 with 2 CPUs; the tests check that both actors embedded files. Ray 2.60 keeps a loopback
-cluster to one node (a second ``ray start --address`` is refused unless the node advertises the
-machine's routable address, and then every Ray server listens on all interfaces), so no second
-node is started: the pool, the sharding of blocks and the object-store transfer of the encoder
-are those of a multi-node cluster, one node wide.
+one ONNX session each — on a Ray cluster started with ``ray start --head`` (``ray_address``, shared
+with test_ray_milvus.py: tests/index/conftest.py) bound to 127.0.0.1 with 2 CPUs; the tests check
+that both actors embedded files. Ray 2.60 keeps a loopback cluster to one node (a second
+``ray start --address`` is refused unless the node advertises the machine's routable address, and
+then every Ray server listens on all interfaces), so no second node is started: the pool, the
+sharding of blocks and the object-store transfer of the encoder are those of a multi-node cluster,
+one node wide.
 """
 
 from __future__ import annotations
@@ -101,21 +102,6 @@ def _ray_head(env: dict[str, str]) -> Iterator[str]:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(timeout=10)
         shutil.rmtree(temp, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def ray_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The HOME of this module's Ray processes: it holds a stale token, as on a machine where a local
-    ``tonearm index --ray`` ran before, so every test here also checks that such a token does not
-    stop the CLI from reaching a cluster started without token authentication."""
-    return _stale_token_home(tmp_path_factory.mktemp("ray_home"))
-
-
-@pytest.fixture(scope="module")
-def ray_address(ray_home: Path) -> Iterator[str]:
-    """A cluster without token authentication (RAY_AUTH_MODE=disabled: the stale token is not its own)."""
-    with _ray_head(_ray_env(ray_home, RAY_AUTH_MODE="disabled")) as address:
-        yield address
 
 
 def _gcs_up(port: int) -> bool:

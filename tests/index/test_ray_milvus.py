@@ -1,9 +1,10 @@
 """`tonearm index --ray --milvus-uri` (issue 22 item 4): Ray workers publish straight to a real
 Milvus server, and the result is what `tonearm index` + `tonearm bundle publish` give.
 
-The Ray cluster (2 CPUs, a pool of two embedding actors, loopback only) and the sound folder
-are those of tests/index/test_ray_embed.py; the Milvus server is the session's standalone
-server (tests/milvus_server.py). Each actor writes its own files' vectors into the collection;
+The Ray cluster (2 CPUs, a pool of two embedding actors, loopback only) is the one
+tests/index/test_ray_embed.py ran on (``ray_address``, package scope in tests/index/conftest.py), the
+sound folder that module's; the Milvus server is the session's standalone server
+(tests/milvus_server.py). Each actor writes its own files' vectors into the collection;
 the driver gets back only row numbers and errors. Compared with the single-process path:
 the same clip ids row by row, the same vectors (float tolerance), the same top-k through the
 Milvus backend, and a bundle the service serves and activates with TONEARM_INDEX_BACKEND=milvus.
@@ -30,7 +31,7 @@ from index.bundle import AUDIO_IDS, read_manifest
 from index.errors import BundleError
 from index.loader import LoadedBundle
 from index.own_audio import index_folder
-from tests.index.test_ray_embed import N_FILES, ray_address, ray_home, sound_folder, tonearm  # noqa: F401 (fixtures)
+from tests.index.test_ray_embed import N_FILES, sound_folder, tonearm  # noqa: F401 (fixtures)
 from tests.milvus_server import require_milvus
 
 require_milvus()

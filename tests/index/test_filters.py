@@ -135,17 +135,22 @@ def test_filtered_flat_top_k_equals_brute_force_over_the_passing_items(flt):
         _assert_same_top_k(scores, rows, _brute_force(vectors, queries, allowed, k), k)
 
 
+def _unit_vectors_in_an_ivf(rng: np.random.Generator, n: int) -> tuple[np.ndarray, faiss.IndexIVFFlat]:
+    """``n`` random unit vectors and an exact-valued IVF64,Flat (inner product) holding them."""
+    vectors = rng.standard_normal((n, D)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(D), D, 64, faiss.METRIC_INNER_PRODUCT)
+    ivf.train(vectors)
+    ivf.add(vectors)
+    return vectors, ivf
+
+
 def test_both_strategies_are_exercised_and_ivf_finds_a_one_in_many_item():
     """Broad filters over-fetch, selective ones pre-filter; on IVF with nprobe 1 the pre-filter
     scans every list, so a lone passing item far from the query is still found."""
     rng = np.random.default_rng(1)
     n = 20_000
-    vectors = rng.standard_normal((n, D)).astype(np.float32)
-    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
-    quantizer = faiss.IndexFlatIP(D)
-    ivf = faiss.IndexIVFFlat(quantizer, D, 64, faiss.METRIC_INNER_PRODUCT)
-    ivf.train(vectors)
-    ivf.add(vectors)
+    vectors, ivf = _unit_vectors_in_an_ivf(rng, n)
     index = FaissVectorIndex(ivf, {"nprobe": 1})
     query = -vectors[:1]  # the lone passing row 0 is the farthest one from the query
     allowed = np.zeros(n, bool)
@@ -221,12 +226,7 @@ def test_ivf_prefilter_finds_every_passing_row_whether_read_back_or_scanned(pass
     by a scan of every list; with nprobe 1 either must reach rows far from the query's own list."""
     rng = np.random.default_rng(2)
     n = 20_000
-    vectors = rng.standard_normal((n, D)).astype(np.float32)
-    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
-    quantizer = faiss.IndexFlatIP(D)
-    ivf = faiss.IndexIVFFlat(quantizer, D, 64, faiss.METRIC_INNER_PRODUCT)
-    ivf.train(vectors)
-    ivf.add(vectors)
+    vectors, ivf = _unit_vectors_in_an_ivf(rng, n)
     index = FaissVectorIndex(ivf, {"nprobe": 1})
     allowed = np.zeros(n, bool)
     allowed[rng.choice(n, passing, replace=False)] = True

@@ -19,6 +19,7 @@ from index.filters import (
     parse_filter,
 )
 from index.vector_index import EXACT_SUBSET_ROWS, PREFILTER_ROWS, FaissVectorIndex
+from tests.index.filter_reference import passes
 
 N, D = 6000, 16
 LICENSES = ["cc0", "by", "by-nc"]
@@ -40,44 +41,9 @@ ITEMS = _items()
 
 
 def _passes(item: dict, flt: dict) -> bool:
-    """An independent reference evaluator of the documented semantics (plain Python)."""
-    meta = {**item["metadata"], **{k: v for k, v in item.items() if k not in ("captions", "metadata")}}
-    for key, cond in flt.items():
-        if key == "and":
-            ok = all(_passes(item, f) for f in cond)
-        elif key == "or":
-            ok = any(_passes(item, f) for f in cond)
-        elif key == "not":
-            ok = not _passes(item, cond)
-        else:
-            value = meta.get(key)
-            ops = cond if isinstance(cond, dict) else {"eq": cond}
-            ok = value is not None
-            for op, arg in ops.items():
-                if not ok:
-                    break
-                ok = _holds(op, value, arg)
-        if not ok:
-            return False
-    return True
-
-
-def _holds(op: str, value, arg) -> bool:
-    if isinstance(value, list):
-        if op == "eq":
-            return arg in value
-        if op == "ne":
-            return arg not in value
-        if op in ("in", "any"):
-            return bool(set(value) & set(arg))
-        return set(arg) <= set(value)  # all
-    if op == "eq":
-        return value == arg
-    if op == "ne":
-        return value != arg
-    if op == "in":
-        return value in arg
-    return {"lt": value < arg, "lte": value <= arg, "gt": value > arg, "gte": value >= arg}[op]
+    """The reference evaluator (tests/index/filter_reference.py) on an item's fields: its top-level keys
+    win over its ``metadata`` keys of the same name, ``captions`` is not a field."""
+    return passes({**item["metadata"], **{k: v for k, v in item.items() if k not in ("captions", "metadata")}}, flt)
 
 
 FILTERS = [

@@ -11,6 +11,7 @@ import pytest
 from index.item_log import ItemLog
 from index.overlay import AddedItem, ItemOverlay, build_overlay, merge_top_k
 from index.vector_index import FaissVectorIndex
+from tests.index.filter_reference import passes
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -134,35 +135,6 @@ def _reference_kind(value) -> str:
     return "strings" if isinstance(value, list) else "string"
 
 
-def _passes(meta: dict, flt: dict) -> bool:
-    """The filter language of docs/service.md evaluated on one item's metadata (the test's own)."""
-    for key, cond in flt.items():
-        if key == "and":
-            ok = all(_passes(meta, f) for f in cond)
-        elif key == "or":
-            ok = any(_passes(meta, f) for f in cond)
-        elif key == "not":
-            ok = not _passes(meta, cond)
-        else:
-            ops = cond if isinstance(cond, dict) else {"eq": cond}
-            value = meta.get(key)
-            ok = value is not None and all(_compare(value, op, operand) for op, operand in ops.items())
-        if not ok:
-            return False
-    return True
-
-
-def _compare(value, op: str, operand) -> bool:
-    if isinstance(value, list):
-        held = set(value)
-        return {"eq": lambda: operand in held, "ne": lambda: operand not in held and bool(held),
-                "in": lambda: bool(held & set(operand)), "any": lambda: bool(held & set(operand)),
-                "all": lambda: set(operand) <= held}[op]()
-    return {"eq": lambda: value == operand, "ne": lambda: value != operand, "in": lambda: value in operand,
-            "lt": lambda: value < operand, "lte": lambda: value <= operand, "gt": lambda: value > operand,
-            "gte": lambda: value >= operand}[op]()
-
-
 def _random_metadata(rng: np.random.Generator) -> dict:
     meta = {"license": str(rng.choice(LICENSES)), "duration": float(rng.integers(1, 11)),
             "tags": sorted({str(t) for t in rng.choice(TAGS, size=int(rng.integers(0, 3)))}),
@@ -210,7 +182,7 @@ def _check_against_brute_force(overlay, clips, clip_meta, live, rng) -> None:
         else:
             clip_allowed = clip_table.mask(flt, fields=fields)
             added_allowed = overlay.metadata_table().mask(flt, fields=fields)
-        passing = {i: vec for i, (vec, meta) in catalogue.items() if raw is None or _passes(meta, raw)}
+        passing = {i: vec for i, (vec, meta) in catalogue.items() if raw is None or passes(meta, raw)}
         for k in (1, 4, 30):
             found = merge_top_k(bundle.search(queries, k, allowed=overlay.bundle_mask(clip_allowed)),
                                 overlay.search_items(queries, k, added_allowed), k)
@@ -228,7 +200,7 @@ def _check_against_brute_force(overlay, clips, clip_meta, live, rng) -> None:
             allowed = None if raw is None else overlay.metadata_table().mask(parse_filter(raw), fields=fields)
             scores, rows = overlay.search_captions(queries, 5, lang, allowed)
             pool = [(item_id, text) for item_id, (_, meta, caps) in live["items"].items()
-                    for text in caps.get(lang, []) if raw is None or _passes(meta, raw)]
+                    for text in caps.get(lang, []) if raw is None or passes(meta, raw)]
             for q in range(len(queries)):
                 expected = sorted((float(queries[q] @ _text_vector(t)) for _, t in pool), reverse=True)[:5]
                 got = [j for j in rows[q] if j >= 0]

@@ -86,6 +86,12 @@ class DataConfig(_Strict):
     more distinct clips than this fraction of a rank's share have failed."""
     max_clips: int | None = Field(None, ge=1)
     """Use only the first N clips of each split (quick experiments)."""
+    read_retries: int = Field(4, ge=0)
+    """With `shards`: retries of a shard read that fails (a dropped connection, an object store's
+    5xx), each resuming at the byte offset of the first sample not yet read; only a sample still
+    unreadable after them counts against `max_bad_fraction`."""
+    read_backoff_seconds: float = Field(0.5, ge=0)
+    """Wait before the first retry of a shard read; it doubles with each retry (0.5, 1, 2, 4 s)."""
 
     @model_validator(mode="after")
     def _check_languages(self) -> DataConfig:

@@ -1,4 +1,5 @@
-"""Fixtures of the training tests: the real-size models, presets and bundles (tests/real_size_models.py)."""
+"""Fixtures of the training tests: the real-size models, presets and bundles (tests/real_size_models.py),
+a real S3-compatible server (tests/s3_server.py)."""
 
 from tests.real_size_models import (  # noqa: F401  (pytest fixtures, used by name)
     real_ast_dir,
@@ -13,3 +14,4 @@ from tests.real_size_models import (  # noqa: F401  (pytest fixtures, used by na
     real_train_manifest,
     real_xlmr_dir,
 )
+from tests.s3_server import s3_endpoint  # noqa: F401  (pytest fixture, used by name)

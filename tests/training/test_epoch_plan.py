@@ -373,10 +373,11 @@ def test_two_gloo_processes_from_shards_resume_on_one(subset_shards: tuple[Path,
     assert [p["world_size"] for p in plans] == [2, 1] and plans[0]["clips_per_epoch"] == 18
     epochs = [r for r in records if r["kind"] == "epoch"]
     assert [e["step"] for e in epochs] == [3, 4 + 5]
-    # With seed 1 the corrupt clip falls to rank 1 in epoch 1: rank 0 holds back one clip of that
-    # step so both train 2 (rank 0's records of clips served and held back; bad_samples are the
-    # distinct bad clips of all ranks, so rank 1's corrupt clip is counted).
-    assert (epochs[0]["clips_served"], epochs[0]["clips_held_back"], epochs[0]["bad_samples"]) == (8, 1, 1)
+    # With seed 1 the corrupt clip falls to rank 0 in epoch 1 (its shard's first English sample: the
+    # interleaved sequence starts with every shard's first samples): rank 0 trains 8 and rank 1 holds
+    # back one clip of that step (rank 0's records of clips served and held back; bad_samples are the
+    # distinct bad clips of all ranks).
+    assert (epochs[0]["clips_served"], epochs[0]["clips_held_back"], epochs[0]["bad_samples"]) == (8, 0, 1)
     assert epochs[1]["clips_served"] == 15 - epochs[1]["bad_samples"]  # the corrupt clip, if it was left, is a hole
 
 

@@ -267,41 +267,7 @@ def test_seekable_tar_reader_gives_webdatasets_samples_and_fails_on_a_cut_shard(
 # --- a real S3-compatible server (moto_server on loopback), read through s3fs -------------------
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint() -> object:
-    """A `moto_server` subprocess on a free loopback port; AWS_* point boto3 and s3fs at it."""
-    import os
-    import socket
-    import time
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("moto_server did not start") from None
-                time.sleep(0.1)
-        yield env["AWS_ENDPOINT_URL"]
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+# s3_endpoint: tests/s3_server.py (a session fixture, through tests/training/conftest.py)
 
 
 def test_training_streams_shards_from_an_s3_bucket(s3_endpoint: str, clean_shards: Path, tmp_path: Path) -> None:

@@ -1,10 +1,15 @@
 """How an epoch of ``data.shards`` is cut across ranks and loader workers (docs/training.md,
 "Training on a large corpus"). Pure functions of counts and seeds: no I/O, no torch.
 
-**The epoch's sequence.** The train shards are put in an order drawn from ``(seed, epoch)``;
-the epoch's sequence is every *usable* sample (a clip with a caption in ``data.languages``,
-known from ``records.jsonl`` before any audio is read) of the first shard, then of the next,
-… — ``N`` positions ``(shard, ordinal in the shard)``.
+**The epoch's sequence.** The train shards are put in an order drawn from ``(seed, epoch)`` and
+dealt into groups of :data:`MIX_SHARDS` consecutive ones; the epoch's sequence is every *usable*
+sample (a clip with a caption in ``data.languages``, known from ``records.jsonl`` before any audio
+is read) of the first group, then of the next, … — ``N`` positions ``(shard, ordinal in the
+shard)``. Within a group the shards' samples are interleaved evenly, each shard's in its own order
+(sample ``i`` of a shard of ``n`` sits at ``(i + ½) / n`` of the group's stretch), so any stretch of
+the sequence — a loader worker's chunk, its shuffle buffer's window — draws from up to
+:data:`MIX_SHARDS` shards at once, not one or two, while each shard is still read front to back
+(with byte offsets: one range request per run of adjacent samples, training/data/stream.py).
 
 **A segment** is the part of an epoch run under one layout ``(world, workers, batch, shuffle
 buffer)``. A fresh
@@ -18,7 +23,8 @@ consecutive ones (a rank batch of one clip is avoided: ``M`` drops by one when `
 and ranks stay in lockstep; at most ``2 × world - 1`` positions of a segment are left out.
 The DataLoader yields a rank's batches round-robin from its workers, so batch ``t`` is worker
 ``t % workers``'s batch ``t // workers``; each worker's batches are one contiguous *chunk* of
-the rank's range (it reads one or a few shards, or pieces of them, front to back).
+the rank's range (it reads pieces of one or a few groups of interleaved shards, each shard front to
+back).
 
 **Draws** (:func:`draw_order`): a worker emits its chunk through a shuffle buffer of ``buffer``
 entries that starts serving after one batch's worth and grows by one entry per draw up to
@@ -73,16 +79,29 @@ class Segment:
         return Segment(layout, int(obj["batches"]))
 
 
-def epoch_sequence(usable: Sequence[Sequence[int] | np.ndarray], *, seed: int,
-                   epoch: int) -> tuple[np.ndarray, np.ndarray]:
-    """(shard number, ordinal in the shard) of each position of the epoch's sequence."""
+MIX_SHARDS = 8
+"""Shards whose samples the epoch's sequence interleaves (module doc)."""
+
+
+def epoch_sequence(usable: Sequence[Sequence[int] | np.ndarray], *, seed: int, epoch: int,
+                   mix: int = MIX_SHARDS) -> tuple[np.ndarray, np.ndarray]:
+    """(shard number, ordinal in the shard) of each position of the epoch's sequence (module doc)."""
     order = list(range(len(usable)))
     random.Random(_seed(seed, epoch, 7)).shuffle(order)
-    counts = np.array([len(usable[s]) for s in order], dtype=np.int64)
-    shards = np.repeat(np.array(order, dtype=np.int64), counts)
-    ordinals = (np.concatenate([np.asarray(usable[s], dtype=np.int64) for s in order]) if order
-                else np.zeros(0, dtype=np.int64))
-    return shards, ordinals
+    shard_parts, ordinal_parts = [], []
+    for first in range(0, len(order), max(1, mix)):
+        group = order[first:first + max(1, mix)]
+        counts = np.array([len(usable[s]) for s in group], dtype=np.int64)
+        shards = np.repeat(np.array(group, dtype=np.int64), counts)
+        ordinals = (np.concatenate([np.asarray(usable[s], dtype=np.int64) for s in group]) if group
+                    else np.zeros(0, dtype=np.int64))
+        place = np.concatenate([(np.arange(n) + 0.5) / n for n in counts]) if counts.sum() else np.zeros(0)
+        turn = np.argsort(place, kind="stable")  # ties: the group's order
+        shard_parts.append(shards[turn])
+        ordinal_parts.append(ordinals[turn])
+    if not shard_parts:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(shard_parts), np.concatenate(ordinal_parts)
 
 
 @dataclass(frozen=True)

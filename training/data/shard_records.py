@@ -6,7 +6,9 @@ a rank needs, for every clip of a split:
 
 * its **id** (errors and logs name clips by it; the teacher cache and the knowledge-base pass key
   clips by it), its **shard** and **ordinal** in the shard (the epoch plan), its **seconds**
-  (balancing the extra passes across ranks, the teacher cache's rule);
+  (balancing the extra passes across ranks, the teacher cache's rule), and where its sample lies in
+  the shard (**offset**, **size**: the stream's range reads; -1 / 0 for shard sets written before
+  `tonearm data shard` recorded them);
 
 and the **captions** of only some clips, now and then: the knowledge-base pass's share (the clips
 of the shards this rank embeds), the validation split (extracted once), the tokenizer's texts
@@ -102,6 +104,10 @@ class ShardRecords(Sequence[ShardClip]):
     """Languages with at least one caption in the split."""
     unusable: list[str] = field(default_factory=list)
     """Ids of the split's clips without a caption in ``languages`` (left out of the rows)."""
+    tar_offset: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Byte where each clip's sample starts in its shard (-1: not recorded, an older shard set)."""
+    tar_size: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Bytes of each clip's sample in its shard (headers, data and padding of its members)."""
 
     def __len__(self) -> int:
         return len(self.seconds)
@@ -136,7 +142,7 @@ class ShardRecords(Sequence[ShardClip]):
     def nbytes(self) -> int:
         """Bytes of the columns (what the split costs a rank, besides a few Python objects)."""
         columns = (self.id_bytes, self.id_ends, self.seconds, self.shard, self.ordinal, self.line_start,
-                   self.line_length)
+                   self.line_length, self.tar_offset, self.tar_size)
         return sum(int(c.nbytes) for c in columns)
 
     @property
@@ -200,6 +206,7 @@ class _Columns:
     def __init__(self) -> None:
         self.id_bytes = bytearray()
         self.id_ends, self.line_start = array("q"), array("q")
+        self.tar_offset, self.tar_size = array("q"), array("q")
         self.seconds = array("d")
         self.shard, self.ordinal, self.line_length = array("i"), array("i"), array("i")
         self.shard_number: dict[str, int] = {}
@@ -213,7 +220,8 @@ class _Columns:
             id_bytes=np.frombuffer(bytes(self.id_bytes), dtype=np.uint8), id_ends=np.asarray(self.id_ends),
             seconds=np.asarray(self.seconds), shard=np.asarray(self.shard), ordinal=np.asarray(self.ordinal),
             line_start=np.asarray(self.line_start), line_length=np.asarray(self.line_length), pairs=self.pairs,
-            languages_present=frozenset(self.present), unusable=self.unusable)
+            languages_present=frozenset(self.present), unusable=self.unusable,
+            tar_offset=np.asarray(self.tar_offset, dtype=np.int64), tar_size=np.asarray(self.tar_size, dtype=np.int64))
 
 
 def _numbered_lines(handle: Any) -> Iterator[tuple[int, bytes]]:
@@ -264,6 +272,8 @@ def read_records(folder: str, *, languages: Sequence[str], drop_other_languages:
             columns.ordinal.append(place)
             columns.line_start.append(start)
             columns.line_length.append(len(line))
+            columns.tar_offset.append(int(row.get("offset", -1)))
+            columns.tar_size.append(int(row.get("size", 0)))
             columns.pairs += sum(len(texts) for texts in captions.values())
             columns.present.update(lang for lang, texts in captions.items() if texts)
     return {split: columns.records(url, folder, split, wanted) for split, columns in splits.items()}

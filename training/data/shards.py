@@ -4,7 +4,8 @@ Layout of ``--out DIR``::
 
     train-000000.tar  train-000001.tar  …  val-000000.tar  …   one shard set per split
     records.jsonl                                             text-only manifest (id, split, captions,
-                                                              seconds, shard): tokenizer, languages, counts
+                                                              seconds, shard, offset, size, members):
+                                                              tokenizer, languages, counts, range reads
     index.json                                                counts, durations, languages, per-shard
                                                               sha256, skipped files with reasons
 
@@ -13,6 +14,18 @@ decoded, downmixed and resampled once here with :func:`index.audio.decode_audio`
 ``{"id", "split", "captions": {lang: [...]}, "seconds", "sample_rate", "source", "meta"}``. Keys are
 ``{split}-{position:09d}`` (webdataset keys may not contain dots, ids may). Clips are shuffled once
 (``--seed``) before being cut into shards, so a shard mixes the corpus' sources.
+
+**Byte offsets.** Each clip's line of records.jsonl says where its sample lies in its shard:
+``offset`` (the byte where the sample's first tar header starts), ``size`` (bytes up to the end of
+its last member's 512-byte padding: the headers, pax headers and data of every member) and
+``members`` (``{ext: [data offset, data size]}``), read back from the written tar with tarfile.
+The stream range-reads ``[offset, offset + size)`` of the samples its share needs instead of the
+whole shard (training/data/stream.py, :func:`~training.data.stream.read_sample_ranges`). Why
+records.jsonl and not a sidecar of the webdataset tools: wids' member index is a pickle it builds
+by scanning each tar (``NAME.tar.index``; unpickling a file from a bucket runs its code), and its
+``wids-shard-index-v1`` JSON only has sample counts; records.jsonl is already one line per sample,
+read by every rank at start, so the two numbers a rank keeps per clip cost no extra request.
+Shard sets written before offsets existed have none: the stream reads those shards as before.
 
 Shards are written by ``--workers`` processes, one shard per task, through ``webdataset.TarWriter``
 (mtime 0: the same inputs give byte-identical shards). After every finished shard its entry goes
@@ -113,7 +126,9 @@ def write_shard(task: ShardTask, *, out: Path, sample_rate: int, codec: Codec) -
 
     final = out / task.name
     partial = out / f".{task.name}.partial"
-    clips, seconds, skipped = [], 0.0, []
+    clips: list[dict[str, Any]] = []
+    keys: list[str] = []
+    seconds, skipped = 0.0, []
     with partial.open("wb") as handle:
         writer = wds.TarWriter(handle, mtime=0.0)
         for offset, row in enumerate(task.rows):
@@ -128,8 +143,9 @@ def write_shard(task: ShardTask, *, out: Path, sample_rate: int, codec: Codec) -
                 "seconds": round(duration, 4), "sample_rate": sample_rate, "source": row["audio"],
                 "meta": row.get("meta", {}),
             }
+            keys.append(f"{task.split}-{task.first + offset:09d}")
             writer.write({
-                "__key__": f"{task.split}-{task.first + offset:09d}",
+                "__key__": keys[-1],
                 EXTENSION[codec]: encode_audio(wave, sample_rate, codec),
                 "json": json.dumps(meta, ensure_ascii=False).encode("utf-8"),
             })
@@ -137,9 +153,34 @@ def write_shard(task: ShardTask, *, out: Path, sample_rate: int, codec: Codec) -
                           "seconds": meta["seconds"], "shard": task.name})
             seconds += duration
         writer.close()
+    spans = sample_spans(partial)
+    for clip, key in zip(clips, keys, strict=True):
+        clip.update(spans[key])
     os.replace(partial, final)
     return {"name": task.name, "split": task.split, "sha256": sha256_of(final), "quick_sha256": quick_sha256_of(final),
             "bytes": final.stat().st_size, "clips": len(clips), "seconds": round(seconds, 3), "records": clips, "skipped": skipped}
+
+
+def sample_spans(path: Path) -> dict[str, dict[str, Any]]:
+    """Per sample key of a written tar: ``offset`` (its first header), ``size`` (through its last
+    member's padding) and ``members`` (``{ext: [data offset, data size]}``) — module doc."""
+    import tarfile
+
+    from webdataset.tariterators import base_plus_ext
+
+    spans: dict[str, dict[str, Any]] = {}
+    with tarfile.open(path, mode="r:") as archive:
+        for info in archive:
+            if not info.isreg():
+                continue
+            key, ext = base_plus_ext(info.name)
+            if key is None:
+                continue
+            end = info.offset_data + -(-info.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+            span = spans.setdefault(key, {"offset": info.offset, "size": 0, "members": {}})
+            span["size"] = end - span["offset"]
+            span["members"][ext] = [info.offset_data, info.size]
+    return spans
 
 
 def _write_shard_star(args: tuple[ShardTask, Path, int, Codec]) -> dict[str, Any]:

@@ -35,11 +35,12 @@ world size, worker count or batch size the epoch's clips not yet served are cut 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ from index.errors import AudioDecodeError, DataError
 from training.config import ConfigError, TrainConfig, short_clip_padding
 from training.data.dataset import TrainBatch, TrainCollate, TrainItem, _rng_seed
 from training.data.epoch_plan import (
+    MIX_SHARDS,
     Coverage,
     Layout,
     Segment,
@@ -166,10 +168,42 @@ def refuse_unsupported(cfg: TrainConfig) -> None:
 # --- the stream -----------------------------------------------------------------------------
 
 
-def read_samples(stream: Any, url: str, wanted: Collection[int]) -> Iterator[tuple[int, dict[str, Any]]]:
+@dataclass
+class ReadPolicy:
+    """How a worker reads its samples of a shard (docs/training.md, "Training on a large corpus")."""
+
+    retries: int = 4
+    """Attempts after the first, per request, on an error that may pass (a dropped connection, an
+    object store's 5xx): waits of ``backoff``, 2 × ``backoff``, 4 × ``backoff``, …"""
+    backoff: float = 0.5
+    """Seconds before the first retry."""
+    block: int = 8 * 2**20
+    """Most bytes of one range request: adjacent wanted samples are merged up to it (a sample larger
+    than it is one request of its own)."""
+
+
+class _Permanent(Exception):
+    """A read that no retry mends: the object is shorter than records.jsonl says, or its bytes there
+    are not the sample recorded (the shard was rewritten)."""
+
+
+@dataclass
+class _Position:
+    """How far :func:`read_samples` got in a shard: the byte where the next sample's first header
+    starts and its ordinal (a retry reopens the shard there)."""
+
+    offset: int = 0
+    ordinal: int = 0
+
+
+def read_samples(stream: Any, url: str, wanted: Collection[int],
+                 position: _Position | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(ordinal, sample)`` of the samples of one shard whose ordinal (0-based position in the
     shard) is in ``wanted``, in order; the shard is read no further than the last one. Where the
-    file seeks, the members of the other samples are passed over without reading their bytes."""
+    file seeks, the members of the other samples are passed over without reading their bytes —
+    though an object store's file reads ahead whole blocks: shard sets with byte offsets are read
+    with :func:`read_sample_ranges` instead. ``position``: start at its offset (a sample's first
+    header) and ordinal, and keep it up to date as samples are passed (a retry resumes there)."""
     import tarfile
 
     from webdataset.tariterators import base_plus_ext
@@ -184,8 +218,10 @@ def read_samples(stream: Any, url: str, wanted: Collection[int]) -> Iterator[tup
             if ordinal in wanted:
                 yield ordinal, sample
         return
+    position = position if position is not None else _Position()
+    stream.seek(position.offset)
     archive = tarfile.open(fileobj=stream, mode="r:")
-    ordinal, key = -1, None
+    ordinal, key = position.ordinal - 1, None
     current: dict[str, Any] | None = None
     for info in archive:
         archive.members = []  # type: ignore[attr-defined]  # streamed: keep no list of the shard's members
@@ -197,6 +233,7 @@ def read_samples(stream: Any, url: str, wanted: Collection[int]) -> Iterator[tup
         if prefix != key:
             if current is not None:
                 yield ordinal, current
+            position.offset, position.ordinal = info.offset, ordinal + 1  # this sample starts here
             ordinal, key = ordinal + 1, prefix
             if ordinal > last:
                 return
@@ -207,6 +244,154 @@ def read_samples(stream: Any, url: str, wanted: Collection[int]) -> Iterator[tup
             current[suffix.lower()] = handle.read()
     if current is not None:
         yield ordinal, current
+
+
+def _parse_sample(data: bytes, url: str) -> dict[str, Any]:
+    """The sample whose tar members (headers, data, padding) are exactly ``data``."""
+    import tarfile
+
+    from webdataset.tariterators import base_plus_ext
+
+    sample: dict[str, Any] = {"__url__": url}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as archive:
+            for info in archive:
+                if not info.isreg():
+                    continue
+                prefix, suffix = base_plus_ext(info.name)
+                if prefix is None:
+                    continue
+                if sample.setdefault("__key__", prefix) != prefix:
+                    raise _Permanent(f"members of {sample['__key__']!r} and {prefix!r} where records.jsonl has one "
+                                     "sample (the shard changed since it was written)")
+                handle = archive.extractfile(info)
+                assert handle is not None
+                sample[suffix.lower()] = handle.read()
+    except tarfile.TarError as err:
+        raise _Permanent(f"not a sample at its recorded offset ({err}; the shard changed since it was written)") from err
+    if "__key__" not in sample:
+        raise _Permanent("no member at its recorded offset (the shard changed since it was written)")
+    return sample
+
+
+def merge_ranges(spans: Sequence[tuple[int, int, int]], block: int) -> list[list[tuple[int, int, int]]]:
+    """``(ordinal, offset, size)`` of wanted samples, by offset, grouped into requests: each group's
+    samples are adjacent in the shard (one's end is the next one's offset) and hold at most
+    ``block`` bytes together (a larger sample is a group of its own)."""
+    groups: list[list[tuple[int, int, int]]] = []
+    total = 0
+    for span in sorted(spans, key=lambda s: s[1]):
+        previous = groups[-1][-1] if groups else None
+        if previous is not None and previous[1] + previous[2] == span[1] and total + span[2] <= block:
+            groups[-1].append(span)
+            total += span[2]
+        else:
+            groups.append([span])
+            total = span[2]
+    return groups
+
+
+def _transient(err: BaseException) -> bool:
+    """Whether a read error may pass on a retry (a missing or forbidden object, or bytes that are not
+    a tar where one should be — a shard cut short — will not)."""
+    import tarfile
+
+    return not isinstance(err, (_Permanent, tarfile.TarError, FileNotFoundError, PermissionError,
+                                IsADirectoryError))
+
+
+def read_sample_ranges(
+    url: str, spans: Sequence[tuple[int, int, int]], policy: ReadPolicy | None = None, *, fs: Any = None,
+    sleep: Any = None,
+) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    """``(ordinal, sample or error)`` for each ``(ordinal, offset, size)`` of ``spans``, in offset
+    order: range requests of adjacent samples merged up to ``policy.block`` bytes, nothing else of
+    the shard read. A request that fails is retried with exponential backoff from the byte offset
+    of its first sample not yet delivered; after ``policy.retries`` retries its samples are asked for
+    one by one (each with its own retries), and only a sample that still cannot be read is an error
+    (a string naming the cause). Bytes that are not the recorded sample, an object shorter than
+    recorded, a missing one: :class:`_Permanent` / the error is raised (the caller reads the rest of
+    the shard front to back, :func:`read_samples`)."""
+    import time
+
+    import fsspec
+
+    policy = policy or ReadPolicy()
+    sleep = sleep or time.sleep
+    if fs is None:
+        fs, path = fsspec.core.url_to_fs(url)
+    else:
+        path = fs._strip_protocol(url)
+
+    def fetch(group: list[tuple[int, int, int]]) -> bytes:
+        start, end = group[0][1], group[-1][1] + group[-1][2]
+        for attempt in range(policy.retries + 1):
+            try:
+                data = fs.cat_file(path, start=start, end=end)
+            except Exception as err:  # noqa: BLE001 - classified: transient ones are retried
+                if not _transient(err) or attempt == policy.retries:
+                    raise
+                wait = policy.backoff * 2**attempt
+                log.warning("%s: reading bytes %d-%d failed (%s: %s); retry %d of %d in %.1f s", url, start, end,
+                            type(err).__name__, err, attempt + 1, policy.retries, wait)
+                sleep(wait)
+                continue
+            if len(data) < end - start:
+                raise _Permanent(f"the shard ends at byte {start + len(data)}, before the sample's end at {end} "
+                                 "(cut short since it was written)")
+            return bytes(data)
+        raise AssertionError("unreachable")
+
+    for group in merge_ranges(spans, policy.block):
+        try:
+            data = fetch(group)
+        except _Permanent:
+            raise
+        except Exception as err:  # noqa: BLE001 - a sample that cannot be read is counted, never the run's end
+            if len(group) > 1 and _transient(err):  # narrow it down: one request per sample
+                for single in group:
+                    yield from read_sample_ranges(url, [single], replace(policy, block=0), fs=fs, sleep=sleep)
+                continue
+            if not _transient(err):
+                raise
+            ordinal = group[0][0]
+            yield ordinal, f"unreadable after {policy.retries} retries: {type(err).__name__}: {err}"
+            continue
+        base = group[0][1]
+        for ordinal, offset, size in group:
+            yield ordinal, _parse_sample(data[offset - base:offset - base + size], url)
+
+
+def lazy_merge(streams: Sequence[tuple[int, Iterator[tuple[int, Any]]]]) -> Iterator[tuple[int, Any]]:
+    """``(j, …)`` of several streams, each ascending in ``j`` and starting at its given first ``j``,
+    merged by ``j``; a stream is started (its shard opened, its first range read) only when its first
+    ``j`` is due, so a worker holds the shards it is drawing from at the moment, not all of its share."""
+    import heapq
+
+    waiting = sorted(((first, number, stream) for number, (first, stream) in enumerate(streams)),
+                     key=lambda w: (w[0], w[1]))
+    heap: list[tuple[int, int, Any, Iterator[tuple[int, Any]]]] = []
+    started = 0
+
+    def start(upto: int | None) -> None:
+        nonlocal started
+        while started < len(waiting) and (upto is None or waiting[started][0] <= upto):
+            _, number, stream = waiting[started]
+            started += 1
+            entry = next(stream, None)
+            if entry is not None:
+                heapq.heappush(heap, (entry[0], number, entry, stream))
+
+    while heap or started < len(waiting):
+        if not heap:
+            start(waiting[started][0])
+            continue
+        start(heap[0][0])
+        _, number, entry, stream = heapq.heappop(heap)
+        yield entry
+        following = next(stream, None)
+        if following is not None:
+            heapq.heappush(heap, (following[0], number, following, stream))
 
 
 @dataclass
@@ -226,6 +411,14 @@ class StreamCorpus:
     """Clip id of each row."""
     unusable: list[str]
     """Ids of the clips without a caption in ``data.languages`` (left out of every epoch)."""
+    offsets: list[np.ndarray] = field(default_factory=list)
+    """Per shard, the byte where each usable ordinal's sample starts (-1: not recorded)."""
+    sizes: list[np.ndarray] = field(default_factory=list)
+    """Per shard, the bytes of each usable ordinal's sample."""
+
+    def ranged(self, shard: int) -> bool:
+        """Whether ``shard``'s samples can be range-read (records.jsonl has their offsets)."""
+        return shard < len(self.offsets) and bool(len(self.offsets[shard])) and bool((self.offsets[shard] >= 0).all())
 
     @property
     def clips(self) -> int:
@@ -236,8 +429,9 @@ class StreamCorpus:
         return sum(len(u) for u in self.usable)
 
     def digest(self) -> str:
-        """What the epoch's sequence depends on in the corpus (saved with a checkpoint)."""
-        text = json.dumps([self.names, self.members, [len(u) for u in self.usable]])
+        """What the epoch's sequence depends on in the corpus and how shards are interleaved (saved with
+        a checkpoint: one written before the interleave resumes its epoch afresh)."""
+        text = json.dumps([self.names, self.members, [len(u) for u in self.usable], {"mix": MIX_SHARDS}])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -247,13 +441,16 @@ def stream_corpus(corpus: ShardCorpus) -> StreamCorpus:
     records = corpus.records.get(TRAIN_SPLIT)
     empty = np.zeros(0, dtype=np.int64)
     usable, rows = [empty] * len(shards), [empty] * len(shards)
+    offsets, sizes = [empty] * len(shards), [empty] * len(shards)
     if records is not None:
         for name, mine in records.rows_by_shard().items():
             if name in number:  # rows ascend with the ordinal: records.jsonl keeps each shard's order
                 usable[number[name]], rows[number[name]] = records.ordinal[mine].astype(np.int64), mine
+                if len(records.tar_offset):
+                    offsets[number[name]], sizes[number[name]] = records.tar_offset[mine], records.tar_size[mine]
     return StreamCorpus(names=[name for name, _ in shards], members=[count for _, count in shards], usable=usable,
                         rows=rows, ids=records.ids if records is not None else [],
-                        unusable=list(records.unusable if records is not None else []))
+                        unusable=list(records.unusable if records is not None else []), offsets=offsets, sizes=sizes)
 
 
 class ShardStream(IterableDataset):
@@ -268,7 +465,7 @@ class ShardStream(IterableDataset):
 
     def __init__(
         self, corpus: ShardCorpus, *, rank: int, layout: Layout, sample_rate: int, clip_samples: int, seed: int,
-        languages: Sequence[str], padding: Padding = "pad",
+        languages: Sequence[str], padding: Padding = "pad", read_policy: ReadPolicy | None = None,
     ) -> None:
         self.url = corpus.url
         self.plan = stream_corpus(corpus)
@@ -277,6 +474,7 @@ class ShardStream(IterableDataset):
         self.rank, self.layout = rank, layout
         self.sample_rate, self.clip_samples, self.padding = sample_rate, clip_samples, padding
         self.seed, self.shuffle_buffer = seed, layout.buffer
+        self.read_policy = read_policy or ReadPolicy()
         self.segments: list[Segment] = []
         self.segments_epoch = -1
         self.shared = torch.zeros(2, dtype=torch.long).share_memory_()  # epoch, batches to skip
@@ -304,34 +502,72 @@ class ShardStream(IterableDataset):
 
     def _entries(self, epoch: int, positions: np.ndarray, keep: set[int],
                  errors: list[str]) -> Iterator[tuple[int, TrainItem | str]]:
-        """``(j, item or error)`` for each kept entry ``j`` of the chunk, in chunk order."""
-        import fsspec
-
+        """``(j, item or error)`` for each kept entry ``j`` of the chunk, in chunk order: each shard's
+        wanted samples read by :meth:`_shard_entries`, the shards' streams merged by ``j`` (a chunk
+        of an interleaved sequence draws from several shards at once, epoch_plan's module doc)."""
         shards, ordinals = epoch_sequence(self.plan.usable, seed=self.seed, epoch=epoch)
         by_shard: dict[int, dict[int, int]] = {}
         for j in sorted(keep):
             by_shard.setdefault(int(shards[positions[j]]), {})[int(ordinals[positions[j]])] = j
-        for shard in sorted(by_shard, key=lambda s: min(by_shard[s].values())):
-            wanted = by_shard[shard]
-            url = _join(self.url, self.plan.names[shard])
-            rows = dict(zip(self.plan.usable[shard].tolist(), self.plan.rows[shard].tolist(), strict=True))
-            delivered: set[int] = set()
-            reason = ""
+        yield from lazy_merge([(min(wanted.values()), self._shard_entries(shard, wanted, epoch, errors))
+                               for shard, wanted in by_shard.items()])
+
+    def _shard_entries(self, shard: int, wanted: dict[int, int], epoch: int,
+                       errors: list[str]) -> Iterator[tuple[int, TrainItem | str]]:
+        """``(j, item or error)`` of one shard's wanted samples (``{ordinal: j}``), ascending ``j``
+        (ordinals ascend with ``j`` within a shard): range reads where records.jsonl has the
+        samples' offsets, else (or for what is left when the shard's bytes are not the ones
+        recorded) the shard read front to back from the first wanted sample; transient errors are
+        retried either way (:class:`ReadPolicy`), what is still unreadable is one error per sample."""
+        import fsspec
+
+        url = _join(self.url, self.plan.names[shard])
+        rows = dict(zip(self.plan.usable[shard].tolist(), self.plan.rows[shard].tolist(), strict=True))
+        delivered: set[int] = set()
+        if self.plan.ranged(shard):
+            place = {o: i for i, o in enumerate(self.plan.usable[shard].tolist())}
+            spans = [(o, int(self.plan.offsets[shard][place[o]]), int(self.plan.sizes[shard][place[o]]))
+                     for o in sorted(wanted)]
+            try:
+                for ordinal, got in read_sample_ranges(url, spans, self.read_policy):
+                    delivered.add(ordinal)
+                    yield wanted[ordinal], (f"{url}: {self.plan.ids[rows[ordinal]]}: {got}" if isinstance(got, str)
+                                            else self._decode(got, epoch, rows[ordinal], url))
+            except Exception as err:  # noqa: BLE001 - the rest is read front to back below
+                log.warning("%s: range read stopped (%s: %s); reading this worker's other %d samples of the shard "
+                            "front to back", url, type(err).__name__, err, len(wanted) - len(delivered))
+        rest = {o: j for o, j in wanted.items() if o not in delivered}
+        if not rest:
+            return
+        position, reason, attempt = _Position(), "", 0
+        while True:
+            todo = {o: j for o, j in rest.items() if o not in delivered}
             try:
                 with fsspec.open(url, "rb") as stream:
-                    for ordinal, sample in read_samples(stream, url, wanted):
+                    for ordinal, sample in read_samples(stream, url, todo, position):
                         delivered.add(ordinal)
-                        yield wanted[ordinal], self._decode(sample, epoch, rows[ordinal], url)
+                        attempt = 0
+                        yield todo[ordinal], self._decode(sample, epoch, rows[ordinal], url)
             except Exception as err:  # noqa: BLE001 - a broken shard loses its samples, never the run
                 reason = f"unreadable or cut short: {type(err).__name__}: {err}"
+                if _transient(err) and attempt < self.read_policy.retries:
+                    wait = self.read_policy.backoff * 2**attempt
+                    attempt += 1
+                    log.warning("%s: read failed at sample %d (byte %d: %s); retry %d of %d there in %.1f s", url,
+                                position.ordinal, position.offset, reason, attempt, self.read_policy.retries, wait)
+                    import time
+
+                    time.sleep(wait)
+                    continue
             else:
                 reason = f"ended early: index.json says {self.plan.members[shard]} samples"
-            lost = sorted(set(wanted) - delivered)
-            if lost:  # each lost sample is one named error: data.max_bad_fraction counts samples, not shards
-                log.warning("%s: shard failed after %d of this worker's %d samples (%s); the other %d are skipped",
-                            url, len(delivered), len(wanted), reason, len(lost))
-                errors.extend(f"{url}: {self.plan.ids[rows[ordinal]]}: skipped, not read: the shard failed after "
-                              f"{len(delivered)} of this worker's {len(wanted)} samples ({reason})" for ordinal in lost)
+            break
+        lost = sorted(set(wanted) - delivered)
+        if lost:  # each lost sample is one named error: data.max_bad_fraction counts samples, not shards
+            log.warning("%s: shard failed after %d of this worker's %d samples (%s); the other %d are skipped",
+                        url, len(delivered), len(wanted), reason, len(lost))
+            errors.extend(f"{url}: {self.plan.ids[rows[ordinal]]}: skipped, not read: the shard failed after "
+                          f"{len(delivered)} of this worker's {len(wanted)} samples ({reason})" for ordinal in lost)
 
     def _decode(self, sample: dict[str, Any], epoch: int, row: int, url: str) -> TrainItem | str:
         """The sample's training item, or the error that makes it unusable (a string)."""
@@ -564,8 +800,15 @@ def build_stream_loader(
     stream = ShardStream(
         corpus, rank=rank, layout=layout, sample_rate=sample_rate, clip_samples=clip_samples, seed=cfg.seed,
         languages=cfg.data.languages, padding=short_clip_padding(cfg.frontend),
+        read_policy=ReadPolicy(retries=cfg.data.read_retries, backoff=cfg.data.read_backoff_seconds),
     )
     plan = stream.plan
+    unranged = sum(1 for shard in range(len(plan.names)) if len(plan.usable[shard]) and not plan.ranged(shard))
+    if unranged and rank == 0:
+        log.warning("%d of %d train shards have no byte offsets in records.jsonl (written before `tonearm data "
+                    "shard` recorded them): each worker reads those front to back, and an object store's file "
+                    "reads ahead whole blocks of samples other workers serve; rewrite the shards (same command) "
+                    "to range-read only this rank's samples", unranged, len(plan.names))
     cover = coverage(plan.usable_clips, plan.clips, layout)
     if cover.steps == 0:
         raise DataError(

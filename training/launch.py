@@ -5,6 +5,17 @@ For people who do not know torchrun: the command re-runs itself as
 (one node, a private rendezvous on a free port). Inside a torchrun worker
 (``WORLD_SIZE`` set) or with N = 1 it trains in this process. Several nodes need torchrun
 itself with a rendezvous endpoint (docs/training.md, "Distributed").
+
+**Deterministic failures under a supervisor** (docs/deploy.md, "Failure policy"). A ``DataError``, a
+``ConfigError`` or a refused plan fails the same way on every restart, so restarting is waste. With
+``TONEARM_FATAL_FILE`` set (the Kubernetes Job sets it to a file on the pod's own ``/tmp``), a
+training process that fails with one writes its message there before it exits (status 2, as
+always); a process started while the file exists — torchrun restarting its workers after that
+failure — fails at once with the same message, so torchrun's ``--max-restarts`` are spent in
+seconds; and the Job's script turns torchrun's failure into :data:`FATAL_EXIT` when the file
+exists, which the Job's ``podFailurePolicy`` marks ``FailJob``. Any other failure (a lost node,
+NCCL, an out-of-memory kill) is transient: torchrun restarts, then the pod fails and the Job
+replaces it within ``backoffLimit``.
 """
 
 from __future__ import annotations
@@ -14,7 +25,38 @@ import os
 import subprocess
 import sys
 
+from index.errors import TonearmError
 from training.config import ConfigError, TrainConfig
+
+FATAL_EXIT = 42
+"""The exit status of a training pod whose run failed deterministically (module doc)."""
+FATAL_FILE_ENV = "TONEARM_FATAL_FILE"
+
+
+class EarlierFatalError(TonearmError):
+    """The failure another process of this launch already met (``TONEARM_FATAL_FILE``)."""
+
+
+def record_fatal(err: BaseException) -> None:
+    """Write a deterministic failure's message to ``TONEARM_FATAL_FILE`` (when set; first one wins)."""
+    path = os.environ.get(FATAL_FILE_ENV)
+    if not path or os.path.exists(path):
+        return
+    rank = os.environ.get("RANK", "0")
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(f"rank {rank}: {type(err).__name__}: {err}\n")
+    os.replace(tmp, path)
+
+
+def refuse_after_fatal() -> None:
+    """Fail at once when another process of this launch already failed deterministically."""
+    path = os.environ.get(FATAL_FILE_ENV)
+    if path and os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            first = handle.read().strip()
+        raise EarlierFatalError(f"not restarted: this launch already failed deterministically ({first}); "
+                                f"fix the cause and start a new one ({FATAL_FILE_ENV}={path})")
 
 
 def worker_argv(argv: list[str]) -> list[str]:
@@ -56,6 +98,15 @@ def cli_train(args: argparse.Namespace) -> int:
         from training.rundir import train_overrides
 
         return cli_plan(args, load_train_config(args.config, train_overrides(args)))
+    refuse_after_fatal()
+    try:
+        return _train(args)
+    except TonearmError as err:  # DataError, ConfigError, a refused plan: deterministic (module doc)
+        record_fatal(err)
+        raise
+
+
+def _train(args: argparse.Namespace) -> int:
     processes = getattr(args, "nproc_per_node", None)
     if processes is not None and processes < 1:
         raise ConfigError(f"--nproc-per-node must be at least 1, got {processes}")

@@ -29,7 +29,7 @@ counted from the run's own objects or formulas, not guessed:
 * **The corpus metadata** (``data.shards``, :func:`count_records`): every split's columns of
   records.jsonl (training/data/shard_records.py: ids, seconds, shard, ordinal, line offsets — their
   arrays' own bytes) and the ids of clips without a caption in ``data.languages`` (Python strings,
-  ``sys.getsizeof`` each); the stream's per-shard ordinals and rows (two int64 per usable clip) and,
+  ``sys.getsizeof`` each); the stream's per-shard ordinals, rows, byte offsets and sizes (four int64 per usable clip) and,
   in each loader worker, the epoch's sequence (two int64 more); the validation split extracted
   with its captions as :class:`ClipRecord` s, :data:`RECORDS_RSS_FACTOR` × its lines' bytes. The
   knowledge-base pass over the train shards reads the captions of this rank's share again, ~1/R of
@@ -54,7 +54,8 @@ RECORDS_RSS_FACTOR = 2.4
 """Resident bytes per byte of records.jsonl lines read into :class:`ClipRecord` s with their captions
 (measured: 2.29× at 400 k clips × 8 languages × 5 captions, bench/records_memory.py)."""
 SEQUENCE_BYTES = 2 * INT64
-"""Bytes per usable clip of the epoch's sequence in each worker, and of the stream's per-shard plan."""
+"""Bytes per usable clip of the epoch's sequence in each worker (shard, ordinal); the stream's per-shard plan
+holds twice as much (ordinal, row, byte offset, size)."""
 KMEANS_POINTS_PER_CENTROID = 256
 """training.knowledge.KMEANS_POINTS_PER_CENTROID (not imported: that module imports faiss)."""
 DEFAULT_HF_CONFIG = {"hf_clap": "ClapConfig", "hf_ast": "ASTConfig", "hf_pe_audio": "PeAudioConfig"}
@@ -279,6 +280,6 @@ def count_records(corpus: Any, *, eval_split: str, workers: int, world: int, kno
     val = splits.get(eval_split) if eval_split != TRAIN_SPLIT else None
     share = -(-train.line_bytes // max(1, world)) if train is not None and knowledge_pass else 0
     return RecordsCount(columns=sum(records.nbytes for records in splits.values()) + unusable,
-                        plan=SEQUENCE_BYTES * usable, sequences=SEQUENCE_BYTES * usable * max(1, workers),
+                        plan=2 * SEQUENCE_BYTES * usable, sequences=SEQUENCE_BYTES * usable * max(1, workers),
                         validation=int(RECORDS_RSS_FACTOR * val.line_bytes) if val is not None else 0,
                         pass_share=int(RECORDS_RSS_FACTOR * share))

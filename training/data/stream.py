@@ -416,6 +416,13 @@ class StreamCorpus:
     sizes: list[np.ndarray] = field(default_factory=list)
     """Per shard, the bytes of each usable ordinal's sample."""
 
+    @property
+    def mix(self) -> int:
+        """Shards the epoch's sequence interleaves (epoch_plan's module doc): :data:`MIX_SHARDS` when
+        every shard can be range-read; 1 for an older shard set without byte offsets, whose workers
+        read their shards as files from the start (interleaving would have each read up to 8 of them)."""
+        return MIX_SHARDS if all(self.ranged(s) for s in range(len(self.names)) if len(self.usable[s])) else 1
+
     def ranged(self, shard: int) -> bool:
         """Whether ``shard``'s samples can be range-read (records.jsonl has their offsets)."""
         return shard < len(self.offsets) and bool(len(self.offsets[shard])) and bool((self.offsets[shard] >= 0).all())
@@ -430,8 +437,12 @@ class StreamCorpus:
 
     def digest(self) -> str:
         """What the epoch's sequence depends on in the corpus and how shards are interleaved (saved with
-        a checkpoint: one written before the interleave resumes its epoch afresh)."""
-        text = json.dumps([self.names, self.members, [len(u) for u in self.usable], {"mix": MIX_SHARDS}])
+        a checkpoint: one written before the interleave, of a shard set with byte offsets, resumes its
+        epoch afresh)."""
+        parts: list[Any] = [self.names, self.members, [len(u) for u in self.usable]]
+        if self.mix != 1:  # an interleaved sequence is another sequence; an older shard set's is unchanged
+            parts.append({"mix": self.mix})
+        text = json.dumps(parts)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -505,7 +516,7 @@ class ShardStream(IterableDataset):
         """``(j, item or error)`` for each kept entry ``j`` of the chunk, in chunk order: each shard's
         wanted samples read by :meth:`_shard_entries`, the shards' streams merged by ``j`` (a chunk
         of an interleaved sequence draws from several shards at once, epoch_plan's module doc)."""
-        shards, ordinals = epoch_sequence(self.plan.usable, seed=self.seed, epoch=epoch)
+        shards, ordinals = epoch_sequence(self.plan.usable, seed=self.seed, epoch=epoch, mix=self.plan.mix)
         by_shard: dict[int, dict[int, int]] = {}
         for j in sorted(keep):
             by_shard.setdefault(int(shards[positions[j]]), {})[int(ordinals[positions[j]])] = j

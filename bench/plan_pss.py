@@ -137,10 +137,13 @@ def main() -> None:
         "",
         *table,
         "",
-        "The plan's baselines (`MAIN_PROCESS_PSS`, `WORKER_PSS` in training/memory_plan.py) come from the last "
-        "two columns: the training process before its workers start (torch, the model, the corpus metadata) "
-        "and a forked worker's own pages; validation starts as many workers again beside the persistent "
-        "training workers, and the plan counts both.",
+        "The plan's baselines (`MAIN_PROCESS_PSS`, `WORKER_PSS` in training/memory_plan.py) come from these "
+        "runs: the training process alone before its workers start (torch, the model, the corpus metadata; "
+        "it varies by ~100 MiB from run to run), and what the tree's sum grows by per worker process (a "
+        "worker's own PSS also holds its share of the pages it shares with the training process, so the "
+        "last column overstates it). Validation starts as many workers again beside the persistent training "
+        "workers, and the plan counts both. The plan counts a shuffle buffer only up to a worker's share of "
+        "the epoch (here a few clips).",
         END,
     ])
     publish_section(section, start=START, end=END, write=not args.no_write)

@@ -56,6 +56,15 @@ RECORDS_RSS_FACTOR = 2.4
 SEQUENCE_BYTES = 2 * INT64
 """Bytes per usable clip of the epoch's sequence in each worker (shard, ordinal); the stream's per-shard plan
 holds twice as much (ordinal, row, byte offset, size)."""
+MAIN_PROCESS_PSS = 640 * 2**20
+"""PSS of a training process besides what the plan counts item by item (the interpreter, torch and its
+libraries, autograd's and the optimizer's working memory at a small model): 622-634 MiB measured before
+the loader workers start in a small CPU run, bench/plan_pss.py. A GPU process adds its CUDA context
+(not counted, docs/training.md)."""
+WORKER_PSS = 16 * 2**20
+"""PSS of one forked loader worker besides its shuffle buffer and batches (its own pages: the decoder's
+buffers, the Python objects it touched); the sum over a run's process tree grew by ~11 MiB a worker
+from 1 to 3 workers (training and validation, bench/plan_pss.py)."""
 KMEANS_POINTS_PER_CENTROID = 256
 """training.knowledge.KMEANS_POINTS_PER_CENTROID (not imported: that module imports faiss)."""
 DEFAULT_HF_CONFIG = {"hf_clap": "ClapConfig", "hf_ast": "ASTConfig", "hf_pe_audio": "PeAudioConfig"}

@@ -194,12 +194,12 @@ def test_multinode_training_is_an_indexed_job_with_a_c10d_rendezvous_on_pod_0():
     job = by_kind(objects, "Job", "tonearm-train-mn")
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
-    assert pod["restartPolicy"] == "OnFailure" and spec["backoffLimit"] >= spec["completions"]
+    assert pod["restartPolicy"] == "Never" and spec["backoffLimit"] >= spec["completions"]
     service = by_kind(objects, "Service", pod["subdomain"])
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
     assert service["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
     (container,) = pod["containers"]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     script = " ".join(container["args"])
     endpoint = f"{job['metadata']['name']}-0.{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
     assert f"--rdzv-endpoint {endpoint}" in script and "--rdzv-backend c10d" in script
@@ -211,7 +211,84 @@ def test_multinode_training_is_an_indexed_job_with_a_c10d_rendezvous_on_pod_0():
     assert script.index("torchrun") < script.index("tonearm export") and "JOB_COMPLETION_INDEX" in script
     shared = next(v for v in pod["volumes"] if v["name"] == "shared")["persistentVolumeClaim"]["claimName"]
     assert by_kind(objects, "PersistentVolumeClaim", shared)["spec"]["accessModes"] == ["ReadWriteMany"]
-    assert env["DATA"].startswith("/shared/") and "/shared/runs/" in script
+    assert "/shared/runs/" in script
+    # From the bucket, keys from a Secret; no manifest training data on the claim.
+    assert env["SHARDS"].startswith("s3://") and 'data.shards="$SHARDS"' in script and "data.manifest=null" in script
+    keys = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(keys) and len({k["name"] for k in keys.values()}) == 1
+
+
+SHIPPED_SHARDS = "s3://tonearm-corpus/shards"
+SHIPPED_PLAN = ["train", "configs/default.yaml", f"data.shards={SHIPPED_SHARDS}", "--plan", "--nodes", "4",
+                "--gpus-per-node", "8", "--cores-per-node", "96", "--memory-per-node", "480Gi", "--emit-k8s"]
+"""The command that rendered k8s/train-multinode/job.yaml (its tonearm.dev/plan annotation)."""
+
+
+def metadata_corpus(folder: Path, clips: int = 2048, shard_size: int = 256) -> Path:
+    """A shard folder's index.json and records.jsonl (no tars: `--plan` reads only those), written
+    by the shard writer's own `write_index`, every clip captioned in the default languages."""
+    from index.languages import DEFAULT_LANGUAGES
+    from training.data.shards import FORMAT, write_index
+
+    entries = []
+    for first in range(0, clips, shard_size):
+        name = f"train-{first // shard_size:06d}.tar"
+        records = [{"id": f"clip{i}", "split": "train", "captions": {lang: ["a sound"] for lang in DEFAULT_LANGUAGES},
+                    "seconds": 30.0, "shard": name, "offset": (i - first) * 2048, "size": 2048}
+                   for i in range(first, min(clips, first + shard_size))]
+        entries.append({"name": name, "split": "train", "sha256": "0", "quick_sha256": "0", "bytes": 2048 * len(records),
+                        "clips": len(records), "seconds": 30.0 * len(records), "records": records, "skipped": []})
+    folder.mkdir(parents=True, exist_ok=True)
+    write_index(folder, {"format": FORMAT, "plan": "metadata", "sample_rate": 48_000, "codec": "flac",
+                         "extension": "flac", "shard_size": shard_size, "seed": 0}, entries)
+    return folder
+
+
+def test_the_shipped_multinode_job_is_what_its_plan_renders(tmp_path, capsys, monkeypatch):
+    """k8s/train-multinode/job.yaml is `--emit-k8s`'s output for the command of its annotation (re-rendered
+    here against a metadata-only shard folder; TONEARM_WRITE_MANIFESTS=1 rewrites the file), and its
+    resources are the plan's arithmetic, recomputed here from the plan's own figures."""
+    import math
+
+    import yaml
+
+    from tonearm.cli import main
+    from training.config import load_train_config
+    from training.data.cluster_plan import Cluster, plan_for
+    from training.launch import FATAL_EXIT
+
+    monkeypatch.chdir(ROOT)
+    folder = metadata_corpus(tmp_path / "shards")
+    argv = [a.replace(SHIPPED_SHARDS, str(folder)) for a in SHIPPED_PLAN]
+    assert main(argv) == 0
+    text = capsys.readouterr().out.replace(str(folder), SHIPPED_SHARDS)
+    path = ROOT / "k8s/train-multinode/job.yaml"
+    if os.environ.get("TONEARM_WRITE_MANIFESTS") == "1":
+        path.write_text(text)
+    job, shipped = yaml.safe_load(text), yaml.safe_load(path.read_text())
+    assert job == shipped, "k8s/train-multinode/job.yaml differs from its plan: rerun with TONEARM_WRITE_MANIFESTS=1"
+    assert shipped["metadata"]["annotations"]["tonearm.dev/plan"] == "tonearm " + " ".join(SHIPPED_PLAN)
+
+    cfg = load_train_config(ROOT / "configs/default.yaml", [f"data.shards={folder}"])
+    plan = plan_for(cfg, Cluster(nodes=4, gpus_per_node=8, cores_per_node=96, memory_per_node=480 * 2**30,
+                                 shm_per_node=240 * 2**30))
+    spec, pod = shipped["spec"], shipped["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert container["resources"]["requests"] == container["resources"]["limits"]  # a CPU quota: `auto` sees 96
+    assert quantity(container["resources"]["limits"]["cpu"]) == 96 and int(env["WORKERS"]) == 96 // 8 - 1
+    assert plan.layout.workers == int(env["WORKERS"]) and "data.num_workers=\"$WORKERS\"" in container["args"][0]
+    assert quantity(container["resources"]["limits"]["memory"]) == 480 * 2**30 >= plan.node_host_bytes / 0.8
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")["emptyDir"]
+    assert quantity(shm["sizeLimit"]) == math.ceil(1.25 * plan.shm_bytes / 2**30) * 2**30 >= plan.shm_bytes
+    assert int(env["NODES"]) == spec["completions"] == 4 and env["GPUS"] == "8"
+    # Failure policy: a deterministic failure's exit status fails the Job; disruptions do not count.
+    rules = spec["podFailurePolicy"]["rules"]
+    assert {"action": "FailJob", "onExitCodes": {"containerName": "train", "operator": "In",
+                                                 "values": [FATAL_EXIT]}} in rules
+    assert any(r["action"] == "Ignore" and r["onPodConditions"][0]["type"] == "DisruptionTarget" for r in rules)
+    assert f"exit {FATAL_EXIT}" in container["args"][0] and "--max-restarts 2" in container["args"][0]
+    assert spec["backoffLimit"] == 2 * spec["completions"]
 
 
 def _hadolint() -> str:

@@ -10,8 +10,13 @@ the node. The figures are the loader's own formulas, not a simulation:
   shard, ordinal, line offsets: ~45 bytes a clip, no captions), the stream's plan and the epoch's
   sequence in each worker (16 bytes per usable clip each), the validation split with its captions
   (:func:`training.memory_plan.count_records`; measured beside it by bench/records_memory.py);
-* shuffle buffers: workers × entries × crop bytes (float32 crops);
-* batches in flight, in shared memory: ``prefetch_factor`` × workers × batch × crop bytes.
+* shuffle buffers: workers × entries × crop bytes (float32 crops; a worker never holds more entries
+  than its share of the epoch, so a small corpus caps them);
+* batches in flight, in shared memory: ``prefetch_factor`` × workers × batch × crop bytes;
+* the processes themselves (measured PSS, bench/plan_pss.py): the training process
+  (:data:`training.memory_plan.MAIN_PROCESS_PSS`) and each loader worker
+  (:data:`~training.memory_plan.WORKER_PSS`) — twice the workers, as validation starts its own
+  beside the persistent training workers.
 
 Then, per rank, what the run holds besides its data (:mod:`training.memory_plan`: the model built
 on the ``meta`` device from the config, its gradients and AdamW moments, distillation teachers and
@@ -101,7 +106,14 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
     """The plan of ``cfg`` on ``cluster`` (module doc)."""
     from training.data.stream import TRAIN_SPLIT, cached_corpus
     from training.evaluate import clip_samples
-    from training.memory_plan import count_knowledge, count_model, count_records, teacher_parameters
+    from training.memory_plan import (
+        MAIN_PROCESS_PSS,
+        WORKER_PSS,
+        count_knowledge,
+        count_model,
+        count_records,
+        teacher_parameters,
+    )
 
     if cfg.data.shards is None:
         raise ConfigError("--plan describes a run from data.shards (data.shards=URL); a manifest run has no shard plan")
@@ -121,12 +133,15 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
                                             ranks_on_node=ranks)
     layout = Layout(world=world, workers=workers, batch_size=cfg.optim.batch_size, buffer=entries)
     cover = coverage(usable, clips, layout)
+    held = min(entries, -(-(cover.served // max(1, world)) // max(1, workers)))  # a worker's share caps it
+    buffer_bytes = held * crop
     records = count_records(corpus, eval_split=cfg.eval.split, workers=workers, world=world,
                             knowledge_pass=_knowledge_from_train(cfg))
     index = records.resident
     buffers = buffer_bytes * max(1, workers)
     prefetch = cfg.data.prefetch_factor * max(1, workers) * cfg.optim.batch_size * crop if workers else 0
-    host = ranks * (index + buffers + prefetch)
+    processes = MAIN_PROCESS_PSS + 2 * workers * WORKER_PSS  # validation's workers beside the training ones
+    host = ranks * (index + buffers + prefetch + processes)
     shm = ranks * prefetch
     fits_host = host <= HOST_HEADROOM * cluster.memory_per_node
     fits_shm = shm <= cluster.shm_per_node
@@ -147,7 +162,7 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
     gpu = fixed_gpu + max(kb_gpu, kb_rebuild)  # rank 0, the fullest: a rebuild replaces the resident KBs
     gpu_budget = GPU_HEADROOM * cluster.gpu_memory
     fits_gpu = gpu <= gpu_budget
-    rank_host = index + buffers + prefetch + caches + kb_host
+    rank_host = index + buffers + prefetch + processes + caches + kb_host
     node_host = ranks * rank_host + kb_host0
     fits_all_host = node_host <= HOST_HEADROOM * cluster.memory_per_node
 
@@ -175,6 +190,7 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
         ("records.jsonl columns + epoch sequences + validation split", None, index),
         (f"shuffle buffers: {max(1, workers)} worker(s)", None, buffers),
         ("batches in flight (/dev/shm)", None, prefetch),
+        (f"processes: training + 2 × {workers} loader worker(s) (training, validation)", None, processes),
         ("total per rank (rank 0)", gpu, rank_host + kb_host0),
     ]
     width = max(len(name) for name, _, _ in rows)
@@ -189,10 +205,10 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
         f"(global batch {world * cfg.optim.batch_size})",
         f"coverage: {100 * cover.fraction:.2f} % of the usable clips an epoch ({cover.left_out} left out by the cut)",
         f"loader workers per rank: {workers} (data.num_workers={cfg.data.num_workers})",
-        f"shuffle buffer per worker: {entries} crops of {crop / 1e6:.2f} MB = {_gb(buffer_bytes)} "
-        f"(data.shuffle_buffer={cfg.data.shuffle_buffer})",
+        f"shuffle buffer per worker: {entries} crops of {crop / 1e6:.2f} MB, {held} of them held (a worker's share "
+        f"of an epoch caps it) = {_gb(buffer_bytes)} (data.shuffle_buffer={cfg.data.shuffle_buffer})",
         f"host memory per node for data: {_gb(host)} = {ranks} rank(s) × (index {_gb(index)} + shuffle buffers "
-        f"{_gb(buffers)} + batches in flight {_gb(prefetch)}); budget {_gb(HOST_HEADROOM * cluster.memory_per_node)} "
+        f"{_gb(buffers)} + batches in flight {_gb(prefetch)} + processes {_gb(processes)}); budget {_gb(HOST_HEADROOM * cluster.memory_per_node)} "
         f"({100 * HOST_HEADROOM:.0f} % of the node) — {'fits' if fits_host else 'DOES NOT FIT'}",
         f"shared memory per node: {_gb(shm)} of {_gb(cluster.shm_per_node)} (batches in flight: prefetch_factor "
         f"{cfg.data.prefetch_factor} × {workers} workers × batch {cfg.optim.batch_size}) — "
@@ -232,6 +248,44 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
                        advice=tuple(advice))
 
 
+def shm_size(path: str = "/dev/shm") -> int | None:
+    """Bytes of the shared-memory file system (None where there is none)."""
+    import os
+
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return None
+    return stats.f_blocks * stats.f_frsize
+
+
+def refuse_unless_node_fits(cfg: TrainConfig, *, workers: int, buffer_bytes: int, crop: int, index: int,
+                            ranks_on_node: int, shm: int | None, memory: int) -> None:
+    """At the start of a real run: the plan's per-node figures for this run's own layout set against the
+    node's /dev/shm and memory (its cgroup limit where set); a :class:`ConfigError` naming the settings
+    when they do not fit — before any step, not as a dead loader worker mid-run."""
+    from training.memory_plan import MAIN_PROCESS_PSS, WORKER_PSS
+
+    prefetch = cfg.data.prefetch_factor * workers * cfg.optim.batch_size * crop if workers else 0
+    need_shm = ranks_on_node * prefetch
+    if shm is not None and workers and need_shm > shm:
+        raise ConfigError(
+            f"/dev/shm holds {_gb(shm)}, and {ranks_on_node} rank(s) on this node put {_gb(need_shm)} of batches in "
+            f"flight there (data.prefetch_factor={cfg.data.prefetch_factor} × data.num_workers={workers} × "
+            f"optim.batch_size={cfg.optim.batch_size} × {crop / 1e6:.2f} MB crops per rank): lower one of them or "
+            "mount a larger /dev/shm (Kubernetes: the shm volume's sizeLimit; `tonearm train CONFIG --plan … "
+            "--emit-k8s` sizes it)")
+    rank = index + buffer_bytes * max(1, workers) + prefetch + MAIN_PROCESS_PSS + 2 * workers * WORKER_PSS
+    if ranks_on_node * rank > memory:
+        raise ConfigError(
+            f"this node gives the job {_gb(memory)} of memory and {ranks_on_node} rank(s) need {_gb(ranks_on_node * rank)} "
+            f"by the plan's count (per rank: corpus index {_gb(index)}, shuffle buffers {_gb(buffer_bytes * max(1, workers))} "
+            f"— data.shuffle_buffer={cfg.data.shuffle_buffer} —, batches in flight {_gb(prefetch)}, processes "
+            f"{_gb(MAIN_PROCESS_PSS + 2 * workers * WORKER_PSS)} — data.num_workers={workers}): lower "
+            "data.shuffle_buffer / data.shuffle_buffer_bytes, data.num_workers or data.prefetch_factor, or give "
+            "the pod more memory (`tonearm train CONFIG --plan … --emit-k8s` sizes it)")
+
+
 def cli_plan(args: argparse.Namespace, cfg: TrainConfig) -> int:
     """``tonearm train CONFIG --plan ...``: print the plan; exit 2 (a one-line error) when it does not fit."""
     memory = parse_bytes(args.memory_per_node)
@@ -243,7 +297,12 @@ def cli_plan(args: argparse.Namespace, cfg: TrainConfig) -> int:
         if getattr(cluster, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     plan = plan_for(cfg, cluster)
-    sys.stdout.write("\n".join(plan.lines) + "\n")
+    emit_k8s = getattr(args, "emit_k8s", False)
+    (sys.stderr if emit_k8s else sys.stdout).write("\n".join(plan.lines) + "\n")
+    if plan.fits and emit_k8s:  # the Job of k8s/train-multinode sized by this plan (training/k8s_job.py)
+        from training.k8s_job import emit
+
+        sys.stdout.write(emit(args, cfg, plan, cluster))
     if not plan.fits:
         raise DataError("the plan does not fit the node (see above): "
                         + "; ".join(plan.advice))

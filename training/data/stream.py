@@ -826,6 +826,15 @@ def build_stream_loader(
             f"{corpus.url}: {plan.usable_clips} usable train clips do not give each of {world} rank(s) a batch of "
             "2 clips; use fewer processes or a larger corpus")
     log.info("%s", cover.line(layout))
+    from training.data.cluster_plan import refuse_unless_node_fits, shm_size
+    from training.data.loader import local_world_size, node_memory
+    from training.memory_plan import count_records
+
+    held = min(buffer, -(-(cover.served // max(1, world)) // layout.slots))  # a worker's share caps its buffer
+    records = count_records(corpus, eval_split=cfg.eval.split, workers=workers, world=world, knowledge_pass=False)
+    refuse_unless_node_fits(cfg, workers=workers, buffer_bytes=held * entry_bytes, crop=entry_bytes,
+                            index=records.resident, ranks_on_node=local_world_size(), shm=shm_size(),
+                            memory=node_memory())
     if cover.fraction < 0.99:
         log.warning("an epoch leaves out %d of %d usable clips (%.1f %%): each of %d rank(s) takes %d, in batches of "
                     "%d with none of one clip; a larger corpus or fewer ranks cover more", cover.left_out,

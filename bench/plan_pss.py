@@ -144,6 +144,8 @@ def main() -> None:
         "last column overstates it). Validation starts as many workers again beside the persistent training "
         "workers, and the plan counts both. The plan counts a shuffle buffer only up to a worker's share of "
         "the epoch (here a few clips).",
+        *(["The machine was loaded during the runs (see the load average): that slows them, not their memory, "
+           "but the training process's own PSS varies by ~100 MiB between runs."] if load_before > 2 else []),
         END,
     ])
     publish_section(section, start=START, end=END, write=not args.no_write)

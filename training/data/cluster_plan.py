@@ -7,8 +7,9 @@ the host and shared memory the loader takes per node; refuses (exit 2) a plan th
 the node. The figures are the loader's own formulas, not a simulation:
 
 * index (per rank): what the run keeps of ``records.jsonl`` — every split's columns (ids, seconds,
-  shard, ordinal, line offsets: ~45 bytes a clip, no captions), the stream's plan and the epoch's
-  sequence in each worker (16 bytes per usable clip each), the validation split with its captions
+  shard, ordinal, line offsets, sample offset and size: ~63 bytes a clip, no captions), the stream's
+  plan (32 bytes per usable clip) and the epoch's sequence in each worker (16 bytes per usable clip),
+  the validation split with its captions
   (:func:`training.memory_plan.count_records`; measured beside it by bench/records_memory.py);
 * shuffle buffers: workers × entries × crop bytes (float32 crops; a worker never holds more entries
   than its share of the epoch, so a small corpus caps them);

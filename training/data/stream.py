@@ -4,9 +4,13 @@
 endpoint and keys come from the usual ``AWS_*`` variables), ``gs://`` (gcsfs) or ``https://``.
 ``index.json`` and ``records.jsonl`` are read first (counts, languages, which clips are usable; a
 rank keeps ids, shards and seconds as columns, no captions: training/data/shard_records.py —
-each sample's ``.json`` member carries its captions); then each loader worker opens its own shards one after the other and reads them in
-order, never the whole corpus (:func:`tar_samples`: one read per member where the file seeks,
-webdataset's tar expander where it does not).
+each sample's ``.json`` member carries its captions); then each loader worker reads only the samples
+of its share, by byte range (:func:`read_sample_ranges`: records.jsonl gives each sample's offset and
+size; adjacent wanted samples are merged into one request; a failed request is retried with backoff
+from its first sample not yet delivered, :class:`ReadPolicy`), never the whole corpus. Shard sets
+written before the offsets were recorded are read as files from the first wanted sample on
+(:func:`read_samples`: one read per member where the file seeks, webdataset's tar expander where it
+does not; a failed read reopens the shard at the failing sample's header).
 
 Every epoch (seeded by ``(seed, epoch)``) is cut by :mod:`training.data.epoch_plan`: the usable
 clips of the shuffled train shards form one sequence, each rank takes the same number of them
@@ -14,7 +18,7 @@ clips of the shuffled train shards form one sequence, each rank takes the same n
 contiguous chunk; an epoch serves every usable clip at most once and all but fewer than
 ``2 × world size`` of them. A clip without a caption in ``data.languages`` is left out of the
 sequence (counted and named at start, from ``records.jsonl``); each worker reads only its
-chunk's samples (the others' members are passed over, :func:`read_samples`), draws them
+chunk's samples (several shards at once: the sequence interleaves 8 shards, epoch_plan), draws them
 through its shuffle buffer and decodes the random crop of each (:func:`index.audio.decode_window`
 on the in-memory FLAC/WAV, seeded by ``(seed, epoch, clip row)`` like the file path). Items are
 the same :class:`TrainItem` the manifest path gives, so every objective's strategy (views,

@@ -225,3 +225,74 @@ def test_a_sample_still_unreadable_after_the_retries_is_the_only_one_counted(fla
     bad_row = int(stream.plan.rows[3][9])
     assert len(errors) == 1 and stream.plan.ids[bad_row] in errors[0] and "after 2 retries" in errors[0]
     assert sorted(served) == sorted(set(range(CLIPS)) - {bad_row})  # its request's other samples were read
+
+
+def test_an_older_shard_set_reopens_a_shard_at_the_failing_samples_header_and_loses_nothing(
+        wav_shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """No byte offsets in records.jsonl: the shard is read as a file; a read failing inside sample 6
+    (a local filesystem wrapped to fail once there) reopens the shard at sample 6's first header."""
+    import shutil
+
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    from training.data.stream import ReadPolicy
+
+    old = tmp_path / "old"
+    shutil.copytree(wav_shards, old)
+    lines = (wav_shards / "records.jsonl").read_text().splitlines()
+    (old / "records.jsonl").write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k not in (
+        "offset", "size", "members")}) + "\n" for line in lines))
+    sixth = json.loads(lines[6])  # shard 0's sample 6 (records.jsonl keeps the shard order)
+    assert sixth["shard"] == "train-000000.tar"
+    fail_at = sixth["members"]["wav"][0] + 100
+    events: list[tuple[str, int]] = []
+
+    class Failing:
+        def __init__(self, inner: Any, path: str) -> None:
+            self.inner, self.path = inner, path
+
+        def read(self, n: int = -1) -> bytes:
+            start = self.inner.tell()
+            end = start + (n if n >= 0 else 1 << 40)
+            if self.path.endswith("train-000000.tar") and start <= fail_at < end and not any(
+                    e[0] == "fail" for e in events):
+                events.append(("fail", start))
+                raise OSError("connection reset by peer (injected)")
+            return self.inner.read(n)
+
+        def seek(self, offset: int, whence: int = 0) -> int:
+            if whence == 0 and self.path.endswith("train-000000.tar"):
+                events.append(("seek", offset))
+            return self.inner.seek(offset, whence)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def __enter__(self) -> Failing:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.inner.close()
+
+    class FlakyLocal(LocalFileSystem):
+        protocol = ("flakyfile",)
+
+        @classmethod
+        def _strip_protocol(cls, path: Any) -> Any:
+            return super()._strip_protocol(str(path).removeprefix("flakyfile://"))
+
+        def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+            return Failing(super()._open(path, mode, **kwargs), path)
+
+    fsspec.register_implementation("flakyfile", FlakyLocal, clobber=True)
+    stream = make_stream(f"flakyfile://{old}", rank=0, world=1, workers=0, batch=8,
+                         policy=ReadPolicy(retries=3, backoff=0.0))
+    assert stream.plan.mix == 1 and not stream.plan.ranged(0)  # an older set: files, no interleave
+    with caplog.at_level(logging.WARNING, logger="training.data.stream"):
+        entries = [entry for entry, _ in share_entries(stream)]
+    assert all(not isinstance(e, str) for e in entries)
+    assert sorted(e.index for e in entries) == list(range(CLIPS))
+    failed = events.index(next(e for e in events if e[0] == "fail"))
+    assert events[failed + 1] == ("seek", sixth["offset"])  # reopened at sample 6's first header
+    assert any("retry 1 of 3" in r.getMessage() for r in caplog.records)

@@ -122,7 +122,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--memory-per-node", default="512Gi", help="with --plan: memory per node (default 512Gi)")
     plan.add_argument("--shm-per-node", default=None, help="with --plan: /dev/shm per node (default: half the memory)")
     plan.add_argument("--gpu-memory", default="80Gi", help="with --plan: memory of one GPU (default 80Gi)")
-    plan.add_argument("--emit-k8s", action="store_true", help="with --plan: print the multi-node Kubernetes Job "
+    plan.add_argument("--emit-k8s", action="store_true", help="(implies --plan) print the multi-node Kubernetes Job "
                       "(k8s/train-multinode/job.yaml) with the CPU, memory and /dev/shm of this plan, training from "
                       "data.shards; the plan goes to stderr (docs/deploy.md)")
     p.set_defaults(handler=_lazy("training.launch:cli_train", "train"))

@@ -92,7 +92,7 @@ def check_before_launch(cfg: TrainConfig, processes: int) -> None:
 
 def cli_train(args: argparse.Namespace) -> int:
     """Entry point of `tonearm train`: torchrun for ``--nproc-per-node N > 1``, else train here."""
-    if getattr(args, "plan", False):  # a dry run: the data plan on the cluster given, no training
+    if getattr(args, "plan", False) or getattr(args, "emit_k8s", False):  # a dry run: the plan, no training
         from training.config import load_train_config
         from training.data.cluster_plan import cli_plan
         from training.rundir import train_overrides

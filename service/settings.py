@@ -156,6 +156,18 @@ class Settings(BaseSettings):
     max_audio_seconds: float = Field(default=60.0, gt=0)
     max_sample_rate: int = Field(default=192_000, ge=8000)
     max_channels: int = Field(default=8, ge=1)
+    max_decode_samples: int = Field(default=60 * 192_000 * 2, ge=1000)
+    """Most samples one upload may decode (frames × channels, from its header, and counted while
+    decoding): what its decoding costs in CPU. Default: a minute of 192-kHz stereo; a minute of
+    192-kHz 8-channel audio (a 93-KB FLAC when silent) is refused (docs/service.md, "Limits")."""
+    max_decoded_bytes: int = Field(default=32 * 1024 * 1024, ge=1 << 20)
+    """Most memory one decode may allocate (index.audio.decode_estimate: one block of every channel
+    and the mono output at the model's rate), checked from the header."""
+    decode_memory_bytes: int = Field(default=128 * 1024 * 1024, ge=1 << 20)
+    """Memory budget of the decodes a process runs at once (uploads and item embedding): a decode
+    waits until its estimate fits, and gets 503 `overloaded` after `decode_wait_s`."""
+    decode_wait_s: float = Field(default=10.0, gt=0, le=300)
+    """How long a decode waits for room in `decode_memory_bytes` before it is refused."""
 
     # --- quality gate ---
     gate_metric: str = Field(default="t2a_R@10_mean", pattern=r"^(t2a|a2t)_(R@\d+|mAP@10)_mean$")

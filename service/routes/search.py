@@ -13,7 +13,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from index.audio_formats import MEDIA_TYPES
 from index.filters import FilterError, parse_filter
-from service.audio_input import AudioLimits, DecodedAudio, decode_upload
+from service.audio_input import DecodedAudio, decode_upload, limits_of
 from service.batching import wait_for_disconnect
 from service.deps import BatchersDep, Pool, PoolDep, SearcherDep, SettingsDep
 from service.encoder_queues import Batchers
@@ -136,12 +136,7 @@ async def read_upload(request: Request, settings: Settings) -> bytes:
 
 
 def _decode(searcher: Searcher, data: bytes, settings: Settings) -> DecodedAudio:
-    limits = AudioLimits(
-        max_seconds=settings.max_audio_seconds,
-        max_sample_rate=settings.max_sample_rate,
-        max_channels=settings.max_channels,
-    )
-    return decode_upload(data, sample_rate=searcher.bundle.sample_rate, limits=limits)
+    return decode_upload(data, sample_rate=searcher.bundle.sample_rate, limits=limits_of(settings))
 
 
 AUDIO_MEDIA_TYPES = MEDIA_TYPES

@@ -1,0 +1,172 @@
+"""Decode bombs: uploads whose decoding would cost far more than their bytes (issue 47, SPEC §17).
+
+The bomb of the issue is a 93-KB FLAC of 60 s of 192-kHz, 8-channel silence. Decoding every
+channel to float32 before mixing cost 406 MiB and 3.5 s of CPU; four at once on
+``/v1/search/similar`` added 625 MiB to a replica. Memory is measured here as the kernel reports it
+(the peak resident set, ``ru_maxrss`` / ``VmHWM``) of a child process, never estimated by our code:
+
+* the decoder alone (a child process decoding the bomb with no limits) stays within
+  :func:`index.audio.decode_estimate` of its output plus slack — one block of every channel;
+* a real uvicorn server (a child process) answers the bomb 422 ``audio-limits`` from its header,
+  and four concurrent uploads at the samples limit add at most :data:`SERVER_BOUND_MIB` to its peak.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from index.audio import AudioTooLongError, decode_audio, decode_estimate
+from service.settings import Settings
+from tests.service.conftest import wait_until
+from tests.service.test_routes import assert_problem
+
+DECODER_BOUND_MIB = 24
+"""Most the bomb's decoding may add to a process's peak resident set (it was 406 MiB)."""
+SERVER_BOUND_MIB = 96
+"""Most four concurrent 8-channel uploads at the samples limit may add to a server's peak (they
+added 625 MiB before; the server's own allocations for four requests are part of it)."""
+
+
+def silent_flac(seconds: int, rate: int = 192_000, channels: int = 8) -> bytes:
+    buf = io.BytesIO()
+    with sf.SoundFile(buf, "w", samplerate=rate, channels=channels, format="FLAC", subtype="PCM_16") as f:
+        second = np.zeros((rate, channels), np.int16)
+        for _ in range(seconds):
+            f.write(second)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def bomb(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("bomb") / "bomb.flac"
+    path.write_bytes(silent_flac(60))
+    return path
+
+
+def _child(code: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=env, capture_output=True,
+                          text=True, timeout=120, check=True, **kwargs)
+
+
+DECODE_CHILD = """
+    import json, resource, sys
+    import numpy as np, soundfile as sf, io
+    from index.audio import decode_audio
+    def peak():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    small = io.BytesIO(); sf.write(small, np.zeros((4800, 2), np.float32), 48000, format="FLAC")
+    decode_audio(small.getvalue(), sample_rate=16000)  # warm: libraries loaded, soxr initialised
+    data = open(sys.argv[1], "rb").read()
+    before = peak()
+    wave = decode_audio(data, sample_rate=16000)
+    print(json.dumps({"before": before, "after": peak(), "samples": int(wave.shape[0])}))
+"""
+
+
+def test_decoding_the_bomb_holds_one_block_of_its_channels_not_the_clip(bomb):
+    size = len(bomb.read_bytes())
+    assert size < 100_000  # the bomb is small on the wire
+    out = json.loads(_child(DECODE_CHILD, str(bomb)).stdout)
+    assert out["samples"] == 60 * 16000
+    added = out["after"] - out["before"]
+    estimate = decode_estimate(60 * 192_000, 8, 192_000, 16000)
+    # the estimate the budget holds is what decoding costs (plus libsndfile's FLAC decoder)
+    assert added <= estimate + (8 << 20), (added, estimate)
+    assert added <= DECODER_BOUND_MIB << 20, f"decoding the bomb added {added / 2**20:.0f} MiB"
+
+
+def test_the_bomb_is_refused_from_its_header_on_every_upload_route(fake_client, bomb):
+    data = bomb.read_bytes()
+    for path in ("/v1/search/similar", "/v1/search/audio"):
+        r = fake_client.post(path, content=data)
+        assert_problem(r, 422, "audio-limits")
+        assert "samples to decode" in r.json()["detail"]
+    # an over-limit memory estimate is refused the same way (a lower TONEARM_MAX_DECODED_BYTES)
+    assert Settings().max_decode_samples == 60 * 192_000 * 2
+
+
+def test_a_header_that_lies_about_its_length_costs_what_the_header_declares():
+    """An MP3 without its Xing/Info frame count: libsndfile estimates the length from the first frame's
+    bitrate (5.3 s of a 20-s VBR stream here) and decodes no more than it declared, so the limits
+    checked from the header bound the decode; the decoder also counts the frames as they come."""
+    buf = io.BytesIO()
+    sf.write(buf, (0.1 * np.sin(np.arange(8000 * 20) / 5)).astype(np.float32), 8000, format="MP3")
+    data = bytearray(buf.getvalue())
+    tag = data.find(b"Xing")
+    assert tag > 0 and struct.unpack(">I", data[tag + 8:tag + 12])[0] > 0
+    data[tag:tag + 4] = b"\0\0\0\0"  # no Xing tag: the header no longer knows the frame count
+    declared = sf.info(io.BytesIO(bytes(data))).frames
+    assert declared < 8000 * 20
+    wave = decode_audio(bytes(data), sample_rate=8000)
+    assert wave.shape[0] <= declared
+    with pytest.raises(AudioTooLongError):
+        decode_audio(bytes(data), sample_rate=8000, max_seconds=declared / 8000 / 2)
+
+
+SERVER_CHILD = """
+    import sys, pathlib
+    from service.app import create_app
+    from tests.service.conftest import UvicornServer, fake_opener, make_settings
+    bundles = pathlib.Path(sys.argv[1])
+    for name in ("fake-a",):
+        (bundles / name).mkdir()
+        (bundles / name / "manifest.json").write_text("{}")
+    app = create_app(make_settings(bundles_dir=bundles, bundle="fake-a", search_threads=4), opener=fake_opener)
+    with UvicornServer(app) as server:
+        server.wait_ready()
+        print(server.url, flush=True)
+        sys.stdin.read()
+"""
+
+
+def _hwm(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_server_under_four_concurrent_bombs_stays_within_its_bound(tmp_path, bomb):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SERVER_CHILD), str(tmp_path)], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        url = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        assert url.startswith("http://"), "the server did not start"
+        at_limit = silent_flac(15)  # 15 s × 192 kHz × 8 channels: exactly the default samples limit
+        small = silent_flac(1, rate=48_000, channels=2)
+        with httpx.Client(base_url=url, timeout=60) as client:
+            assert client.post("/v1/search/similar", content=small).status_code == 200  # warm
+            before = _hwm(proc.pid)
+            answers: list[httpx.Response] = []
+
+            def post(body: bytes) -> None:
+                answers.append(client.post("/v1/search/similar", content=body))
+
+            threads = [threading.Thread(target=post, args=(body,)) for body in (at_limit,) * 4 + (bomb.read_bytes(),) * 4]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+            wait_until(lambda: len(answers) == 8, timeout=5, what="answers")
+            statuses = sorted(a.status_code for a in answers)
+            assert statuses == [200] * 4 + [422] * 4, [a.text[:200] for a in answers]
+            added = _hwm(proc.pid) - before
+            assert added <= SERVER_BOUND_MIB << 20, f"four decodes added {added / 2**20:.0f} MiB to the server's peak"
+    finally:
+        proc.stdin.close()  # type: ignore[union-attr]
+        proc.wait(30)

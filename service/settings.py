@@ -135,6 +135,10 @@ class Settings(BaseSettings):
     """Bearer token of the /v1/bundles routes (mount it from a secret)."""
     admin_enabled: bool | None = None
     """Admin routes on/off; default: on when `admin_token` is set."""
+    items_token: SecretStr | None = None
+    """Bearer token of the item routes only (`/v1/items`: add, replace, delete, read), for the
+    application that uploads users' sounds: it cannot activate, force or roll back bundles. The
+    admin token keeps working on the item routes too (docs/service.md, "Tokens")."""
 
     # --- redis / cache ---
     redis_url: str | None = None
@@ -197,6 +201,12 @@ class Settings(BaseSettings):
         if self.admin_token is not None and len(self.admin_token.get_secret_value()) < 16:
             if self.environment != "development":
                 raise SettingsError("TONEARM_ADMIN_TOKEN is shorter than 16 characters")
+        if self.items_token is not None and self.environment != "development":
+            if len(self.items_token.get_secret_value()) < 16:
+                raise SettingsError("TONEARM_ITEMS_TOKEN is shorter than 16 characters")
+            if self.admin_token is not None and self.items_token == self.admin_token:
+                raise SettingsError("TONEARM_ITEMS_TOKEN equals TONEARM_ADMIN_TOKEN: give the item writer its own "
+                                    "token, or set only TONEARM_ADMIN_TOKEN")
         if self.index_backend == "milvus" and not self.milvus_uri:
             raise SettingsError("TONEARM_INDEX_BACKEND=milvus needs TONEARM_MILVUS_URI (e.g. http://milvus:19530)")
         if self.workers > 1 and self.redis_url is None:
@@ -205,6 +215,11 @@ class Settings(BaseSettings):
                 "that learns activations over Redis pub/sub"
             )
         return self
+
+    @property
+    def items_on(self) -> bool:
+        """Whether the /v1/items routes are served: with the admin routes, or with an items token."""
+        return self.admin_on or self.items_token is not None
 
     @property
     def admin_on(self) -> bool:

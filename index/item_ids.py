@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import sys
 import unicodedata
+from collections.abc import Callable
 
 from index.errors import DataError
 
@@ -71,16 +72,21 @@ def json_pattern() -> str:
     """The grammar as a JSON Schema ``pattern`` (published in the OpenAPI schema; NFC and the length are
     not regular-expression matters: ``maxLength`` states the length, NFC is applied, not required).
     Refused characters are listed as ranges: BMP ones as ``\\uXXXX`` escapes, astral ones literally."""
-    ranges: list[tuple[int, int]] = []
-    for code in range(sys.maxunicode + 1):
-        if unicodedata.category(chr(code)) in REFUSED_CATEGORIES:
-            if ranges and ranges[-1][1] == code - 1:
-                ranges[-1] = (ranges[-1][0], code)
-            else:
-                ranges.append((code, code))
+    def ranges(keep: Callable[[str], bool]) -> str:
+        spans: list[tuple[int, int]] = []
+        for code in range(sys.maxunicode + 1):
+            if 0xD800 <= code <= 0xDFFF:  # surrogates: no JSON text or URL of valid UTF-8 holds one
+                continue
+            if keep(chr(code)):
+                if spans and spans[-1][1] == code - 1:
+                    spans[-1] = (spans[-1][0], code)
+                else:
+                    spans.append((code, code))
+        return "".join(char(a) if a == b else f"{char(a)}-{char(b)}" for a, b in spans)
 
     def char(code: int) -> str:
         return f"\\u{code:04x}" if code <= 0xFFFF else chr(code)
 
-    refused = "".join(char(a) if a == b else f"{char(a)}-{char(b)}" for a, b in ranges)
-    return f"^(?!\\s*$)(?!(?:.*/)?\\.{{0,2}}(?:/|$))[^{refused}]+$"
+    refused = ranges(lambda c: unicodedata.category(c) in REFUSED_CATEGORIES)
+    space = ranges(str.isspace)  # spelled out: `\\s` means other sets in other regex engines
+    return f"^(?![{space}]*$)(?!(?:.*/)?\\.{{0,2}}(?:/|$))[^{refused}]+$"

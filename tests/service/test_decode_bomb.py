@@ -170,3 +170,56 @@ def test_a_server_under_four_concurrent_bombs_stays_within_its_bound(tmp_path, b
     finally:
         proc.stdin.close()  # type: ignore[union-attr]
         proc.wait(30)
+
+
+def test_concurrent_decodes_share_one_memory_budget():
+    """Real threads through the byte semaphore: the bytes held at once never pass the capacity, a
+    decode waits for room, and one that finds none within its wait is 503 `overloaded`."""
+    import time
+
+    from service.audio_input import DecodeBudget
+    from service.errors import ServiceError
+
+    budget = DecodeBudget(100)
+    inside, most, lock = [0], [0], threading.Lock()
+
+    def decode(nbytes: int) -> None:
+        with budget.hold(nbytes, timeout=10):
+            with lock:
+                inside[0] += nbytes
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.05)
+            with lock:
+                inside[0] -= nbytes
+
+    threads = [threading.Thread(target=decode, args=(40,)) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert most[0] == 80 and budget.peak == 80 and budget.used == 0  # two at a time, never three
+    with budget.hold(1000, timeout=1):  # larger than the whole budget: runs alone
+        assert budget.used == 100
+        with pytest.raises(ServiceError) as err:
+            with budget.hold(1, timeout=0.05):
+                pass
+        assert err.value.slug == "overloaded" and err.value.extra["retry_after"] >= 1
+
+
+def test_an_upload_that_finds_no_room_in_the_budget_is_a_503(fake_bundles):
+    from service.app import create_app
+    from service.audio_input import decode_budget
+    from tests.service.conftest import fake_opener, make_settings, running_client
+    from tests.service.fakes import tone, wav_bytes
+
+    capacity = 3 << 20  # a budget no other test shares (one per capacity and process)
+    settings = make_settings(bundles_dir=fake_bundles, bundle="fake-a", decode_memory_bytes=capacity,
+                             decode_wait_s=0.1)
+    with running_client(create_app(settings, opener=fake_opener)) as client:
+        audio = wav_bytes(tone(["dog"]))
+        assert client.post("/v1/search/similar", content=audio).status_code == 200
+        with decode_budget(capacity).hold(capacity, timeout=1):  # the decodes running hold it all
+            r = client.post("/v1/search/similar", content=audio)
+            assert_problem(r, 503, "overloaded")
+            assert r.headers["retry-after"] == "1"
+        assert client.post("/v1/search/similar", content=audio).status_code == 200

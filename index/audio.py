@@ -231,7 +231,7 @@ def _read_mono(
 def _frames_within(max_bytes: int, channels: int, rate: int, sample_rate: int) -> int:
     """Most source frames whose decoding stays within ``max_bytes`` (:func:`decode_estimate` inverted)."""
     room = max(0, max_bytes - decode_estimate(0, channels, rate, sample_rate)) // 8  # 2 × 4 bytes per output sample
-    return room * rate // sample_rate
+    return room * rate // sample_rate + -(-rate // sample_rate)  # + one output sample: the header's rounding
 
 
 def decode_audio(

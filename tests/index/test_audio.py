@@ -144,3 +144,18 @@ def test_block_wise_decoding_equals_decoding_the_whole_clip(rate: int, channels:
     if rate != 16000:
         mono = soxr.resample(mono, rate, 16000, quality="HQ")
     np.testing.assert_array_equal(decode_audio(buf.getvalue(), sample_rate=16000), np.clip(mono, -1, 1))
+
+
+def test_decoding_limits_are_checked_from_the_header_and_exact_at_the_limit() -> None:
+    from index.audio import AudioTooLargeError, decode_estimate
+
+    rate, channels, frames = 48000, 4, 48000 * 3
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros((frames, channels), np.float32), rate, format="FLAC")
+    data = buf.getvalue()
+    cost = decode_estimate(frames, channels, rate, 16000)
+    assert decode_audio(data, max_samples=frames * channels, max_bytes=cost).shape == (16000 * 3,)
+    with pytest.raises(AudioTooLargeError, match="samples to decode"):
+        decode_audio(data, max_samples=frames * channels - 1)
+    with pytest.raises(AudioTooLargeError, match="decoding needs"):
+        decode_audio(data, max_bytes=cost - 1)

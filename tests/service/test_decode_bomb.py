@@ -73,9 +73,12 @@ DECODE_CHILD = """
     small = io.BytesIO(); sf.write(small, np.zeros((4800, 2), np.float32), 48000, format="FLAC")
     decode_audio(small.getvalue(), sample_rate=16000)  # warm: libraries loaded, soxr initialised
     data = open(sys.argv[1], "rb").read()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak (VmHWM) to the resident set now
-    before = status("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak (VmHWM) to the resident set now
+        before = status("VmRSS")
+    except OSError:  # a kernel without it: the peak so far (a weaker check)
+        before = status("VmHWM")
     wave = decode_audio(data, sample_rate=16000)
     print(json.dumps({"before": before, "after": status("VmHWM"), "samples": int(wave.shape[0])}))
 """
@@ -155,8 +158,11 @@ def test_a_server_under_four_concurrent_bombs_stays_within_its_bound(tmp_path, b
         small = silent_flac(1, rate=48_000, channels=2)
         with httpx.Client(base_url=url, timeout=60) as client:
             assert client.post("/v1/search/similar", content=small).status_code == 200  # warm
-            Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # the server's peak from now on
-            before = _status(proc.pid, "VmRSS")
+            try:
+                Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # the server's peak from now on
+                before = _status(proc.pid, "VmRSS")
+            except OSError:  # a kernel without it: the peak so far (a weaker check)
+                before = _status(proc.pid, "VmHWM")
             answers: list[httpx.Response] = []
 
             def post(body: bytes) -> None:

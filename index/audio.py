@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Literal, TypeVar
@@ -34,14 +35,27 @@ _T = TypeVar("_T")
 CropMode = Literal["center", "random", "start"]
 
 
-class AudioTooLongError(AudioDecodeError):
-    """Audio longer than the caller's ``max_seconds`` limit (the service answers 413)."""
+class AudioLimitError(AudioDecodeError):
+    """Audio past one of the caller's decoding limits (the service answers 422 ``audio-limits``)."""
+
+
+class AudioTooLongError(AudioLimitError):
+    """Audio longer than the caller's ``max_seconds`` limit."""
+
+
+class AudioTooLargeError(AudioLimitError):
+    """Audio whose decoding would pass the caller's ``max_samples`` or ``max_bytes`` limit."""
 
 
 OBJECT_REPR = re.compile(r"Error opening <[^<>]*? at 0x[0-9a-fA-F]+>: |<[^<>]*? object at 0x[0-9a-fA-F]+>")
 RESAMPLE_MARGIN_SECONDS = 0.05
 """Source audio read beyond each side of a window (:func:`decode_window`): soxr HQ's filter
 reaches ~10 ms; 50 ms makes the window's samples those of the whole clip's resampling."""
+DECODE_BLOCK_FRAMES = 1 << 16
+"""Frames decoded at a time (:func:`decode_audio`): one float32 block of every channel is the most of
+the source that is ever in memory (8 channels: 2 MiB)."""
+RESAMPLER_BYTES = 1 << 20
+"""What soxr's streaming resampler (HQ) holds besides its output, rounded up (:func:`decode_estimate`)."""
 MPEG_FRAME_SAMPLES = 1152
 """Samples per MPEG-1 Layer III frame: how far an MP3's decoded length may fall short of its
 Xing/Info count (mpg123 drops a last partial frame) before it counts as truncated."""
@@ -126,44 +140,114 @@ def downmix(data: np.ndarray) -> np.ndarray:
     return mono
 
 
+def decode_estimate(frames: int, channels: int, rate: int, sample_rate: int) -> int:
+    """Peak bytes :func:`decode_audio` allocates for a stream of ``frames`` × ``channels`` at ``rate``.
+
+    Decoding reads :data:`DECODE_BLOCK_FRAMES` frames at a time into one float32 block of every
+    channel, mixes the block down to mono and feeds it to a streaming resampler: the only arrays
+    that grow with the clip are the output chunks at ``sample_rate`` and their concatenation
+    (twice the output). The source's rate and channel count cost one block, never the clip.
+    """
+    block = DECODE_BLOCK_FRAMES * (max(1, channels) + 1) * 4
+    out = resampled_length(max(0, frames), max(1, rate), sample_rate) * 4
+    return block + 2 * out + RESAMPLER_BYTES
+
+
+def check_decode_header(
+    name: str, frames: int, channels: int, rate: int, sample_rate: int, *,
+    max_seconds: float | None = None, max_samples: int | None = None, max_bytes: int | None = None,
+) -> None:
+    """Refuse, from the header alone, a stream whose decoding would pass a limit: its duration
+    (``max_seconds``), the samples to decode (frames × channels, ``max_samples``: the CPU a decode
+    costs) or :func:`decode_estimate` (``max_bytes``). A header that does not know its length
+    (``frames`` ≤ 0) is bounded while decoding instead (:func:`decode_audio` stops at the limits)."""
+    if frames <= 0:
+        return
+    if max_seconds is not None and frames / rate > max_seconds:
+        raise AudioTooLongError(f"{name}: {frames / rate:.1f} s of audio exceeds the limit of {max_seconds:g} s")
+    if max_samples is not None and frames * channels > max_samples:
+        raise AudioTooLargeError(
+            f"{name}: {frames} frames × {channels} channels = {frames * channels} samples to decode exceed "
+            f"the limit of {max_samples} (e.g. {frames / rate:.1f} s at {rate} Hz)"
+        )
+    if max_bytes is not None:
+        cost = decode_estimate(frames, channels, rate, sample_rate)
+        if cost > max_bytes:
+            raise AudioTooLargeError(f"{name}: decoding needs ~{cost} bytes; the limit is {max_bytes}")
+
+
 def _read_mono(
-    source: Path | str | bytes, *, max_seconds: float | None, complete: bool = False
+    source: Path | str | bytes, *, sample_rate: int | None, max_seconds: float | None, complete: bool = False,
+    max_samples: int | None = None, max_bytes: int | None = None,
 ) -> tuple[np.ndarray, int]:
-    """Decode to float32 mono at the file's own rate, enforcing ``max_seconds`` before decoding."""
+    """Decode to float32 mono — at ``sample_rate`` (streaming resampler) or at the file's own rate
+    (``None``) — block by block, with the limits checked from the header before decoding and again
+    as blocks arrive (a header may lie about its length: MP3 without a Xing/Info frame count)."""
     name = _describe(source)
     with _open(source) as f:
-        rate = int(f.samplerate)
-        if max_seconds is not None and f.frames > 0 and f.frames / rate > max_seconds:
-            raise AudioTooLongError(
-                f"{name}: {f.frames / rate:.1f} s of audio exceeds the limit of {max_seconds:g} s"
-            )
-        try:
-            data = f.read(dtype="float32", always_2d=True)
-        except (sf.LibsndfileError, RuntimeError, ValueError) as err:
-            raise AudioDecodeError(f"{name}: corrupt audio data: {libsndfile_message(err)}") from None
+        rate, channels, declared = int(f.samplerate), int(f.channels), int(f.frames)
+        target = rate if sample_rate is None else sample_rate
+        check_decode_header(name, declared, channels, rate, target, max_seconds=max_seconds,
+                            max_samples=max_samples, max_bytes=max_bytes)
+        most = None if max_samples is None else max_samples // max(1, channels)
+        if max_bytes is not None:  # the output a decode may grow to (a header that lies about its frames)
+            most = min(most if most is not None else sys.maxsize,
+                       _frames_within(max_bytes, channels, rate, target))
+        resampler = soxr.ResampleStream(rate, target, 1, dtype="float32", quality="HQ") if target != rate else None
+        block = np.empty((DECODE_BLOCK_FRAMES, max(1, channels)), dtype=np.float32)
+        chunks: list[np.ndarray] = []
+        decoded = 0
+        while True:
+            try:
+                data = f.read(DECODE_BLOCK_FRAMES, dtype="float32", always_2d=True, out=block)
+            except (sf.LibsndfileError, RuntimeError, ValueError) as err:
+                raise AudioDecodeError(f"{name}: corrupt audio data: {libsndfile_message(err)}") from None
+            if data.shape[0] == 0:
+                break
+            decoded += data.shape[0]
+            if max_seconds is not None and decoded / rate > max_seconds:
+                raise AudioTooLongError(f"{name}: more than {decoded / rate:.1f} s of audio (the header declared "
+                                        f"{max(declared, 0) / rate:.1f} s) exceeds the limit of {max_seconds:g} s")
+            if most is not None and decoded > most:
+                raise AudioTooLargeError(f"{name}: more than {decoded} frames × {channels} channels decode "
+                                         f"(the header declared {max(declared, 0)}); past the decoding limits")
+            mono = downmix(data)
+            if not np.all(np.isfinite(mono)):
+                raise AudioDecodeError(f"{name}: audio contains NaN or infinite samples")
+            if resampler is not None:
+                chunks.append(resampler.resample_chunk(mono, last=False))
+            else:
+                chunks.append(mono.copy() if channels == 1 else mono)  # one channel: a view of the block
         if complete:
-            _check_complete(source, str(f.format), int(f.frames), int(data.shape[0]))
-    if data.shape[0] == 0:
+            _check_complete(source, str(f.format), declared, decoded)
+    if decoded == 0:
         raise AudioDecodeError(f"{name}: contains no audio samples")
-    if max_seconds is not None and data.shape[0] / rate > max_seconds:
-        raise AudioTooLongError(
-            f"{name}: {data.shape[0] / rate:.1f} s of audio exceeds the limit of {max_seconds:g} s"
-        )
-    mono = downmix(data)
-    if not np.all(np.isfinite(mono)):
-        raise AudioDecodeError(f"{name}: audio contains NaN or infinite samples")
-    return np.ascontiguousarray(mono, dtype=np.float32), rate
+    if resampler is not None:
+        chunks.append(resampler.resample_chunk(np.zeros(0, dtype=np.float32), last=True))
+    mono = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+    return np.ascontiguousarray(mono, dtype=np.float32), target
+
+
+def _frames_within(max_bytes: int, channels: int, rate: int, sample_rate: int) -> int:
+    """Most source frames whose decoding stays within ``max_bytes`` (:func:`decode_estimate` inverted)."""
+    room = max(0, max_bytes - decode_estimate(0, channels, rate, sample_rate)) // 8  # 2 × 4 bytes per output sample
+    return room * rate // sample_rate + -(-rate // sample_rate)  # + one output sample: the header's rounding
 
 
 def decode_audio(
     source: Path | str | bytes, *, sample_rate: int = 16000, max_seconds: float | None = None,
-    complete: bool = False,
+    complete: bool = False, max_samples: int | None = None, max_bytes: int | None = None,
 ) -> np.ndarray:
     """Decode a file path or raw bytes to float32 mono at ``sample_rate`` in [-1, 1].
 
     Channels are averaged; soxr (high quality) resamples when the file's rate
-    differs. ``max_seconds`` rejects longer audio with :class:`AudioTooLongError`
-    (checked from the header before decoding when the header knows the length).
+    differs. Decoding is bounded: :data:`DECODE_BLOCK_FRAMES` frames are read at a time,
+    mixed down and streamed through the resampler (bit-identical to resampling the whole
+    clip), so memory is :func:`decode_estimate` — the output, not the source's channels or rate.
+    ``max_seconds`` rejects longer audio with :class:`AudioTooLongError`, ``max_samples``
+    (frames × channels) and ``max_bytes`` (:func:`decode_estimate`) with
+    :class:`AudioTooLargeError`: checked from the header before decoding, and again while
+    decoding, which stops at the limit when the header lied.
     ``complete`` (uploads, ``tonearm index``) also refuses a stream cut short
     (index.audio_formats): libsndfile alone decodes whatever part of a truncated WAV is there.
 
@@ -171,12 +255,11 @@ def decode_audio(
         AudioDecodeError: missing, empty, unreadable, corrupt or non-audio input;
             the message names the file (or says "uploaded audio" for bytes).
     """
-    mono, rate = _read_mono(source, max_seconds=max_seconds, complete=complete)
-    if rate != sample_rate:
-        mono = soxr.resample(mono, rate, sample_rate, quality="HQ").astype(np.float32, copy=False)
-        if mono.size == 0:
-            raise AudioDecodeError(f"{_describe(source)}: too short to resample to {sample_rate} Hz")
-    return np.clip(mono, -1.0, 1.0)
+    mono, _ = _read_mono(source, sample_rate=sample_rate, max_seconds=max_seconds, complete=complete,
+                         max_samples=max_samples, max_bytes=max_bytes)
+    if mono.size == 0:
+        raise AudioDecodeError(f"{_describe(source)}: too short to resample to {sample_rate} Hz")
+    return np.clip(mono, -1.0, 1.0, out=mono)
 
 
 def fit_length(

@@ -186,7 +186,12 @@ class _Parser:
 def parse_filter(obj: Any) -> Filter:
     """Check a filter's form and limits (no catalogue needed); :class:`FilterError` if it is not one."""
     root = _Parser().node(obj, 1, "filter")
-    return Filter(root=root, canonical=json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
+    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    try:
+        canonical.encode("utf-8")  # JSON's "\ud800" decodes to a lone surrogate, which no catalogue value holds
+    except UnicodeEncodeError as err:
+        raise FilterError(f"filter: {err.object[err.start]!r} is a lone surrogate, not valid Unicode") from None
+    return Filter(root=root, canonical=canonical)
 
 
 # ----------------------------------------------------------------------------- the columnar table

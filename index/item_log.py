@@ -56,6 +56,10 @@ from typing import Any
 
 from index.errors import DataError
 from index.filters import MAX_FIELD_CHARS, MAX_STRING_CHARS, MAX_VALUES
+from index.item_ids import (
+    MAX_ID_CHARS as MAX_ID_CHARS,  # re-exported: the id grammar lives in index.item_ids
+)
+from index.item_ids import ItemIdError, check_id
 
 LOG_NAME = "items.jsonl"
 AUDIO_DIR = "audio"
@@ -65,11 +69,10 @@ writer that waited for it opens the log that is current when it gets it."""
 COMPACT_PREFIX = ".compact-"
 STALE_UPLOAD_S = 3600.0
 """A ``.tmp-`` upload in ``audio/`` older than this is a crashed writer's (compaction removes it)."""
-MAX_ID_CHARS = 256
 MAX_METADATA_FIELDS = 64
-ID_PATTERN = re.compile(r"^[^\x00-\x1f\x7f]{1,256}$")
-"""Item ids: 1–256 characters, no control characters (slashes are allowed: bundle clips of
-`tonearm index` are named by their relative paths, and the routes take ``{id:path}``)."""
+"""Most metadata fields a caller may send."""
+RECORD_MAX_FIELDS = MAX_METADATA_FIELDS + 1
+"""Most fields of a record: the caller's and the ``duration`` the service measures when not given."""
 FORMAT_PATTERN = re.compile(r"^[a-z0-9]{1,8}$")
 STORED_AUDIO = re.compile(r"[0-9a-f]{64}\.[a-z0-9]{1,8}")
 """Names of stored audio files: the content's sha256 and the format (never a path)."""
@@ -94,18 +97,21 @@ def check_text(text: str, where: str) -> str:
     return text
 
 
-def check_item_id(item_id: str) -> str:
-    if not isinstance(item_id, str) or not ID_PATTERN.match(item_id) or not _encodable(item_id):
-        raise ItemError(f"item id must be 1–{MAX_ID_CHARS} characters without control characters")
-    return item_id
+def check_item_id(item_id: str, *, new: bool = True) -> str:
+    """The id as recorded: the grammar of :mod:`index.item_ids` (a new id in NFC; a delete names an
+    existing id as it is, which may be a bundle clip's decomposed file name)."""
+    try:
+        return check_id(item_id, new=new)
+    except ItemIdError as err:
+        raise ItemError(f"item id: {err}") from None
 
 
-def check_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
+def check_metadata(metadata: Mapping[str, Any], *, max_fields: int = MAX_METADATA_FIELDS) -> dict[str, Any]:
     """A flat JSON object of strings, numbers, booleans and lists of strings (the filterable kinds)."""
     if not isinstance(metadata, Mapping):
         raise ItemError("metadata must be a JSON object")
-    if len(metadata) > MAX_METADATA_FIELDS:
-        raise ItemError(f"metadata has {len(metadata)} fields; the limit is {MAX_METADATA_FIELDS}")
+    if len(metadata) > max_fields:
+        raise ItemError(f"metadata has {len(metadata)} fields; the limit is {max_fields}")
     out: dict[str, Any] = {}
     for key, value in metadata.items():
         if not isinstance(key, str) or not 1 <= len(key) <= MAX_FIELD_CHARS or key in ("and", "or", "not"):
@@ -288,8 +294,8 @@ class ItemLog:
         captions: Mapping[str, Sequence[str]] | None = None,
     ) -> ItemRecord:
         """Store the audio, then append the record; durable when this returns (upsert by id)."""
-        check_item_id(item_id)
-        meta = check_metadata(metadata or {})
+        item_id = check_item_id(item_id)
+        meta = check_metadata(metadata or {}, max_fields=RECORD_MAX_FIELDS)
         if not FORMAT_PATTERN.match(audio_format):
             raise ItemError(f"audio format {audio_format!r} is not a short lowercase name (wav, flac, ...)")
         caps = {check_text(str(lang), "captions"): [check_text(str(t), f"captions[{lang!r}]") for t in texts]
@@ -304,7 +310,7 @@ class ItemLog:
     def delete(self, item_id: str) -> ItemRecord:
         """Append a delete record (durable when this returns); the stored audio stays until a
         compaction finds no live item that refers to it."""
-        record = ItemRecord("delete", check_item_id(item_id), _now())
+        record = ItemRecord("delete", check_item_id(item_id, new=False), _now())
         self._append(record)
         return record
 

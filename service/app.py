@@ -9,6 +9,7 @@ subscriber. Errors are RFC 9457 problem+json, mapped in :func:`install_error_han
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -154,6 +155,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):  # not a bug: a full volume
+            log.error("no room to store the request on %s: %s", request.url.path, exc)
+            return _problem("insufficient-storage", f"no space left to store the request ({exc.strerror})", request)
         log.exception("unhandled error on %s", request.url.path)
         return _problem("internal-error", "internal error; see the service log", request)
 
@@ -224,6 +228,7 @@ def create_app(settings: Settings | None = None, *, opener: Opener | None = None
         if settings.admin_token is None:
             log.warning("admin routes are enabled WITHOUT a token (development only)")
         app.include_router(bundles.router)
+    if settings.items_on:  # the admin token, or an items token alone (docs/service.md, "Tokens")
         app.include_router(items.router)
     return app
 

@@ -104,6 +104,21 @@ async def require_admin(
         raise ServiceError("unauthorized", "admin routes need 'Authorization: Bearer <TONEARM_ADMIN_TOKEN>'")
 
 
+async def require_items_writer(
+    state: StateDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
+    """Bearer-token check of the item routes: the items token (TONEARM_ITEMS_TOKEN) or the admin token."""
+    tokens = [t.get_secret_value().encode() for t in (state.settings.items_token, state.settings.admin_token)
+              if t is not None]
+    if not tokens:  # only possible in development (Settings refuses it otherwise)
+        return
+    given = (credentials.credentials if credentials is not None else "").encode()
+    matches = [hmac.compare_digest(given, token) for token in tokens]  # every token compared: constant time
+    if not any(matches):
+        raise ServiceError("unauthorized", "item routes need 'Authorization: Bearer <TONEARM_ITEMS_TOKEN or "
+                           "TONEARM_ADMIN_TOKEN>'")
+
+
 async def get_batchers(state: StateDep) -> Batchers:
     if state.batchers is None:
         raise ServiceError("not-ready", "the encoder queues are not running (the app has not started)")
@@ -115,4 +130,5 @@ PoolDep = Annotated[Pool, Depends(get_pool)]
 RegistryDep = Annotated[BundleRegistry, Depends(get_registry)]
 SearcherDep = Annotated[Searcher, Depends(get_searcher)]
 AdminDep = Annotated[None, Depends(require_admin)]
+ItemsWriterDep = Annotated[None, Depends(require_items_writer)]
 BatchersDep = Annotated[Batchers, Depends(get_batchers)]

@@ -47,6 +47,7 @@ PROBLEMS: dict[str, Problem] = {
     "index-timeout": Problem(504, "The index backend (Milvus) did not answer this request within its deadline"),
     "overloaded": Problem(503, "Too many requests are waiting for an encoder; retry after the Retry-After delay"),
     "client-disconnected": Problem(499, "The client disconnected before its result was ready"),
+    "insufficient-storage": Problem(507, "The server has no room left to store the request (a full disk or volume)"),
     "not-found": Problem(404, "Not found"),
     "range-not-satisfiable": Problem(416, "Requested byte range lies outside the file"),
     "method-not-allowed": Problem(405, "Method not allowed"),

@@ -28,7 +28,7 @@ import numpy as np
 
 from index.item_log import ItemLog, ItemRecord
 from index.overlay import ItemOverlay, build_overlay
-from service.audio_input import AudioLimits, decode_upload
+from service.audio_input import decode_upload, limits_of
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -53,11 +53,7 @@ class ItemStore:
     def __init__(self, root: Path, settings: Settings) -> None:
         self.log = ItemLog(root)
         self.settings = settings
-        self.limits = AudioLimits(
-            max_seconds=settings.max_audio_seconds,
-            max_sample_rate=settings.max_sample_rate,
-            max_channels=settings.max_channels,
-        )
+        self.limits = limits_of(settings)  # the process's decode budget, shared with the upload routes
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 

@@ -135,6 +135,10 @@ class Settings(BaseSettings):
     """Bearer token of the /v1/bundles routes (mount it from a secret)."""
     admin_enabled: bool | None = None
     """Admin routes on/off; default: on when `admin_token` is set."""
+    items_token: SecretStr | None = None
+    """Bearer token of the item routes only (`/v1/items`: add, replace, delete, read), for the
+    application that uploads users' sounds: it cannot activate, force or roll back bundles. The
+    admin token keeps working on the item routes too (docs/service.md, "Tokens")."""
 
     # --- redis / cache ---
     redis_url: str | None = None
@@ -156,6 +160,18 @@ class Settings(BaseSettings):
     max_audio_seconds: float = Field(default=60.0, gt=0)
     max_sample_rate: int = Field(default=192_000, ge=8000)
     max_channels: int = Field(default=8, ge=1)
+    max_decode_samples: int = Field(default=60 * 192_000 * 2, ge=1000)
+    """Most samples one upload may decode (frames × channels, from its header, and counted while
+    decoding): what its decoding costs in CPU. Default: a minute of 192-kHz stereo; a minute of
+    192-kHz 8-channel audio (a 93-KB FLAC when silent) is refused (docs/service.md, "Limits")."""
+    max_decoded_bytes: int = Field(default=32 * 1024 * 1024, ge=1 << 20)
+    """Most memory one decode may allocate (index.audio.decode_estimate: one block of every channel
+    and the mono output at the model's rate), checked from the header."""
+    decode_memory_bytes: int = Field(default=128 * 1024 * 1024, ge=1 << 20)
+    """Memory budget of the decodes a process runs at once (uploads and item embedding): a decode
+    waits until its estimate fits, and gets 503 `overloaded` after `decode_wait_s`."""
+    decode_wait_s: float = Field(default=10.0, gt=0, le=300)
+    """How long a decode waits for room in `decode_memory_bytes` before it is refused."""
 
     # --- quality gate ---
     gate_metric: str = Field(default="t2a_R@10_mean", pattern=r"^(t2a|a2t)_(R@\d+|mAP@10)_mean$")
@@ -185,6 +201,12 @@ class Settings(BaseSettings):
         if self.admin_token is not None and len(self.admin_token.get_secret_value()) < 16:
             if self.environment != "development":
                 raise SettingsError("TONEARM_ADMIN_TOKEN is shorter than 16 characters")
+        if self.items_token is not None and self.environment != "development":
+            if len(self.items_token.get_secret_value()) < 16:
+                raise SettingsError("TONEARM_ITEMS_TOKEN is shorter than 16 characters")
+            if self.admin_token is not None and self.items_token == self.admin_token:
+                raise SettingsError("TONEARM_ITEMS_TOKEN equals TONEARM_ADMIN_TOKEN: give the item writer its own "
+                                    "token, or set only TONEARM_ADMIN_TOKEN")
         if self.index_backend == "milvus" and not self.milvus_uri:
             raise SettingsError("TONEARM_INDEX_BACKEND=milvus needs TONEARM_MILVUS_URI (e.g. http://milvus:19530)")
         if self.workers > 1 and self.redis_url is None:
@@ -193,6 +215,11 @@ class Settings(BaseSettings):
                 "that learns activations over Redis pub/sub"
             )
         return self
+
+    @property
+    def items_on(self) -> bool:
+        """Whether the /v1/items routes are served: with the admin routes, or with an items token."""
+        return self.admin_on or self.items_token is not None
 
     @property
     def admin_on(self) -> bool:

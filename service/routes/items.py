@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from tempfile import SpooledTemporaryFile
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Depends, Request
 from starlette.datastructures import Headers, UploadFile
-from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.formparsers import MultiPartException
 
 from index.filters import (
     MAX_FIELD_CHARS,
@@ -28,7 +28,6 @@ from index.filters import (
     item_metadata,
 )
 from index.item_log import (
-    MAX_ID_CHARS,
     MAX_METADATA_FIELDS,
     ItemError,
     ItemRecord,
@@ -37,11 +36,18 @@ from index.item_log import (
     check_text,
 )
 from service.audio_input import DecodedAudio
-from service.deps import AdminDep, PoolDep, RegistryDep, SearcherDep, SettingsDep, StateDep
+from service.deps import ItemsWriterDep, PoolDep, RegistryDep, SearcherDep, SettingsDep, StateDep
 from service.errors import ServiceError
+from service.ids import PathId, addressed_id, id_schema
 from service.items import ItemStore
 from service.limits import QUERY_MAX_CHARS
-from service.routes.search import AUDIO_MEDIA_TYPES, MULTIPART_OVERHEAD, _decode, _limited_stream
+from service.routes.search import (
+    AUDIO_MEDIA_TYPES,
+    MULTIPART_OVERHEAD,
+    MemoryMultiPartParser,
+    _decode,
+    _limited_stream,
+)
 from service.schemas import NOT_BLANK, ItemBatchResponse, ItemDeleted, ItemOut, problem_responses
 from service.searcher import Searcher
 
@@ -54,8 +60,9 @@ BATCH_BYTES_FACTOR = 8
 CAPTIONS_PER_LANGUAGE = 16
 FORM_FIELD_BYTES = 512 * 1024
 
-ID_SCHEMA = {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS, "pattern": "^[^\\u0000-\\u001f\\u007f]+$",
-             "description": "The item's id (unique in the catalogue; re-posting an id replaces the item)."}
+ID_SCHEMA = id_schema("The item's id (unique in the catalogue; re-posting an id replaces the item). Stored in "
+                      "Unicode NFC (docs/service.md, \"Ids\"): `/`-separated segments, none empty, `.` or `..`; no "
+                      "control or format characters; not only whitespace.")
 VALUE_SCHEMA = {"anyOf": [
     {"type": "string", "maxLength": MAX_STRING_CHARS},
     {"type": "number", "minimum": -1e300, "maximum": 1e300},
@@ -152,9 +159,10 @@ async def get_store(state: StateDep) -> ItemStore:
 StoreDep = Annotated[ItemStore, Depends(get_store)]
 
 
-class _AudioPartsParser(MultiPartParser):
+class _AudioPartsParser(MemoryMultiPartParser):
     """Parts named ``file`` are audio files even without a ``filename`` (clients sending a list of
-    binary parts, e.g. for ``items:batch``, often omit it): Starlette would decode them as text."""
+    binary parts, e.g. for ``items:batch``, often omit it): Starlette would decode them as text.
+    In memory, never spooled to ``/tmp`` (:class:`MemoryMultiPartParser`)."""
 
     def on_headers_finished(self) -> None:
         super().on_headers_finished()
@@ -190,6 +198,7 @@ async def _read_form(request: Request, settings: Any, *, max_files: int) -> tupl
                 if name != "file":
                     raise ServiceError("bad-upload", f"unexpected file part {name!r}; audio goes in `file` parts")
                 data = await value.read()
+                await value.close()  # the spool's copy goes now: one copy of each part is held
                 if len(data) > settings.max_upload_bytes:
                     raise ServiceError("upload-too-large", f"file part exceeds the limit of {settings.max_upload_bytes} bytes")
                 files.append(data)
@@ -216,13 +225,15 @@ def _json(text: str | None, name: str) -> Any:
         return json.loads(text)
     except ValueError as err:
         raise _invalid(f"form field `{name}` is not JSON: {err}") from None
+    except RecursionError:  # ~1,000 nested levels: json.loads recurses
+        raise _invalid(f"form field `{name}` is nested too deeply") from None
 
 
 def _spec(searcher: Searcher, item_id: Any, metadata: Any, captions: Any, where: str) -> ItemSpec:
     if not isinstance(item_id, str):
         raise _invalid(f"{where}id must be a string")
     try:
-        check_item_id(item_id)
+        item_id = check_item_id(item_id)  # the id as stored: in NFC
         meta = check_metadata({} if metadata is None else metadata)
     except ItemError as err:
         raise _invalid(f"{where}{err}") from None
@@ -282,9 +293,9 @@ def _sync_serving(store: ItemStore, registry: Any, searcher: Searcher) -> None:
 
 
 @router.post("", status_code=201, openapi_extra=ITEM_BODY,
-             responses=problem_responses(400, 401, 409, 413, 415, 422, 503))
+             responses=problem_responses(400, 401, 409, 413, 415, 422, 503, 507))
 async def add_item(
-    request: Request, _: AdminDep, searcher: SearcherDep, pool: PoolDep, settings: SettingsDep,
+    request: Request, _: ItemsWriterDep, searcher: SearcherDep, pool: PoolDep, settings: SettingsDep,
     store: StoreDep, registry: RegistryDep,
 ) -> ItemOut:
     """Add one sound (or replace the item of this id): durable and searchable when the 201 comes."""
@@ -302,9 +313,9 @@ async def add_item(
 
 
 @router.post(":batch", status_code=201, openapi_extra=BATCH_BODY,
-             responses=problem_responses(400, 401, 409, 413, 415, 422, 503))
+             responses=problem_responses(400, 401, 409, 413, 415, 422, 503, 507))
 async def add_items(
-    request: Request, _: AdminDep, searcher: SearcherDep, pool: PoolDep, settings: SettingsDep,
+    request: Request, _: ItemsWriterDep, searcher: SearcherDep, pool: PoolDep, settings: SettingsDep,
     store: StoreDep, registry: RegistryDep,
 ) -> ItemBatchResponse:
     """Add or replace several sounds; all are checked (and decoded) before any is recorded."""
@@ -329,9 +340,6 @@ async def add_items(
                                     for r, a in zip(records, decoded, strict=True)])
 
 
-ITEM_ID = Annotated[str, Path(min_length=1, max_length=MAX_ID_CHARS, description="An added item's or a bundle clip's id.")]
-
-
 def _visible_clip(searcher: Searcher, item_id: str) -> dict[str, Any] | None:
     row = searcher.clip_rows.get(item_id)
     if row is None or item_id in searcher.items.hidden_ids:
@@ -340,8 +348,9 @@ def _visible_clip(searcher: Searcher, item_id: str) -> dict[str, Any] | None:
 
 
 @router.get("/{item_id:path}", responses=problem_responses(401, 404, 422, 503))
-async def get_item(item_id: ITEM_ID, _: AdminDep, searcher: SearcherDep) -> ItemOut:
+async def get_item(item_id: PathId, _: ItemsWriterDep, searcher: SearcherDep) -> ItemOut:
     """An item's metadata, where it comes from, and when it was added."""
+    item_id = addressed_id(item_id, searcher)
     items = searcher.items
     row = items.row_of.get(item_id)
     if row is not None:
@@ -358,9 +367,10 @@ async def get_item(item_id: ITEM_ID, _: AdminDep, searcher: SearcherDep) -> Item
 
 @router.delete("/{item_id:path}", responses=problem_responses(401, 404, 422, 503))
 async def delete_item(
-    item_id: ITEM_ID, _: AdminDep, searcher: SearcherDep, pool: PoolDep, store: StoreDep, registry: RegistryDep,
+    item_id: PathId, _: ItemsWriterDep, searcher: SearcherDep, pool: PoolDep, store: StoreDep, registry: RegistryDep,
 ) -> ItemDeleted:
     """Remove an item from every search (a bundle clip: a takedown, without rebuilding the bundle)."""
+    item_id = addressed_id(item_id, searcher)
     if item_id in searcher.items.row_of:
         source = "added"
     elif _visible_clip(searcher, item_id) is not None:

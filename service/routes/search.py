@@ -7,17 +7,18 @@ from collections.abc import AsyncGenerator
 from dataclasses import asdict
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Query, Request
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from index.audio_formats import MEDIA_TYPES
 from index.filters import FilterError, parse_filter
-from service.audio_input import AudioLimits, DecodedAudio, decode_upload
+from service.audio_input import DecodedAudio, decode_upload, limits_of
 from service.batching import wait_for_disconnect
 from service.deps import BatchersDep, Pool, PoolDep, SearcherDep, SettingsDep
 from service.encoder_queues import Batchers
 from service.errors import ServiceError
+from service.ids import PathId, addressed_id
 from service.limits import CAPTIONS_MAX, K_MAX
 from service.schemas import (
     FILTER_PLACEHOLDER,
@@ -110,13 +111,23 @@ async def _limited_stream(request: Request, limit: int) -> AsyncGenerator[bytes,
         yield chunk
 
 
+class MemoryMultiPartParser(MultiPartParser):
+    """Starlette's parser with file parts kept in memory: Starlette spools parts over 1 MiB to a
+    temporary file, and the pod's ``/tmp`` is a 64-MiB memory volume (k8s/base/deployment.yaml) — a
+    legal ``items:batch`` of 8 × 9.9 MiB answered 500 ENOSPC. The route reads every part into
+    memory anyway, and a tmpfs counts against the pod's memory too: the body's bytes (bounded by
+    ``_limited_stream``) are the budget, in the process, with no file (docs/service.md, "Limits")."""
+
+    spool_max_size = 0  # SpooledTemporaryFile(max_size=0) never rolls over to disk
+
+
 async def read_upload(request: Request, settings: Settings) -> bytes:
     """Audio bytes from a raw body or from the single file part of a multipart form."""
     limit = settings.max_upload_bytes
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
         return b"".join([chunk async for chunk in _limited_stream(request, limit)])
-    parser = MultiPartParser(
+    parser = MemoryMultiPartParser(
         request.headers, _limited_stream(request, limit + MULTIPART_OVERHEAD), max_files=1, max_fields=MULTIPART_MAX_FIELDS
     )
     try:
@@ -136,12 +147,7 @@ async def read_upload(request: Request, settings: Settings) -> bytes:
 
 
 def _decode(searcher: Searcher, data: bytes, settings: Settings) -> DecodedAudio:
-    limits = AudioLimits(
-        max_seconds=settings.max_audio_seconds,
-        max_sample_rate=settings.max_sample_rate,
-        max_channels=settings.max_channels,
-    )
-    return decode_upload(data, sample_rate=searcher.bundle.sample_rate, limits=limits)
+    return decode_upload(data, sample_rate=searcher.bundle.sample_rate, limits=limits_of(settings))
 
 
 AUDIO_MEDIA_TYPES = MEDIA_TYPES
@@ -194,6 +200,8 @@ def filter_param(request: Request, searcher: Searcher) -> ClipFilter | None:
         parse_filter(obj)
     except (ValueError, FilterError) as err:
         raise ServiceError("validation-error", f"query parameter 'filter': {err}") from None
+    except RecursionError:  # json.loads of ~1,000 nested levels; the filter language allows MAX_DEPTH
+        raise ServiceError("validation-error", "query parameter 'filter': nested too deeply") from None
     return searcher.clip_filter(obj)
 
 
@@ -267,7 +275,7 @@ async def search_similar_upload(
 
 
 @router.get(
-    "/similar/{item_id}",
+    "/similar/{item_id:path}",
     openapi_extra={"parameters": [FILTER_PARAMETER]},
     responses=problem_responses(404, 422, 503, 504),
 )
@@ -275,11 +283,12 @@ async def search_similar_item(
     request: Request,
     searcher: SearcherDep,
     pool: PoolDep,
-    item_id: Annotated[str, Path(min_length=1, max_length=256, description="A clip id of the catalogue.")],
+    item_id: PathId,
     k: Annotated[int, K_QUERY] = 10,
     min_score: Annotated[float | None, MIN_SCORE_QUERY] = None,
 ) -> SimilarResponse:
     """Sounds like a clip of the catalogue (the clip itself excluded), by audio–audio cosine."""
+    item_id = addressed_id(item_id, searcher)
 
     def run() -> list[AudioHit]:
         clip_filter = filter_param(request, searcher)

@@ -91,7 +91,7 @@ function renderHits(hits) {
     const lang = $("lang").value;
     const caption = (captions[lang] || captions.eng || [])[0];
     if (caption) item.append(el("p", { class: "caption", lang: captions[lang] ? lang : "eng" }, caption));
-    const audio = el("audio", { controls: "", preload: "metadata", src: `/v1/audio/${encodeURIComponent(hit.id)}`,
+    const audio = el("audio", { controls: "", preload: "metadata", src: `/v1/audio/${idPath(hit.id)}`,
                                 "aria-label": `Play clip ${hit.id}` });
     const more = el("button", { type: "button", class: "more-like-this", "aria-label": `More like ${hit.id}` },
                     "More like this");
@@ -101,11 +101,17 @@ function renderHits(hits) {
   }
 }
 
+// An id in a URL path: each `/`-separated segment percent-encoded, the slashes kept (ids of clips in
+// subfolders hold `/`; the routes take {id:path}, and proxies may refuse an encoded slash, %2F).
+function idPath(id) {
+  return id.split("/").map(encodeURIComponent).join("/");
+}
+
 async function moreLikeThis(id) {
   // the catalogue's clips by audio–audio cosine (GET /v1/search/similar/{id}), the clip itself excluded
   setStatus("search-status", `Looking for clips like ${id}…`);
   try {
-    const body = await api(`/v1/search/similar/${encodeURIComponent(id)}?k=10`);
+    const body = await api(`/v1/search/similar/${idPath(id)}?k=10`);
     renderHits(body.hits);
     setStatus("search-status", `${body.hits.length} clips like ${id}.`);
   } catch (err) {

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
+import soxr
 
 from index.audio import AudioTooLongError, decode_audio, eval_chunks, fit_length
 from tonearm.errors import AudioDecodeError
@@ -124,3 +126,36 @@ def test_eval_chunks_by_hand() -> None:
     np.testing.assert_array_equal(eval_chunks(wave[:3], 4), [[0, 1, 2, 0]])
     np.testing.assert_array_equal(eval_chunks(wave[:4], 4), [[0, 1, 2, 3]])
     assert eval_chunks(wave, 4).dtype == np.float32
+
+
+@pytest.mark.parametrize(("rate", "channels", "fmt"), [(44100, 2, "FLAC"), (48000, 8, "WAV"), (22050, 3, "OGG"),
+                                                       (16000, 2, "FLAC")])
+def test_block_wise_decoding_equals_decoding_the_whole_clip(rate: int, channels: int, fmt: str) -> None:
+    """Blocks mixed down one by one and streamed through soxr are bit-identical to the reference of the
+    whole clip: soundfile's own read of every channel, their mean, soxr's one-shot resampling, clipped."""
+    from index.audio import DECODE_BLOCK_FRAMES
+
+    frames = 2 * DECODE_BLOCK_FRAMES + 12_345  # several blocks and a partial one
+    data = (0.4 * np.random.default_rng(rate).standard_normal((frames, channels))).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, data, rate, format=fmt)
+    whole, _ = sf.read(io.BytesIO(buf.getvalue()), dtype="float32", always_2d=True)
+    mono = whole.mean(axis=1, dtype=np.float32)
+    if rate != 16000:
+        mono = soxr.resample(mono, rate, 16000, quality="HQ")
+    np.testing.assert_array_equal(decode_audio(buf.getvalue(), sample_rate=16000), np.clip(mono, -1, 1))
+
+
+def test_decoding_limits_are_checked_from_the_header_and_exact_at_the_limit() -> None:
+    from index.audio import AudioTooLargeError, decode_estimate
+
+    rate, channels, frames = 48000, 4, 48000 * 3
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros((frames, channels), np.float32), rate, format="FLAC")
+    data = buf.getvalue()
+    cost = decode_estimate(frames, channels, rate, 16000)
+    assert decode_audio(data, max_samples=frames * channels, max_bytes=cost).shape == (16000 * 3,)
+    with pytest.raises(AudioTooLargeError, match="samples to decode"):
+        decode_audio(data, max_samples=frames * channels - 1)
+    with pytest.raises(AudioTooLargeError, match="decoding needs"):
+        decode_audio(data, max_bytes=cost - 1)

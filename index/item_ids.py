@@ -1,0 +1,92 @@
+"""The grammar of catalogue ids (added items and bundle clips), enforced by the API (docs/service.md, "Ids").
+
+An id is 1–:data:`MAX_ID_CHARS` characters of valid Unicode, compared code point by code point, and
+one or more ``/``-separated segments (``tonearm index`` names a clip in a subfolder by its relative
+path, ``birds/owl.wav``; the routes take ``{id:path}``). Refused everywhere:
+
+* control characters (category Cc), format characters (Cf: the bidi overrides and isolates
+  U+202A–U+202E and U+2066–U+2069, zero-width characters, U+FEFF…) and lone surrogates (Cs):
+  invisible, or able to make one id display as another;
+* an id that is only whitespace;
+* an empty segment (a leading or trailing ``/``, or ``//``) and a ``.`` or ``..`` segment: clients
+  and proxies normalise such paths before they are sent (``curl …/v1/items/x/../val-02401``
+  deletes ``val-02401``), so an id holding one could not be addressed as itself.
+
+Ids are normalised to Unicode normalization form C (NFC) at the API: a new id is stored in NFC
+(``e`` + U+0301 becomes ``é``, and the response carries the stored id), so two ids that look the
+same can never be two items. A route that *addresses* an id (``GET``/``DELETE /v1/items/{id}``,
+``GET /v1/search/similar/{id}``) looks it up as sent and, when no item has that exact id, as its
+NFC form: a bundle clip's id is its file's path, which some file systems store decomposed
+(macOS), and it stays addressable (e.g. to take it down).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import unicodedata
+from collections.abc import Callable
+
+from index.errors import DataError
+
+MAX_ID_CHARS = 256
+REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Cs"})
+"""Unicode general categories no id may hold: control, format (bidi and zero-width), surrogate."""
+
+
+class ItemIdError(DataError):
+    """An id outside the grammar (its message says which rule, never echoing invisible characters)."""
+
+
+def check_id(item_id: object, *, new: bool = False) -> str:
+    """``item_id`` when it follows the grammar — in NFC when ``new`` (a new id is normalised, and
+    refused if its NFC form breaks a rule); :class:`ItemIdError` otherwise."""
+    if not isinstance(item_id, str):
+        raise ItemIdError("an id must be a string")
+    if not 1 <= len(item_id) <= MAX_ID_CHARS:
+        raise ItemIdError(f"an id is 1–{MAX_ID_CHARS} characters; this one has {len(item_id)}")
+    for position, char in enumerate(item_id):
+        category = unicodedata.category(char)
+        if category in REFUSED_CATEGORIES:
+            kind = {"Cc": "a control character", "Cf": "a format (bidi or invisible) character",
+                    "Cs": "a lone surrogate (not valid Unicode)"}[category]
+            raise ItemIdError(f"an id may not hold {kind}: U+{ord(char):04X} at position {position}")
+    if not item_id.strip():
+        raise ItemIdError("an id may not be only whitespace")
+    for segment in item_id.split("/"):
+        if segment in ("", ".", ".."):
+            what = "an empty segment (a leading, trailing or double '/')" if not segment else f"a {segment!r} segment"
+            raise ItemIdError(f"an id may not hold {what}: clients normalise such paths away")
+    if new and not unicodedata.is_normalized("NFC", item_id):
+        return check_id(unicodedata.normalize("NFC", item_id), new=False)
+    return item_id
+
+
+def nfc(item_id: str) -> str:
+    """The NFC form of an id (what a new id is stored as)."""
+    return unicodedata.normalize("NFC", item_id)
+
+
+@functools.cache
+def json_pattern() -> str:
+    """The grammar as a JSON Schema ``pattern`` (published in the OpenAPI schema; NFC and the length are
+    not regular-expression matters: ``maxLength`` states the length, NFC is applied, not required).
+    Refused characters are listed as ranges: BMP ones as ``\\uXXXX`` escapes, astral ones literally."""
+    def ranges(keep: Callable[[str], bool]) -> str:
+        spans: list[tuple[int, int]] = []
+        for code in range(sys.maxunicode + 1):
+            if 0xD800 <= code <= 0xDFFF:  # surrogates: no JSON text or URL of valid UTF-8 holds one
+                continue
+            if keep(chr(code)):
+                if spans and spans[-1][1] == code - 1:
+                    spans[-1] = (spans[-1][0], code)
+                else:
+                    spans.append((code, code))
+        return "".join(char(a) if a == b else f"{char(a)}-{char(b)}" for a, b in spans)
+
+    def char(code: int) -> str:
+        return f"\\u{code:04x}" if code <= 0xFFFF else chr(code)
+
+    refused = ranges(lambda c: unicodedata.category(c) in REFUSED_CATEGORIES)
+    space = ranges(str.isspace)  # spelled out: `\\s` means other sets in other regex engines
+    return f"^(?![{space}]*$)(?!(?:.*/)?\\.{{0,2}}(?:/|$))[^{refused}]+$"

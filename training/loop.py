@@ -166,19 +166,23 @@ def train(
         timeout_s=cfg.distributed.timeout_s,
         force_group=cfg.distributed.force_process_group,
     )
+    # The run (DDP's Reducer holds the process group; loaders hold persistent workers) lives only in
+    # `owned`, so that teardown_runtime frees it *before* the group is destroyed, on every path
+    # (training/distributed.py, "the order of the end": else a rank can deadlock at its very end).
+    owned: list[Run] = []
     try:
         prepare_out_dir(cfg, runtime, command=command)
         seed_everything(cfg.seed + runtime.rank)
-        run = build_run(cfg, runtime)
+        owned.append(build_run(cfg, runtime))
         with StopRequest() as stop:
-            run_epochs(run, interrupt_after_steps=interrupt_after_steps, stop=stop)
-    except TrainingInterrupted:  # every rank stopped at the same step boundary (stop_requested)
-        teardown_runtime(runtime)
+            run_epochs(owned[0], interrupt_after_steps=interrupt_after_steps, stop=stop)
+    except TrainingInterrupted as interrupted:  # every rank stopped at the same step boundary (stop_requested)
+        teardown_runtime(runtime, owners=owned, error=interrupted, together=True)
         raise
     except BaseException as err:  # this rank alone may have failed: no barrier, the job ends now
-        teardown_runtime(runtime, error=err)
+        teardown_runtime(runtime, owners=owned, error=err)
         raise
-    teardown_runtime(runtime)
+    teardown_runtime(runtime, owners=owned)
     return cfg.out_dir
 
 

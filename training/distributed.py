@@ -597,6 +597,26 @@ def reduce_window(values: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
+def reduce_counts(values: Mapping[str, float], *, worst: Mapping[str, str]) -> dict[str, float]:
+    """Per-rank counts of the job as rank 0 logs them: ONE all-gather; each key becomes its total over
+    ranks, and ``KEY_worst_rank`` the worst rank's value (``worst[KEY]``: ``"min"`` or ``"max"``), e.g.
+    the rank that served the fewest clips or held back the most. On one process: the values themselves."""
+    keys = list(values)
+    if not is_distributed():
+        rows = [[float(values[k]) for k in keys]]
+    else:
+        with _helper_scope():
+            local = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=group_device())
+            rows = all_gather_no_grad(local.unsqueeze(0)).tolist()
+    out: dict[str, float] = {}
+    for column, key in enumerate(keys):
+        per_rank = [row[column] for row in rows]
+        out[key] = sum(per_rank)
+        if key in worst:
+            out[f"{key}_worst_rank"] = min(per_rank) if worst[key] == "min" else max(per_rank)
+    return out
+
+
 def distinct_over_ranks(items: Sequence[str]) -> int:
     """How many distinct ``items`` every rank together holds (e.g. bad samples): one gather."""
     if not is_distributed():

@@ -138,6 +138,12 @@ def shard_members(folder: Path) -> dict[str, dict]:
     return {json.loads(s["json"])["id"]: json.loads(s["json"]) for s in wds.WebDataset(urls, shardshuffle=False)}
 
 
+class Got(tuple):  # type: ignore[type-arg]
+    """(ids, waves, errors) of a batch, with the stream's reserve draws as an attribute."""
+
+    extra_draws = 0
+
+
 def make_batches(url: str, *, rank: int, world: int, workers: int, persistent: bool = False):  # noqa: ANN201
     from torch.utils.data import DataLoader
 
@@ -147,10 +153,12 @@ def make_batches(url: str, *, rank: int, world: int, workers: int, persistent: b
     stream = ShardStream(corpus, rank=rank, layout=Layout(world, workers, BATCH, 3), sample_rate=16_000,
                          clip_samples=8_000, seed=0, languages=["eng"])
 
-    def collate(batch):  # noqa: ANN001, ANN202 - (ids, waves, errors) of the stream's (items, errors)
-        items, errors = batch
+    def collate(batch):  # noqa: ANN001, ANN202 - (ids, waves, errors) of the stream's (items, errors, extra draws)
+        items, errors, extra = batch
         waves = np.stack([i.waveform for i in items]) if items else np.zeros((0, 8_000), np.float32)
-        return [corpus.records["train"][i.index].id for i in items], waves, errors
+        got = Got(([corpus.records["train"][i.index].id for i in items], waves, errors))
+        got.extra_draws = extra  # what StreamBatches records for the checkpoint's plan
+        return got
 
     extra = {"persistent_workers": persistent} if workers else {}
     loader = DataLoader(stream, batch_size=None, collate_fn=collate, num_workers=workers, **extra)
@@ -186,7 +194,8 @@ def test_resume_after_a_bad_sample_gives_the_same_batches_bit_for_bit(subset_sha
         batches.set_epoch(epoch)
         epochs.append(list(batches))
     hole = next(t for t, (ids, _, errs) in enumerate(epochs[1]) if errs)
-    assert bad_id in epochs[1][hole][2][0] and len(epochs[1][hole][0]) == BATCH - 1
+    # The bad sample's batch is filled from the worker's next draw (here without a reserve: its last batch is short).
+    assert bad_id in epochs[1][hole][2][0] and len(epochs[1][hole][0]) == BATCH
     for skip in (hole, hole + 1):  # resumed on the bad sample's batch, and right after it
         plan = batches.plan_state(1, skip)
         again, _ = make_batches(str(folder), rank=0, world=1, workers=2)
@@ -366,18 +375,25 @@ def test_two_gloo_processes_from_shards_resume_on_one(subset_shards: tuple[Path,
     spawn_ranks(_shard_worker, args=(2, str(folder), str(out), 4, free_port()), nprocs=2)
     state = json.loads((out / "last" / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and state["data_plan"]["segments"] == [
-        {"world": 2, "workers": 1, "batch_size": 3, "shuffle_buffer": 3, "batches": 1}]
+        {"world": 2, "workers": 1, "batch_size": 3, "shuffle_buffer": 3, "batches": 1, "reserve": 0.002,
+         "extra_draws": [[0], [1]]}]  # rank 1's first batch drew one more in place of the corrupt clip
+    # The bad-sample budget is checkpointed: rank 1's corrupt clip of epoch 1, per rank.
+    assert [len(errors) for errors in state["bad_samples"]["per_rank"]] == [0, 1]
     train(load_train_config(ROOT / "configs" / "tiny.yaml", shard_run(str(folder), str(out), "seed=1", "resume=true")))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     plans = [r for r in records if r["kind"] == "data_plan"]
     assert [p["world_size"] for p in plans] == [2, 1] and plans[0]["clips_per_epoch"] == 18
     epochs = [r for r in records if r["kind"] == "epoch"]
     assert [e["step"] for e in epochs] == [3, 4 + 5]
-    # With seed 1 the corrupt clip falls to rank 1 in epoch 1: rank 0 holds back one clip of that
-    # step so both train 2 (rank 0's records of clips served and held back; bad_samples are the
-    # distinct bad clips of all ranks, so rank 1's corrupt clip is counted).
-    assert (epochs[0]["clips_served"], epochs[0]["clips_held_back"], epochs[0]["bad_samples"]) == (8, 1, 1)
-    assert epochs[1]["clips_served"] == 15 - epochs[1]["bad_samples"]  # the corrupt clip, if it was left, is a hole
+    # With seed 1 the corrupt clip falls to rank 1 in epoch 1. Without a reserve (too few clips for
+    # data.bad_sample_reserve) rank 1 fills that batch from its next draw, so its last batch is one short
+    # and rank 0 holds back one clip of the last step: 8 + 8 served, 1 held back (job totals, the worst
+    # rank beside them; bad_samples are the distinct bad clips of all ranks).
+    assert (epochs[0]["clips_served"], epochs[0]["clips_held_back"], epochs[0]["bad_samples"]) == (16, 1, 1)
+    assert (epochs[0]["clips_served_worst_rank"], epochs[0]["clips_held_back_worst_rank"]) == (8, 1)
+    assert epochs[0]["bad_samples_worst_rank"] == 1
+    # Resumed on one process, the budget still holds the corrupt clip met before the stop (2 -> 1).
+    assert epochs[1]["bad_samples"] == 1 and epochs[1]["clips_served"] in (14, 15)
 
 
 def test_training_from_shards_with_a_bad_sample_resumes_bit_exactly(subset_shards: tuple[Path, str],
@@ -579,3 +595,82 @@ def test_the_plan_says_which_memory_does_not_fit_and_what_to_change(subset_shard
     assert cli_plan(args, cfg) == 0
     out = capsys.readouterr().out
     assert "DOES NOT FIT" not in out and "ASK KBs between rebuilds" in out and "AdamW moments" in out
+
+
+# --- one rank's bad sample costs that rank alone (issue 48) ---------------------------------------
+
+
+def _clips_batch(got):  # noqa: ANN001, ANN202 - a TrainBatch of the clips (no text: lockstep reads none)
+    import torch
+
+    from training.data.dataset import TrainBatch
+
+    items, errors, extra = got
+    rows = len(items)
+    return TrainBatch(waveform=torch.as_tensor(np.stack([i.waveform for i in items])) if items
+                      else torch.zeros(0, 4_000), input_ids=torch.zeros(1, rows, 1, dtype=torch.long),
+                      attention_mask=torch.zeros(1, rows, 1, dtype=torch.long),
+                      text_mask=torch.zeros(1, rows, dtype=torch.bool),
+                      clip_index=torch.tensor([i.index for i in items], dtype=torch.long), texts=[[]],
+                      skipped=tuple(errors), extra_draws=extra)
+
+
+def _lockstep_worker(rank: int, world: int, port: int, folder: str, workers: int, batch: int, reserve: float,
+                     out: str) -> None:
+    """This rank's real stream and the loop's lockstep over gloo for 3 epochs; writes what it saw."""
+    import torch
+
+    from training import distributed
+    from training.data.stream import ShardStream, StreamBatches, open_corpus
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    distributed.init_process_group(torch.device("cpu"), timeout_s=60)
+    corpus = open_corpus(folder, languages=["eng"], drop_other_languages=True)
+    stream = ShardStream(corpus, rank=rank, layout=Layout(world, workers, batch, 3, reserve), sample_rate=16_000,
+                         clip_samples=4_000, seed=0, languages=["eng"])
+
+    from torch.utils.data import DataLoader
+
+    context = {"multiprocessing_context": "fork"} if workers else {}  # not a forkserver of the rank's own
+    batches = StreamBatches(stream, DataLoader(stream, batch_size=None, collate_fn=_clips_batch, num_workers=workers,
+                                               **context))
+    seen = []
+    for epoch in range(3):
+        batches.set_epoch(epoch)
+        rows, served, errors = [], [], []
+        for got in batches:
+            rows.append(int(got.waveform.shape[0]))
+            errors += list(got.skipped)
+            kept = batches.lockstep(got)
+            served += [corpus.records["train"].ids[int(i)] for i in (kept.clip_index if kept is not None else [])]
+        seen.append({"rows": rows, "served": served, "errors": errors, "held_back": batches.held_back,
+                     "steps": len(batches)})
+    distributed.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+
+
+@pytest.mark.parametrize(("world", "workers", "batch"), [(2, 2, 3), (4, 0, 2)])
+def test_one_ranks_bad_sample_leaves_the_other_ranks_batches_full(
+        subset_shards: tuple[Path, str], tmp_path: Path, world: int, workers: int, batch: int) -> None:
+    """Uneven shards of 5, a language subset (every third clip without English), one garbled sample; real
+    gloo ranks running the loop's lockstep: with a reserve the rank that meets the bad sample fills its
+    batch from its own share — every rank's every batch is full, nothing is held back, no clip twice."""
+    folder, bad_id = subset_shards
+    english = {clip for clip, meta in shard_members(folder).items() if "eng" in meta["captions"]}
+    spawn_ranks(_lockstep_worker, args=(world, free_port(), str(folder), workers, batch, 0.25, str(tmp_path)),
+                nprocs=world)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    met = 0
+    for epoch in range(3):
+        views = [rank[epoch] for rank in ranks]
+        served = [clip for view in views for clip in view["served"]]
+        assert len(served) == len(set(served)), epoch  # 0 duplicates across the ranks
+        assert set(served) <= english - {bad_id}
+        assert all(view["held_back"] == [] for view in views), epoch  # no rank held back for another's loss
+        full = [view["rows"] for view in views]
+        assert all(rows == full[0] for rows in full), epoch  # every rank's batches as full as the plan's
+        met += sum(bad_id in error for view in views for error in view["errors"])
+    assert met >= 1  # the garbled sample was drawn (and replaced) in some epoch
+    cut = segment_cut(len(english), Layout(world, workers, batch, 3, 0.25))
+    assert all(sum(view["rows"]) == cut.in_batches for rank in ranks for view in rank)

@@ -674,3 +674,27 @@ def test_one_ranks_bad_sample_leaves_the_other_ranks_batches_full(
     assert met >= 1  # the garbled sample was drawn (and replaced) in some epoch
     cut = segment_cut(len(english), Layout(world, workers, batch, 3, 0.25))
     assert all(sum(view["rows"]) == cut.in_batches for rank in ranks for view in rank)
+
+
+def test_a_resume_does_not_report_again_the_samples_lost_before_it(subset_shards: tuple[Path, str],
+                                                                   tmp_path: Path) -> None:
+    """A shard cut short loses its samples; each is reported in the batch that draws it (and replaced
+    there), so a resume after some of them reports only the later ones — never one of a batch already run."""
+    folder, _ = subset_shards
+    cut = tmp_path / "cut"
+    shutil.copytree(folder, cut)
+    victim = cut / "train-000004.tar"
+    victim.write_bytes(victim.read_bytes()[:3000])
+    batches, _ = make_batches(str(cut), rank=0, world=1, workers=0)
+    batches.set_epoch(0)
+    full = list(batches)
+    lost = [t for t, (_, _, errs) in enumerate(full) if any("skipped, not read" in e for e in errs)]
+    errors = [e for _, _, errs in full for e in errs]
+    assert lost and len(errors) == len(set(errors))  # each loss reported once
+    for skip in (lost[0] + 1, lost[-1]):
+        again, _ = make_batches(str(cut), rank=0, world=1, workers=0)
+        again.restore(batches.plan_state(0, skip), epoch=0, batch_in_epoch=skip, saved_world=1)
+        again.set_epoch(0, skip=skip)
+        resumed = list(again)
+        assert [errs for _, _, errs in resumed] == [errs for _, _, errs in full[skip:]]
+        assert [ids for ids, _, _ in resumed] == [ids for ids, _, _ in full[skip:]]

@@ -23,8 +23,12 @@ the rank's range (it reads one or a few shards, or pieces of them, front to back
 **Draws** (:func:`draw_order`): a worker emits its chunk through a shuffle buffer of ``buffer``
 entries that starts serving after one batch's worth and grows by one entry per draw up to
 ``buffer``; the order depends only on the chunk's length and the seed, never on the audio, so
-a resume replays it without reading the samples already served, and a sample that turns out
-to be undecodable leaves a hole in its batch instead of shifting the next batches.
+a resume replays it without reading the samples already served (with the draws each worker took
+in place of lost samples, recorded per segment: ``Segment.extra``).
+
+**The reserve** (``Layout.reserve``, ``data.bad_sample_reserve``): ``floor(reserve × M)`` of a rank's
+``M`` positions are not in its batches but at the end of its workers' chunks; a worker whose
+batch lost a sample draws on into them, so one rank's bad sample costs no other rank a clip.
 """
 
 from __future__ import annotations
@@ -228,6 +232,9 @@ class Coverage:
     served: int
     steps: int
     left_out: int
+    """Usable clips a full epoch does not serve: the cut's tail and the ranks' reserve."""
+    reserve: int = 0
+    """Of ``left_out``, the reserve of every rank (drawn only in place of lost samples)."""
 
     @property
     def fraction(self) -> float:
@@ -235,7 +242,8 @@ class Coverage:
 
     def line(self, layout: Layout) -> str:
         return (f"epoch plan: {self.served} of {self.usable} usable clips an epoch ({100 * self.fraction:.2f} %; "
-                f"{self.left_out} left out by the cut, {self.clips - self.usable} without a caption in "
+                f"{self.left_out} left out by the cut ({self.reserve} of them the ranks' reserve for lost samples, "
+                f"data.bad_sample_reserve), {self.clips - self.usable} without a caption in "
                 f"data.languages), {layout.world} rank(s) × {layout.slots} loader worker(s), {self.steps} steps of "
                 f"{layout.batch_size} clips per rank")
 
@@ -243,4 +251,5 @@ class Coverage:
 def coverage(usable: int, clips: int, layout: Layout) -> Coverage:
     cut = segment_cut(usable, layout)
     served = cut.in_batches * layout.world
-    return Coverage(clips=clips, usable=usable, served=served, steps=cut.steps, left_out=usable - served)
+    return Coverage(clips=clips, usable=usable, served=served, steps=cut.steps, left_out=usable - served,
+                    reserve=cut.reserve * layout.world)

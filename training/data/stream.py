@@ -20,11 +20,15 @@ on the in-memory FLAC/WAV, seeded by ``(seed, epoch, clip row)`` like the file p
 the same :class:`TrainItem` the manifest path gives, so every objective's strategy (views,
 KCL's languages, clip indices) is unchanged.
 
-A sample that cannot be decoded, or that a broken shard never delivers, is **not replaced**:
-its batch is one clip short and the error travels in ``TrainBatch.skipped`` to
-:class:`BadSampleBudget`, which names and counts it. The loop then makes every rank train the
-smallest batch of the step (:meth:`StreamBatches.lockstep`: the collectives' shapes must agree),
-holding back — and logging — the others' surplus clips.
+A sample that cannot be decoded, or that a broken shard never delivers, is never replaced by a
+clip served elsewhere: its worker fills the batch with its own next draw, paid for by the reserve
+each rank keeps of its share (``data.bad_sample_reserve``, :func:`training.data.epoch_plan.segment_cut`),
+so the other ranks' batches are untouched; the error travels in ``TrainBatch.skipped`` (in the batch
+that drew the sample) to :class:`BadSampleBudget`, which names and counts it, and the draws beyond
+the batch's size in ``TrainBatch.extra_draws`` to the checkpoint's plan. Only when a worker's losses
+exceed its reserve is a batch short; the loop then makes every rank train the smallest batch of the
+step (:meth:`StreamBatches.lockstep`: the collectives' shapes must agree), holding back — and
+logging — the others' surplus clips.
 
 Resume: the checkpoint records the plan (layout, seed, corpus digest, the batches each segment
 of the epoch ran). On the same layout the workers replay their draw order without reading the

@@ -75,7 +75,7 @@ def items_per_second(url: str, budget_s: float) -> float:
     done, epoch, started = 0, 1, time.perf_counter()
     while True:
         stream.set_epoch(epoch)
-        for items, _ in stream:  # batches of one
+        for items, *_ in stream:  # batches of one
             done += len(items)
         epoch += 1
         elapsed = time.perf_counter() - started

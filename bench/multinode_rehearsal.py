@@ -357,7 +357,8 @@ def section(results: dict[str, Any], args: argparse.Namespace) -> str:
            f"`{fail['kb_pass_warning'][:200]}` — the pass embeds it as zeros and names it "
            "(docs/training.md), it does not count against `data.max_bad_fraction`; the training step then "
            "failed on it."] if fail.get("kb_pass_warning") else []),
-        f"- `clips_served` in metrics.jsonl's epoch records is rank 0's (since the start or the resume): "
+        f"- `clips_served` in metrics.jsonl's epoch records is every rank's total (since the start or the resume; "
+        "`clips_served_worst_rank` beside it): "
         f"{results['ask']['epoch']['clips_served']} in epoch 1 of 4 ranks, "
         f"{resume['epochs'][-1].get('clips_served')} in epoch 2 after the resume on 2; the served/distinct "
         "counts above are every rank's, from the ids the hook recorded.",

@@ -61,7 +61,7 @@ def measure(url: str, buffer: int) -> tuple[int, int]:
                          clip_samples=RATE * CROP_S, seed=0, languages=["eng"])
     stream.set_epoch(0)
     base, peak = rss(), 0
-    for items, _ in stream:
+    for items, *_ in stream:
         peak = max(peak, rss() - base)
         del items
     return peak, peak_entries(CLIPS, buffer, BATCH)

@@ -84,6 +84,11 @@ class DataConfig(_Strict):
     max_bad_fraction: float = Field(0.02, ge=0, le=1)
     """Undecodable training clips are replaced, named and counted; the run stops in one line once
     more distinct clips than this fraction of a rank's share have failed."""
+    bad_sample_reserve: float = Field(0.002, ge=0, lt=0.5)
+    """With `shards`: this fraction of each rank's clips an epoch is its loader workers' reserve, drawn
+    only to fill a batch that lost a sample (undecodable, a shard that failed), so one rank's bad sample
+    never makes the other ranks hold back clips; reserve left undrawn is not served that epoch
+    (docs/training.md, "Training on a large corpus"). 0 = no reserve (every rank trains the smallest batch)."""
     max_clips: int | None = Field(None, ge=1)
     """Use only the first N clips of each split (quick experiments)."""
     read_retries: int = Field(4, ge=0)

@@ -24,11 +24,13 @@ shard of the batch; :func:`gather_embedding_batch` concatenates every rank's emb
 from __future__ import annotations
 
 import contextlib
+import gc
 import heapq
 import logging
 import os
 import pickle
 import time
+import traceback
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -212,12 +214,54 @@ def _barrier_kwargs() -> dict[str, Any]:
 
 def destroy_process_group() -> None:
     """Leave the group on the way every rank takes: a barrier first, so no rank tears down while
-    a peer still sends. After an error use :func:`leave_after_error` instead (no barrier)."""
+    a peer still sends. After an error use :func:`leave_after_error` instead (no barrier).
+    Free what holds the group first: :func:`release_and_leave`."""
     global _GROUP_DEVICE
     if is_distributed():
         dist.barrier(**_barrier_kwargs())
         dist.destroy_process_group()
     _GROUP_DEVICE = None
+
+
+# --- the order of the end -------------------------------------------------------------------
+#
+# DDP's C++ Reducer holds a reference to the process group. When the Reducer is the last owner
+# and dies *after* ``destroy_process_group`` (a ``Run`` still alive in ``train()``'s frame, freed
+# when the function returns), the group's destructor runs on the main thread with the GIL held
+# and joins gloo's worker threads — one of which may still be releasing the barrier's work and
+# needs the GIL: a deadlock (pytorch#56297; py-spy: ``~ProcessGroupGloo`` ← ``~Reducer`` on the
+# main thread, ``gil_scoped_acquire`` ← ``~AsyncBarrierWork`` on the gloo thread). So the run —
+# DDP model, optimizer, loaders and their persistent workers — is freed and collected *before*
+# the barrier and the destroy, on every path (tests/training/test_teardown.py).
+
+
+def release_and_leave(
+    owners: list[Any], *, error: BaseException | None = None, together: bool | None = None
+) -> None:
+    """End a run in the one safe order: free ``owners`` (the run objects: DDP model, optimizer,
+    loaders; the caller holds them only through this list), drop the locals of the finished frames
+    of ``error``'s traceback (which hold the run too), collect, then leave the group — after a
+    barrier when every rank ends alike (``together``; default: no ``error``; an interruption
+    every rank agreed on is together), at once after an error (:func:`leave_after_error`)."""
+    owners.clear()
+    if error is not None:
+        traceback.clear_frames(error.__traceback__)
+    gc.collect()
+    if is_distributed() and log.isEnabledFor(logging.DEBUG):
+        alive = live_ddp_modules()
+        if alive:
+            log.debug("%d DDP module(s) still alive when leaving the process group", alive)
+    if (error is None) if together is None else together:
+        destroy_process_group()
+    else:
+        leave_after_error(error if error is not None else RuntimeError("the run ended on this rank alone"))
+
+
+def live_ddp_modules() -> int:
+    """DistributedDataParallel modules alive in this process (what :func:`release_and_leave` frees)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return sum(isinstance(obj, DistributedDataParallel) for obj in gc.get_objects())
 
 
 # --- failing well ---------------------------------------------------------------------------
@@ -550,6 +594,26 @@ def reduce_window(values: Mapping[str, float]) -> dict[str, float]:
         out[key] = max(per_rank) if key in MAX_OF else sum(per_rank) / len(per_rank)
         if key in WORST_OF:
             out[WORST_OF[key]] = max(per_rank)
+    return out
+
+
+def reduce_counts(values: Mapping[str, float], *, worst: Mapping[str, str]) -> dict[str, float]:
+    """Per-rank counts of the job as rank 0 logs them: ONE all-gather; each key becomes its total over
+    ranks, and ``KEY_worst_rank`` the worst rank's value (``worst[KEY]``: ``"min"`` or ``"max"``), e.g.
+    the rank that served the fewest clips or held back the most. On one process: the values themselves."""
+    keys = list(values)
+    if not is_distributed():
+        rows = [[float(values[k]) for k in keys]]
+    else:
+        with _helper_scope():
+            local = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=group_device())
+            rows = all_gather_no_grad(local.unsqueeze(0)).tolist()
+    out: dict[str, float] = {}
+    for column, key in enumerate(keys):
+        per_rank = [row[column] for row in rows]
+        out[key] = sum(per_rank)
+        if key in worst:
+            out[f"{key}_worst_rank"] = min(per_rank) if worst[key] == "min" else max(per_rank)
     return out
 
 

@@ -166,19 +166,23 @@ def train(
         timeout_s=cfg.distributed.timeout_s,
         force_group=cfg.distributed.force_process_group,
     )
+    # The run (DDP's Reducer holds the process group; loaders hold persistent workers) lives only in
+    # `owned`, so that teardown_runtime frees it *before* the group is destroyed, on every path
+    # (training/distributed.py, "the order of the end": else a rank can deadlock at its very end).
+    owned: list[Run] = []
     try:
         prepare_out_dir(cfg, runtime, command=command)
         seed_everything(cfg.seed + runtime.rank)
-        run = build_run(cfg, runtime)
+        owned.append(build_run(cfg, runtime))
         with StopRequest() as stop:
-            run_epochs(run, interrupt_after_steps=interrupt_after_steps, stop=stop)
-    except TrainingInterrupted:  # every rank stopped at the same step boundary (stop_requested)
-        teardown_runtime(runtime)
+            run_epochs(owned[0], interrupt_after_steps=interrupt_after_steps, stop=stop)
+    except TrainingInterrupted as interrupted:  # every rank stopped at the same step boundary (stop_requested)
+        teardown_runtime(runtime, owners=owned, error=interrupted, together=True)
         raise
     except BaseException as err:  # this rank alone may have failed: no barrier, the job ends now
-        teardown_runtime(runtime, error=err)
+        teardown_runtime(runtime, owners=owned, error=err)
         raise
-    teardown_runtime(runtime)
+    teardown_runtime(runtime, owners=owned)
     return cfg.out_dir
 
 
@@ -793,8 +797,7 @@ def end_epoch(run: Run, epoch: int, *, seconds: float) -> None:
             "step": state.step,
             "loss": mean_loss,
             "seconds": seconds,
-            "bad_samples": distributed.distinct_over_ranks(list(run.bad_samples.seen)),  # all ranks
-            **(run.batches.epoch_stats() if isinstance(run.batches, StreamBatches) else {}),
+            **epoch_data_metrics(run),
             **summary,
         }
     )
@@ -814,6 +817,19 @@ def end_epoch(run: Run, epoch: int, *, seconds: float) -> None:
     )
     if run.runtime.is_main:
         run.metrics.plot(cfg.out_dir / "curves.png")
+
+
+def epoch_data_metrics(run: Run) -> dict[str, int]:
+    """The epoch's data counts over every rank (every rank calls this): bad samples (distinct, the run's),
+    clips served and held back (totals), each with its worst rank beside it (docs/training.md)."""
+    local: dict[str, float] = {"bad_samples": run.bad_samples.count}
+    if isinstance(run.batches, StreamBatches):
+        local.update(run.batches.epoch_stats())
+    reduced = distributed.reduce_counts(
+        local, worst={"bad_samples": "max", "clips_served": "min", "clips_held_back": "max"}
+    )
+    reduced["bad_samples"] = distributed.distinct_over_ranks(list(run.bad_samples.seen))
+    return {key: int(value) for key, value in reduced.items()}
 
 
 def improves(run: Run, report: dict[str, float]) -> bool:
@@ -885,6 +901,9 @@ def save_last(run: Run, report: dict[str, float] | None = None) -> None:
     state.samples_in_epoch = run.batches.samples_consumed(state.batch_in_epoch) if in_epoch else 0
     directory = save_checkpoint_dir(run, ".last.partial", report)
     rng_tensors, rng_meta = distributed.rank_rng_states(capture_rng_state())
+    if isinstance(run.batches, StreamBatches):
+        run.batches.gather_extra(state.epoch, state.batch_in_epoch)  # every rank's reserve draws, for rank 0's plan
+    budget = run.bad_samples.gather_state()  # every rank's bad samples: the budget survives a resume
     if run.runtime.is_main:
         optim_tensors, optim_meta = flatten_optimizer_state(run.optimizer.state_dict())
         objective_tensors = {
@@ -896,6 +915,7 @@ def save_last(run: Run, report: dict[str, float] | None = None) -> None:
             "rng": rng_meta,
             "scaler": run.scaler.state_dict(),
             "world_size": run.runtime.world_size,
+            "bad_samples": budget,
         }
         if isinstance(run.batches, StreamBatches):
             meta["data_plan"] = run.batches.plan_state(state.epoch, state.batch_in_epoch)
@@ -946,6 +966,7 @@ def restore_trainer_state(run: Run, directory: Path) -> None:
             saved_world, world, state.epoch + 1, state.samples_in_epoch, batch * world,
             batch * saved_world, run.steps_per_epoch, run.total_steps, saved_world,
         )
+    run.bad_samples.restore_state(meta.get("bad_samples"), rank=run.runtime.rank, world=world)
     rng = resumed_rng_state(tensors, meta["rng"], saved_world=saved_world, rank=run.runtime.rank)
     if rng is not None:
         restore_rng_state(*rng)

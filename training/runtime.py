@@ -140,15 +140,19 @@ def setup_runtime(
     )
 
 
-def teardown_runtime(runtime: Runtime, *, error: BaseException | None = None) -> None:
-    """Leave the process group: after a barrier when the run ended the same way on every rank, at
-    once when `error` is propagating (training.distributed, "failing well")."""
+def teardown_runtime(
+    runtime: Runtime, *, owners: list[Any] | None = None, error: BaseException | None = None,
+    together: bool | None = None,
+) -> None:
+    """Free ``owners`` (the run: DDP model, optimizer, loaders — held by the caller only through
+    this list), then leave the process group: after a barrier when the run ended the same way on
+    every rank, at once when `error` is propagating (training.distributed, "the order of the end"
+    and "failing well")."""
     if not runtime.distributed:
+        if owners is not None:
+            owners.clear()  # loader workers end here too, as they would under a group
         return
-    if error is None:
-        distributed.destroy_process_group()
-    else:
-        distributed.leave_after_error(error)
+    distributed.release_and_leave(owners if owners is not None else [], error=error, together=together)
 
 
 def barrier(runtime: Runtime) -> None:

@@ -132,7 +132,8 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
         budget = int(cluster.memory_per_node * 0.2) // (max(1, workers) * ranks)
     entries, buffer_bytes = shuffle_entries(cfg.data.shuffle_buffer, budget, entry_bytes=crop, workers=workers,
                                             ranks_on_node=ranks)
-    layout = Layout(world=world, workers=workers, batch_size=cfg.optim.batch_size, buffer=entries)
+    layout = Layout(world=world, workers=workers, batch_size=cfg.optim.batch_size, buffer=entries,
+                    reserve=cfg.data.bad_sample_reserve)
     cover = coverage(usable, clips, layout)
     held = min(entries, -(-(cover.served // max(1, world)) // max(1, workers)))  # a worker's share caps it
     buffer_bytes = held * crop

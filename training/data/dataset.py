@@ -125,6 +125,9 @@ class TrainBatch:
     texts: list[list[str | None]]
     skipped: tuple[str, ...] = ()
     """Decode errors of the clips this batch replaced (see :class:`TrainClipDataset`)."""
+    extra_draws: int = 0
+    """``data.shards``: entries the worker drew beyond the batch's planned size (lost samples replaced
+    from its reserve; training/data/stream.py), what a checkpoint records for an exact resume."""
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> TrainBatch:
         """The tensors moved to ``device`` (texts and skipped unchanged)."""
@@ -132,7 +135,7 @@ class TrainBatch:
             name: getattr(self, name).to(device, non_blocking=non_blocking)
             for name in ("waveform", "input_ids", "attention_mask", "text_mask", "clip_index")
         }
-        return TrainBatch(texts=self.texts, skipped=self.skipped, **move)
+        return TrainBatch(texts=self.texts, skipped=self.skipped, extra_draws=self.extra_draws, **move)
 
 
 class TrainCollate:

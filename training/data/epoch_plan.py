@@ -29,8 +29,12 @@ back).
 **Draws** (:func:`draw_order`): a worker emits its chunk through a shuffle buffer of ``buffer``
 entries that starts serving after one batch's worth and grows by one entry per draw up to
 ``buffer``; the order depends only on the chunk's length and the seed, never on the audio, so
-a resume replays it without reading the samples already served, and a sample that turns out
-to be undecodable leaves a hole in its batch instead of shifting the next batches.
+a resume replays it without reading the samples already served (with the draws each worker took
+in place of lost samples, recorded per segment: ``Segment.extra``).
+
+**The reserve** (``Layout.reserve``, ``data.bad_sample_reserve``): ``floor(reserve × M)`` of a rank's
+``M`` positions are not in its batches but at the end of its workers' chunks; a worker whose
+batch lost a sample draws on into them, so one rank's bad sample costs no other rank a clip.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +61,9 @@ class Layout:
     batch_size: int
     buffer: int = 1000
     """Shuffle-buffer entries of each worker (the draw order depends on it)."""
+    reserve: float = 0.0
+    """Fraction of each rank's positions kept as its workers' reserve (``data.bad_sample_reserve``):
+    drawn only to fill a batch that lost a sample, so one rank's bad sample never holds the others back."""
 
     @property
     def slots(self) -> int:
@@ -69,14 +77,29 @@ class Segment:
     layout: Layout
     batches: int
 
-    def to_json(self) -> dict[str, int]:
-        return {"world": self.layout.world, "workers": self.layout.workers, "batch_size": self.layout.batch_size,
-                "shuffle_buffer": self.layout.buffer, "batches": self.batches}
+    extra: tuple[tuple[int, ...], ...] = ()
+    """Per rank, per worker: entries drawn beyond the batches' sizes (samples lost and replaced from the
+    reserve) by the segment's first ``batches`` batches; empty = none."""
+
+    def to_json(self) -> dict[str, Any]:
+        obj: dict[str, Any] = {"world": self.layout.world, "workers": self.layout.workers,
+                               "batch_size": self.layout.batch_size, "shuffle_buffer": self.layout.buffer,
+                               "batches": self.batches}
+        if self.layout.reserve:
+            obj["reserve"] = self.layout.reserve
+        if any(any(row) for row in self.extra):
+            obj["extra_draws"] = [list(row) for row in self.extra]
+        return obj
 
     @staticmethod
-    def from_json(obj: dict[str, int]) -> Segment:
-        layout = Layout(int(obj["world"]), int(obj["workers"]), int(obj["batch_size"]), int(obj["shuffle_buffer"]))
-        return Segment(layout, int(obj["batches"]))
+    def from_json(obj: dict[str, Any]) -> Segment:
+        layout = Layout(int(obj["world"]), int(obj["workers"]), int(obj["batch_size"]), int(obj["shuffle_buffer"]),
+                        float(obj.get("reserve", 0.0)))
+        extra = tuple(tuple(int(x) for x in row) for row in obj.get("extra_draws", []))
+        return Segment(layout, int(obj["batches"]), extra)
+
+    def extra_of(self, rank: int, worker: int) -> int:
+        return self.extra[rank][worker] if rank < len(self.extra) and worker < len(self.extra[rank]) else 0
 
 
 MIX_SHARDS = 8
@@ -112,41 +135,56 @@ class WorkerChunk:
     start: int
     stop: int
     sizes: tuple[int, ...]
+    reserve: int = 0
+    """Entries of ``[start, stop)`` beyond ``sum(sizes)``: drawn only in place of lost samples."""
 
 
 @dataclass(frozen=True)
 class SegmentCut:
     per_rank: int
-    """Positions each rank serves (``M``)."""
+    """Positions each rank takes (``M``: its batches' clips and its reserve)."""
     steps: int
     """Batches per rank."""
     ranks: tuple[tuple[WorkerChunk, ...], ...]
+
+    reserve: int = 0
+    """Of ``per_rank``, the positions held in reserve (all workers of a rank together)."""
+
+    @property
+    def in_batches(self) -> int:
+        """Positions each rank's batches serve when no sample is lost."""
+        return self.per_rank - self.reserve
 
     def left_out(self, n: int) -> int:
         return n - self.per_rank * len(self.ranks)
 
 
 def segment_cut(n: int, layout: Layout) -> SegmentCut:
-    """The cut of ``n`` positions (module doc)."""
+    """The cut of ``n`` positions (module doc): ``floor(reserve × M)`` of a rank's ``M`` positions are
+    its workers' reserve (split as evenly as the workers), the rest its batches."""
     world, slots, batch = layout.world, layout.slots, layout.batch_size
     per_rank = n // world
-    if per_rank % batch == 1:  # no batch of one clip (no negatives)
+    reserve = int(layout.reserve * per_rank)
+    served = per_rank - reserve
+    if served % batch == 1:  # no batch of one clip (no negatives)
+        served -= 1
         per_rank -= 1
-    steps = -(-per_rank // batch) if per_rank >= 2 else 0
+    steps = -(-served // batch) if served >= 2 else 0
     if steps == 0:
-        per_rank = 0
+        per_rank, reserve = 0, 0
     sizes = [batch] * steps
     if steps:
-        sizes[-1] = per_rank - batch * (steps - 1)
+        sizes[-1] = served - batch * (steps - 1)
     ranks = []
     for rank in range(world):
         start, chunks = rank * per_rank, []
         for worker in range(slots):
             mine = tuple(sizes[worker::slots])
-            chunks.append(WorkerChunk(start, start + sum(mine), mine))
-            start += sum(mine)
+            spare = reserve // slots + (worker < reserve % slots)
+            chunks.append(WorkerChunk(start, start + sum(mine) + spare, mine, spare))
+            start += sum(mine) + spare
         ranks.append(tuple(chunks))
-    return SegmentCut(per_rank, steps, tuple(ranks))
+    return SegmentCut(per_rank, steps, tuple(ranks), reserve)
 
 
 def draw_order(length: int, *, buffer: int, first: int, seed: int) -> list[int]:
@@ -172,9 +210,10 @@ def slot_seed(seed: int, epoch: int, segment: int, rank: int, worker: int) -> in
 
 
 def served_in_segment(cut: SegmentCut, layout: Layout, batches: int, *, seed: int, epoch: int,
-                      segment: int) -> np.ndarray:
+                      segment: int, extra: Segment | None = None) -> np.ndarray:
     """Positions (of the segment's remaining sequence) served by the first ``batches`` batches of
-    every rank: the samples drawn for them, served or found undecodable."""
+    every rank: the samples drawn for them, served or found undecodable (with ``extra``'s draws
+    beyond the batches' sizes: the reserve entries drawn in place of lost samples)."""
     served = []
     for rank, chunks in enumerate(cut.ranks):
         for worker, chunk in enumerate(chunks):
@@ -183,7 +222,8 @@ def served_in_segment(cut: SegmentCut, layout: Layout, batches: int, *, seed: in
                 continue
             order = draw_order(chunk.stop - chunk.start, buffer=layout.buffer, first=layout.batch_size,
                                seed=slot_seed(seed, epoch, segment, rank, worker))
-            served.append(chunk.start + np.asarray(order[: sum(chunk.sizes[:done])], dtype=np.int64))
+            drawn = sum(chunk.sizes[:done]) + (extra.extra_of(rank, worker) if extra is not None else 0)
+            served.append(chunk.start + np.asarray(order[:drawn], dtype=np.int64))
     return np.concatenate(served) if served else np.zeros(0, dtype=np.int64)
 
 
@@ -192,7 +232,8 @@ def remaining(total: int, segments: Sequence[Segment], *, seed: int, epoch: int)
     left = np.arange(total, dtype=np.int64)
     for number, segment in enumerate(segments):
         cut = segment_cut(len(left), segment.layout)
-        served = served_in_segment(cut, segment.layout, segment.batches, seed=seed, epoch=epoch, segment=number)
+        served = served_in_segment(cut, segment.layout, segment.batches, seed=seed, epoch=epoch, segment=number,
+                                   extra=segment)
         keep = np.ones(len(left), dtype=bool)
         keep[served] = False
         left = left[keep]
@@ -210,6 +251,9 @@ class Coverage:
     served: int
     steps: int
     left_out: int
+    """Usable clips a full epoch does not serve: the cut's tail and the ranks' reserve."""
+    reserve: int = 0
+    """Of ``left_out``, the reserve of every rank (drawn only in place of lost samples)."""
 
     @property
     def fraction(self) -> float:
@@ -217,12 +261,14 @@ class Coverage:
 
     def line(self, layout: Layout) -> str:
         return (f"epoch plan: {self.served} of {self.usable} usable clips an epoch ({100 * self.fraction:.2f} %; "
-                f"{self.left_out} left out by the cut, {self.clips - self.usable} without a caption in "
+                f"{self.left_out} left out by the cut ({self.reserve} of them the ranks' reserve for lost samples, "
+                f"data.bad_sample_reserve), {self.clips - self.usable} without a caption in "
                 f"data.languages), {layout.world} rank(s) × {layout.slots} loader worker(s), {self.steps} steps of "
                 f"{layout.batch_size} clips per rank")
 
 
 def coverage(usable: int, clips: int, layout: Layout) -> Coverage:
     cut = segment_cut(usable, layout)
-    served = cut.per_rank * layout.world
-    return Coverage(clips=clips, usable=usable, served=served, steps=cut.steps, left_out=usable - served)
+    served = cut.in_batches * layout.world
+    return Coverage(clips=clips, usable=usable, served=served, steps=cut.steps, left_out=usable - served,
+                    reserve=cut.reserve * layout.world)

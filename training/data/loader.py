@@ -88,6 +88,29 @@ class BadSampleBudget:
     def count(self) -> int:
         return len(self.seen)
 
+    def gather_state(self) -> dict[str, Any]:
+        """Every rank's errors (one gather; every rank calls it), for rank 0 to checkpoint."""
+        from training import distributed
+
+        return {"max_fraction": self.max_fraction, "per_rank": distributed.gather_objects(list(self.seen))}
+
+    def restore_state(self, state: dict[str, Any] | None, *, rank: int, world: int) -> None:
+        """Take up a checkpoint's errors (:meth:`gather_state`): each rank its own on the same world size;
+        on another, the run's distinct errors dealt round-robin over the ranks (every one counted once).
+        The allowance stays this run's (``data.max_bad_fraction`` of this rank's clips)."""
+        if not state:
+            return
+        per_rank = [list(errors) for errors in state.get("per_rank", [])]
+        if len(per_rank) == world:
+            mine = per_rank[rank]
+        else:
+            every = list(dict.fromkeys(error for errors in per_rank for error in errors))
+            mine = every[rank::world]
+        self.seen = dict.fromkeys(mine)
+        if mine:
+            log.info("resume: %d bad sample(s) already met on this rank count against data.max_bad_fraction "
+                     "(%d allowed)", len(mine), self.allowed)
+
     def first(self, n: int = NAMED_BAD_SAMPLES) -> list[str]:
         """The first ``n`` errors, in the order they were met."""
         return list(self.seen)[:n]

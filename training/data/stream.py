@@ -24,11 +24,15 @@ on the in-memory FLAC/WAV, seeded by ``(seed, epoch, clip row)`` like the file p
 the same :class:`TrainItem` the manifest path gives, so every objective's strategy (views,
 KCL's languages, clip indices) is unchanged.
 
-A sample that cannot be decoded, or that a broken shard never delivers, is **not replaced**:
-its batch is one clip short and the error travels in ``TrainBatch.skipped`` to
-:class:`BadSampleBudget`, which names and counts it. The loop then makes every rank train the
-smallest batch of the step (:meth:`StreamBatches.lockstep`: the collectives' shapes must agree),
-holding back — and logging — the others' surplus clips.
+A sample that cannot be decoded, or that a broken shard never delivers, is never replaced by a
+clip served elsewhere: its worker fills the batch with its own next draw, paid for by the reserve
+each rank keeps of its share (``data.bad_sample_reserve``, :func:`training.data.epoch_plan.segment_cut`),
+so the other ranks' batches are untouched; the error travels in ``TrainBatch.skipped`` (in the batch
+that drew the sample) to :class:`BadSampleBudget`, which names and counts it, and the draws beyond
+the batch's size in ``TrainBatch.extra_draws`` to the checkpoint's plan. Only when a worker's losses
+exceed its reserve is a batch short; the loop then makes every rank train the smallest batch of the
+step (:meth:`StreamBatches.lockstep`: the collectives' shapes must agree), holding back — and
+logging — the others' surplus clips.
 
 Resume: the checkpoint records the plan (layout, seed, corpus digest, the batches each segment
 of the epoch ran). On the same layout the workers replay their draw order without reading the
@@ -492,6 +496,9 @@ class ShardStream(IterableDataset):
         self.read_policy = read_policy or ReadPolicy()
         self.segments: list[Segment] = []
         self.segments_epoch = -1
+        self.extra_draws: dict[int, int] = {}
+        """Per worker role: draws beyond the batches' sizes the resumed segment's first batches took
+        (set by :meth:`StreamBatches.restore` before the workers start)."""
         self.shared = torch.zeros(2, dtype=torch.long).share_memory_()  # epoch, batches to skip
         self._cut_for: tuple[int, int] | None = None
         self._cut: tuple[np.ndarray, SegmentCut] | None = None
@@ -581,8 +588,11 @@ class ShardStream(IterableDataset):
         if lost:  # each lost sample is one named error: data.max_bad_fraction counts samples, not shards
             log.warning("%s: shard failed after %d of this worker's %d samples (%s); the other %d are skipped",
                         url, len(delivered), len(wanted), reason, len(lost))
-            errors.extend(f"{url}: {self.plan.ids[rows[ordinal]]}: skipped, not read: the shard failed after "
-                          f"{len(delivered)} of this worker's {len(wanted)} samples ({reason})" for ordinal in lost)
+            # Each reported in the batch that draws it (never in an earlier one: a resume after that
+            # batch does not report it again), and replaced there from the worker's reserve.
+            for ordinal in lost:  # ascending ordinals are ascending entries of the chunk
+                yield wanted[ordinal], (f"{url}: {self.plan.ids[rows[ordinal]]}: skipped, not read: the shard "
+                                        f"failed after {len(delivered)} of this worker's {len(wanted)} samples ({reason})")
 
     def _decode(self, sample: dict[str, Any], epoch: int, row: int, url: str) -> TrainItem | str:
         """The sample's training item, or the error that makes it unusable (a string)."""
@@ -606,7 +616,7 @@ class ShardStream(IterableDataset):
         captions = {lang: texts for lang, texts in meta["captions"].items() if lang in self.languages}
         return TrainItem(wave, captions, row, epoch=epoch)
 
-    def __iter__(self) -> Iterator[tuple[list[TrainItem], list[str]]]:
+    def __iter__(self) -> Iterator[tuple[list[TrainItem], list[str], int]]:
         info = get_worker_info()
         physical = info.id if info is not None else 0
         epoch, skip = int(self.shared[0]), int(self.shared[1])
@@ -620,7 +630,7 @@ class ShardStream(IterableDataset):
         done = len(range(role, min(skip, cut.steps), slots))
         order = draw_order(chunk.stop - chunk.start, buffer=self.shuffle_buffer, first=self.layout.batch_size,
                            seed=slot_seed(self.seed, epoch, segment, self.rank, role))
-        first_draw = sum(chunk.sizes[:done])
+        first_draw = sum(chunk.sizes[:done]) + (self.extra_draws.get(role, 0) if done else 0)
         keep = set(order[first_draw:])
         errors: list[str] = []
         entries = self._entries(epoch, left[chunk.start:chunk.stop], keep, errors)
@@ -628,8 +638,13 @@ class ShardStream(IterableDataset):
         pulled = -1
         draw = first_draw
         for size in chunk.sizes[done:]:
+            # Draw until the batch is full: a lost sample is replaced by the worker's next draw, which
+            # the chunk's reserve pays for (one rank's bad sample costs the others nothing).
             items: list[TrainItem] = []
-            for j in order[draw:draw + size]:
+            start = draw
+            while len(items) < size and draw < len(order):
+                j = order[draw]
+                draw += 1
                 while j not in store and pulled < j:
                     got = next(entries, None)
                     if got is None:
@@ -642,8 +657,9 @@ class ShardStream(IterableDataset):
                     errors.append(entry)
                 elif entry is not None:
                     items.append(entry)
-            draw += size
-            yield items, errors[:]
+                else:  # lost without an error of its own (reported with its shard's failure): replaced too
+                    errors.append(f"{self.url}: entry {j} of a chunk: not delivered")
+            yield items, errors[:], draw - start - size
             errors.clear()
 
 
@@ -653,15 +669,15 @@ class StreamCollate:
     def __init__(self, collate: TrainCollate, clip_samples: int) -> None:
         self.collate, self.clip_samples = collate, clip_samples
 
-    def __call__(self, batch: tuple[list[TrainItem], list[str]]) -> TrainBatch:
-        items, errors = batch
+    def __call__(self, batch: tuple[list[TrainItem], list[str], int]) -> TrainBatch:
+        items, errors, extra = batch
         if items:
-            return replace(self.collate(items), skipped=tuple(errors))
+            return replace(self.collate(items), skipped=tuple(errors), extra_draws=extra)
         views = self.collate.strategy.num_views
         return TrainBatch(waveform=torch.zeros(0, self.clip_samples), input_ids=torch.zeros(views, 0, 1, dtype=torch.long),
                           attention_mask=torch.zeros(views, 0, 1, dtype=torch.long),
                           text_mask=torch.zeros(views, 0, dtype=torch.bool), clip_index=torch.zeros(0, dtype=torch.long),
-                          texts=[[] for _ in range(views)], skipped=tuple(errors))
+                          texts=[[] for _ in range(views)], skipped=tuple(errors), extra_draws=extra)
 
 
 def truncate_batch(batch: TrainBatch, rows: int) -> TrainBatch:
@@ -669,7 +685,7 @@ def truncate_batch(batch: TrainBatch, rows: int) -> TrainBatch:
     return TrainBatch(waveform=batch.waveform[:rows], input_ids=batch.input_ids[:, :rows],
                       attention_mask=batch.attention_mask[:, :rows], text_mask=batch.text_mask[:, :rows],
                       clip_index=batch.clip_index[:rows], texts=[row[:rows] for row in batch.texts],
-                      skipped=batch.skipped)
+                      skipped=batch.skipped, extra_draws=batch.extra_draws)
 
 
 class StreamBatches:
@@ -689,17 +705,29 @@ class StreamBatches:
         """The epoch :meth:`restore` took up (its first :meth:`set_epoch` resumes there)."""
         self.resume_skip = 0
         self.coverage: Coverage | None = None
+        self.drawn: list[int] = []
+        """Per batch received since the segment's start or resume: draws beyond its size (lost samples
+        replaced from its worker's reserve)."""
+        self.extra: list[int] = [0] * stream.layout.slots
+        """Per worker role, such draws of the batches before the resume point."""
+        self.resume_extra: list[int] = [0] * stream.layout.slots
+        self.all_extra: list[list[int]] | None = None
+        """Every rank's :attr:`extra`, gathered by the loop before a checkpoint (:meth:`gather_extra`)."""
 
     def set_epoch(self, epoch: int, *, skip: int = 0, samples_in_epoch: int | None = None) -> None:
         """Start epoch ``epoch`` ``skip`` batches in (the loop's ``batch_in_epoch``), or, for the epoch
         a :meth:`restore` took up, where the checkpoint's plan says."""
-        if epoch == self.pending:
+        resuming = epoch == self.pending
+        if resuming:
             skip = self.resume_skip
         self.pending = None
         steps = self.stream.steps(epoch)
         self.epoch, self.skip = epoch, min(skip, steps)
         self.before = self.full_steps - steps + self.skip
         self.served, self.held_back = 0, []
+        self.extra = list(self.resume_extra) if resuming and self.skip else [0] * self.stream.layout.slots
+        self.stream.extra_draws = dict(enumerate(self.extra))
+        self.drawn = []
         self.stream.set_epoch(epoch, skip=self.skip)
 
     def restore(self, state: dict[str, Any] | None, *, epoch: int, batch_in_epoch: int, saved_world: int) -> str:
@@ -723,6 +751,8 @@ class StreamBatches:
         if segments and segments[-1].layout == layout:
             self.stream.segments, self.stream.segments_epoch = segments[:-1], epoch
             self.resume_skip = segments[-1].batches
+            rank = self.stream.rank
+            self.resume_extra = [segments[-1].extra_of(rank, role) for role in range(layout.slots)]
             return f"epoch {epoch + 1} continues at batch {batch_in_epoch} of the same plan"
         self.stream.segments, self.stream.segments_epoch = segments, epoch
         self.resume_skip = 0
@@ -742,8 +772,25 @@ class StreamBatches:
         if epoch == self.epoch and batch_in_epoch > 0:
             done = self.skip + max(0, batch_in_epoch - self.before)
             state["segments"] = [s.to_json() for s in self.stream.earlier(epoch)]
-            state["segments"].append(Segment(self.stream.layout, done).to_json())
+            extra = tuple(tuple(row) for row in (self.all_extra or [self.extra_before(done)]))
+            state["segments"].append(Segment(self.stream.layout, done, extra).to_json())
         return state
+
+    def extra_before(self, done: int) -> list[int]:
+        """Per worker role, the draws beyond the batches' sizes of the segment's first ``done`` batches."""
+        slots = len(self.extra)
+        out = list(self.extra)
+        for k, extra in enumerate(self.drawn[:max(0, done - self.skip)]):
+            out[(self.skip + k) % slots] += extra
+        return out
+
+    def gather_extra(self, epoch: int, batch_in_epoch: int) -> None:
+        """Every rank's reserve draws up to ``batch_in_epoch``, for rank 0's :meth:`plan_state` (every rank
+        calls it before a checkpoint)."""
+        from training import distributed
+
+        done = self.skip + max(0, batch_in_epoch - self.before) if epoch == self.epoch else 0
+        self.all_extra = distributed.gather_objects(self.extra_before(done))
 
     def remaining_steps(self) -> int:
         """Batches left in the epoch :meth:`restore` took up, from where it resumes."""
@@ -793,7 +840,9 @@ class StreamBatches:
         return self.full_steps
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.loader)
+        for batch in self.loader:  # the reserve draws of each batch's worker, for the checkpoint's plan
+            self.drawn.append(int(getattr(batch, "extra_draws", 0)))
+            yield batch
 
 
 NAMED_HELD_BACK = 10
@@ -811,7 +860,8 @@ def build_stream_loader(
     entry_bytes = clip_samples * 4  # a float32 crop (the captions are small beside it)
     buffer, buffer_bytes = shuffle_entries(cfg.data.shuffle_buffer, cfg.data.shuffle_buffer_bytes,
                                            entry_bytes=entry_bytes, workers=workers)
-    layout = Layout(world=world, workers=workers, batch_size=cfg.optim.batch_size, buffer=buffer)
+    layout = Layout(world=world, workers=workers, batch_size=cfg.optim.batch_size, buffer=buffer,
+                    reserve=cfg.data.bad_sample_reserve)
     stream = ShardStream(
         corpus, rank=rank, layout=layout, sample_rate=sample_rate, clip_samples=clip_samples, seed=cfg.seed,
         languages=cfg.data.languages, padding=short_clip_padding(cfg.frontend),

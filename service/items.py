@@ -150,11 +150,11 @@ class ItemStore:
             held = dict(self.quarantine)
         if not held:
             return []
-        state = self.log.snapshot()
+        latest = list(self.log.state.items.values())  # one C-level copy: safe while the follower applies records
         live = overlay.row_of if overlay is not None else {}
         return [{"id": r.id, "added_at": r.at, "audio": r.audio, "reason": held[r.audio].reason,
                  "detail": held[r.audio].detail, "metadata": r.metadata}
-                for r in sorted(state.items.values(), key=lambda r: r.id)
+                for r in sorted(latest, key=lambda r: r.id)
                 if r.audio in held and r.id not in live]
 
     def corrupt_lines(self) -> list[dict[str, Any]]:

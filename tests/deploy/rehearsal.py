@@ -282,6 +282,7 @@ def cluster(bundle: Path, *, image: str, redis_image: str, work: Path) -> Iterat
                 print(podman("logs", name, check=False), file=sys.stderr)
             podman("rm", "-f", "-t", "2", name, check=False)
         for volume in volumes.values():
+            podman("volume", "unmount", volume, check=False)
             podman("volume", "rm", "-f", volume, check=False)
         podman("network", "rm", "-f", run_id, check=False)
 

@@ -108,8 +108,10 @@ def test_an_unusable_item_dir_keeps_the_replica_unready_until_it_opens_then_take
         assert "Not a directory" in r.json()["detail"]
         assert "clip-dog" in _ids(client, "a dog")  # it loaded its bundle; only readiness holds it back
 
-        blocker.unlink()  # the volume appears; another replica took a clip down meanwhile
-        ItemLog(items_dir).delete("clip-dog")
+        staged = tmp_path / "staged"  # the volume appears, holding a takedown another replica made
+        ItemLog(staged / "items").delete("clip-dog")
+        blocker.unlink()
+        staged.rename(blocker)
         wait_until(lambda: client.get("/readyz").status_code == 200, timeout=10, what="the replica to become ready")
         assert "clip-dog" not in _ids(client, "a dog")  # ready means: with every takedown
         assert _post(client, "added-dog", ["dog"]).status_code == 201

@@ -9,6 +9,7 @@ Rendering: ``kubectl kustomize`` when kubectl is installed, else tests/deploy/ku
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import re
 import shutil
@@ -348,8 +349,13 @@ def test_the_service_deployment_runs_items_on_a_shared_read_write_claim(name):
     assert item_problems(rendered(name)) == []
 
 
+@functools.cache
+def _rendered_once(name: str) -> list[dict[str, Any]]:
+    return rendered(name)
+
+
 def _mutated(name: str, change) -> list[dict[str, Any]]:
-    objects = copy.deepcopy(rendered(name))
+    objects = copy.deepcopy(_rendered_once(name))
     change(objects)
     return objects
 

@@ -275,6 +275,8 @@ def cluster(bundle: Path, *, image: str, redis_image: str, work: Path) -> Iterat
             replicas.append({"name": name, "url": f"http://127.0.0.1:{port}"})
         for replica in replicas:
             wait_ready(podman, replica, service)
+            if service.container.get("livenessProbe"):  # podman schedules healthchecks with systemd timers (absent
+                podman("healthcheck", "run", replica["name"])  # in CI containers): run the liveness command once
         yield {"podman": podman, "replicas": replicas, "token": token, "service": service, "run_id": run_id}
     finally:
         for name in reversed(started):

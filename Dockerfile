@@ -40,8 +40,8 @@ RUN if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 
     && python3 -m venv /opt/venv \
     && groupadd --gid 10001 tonearm \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin tonearm \
-    && mkdir -p /app /bundles /var/lib/tonearm \
-    && chown 10001:10001 /var/lib/tonearm
+    && mkdir -p /app /bundles /items /var/lib/tonearm \
+    && chown 10001:10001 /var/lib/tonearm /items
 WORKDIR /app
 
 # ---------------------------------------------------------------- requirements lists

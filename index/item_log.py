@@ -3,14 +3,19 @@
 A directory on the bundles volume that every replica shares::
 
     items.jsonl                one JSON record a line, append-only: {"op": "put"|"delete", "id", ...}
+    items.id                   the log's id (random, written once when the log is created)
     audio/<sha256>.<format>    the stored audio of each put (content-addressed, written before its record)
+
+Every directory and file the log creates is fsynced into its parent directory when it is created.
 
 What is durable when: :meth:`ItemLog.put` writes the audio to a temporary file, fsyncs it, renames it
 into ``audio/`` and fsyncs the directory, then appends the record in one ``write`` under an exclusive
 ``flock`` and fsyncs the log; only then does it return. A record that :meth:`put`/:meth:`delete`
 returned survives ``kill -9`` of the process (and, with a disk that honours fsync, power loss). A crash
 in the middle of an append leaves a torn last line without its newline: readers ignore it and the
-next writer cuts it off before appending.
+next writer cuts it off before appending. A complete line that is not a record (a block of NULs a
+crash left on some file systems, bytes a disk lost) is skipped by every reader alike and listed in
+:attr:`ItemLog.corrupt` — never fatal — and a compaction drops it.
 
 Replicas read the same file: :meth:`ItemLog.follow` reads the records appended since its last call
 (a ``stat`` when nothing changed), so every process that follows the log reaches the same
@@ -63,6 +68,10 @@ from index.item_ids import ItemIdError, check_id
 
 LOG_NAME = "items.jsonl"
 AUDIO_DIR = "audio"
+ID_NAME = "items.id"
+"""The log's identity: a random id written once, when the log is created (never changed by a
+compaction). Cached search results carry it with the version (a version means the same only within
+one log)."""
 LOCK_NAME = "items.lock"
 """Taken (``flock``, exclusive) by every append and compaction: a file that is never replaced, so a
 writer that waited for it opens the log that is current when it gets it."""
@@ -221,6 +230,15 @@ class Compaction:
     version: int
 
 
+@dataclass(frozen=True)
+class CorruptLine:
+    """A complete line of the log (it ends in a newline) that is not a record: skipped by every reader."""
+
+    offset: int
+    length: int
+    reason: str
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -229,18 +247,86 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _make_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents, fsyncing each parent that gained an entry (a created
+    directory survives power loss only once its parent's entry is on disk)."""
+    missing = []
+    here = path
+    while not here.exists():
+        missing.append(here)
+        here = here.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir()
+        except FileExistsError:  # another replica made it: it fsyncs the parent
+            continue
+        _fsync_dir(directory.parent)
+
+
+def _ensure_file(path: Path) -> None:
+    """Create an empty file (fsyncing its directory), or open an existing one for writing (the check
+    ``touch`` made before: a read-only volume or a file this user cannot write fails here)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        path.touch(exist_ok=True)
+        return
+    os.close(fd)
+    _fsync_dir(path.parent)
+
+
+def _log_id(root: Path) -> str:
+    """The log's id (:data:`ID_NAME`), created on first use: written to a temporary file, fsynced,
+    then hard-linked into place (the first replica's link wins; the others read it)."""
+    path = root / ID_NAME
+    with contextlib.suppress(FileNotFoundError):
+        text = path.read_text().strip()
+        if text:
+            return text
+    new_id = uuid.uuid4().hex + "\n"
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=".id-")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(new_id)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        except OSError:  # a file system without hard links: an exclusive create (readers below wait for it)
+            with contextlib.suppress(FileExistsError), open(path, "x") as handle:
+                handle.write(new_id)
+                handle.flush()
+                os.fsync(handle.fileno())
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    _fsync_dir(root)
+    for _ in range(50):
+        text = path.read_text().strip()
+        if text:
+            return text
+        time.sleep(0.01)
+    raise ItemError(f"{path}: the item log's id file is empty")
+
+
 class ItemLog:
     """One catalogue's write-ahead record (see the module docstring); thread-safe within a process."""
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        (self.root / AUDIO_DIR).mkdir(exist_ok=True)
+        _make_dirs(self.root / AUDIO_DIR)
         self.path = self.root / LOG_NAME
-        self.path.touch(exist_ok=True)
+        _ensure_file(self.path)
         self.lock_path = self.root / LOCK_NAME
-        self.lock_path.touch(exist_ok=True)
+        _ensure_file(self.lock_path)
+        self.log_id = _log_id(self.root)
+        """The log's identity (:data:`ID_NAME`): with :attr:`version`, what a state means everywhere."""
         self.state = ItemState()
+        self.corrupt: list[CorruptLine] = []
+        """Lines of the current file that are not records (skipped; a compaction drops them)."""
         self.generation = ""
         """The current file's id (its header's; "" for a file that was never compacted)."""
         self.base = 0
@@ -371,19 +457,35 @@ class ItemLog:
                 return []
             data = os.pread(self._fd, size - self._offset, self._offset)
             end = data.rfind(b"\n") + 1  # a torn last line waits (or is cut by the next writer)
-            # split on b"\n" only: str.splitlines() also breaks at U+2028, U+0085, \x1c… inside strings
-            lines = [line for line in data[:end].split(b"\n") if line]
-            if self._offset == 0 and lines:
-                first = json.loads(lines[0].decode("utf-8"))
-                if first.get("op") == "compacted":  # a compacted file's header, not a record
-                    self.generation, self.base = str(first["generation"]), int(first["base"])
-                    lines.pop(0)
-            new = [ItemRecord.from_json(line.decode("utf-8")) for line in lines]
+            new = self._parse(data[:end], self._offset)
             self._offset += end
             for record in new:
                 self.state.apply(record)
             self._records.extend(new)
             return new
+
+    def _parse(self, data: bytes, offset: int) -> list[ItemRecord]:
+        """The records of complete lines read at ``offset``; a line that is not a record (a crash's
+        block of NULs, bytes a disk lost) is skipped and listed in :attr:`corrupt`, the same way by
+        every reader, so every replica reaches the same state and version."""
+        records = []
+        # split on b"\n" only: str.splitlines() also breaks at U+2028, U+0085, \x1c… inside strings
+        for raw in data.split(b"\n")[:-1] if data else ():
+            at, offset = offset, offset + len(raw) + 1
+            line = raw.strip(b"\x00")  # a NUL run before a record: the tail of a torn write
+            if not line:
+                if raw:
+                    self.corrupt.append(CorruptLine(at, len(raw), f"{len(raw)} NUL bytes"))
+                continue
+            try:
+                body = json.loads(line.decode("utf-8"))
+                if at == 0 and isinstance(body, dict) and body.get("op") == "compacted":
+                    self.generation, self.base = str(body["generation"]), int(body["base"])
+                    continue
+                records.append(_record_of(body))
+            except (ValueError, KeyError, TypeError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                self.corrupt.append(CorruptLine(at, len(raw), f"not a record: {type(err).__name__}: {err}"[:200]))
+        return records
 
     def _open_current(self) -> None:
         """(Re)open the file the path names now and start its state from nothing."""
@@ -394,6 +496,7 @@ class ItemLog:
         self._closer = weakref.finalize(self, os.close, fd)
         self.state, self._records, self._offset = ItemState(), [], 0
         self.generation, self.base = "", 0
+        self.corrupt = []
 
     def close(self) -> None:
         with self._lock:
@@ -509,6 +612,21 @@ def cli_compact(args: Any) -> int:
                   f"removed ({done.audio_bytes_removed:,} bytes); replicas replay the new file at their next poll",
                   highlight=False, soft_wrap=True)
     return 0
+
+
+def _record_of(body: Any) -> ItemRecord:
+    """A parsed line as a record; KeyError/TypeError/ValueError when it is not one."""
+    if not isinstance(body, dict):
+        raise TypeError(f"a JSON {type(body).__name__}, not an object")
+    record = ItemRecord(op=body["op"], id=body["id"], at=body["at"], audio=body.get("audio"),
+                        metadata=body.get("metadata") or {}, captions=body.get("captions") or {})
+    if not isinstance(record.id, str) or not isinstance(record.op, str):
+        raise TypeError("op and id must be strings")
+    if record.op == "put" and not (isinstance(record.audio, str) and STORED_AUDIO.fullmatch(record.audio)):
+        raise ValueError("a put without a stored audio name")
+    if not isinstance(record.metadata, dict) or not isinstance(record.captions, dict):
+        raise TypeError("metadata and captions must be objects")
+    return record
 
 
 def _ident(stat: os.stat_result) -> tuple[int, int]:

@@ -41,7 +41,9 @@ from index.item_log import ItemRecord, LogHistory
 from index.vector_index import exact_subset_search
 
 AudioEmbedder = Callable[[Sequence[ItemRecord]], np.ndarray]
-"""(records) → (n, d) L2-normalized audio embeddings of their stored audio."""
+"""(records) → (n, d) L2-normalized audio embeddings of their stored audio; a row of NaN says the
+record's audio cannot be embedded (quarantined): its row is added dead — no search returns it, while
+the record still replaces the id's earlier item (or hides the bundle clip of its id)."""
 TextEmbedder = Callable[[Sequence[str]], np.ndarray]
 
 
@@ -439,10 +441,12 @@ class _Store:
             row = len(self.items)
             item = AddedItem(record.id, record.audio or "", record.at, dict(record.metadata),
                              {k: list(v) for k, v in record.captions.items()})
+            quarantined = live and bool(np.isnan(audio[item.audio]).any())
+            live = live and not quarantined
             self.vectors.append((audio[item.audio] if live else zero)[None, :])
             if live and item.audio not in self.by_audio:
                 self.by_audio[item.audio] = row
-            self.deaths.append(np.array([ALIVE], dtype=np.int64))
+            self.deaths.append(np.array([version if quarantined else ALIVE], dtype=np.int64))
             for lang, lang_texts in sorted(item.captions.items()):
                 code = self.lang_codes.setdefault(lang, len(self.lang_codes))
                 for text in lang_texts:
@@ -454,7 +458,7 @@ class _Store:
                         self.by_text[text] = j
                     self.caption_langs.append(lang)
                     self.caption_texts.append(text)
-            for key, value in _filterable(item).items():
+            for key, value in () if quarantined else _filterable(item).items():
                 kind = _kind_of(value)
                 if kind is None:
                     continue

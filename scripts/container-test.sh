@@ -29,8 +29,8 @@ run_id="tonearm-test-$$"
 work="$(mktemp -d /var/tmp/tonearm-container-test.XXXXXX)"
 chmod 755 "$work"
 cleanup() {
-  podman rm -f -v -t 2 "$run_id-svc" "$run_id-redis" >/dev/null 2>&1 || true
-  podman volume rm -f "$run_id-home" >/dev/null 2>&1 || true
+  podman rm -f -v -t 2 "$run_id-svc" "$run_id-ro" "$run_id-redis" >/dev/null 2>&1 || true
+  podman volume rm -f "$run_id-home" "$run_id-items" >/dev/null 2>&1 || true
   podman network rm -f "$run_id" >/dev/null 2>&1 || true
   rm -rf "$work"
 }
@@ -80,34 +80,10 @@ bundle_id="$(basename "$bundle")"
 mkdir -p "$work/bundles" && cp -r "$bundle" "$work/bundles/$bundle_id" && chmod -R a+rX "$work/bundles"
 
 # ---------------------------------------------------------------- images
-step "base image ..."
-base="$(scripts/container-base.sh)"
-step "base image: $base"
-
-# pip inside the build reaches the index the way this host does; file:// indexes are local
-# to the host and cannot be seen from a build, so they are left out.
-pip_setting() {
-  "$python" -m pip config list 2>/dev/null | sed -n "s/^[^.]*\.$1='\(.*\)'\$/\1/p" | head -n1
-}
-reachable() { tr ' ' '\n' | grep -v '^file:' | grep -v '^$' | paste -sd' ' || true; }
-index_url="$(echo "${PIP_INDEX_URL:-$(pip_setting index-url)}" | reachable)"
-extra_urls="$(echo "${PIP_EXTRA_INDEX_URL:-$(pip_setting extra-index-url)}" | reachable)"
-trusted="${PIP_TRUSTED_HOST:-$(pip_setting trusted-host)}"
-build_args=(--build-arg "BASE_IMAGE=$base" --build-arg "PIP_EXTRA_INDEX_URL=$extra_urls" --build-arg "PIP_TRUSTED_HOST=$trusted")
-[ -n "$index_url" ] && build_args+=(--build-arg "PIP_INDEX_URL=$index_url")
-image="localhost/tonearm:service-test"
-step "building the service target (${index_url:-default index}) ..."
-# --format docker keeps HEALTHCHECK (the OCI image format has no such field).
-podman build --force-rm --format docker --network host --target service "${build_args[@]}" -t "$image" . \
-  >"$work/build.log" 2>&1 || { tail -n 40 "$work/build.log" >&2; die "podman build of the service target failed (log tail above)"; }
-redis_image="localhost/tonearm-redis-test:${base##*:}"
-if ! podman image exists "$redis_image"; then
-  step "building a redis image from the same base (apt-get install redis-server) ..."
-  printf 'FROM %s\nRUN apt-get update && apt-get install -y --no-install-recommends redis-server && rm -rf /var/lib/apt/lists/*\nUSER 999:999\n' "$base" \
-    | podman build --force-rm --network host -t "$redis_image" -f - "$work" >"$work/redis-build.log" 2>&1 \
-    || { tail -n 40 "$work/redis-build.log" >&2; die "redis image build failed (log tail above)"; }
-fi
-step "images built"
+step "images (base, service target, redis) ..."
+read -r image redis_image < <(PYTHON="$python" scripts/container-image.sh "$work")
+[ -n "$redis_image" ] || die "scripts/container-image.sh failed"
+step "images built: $image, $redis_image"
 
 # ---------------------------------------------------------------- image contents
 user="$(podman image inspect --format '{{.Config.User}}' "$image")"
@@ -145,10 +121,16 @@ done
 podman exec "$run_id-redis" redis-cli ping >/dev/null || die "the redis container does not answer"
 port="$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 podman volume create "$run_id-home" >/dev/null
+podman volume create "$run_id-items" >/dev/null
+# items default to <bundles>/.items: on the read-only bundles mount alone the replica must say it is
+# not ready (items-unavailable), never serve without the takedowns
+podman run -d --name "$run_id-ro" --network "$run_id" --health-interval disable --read-only \
+  --tmpfs /tmp:rw,size=64m,mode=1777 -v "$work/bundles:/bundles:ro" \
+  -e "TONEARM_BUNDLE=$bundle_id" -e "TONEARM_ADMIN_TOKEN=$token" "$image" >/dev/null
 podman run -d --name "$run_id-svc" --network "$run_id" --health-interval disable -p "127.0.0.1:$port:8000" \
   --read-only --tmpfs /tmp:rw,size=64m,mode=1777 \
-  -v "$work/bundles:/bundles:ro" -v "$run_id-home:/var/lib/tonearm" \
-  -e "TONEARM_BUNDLE=$bundle_id" -e "TONEARM_ADMIN_TOKEN=$token" \
+  -v "$work/bundles:/bundles:ro" -v "$run_id-home:/var/lib/tonearm" -v "$run_id-items:/items" \
+  -e "TONEARM_BUNDLE=$bundle_id" -e "TONEARM_ADMIN_TOKEN=$token" -e "TONEARM_ITEMS_DIR=/items" \
   -e "TONEARM_REDIS_URL=redis://redis:6379/0" "$image" >/dev/null
 url="http://127.0.0.1:$port"
 for _ in $(seq 1 180); do
@@ -159,6 +141,24 @@ for _ in $(seq 1 180); do
 done
 curl -sf "$url/readyz" >/dev/null || { podman logs "$run_id-svc" >&2; die "/readyz not 200 after 90 s"; }
 step "service ready at $url"
+ro_ready=""
+for _ in $(seq 1 60); do
+  ro_ready="$(podman exec "$run_id-ro" python -c '
+import urllib.error, urllib.request
+try:
+    urllib.request.urlopen("http://127.0.0.1:8000/readyz", timeout=2); print("200")
+except urllib.error.HTTPError as err:
+    print(err.code, err.read().decode())
+except OSError:
+    print("down")' 2>/dev/null || true)"
+  case "$ro_ready" in 503*items-unavailable*) break ;; esac
+  sleep 0.5
+done
+case "$ro_ready" in
+  503*items-unavailable*) step "read-only item log: /readyz 503 items-unavailable (not ready, as it must be)" ;;
+  *) podman logs "$run_id-ro" >&2; die "a replica on the read-only bundles mount alone answered /readyz: $ro_ready" ;;
+esac
+podman logs "$run_id-ro" 2>&1 | grep -q "cannot be opened for writing" || die "the read-only replica did not log why"
 
 check() {  # NAME PYTHON-EXPRESSION-ON-r  (r = parsed JSON body)
   "$python" -c "import json, sys; r = json.load(sys.stdin); assert $2, r" \

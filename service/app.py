@@ -179,6 +179,52 @@ def _build_cache(settings: Settings, metrics: ServiceMetrics) -> tuple[QueryCach
     return cache, health, client
 
 
+ITEMS_RETRY_S = 5.0
+"""How often a replica whose item log cannot be used tries it again (it is not ready meanwhile)."""
+
+
+def open_items(state: AppState, items_dir: Path) -> bool:
+    """Open the item log at ``items_dir`` and hook it into the registry; on failure record why on the
+    state (``/readyz`` answers 503 with it) and log it. True when the log is usable."""
+    try:
+        store = ItemStore(items_dir, state.settings, metrics=state.metrics)
+    except OSError as err:
+        reason = (f"the item log at {items_dir} cannot be opened for writing: {err.strerror or err}"
+                  f"{f' ({err.filename})' if err.filename else ''}; items are configured "
+                  "(TONEARM_ITEMS_DIR, else <TONEARM_BUNDLES_DIR>/.items), so this replica is not ready: mount "
+                  "that directory read-write on every replica, or set TONEARM_ITEMS_ENABLED=false")
+        if reason != state.items_error:
+            log.error("items: %s", reason)
+        state.items_error = reason
+        state.metrics.items_ready.set(0)
+        return False
+    state.registry.prepare = store.sync
+    state.items = store
+    return True
+
+
+def _retry_items(state: AppState, items_dir: Path, stop: threading.Event) -> None:
+    """Background thread while the item log is unusable: try again every :data:`ITEMS_RETRY_S`; once it
+    opens, sync the active bundle, follow the log and become ready."""
+    while not stop.wait(ITEMS_RETRY_S):
+        if not open_items(state, items_dir):
+            continue
+        store = state.items
+        try:
+            active = state.registry.active_searcher()
+            if active is not None:
+                store.sync(active)
+        except Exception:
+            log.exception("items: syncing the active bundle after the item log opened failed; retrying")
+            state.items = None
+            continue
+        store.start(state.registry.active_searcher)
+        state.items_error = None
+        state.metrics.items_ready.set(1)
+        log.info("items: the item log at %s is usable now; ready", items_dir)
+        return
+
+
 def create_app(settings: Settings | None = None, *, opener: Opener | None = None) -> FastAPI:
     """Build the app. ``opener`` replaces ``LoadedBundle.open`` (tests with a fake bundle)."""
     settings = settings or Settings()
@@ -202,12 +248,13 @@ def create_app(settings: Settings | None = None, *, opener: Opener | None = None
         )
         registry.publisher = state.bus.publish
     items_dir = items_dir_of(settings, registry.bundles_dir)
+    state.items_dir = items_dir
     if items_dir is not None:
-        try:
-            state.items = ItemStore(items_dir, settings)
-            registry.prepare = state.items.sync
-        except OSError as err:  # a read-only bundles volume: serve without the item routes' storage
-            log.warning("items disabled: cannot use %s (%s)", items_dir, err)
+        open_items(state, items_dir)
+    elif settings.items_enabled:
+        state.items_error = ("TONEARM_ITEMS_ENABLED=true but there is no directory for the item log: "
+                             "set TONEARM_ITEMS_DIR (a volume every replica mounts read-write)")
+        log.error("items: %s; not ready", state.items_error)
 
     app = FastAPI(
         title="tonearm",
@@ -269,8 +316,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     loader = threading.Thread(target=_startup, args=(state,), name="tonearm-startup", daemon=True)
     loader.start()
     state.batchers = Batchers.start(state.settings, state.batch_metrics)
+    items_stop = threading.Event()
     if state.items is not None:
+        state.metrics.items_ready.set(1)
         state.items.start(state.registry.active_searcher)
+    elif state.items_error is not None and state.items_dir is not None:
+        threading.Thread(target=_retry_items, args=(state, state.items_dir, items_stop), name="tonearm-items-retry",
+                         daemon=True).start()
     trimmer = PeriodicTrim.start(state.settings.malloc_trim_interval_s)
     gc_pauses = GcPauses(state.metrics)
     gc_pauses.install()
@@ -281,6 +333,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if trimmer is not None:
             trimmer.stop()
         state.batchers.close()
+        items_stop.set()
         if state.items is not None:
             state.items.stop()
         loader.join(timeout=60)

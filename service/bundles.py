@@ -234,8 +234,11 @@ class BundleRegistry:
         self.metrics = metrics
         self.opener = opener or default_opener(settings)
         self.publisher: Publisher | None = None
-        self.prepare: Callable[[Searcher], None] | None = None
+        self.prepare: Callable[[Searcher], object] | None = None
         """Run on a bundle's searcher before it goes live (service.items: sync the added items)."""
+        self.live_lock = threading.Lock()
+        """Held by :meth:`_swap` from its final catch-up with the item log to the switch: a writer that
+        reads the active bundle under it either precedes the catch-up or sees the new bundle."""
         self.ready = threading.Event()
         self._active: _Entry | None = None
         self._previous: _Entry | None = None
@@ -433,11 +436,11 @@ class BundleRegistry:
             )
         try:
             self._prepare(candidate)  # after the gate: it judges the bundle without the added items
+            self._swap(candidate)
         except Exception:
             if not reuse:
                 _close(candidate)
             raise
-        self._swap(candidate)
         self.metrics.activations.labels(outcome="forced" if force else "activated").inc()
         log.info("activated bundle %s (gate: %s)", bundle_id, "; ".join(verdict.reasons) or "passed")
         return ActivationResult(bundle_id, self.previous_id, changed=True, verdict=verdict)
@@ -490,10 +493,10 @@ class BundleRegistry:
                 entry = self.load_id(self.find(bundle_id), bundle_id)
                 try:
                     self._prepare(entry)
+                    self._swap(entry, mark=False)
                 except Exception:
                     _close(entry)
                     raise
-                self._swap(entry, mark=False)
         self.metrics.activations.labels(outcome="remote").inc()
         log.info("followed activation of bundle %s from another replica", bundle_id)
 
@@ -503,21 +506,24 @@ class BundleRegistry:
         Where the vectors live in Milvus, its active aliases are switched first (both or neither):
         a failure there leaves this replica on its current bundle. A follower (``mark=False``)
         swaps only: the replica that activated already switched them."""
-        mark_active = getattr(new.bundle, "mark_active", None) if mark else None  # a follower: already marked
-        if callable(mark_active):
-            try:
-                mark_active()
-            except Exception as err:
-                raise index_unavailable(f"cannot activate {new.bundle_id}: {err}") from None
-        with self._ref_lock:
-            old_active, old_previous = self._active, self._previous
-            self._active = new
-            self._previous = old_active if old_active is not new else old_previous
-            pushed_out = old_previous if old_previous not in (new, self._previous) else None
-            close_now = False
-            if pushed_out is not None:
-                pushed_out.retired = True
-                close_now = pushed_out.refs == 0
+        with self.live_lock:
+            # records appended while ``new`` re-embedded the items: caught up now, before it goes live
+            self._prepare(new)
+            mark_active = getattr(new.bundle, "mark_active", None) if mark else None  # a follower: already marked
+            if callable(mark_active):
+                try:
+                    mark_active()
+                except Exception as err:
+                    raise index_unavailable(f"cannot activate {new.bundle_id}: {err}") from None
+            with self._ref_lock:
+                old_active, old_previous = self._active, self._previous
+                self._active = new
+                self._previous = old_active if old_active is not new else old_previous
+                pushed_out = old_previous if old_previous not in (new, self._previous) else None
+                close_now = False
+                if pushed_out is not None:
+                    pushed_out.retired = True
+                    close_now = pushed_out.refs == 0
         if pushed_out is not None and close_now:
             _close(pushed_out)
         self.metrics.set_active_bundle(

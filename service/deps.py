@@ -55,7 +55,11 @@ class AppState:
     bus: ActivationBus | None = None
     batchers: Batchers | None = None
     items: Any = None
-    """The item log and overlay sync (service.items.ItemStore); None without a bundles directory."""
+    """The item log and overlay sync (service.items.ItemStore); None when items are off or unusable."""
+    items_dir: Any = None
+    """Where the item log is configured (a Path; None: items off)."""
+    items_error: str | None = None
+    """Why the configured item log cannot be used (then the replica is not ready); None: usable or off."""
     """The encoder micro-batchers; running between the app's startup and shutdown."""
     started: threading.Event = field(default_factory=threading.Event)
     """Set when the startup thread finished (initial bundle loaded or given up)."""

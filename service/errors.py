@@ -43,6 +43,7 @@ PROBLEMS: dict[str, Problem] = {
     "no-previous-bundle": Problem(409, "There is no previous bundle to roll back to"),
     "activation-in-progress": Problem(409, "Another activation is running"),
     "not-ready": Problem(503, "No bundle is loaded yet"),
+    "items-unavailable": Problem(503, "The item log cannot be used on this replica (see /readyz)"),
     "index-unavailable": Problem(503, "The index backend (Milvus) cannot be reached"),
     "index-timeout": Problem(504, "The index backend (Milvus) did not answer this request within its deadline"),
     "overloaded": Problem(503, "Too many requests are waiting for an encoder; retry after the Retry-After delay"),

@@ -14,21 +14,37 @@ encoders) and keeps every loaded bundle's overlay in step with the log:
   its overlay is synced: a bundle of another model re-embeds the added items from their stored
   audio then, after its quality gate judged the bundle alone;
 * the follower also compacts the log when most of it is records of replaced or deleted items
-  (``TONEARM_ITEMS_COMPACT_MIN``, :meth:`index.item_log.ItemLog.compact`), off the request path.
+  (``TONEARM_ITEMS_COMPACT_MIN``, :meth:`index.item_log.ItemLog.compact`), off the request path;
+* a record whose stored audio cannot be embedded (missing, over a limit lowered since, undecodable)
+  is *quarantined*: its row is dead (no search returns it; it still replaces the id's earlier item
+  or clip), it is counted on ``/metrics`` and listed by ``GET /v1/items?status=quarantined`` — one
+  record never keeps a replica from starting or a bundle from going live (docs/service.md).
+
+Opening the store checks that this process can write the log (create its files, take the
+``flock``, write a file in ``audio/``): a replica that cannot is not ready (``/readyz``), never one
+that serves without the takedowns the other replicas apply.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import functools
 import logging
+import os
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from index.item_log import ItemLog, ItemRecord
+from index.item_log import AUDIO_DIR, ItemLog, ItemRecord
 from index.overlay import ItemOverlay, build_overlay
 from service.audio_input import decode_upload, limits_of
+from service.errors import ServiceError
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -42,18 +58,57 @@ the log again and retries: the new file no longer holds that record."""
 
 
 def items_dir_of(settings: Settings, bundles_dir: Path | None) -> Path | None:
+    """Where the item log lives: ``TONEARM_ITEMS_DIR``, else ``<bundles_dir>/.items``; None when
+    items are off (``TONEARM_ITEMS_ENABLED=false``) or there is no directory to put them in."""
+    if settings.items_enabled is False:
+        return None
     if settings.items_dir is not None:
         return settings.items_dir
     return bundles_dir / ITEMS_DIR_NAME if bundles_dir is not None else None
 
 
+def check_writable(log_: ItemLog) -> None:
+    """What every write needs, tried once: the log opened for appending, the ``flock`` of its lock
+    file (some NFS setups refuse it: ENOLCK), and a file created, fsynced and removed in ``audio/``.
+    OSError names what failed."""
+    with open(log_.path, "ab"):
+        pass
+    with open(log_.lock_path, "rb") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    fd, probe = tempfile.mkstemp(dir=log_.root / AUDIO_DIR, prefix=".tmp-probe-")
+    try:
+        os.write(fd, b"probe")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(probe)
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """Why a stored audio file could not be embedded (the records that name it are not searchable)."""
+
+    reason: str
+    """missing-audio | over-limit | undecodable | unreadable | embedding-failed"""
+    detail: str
+
+
 class ItemStore:
     """The log of one deployment and the code that keeps searchers' overlays in step with it."""
 
-    def __init__(self, root: Path, settings: Settings) -> None:
+    def __init__(self, root: Path, settings: Settings, *, metrics: Any = None) -> None:
         self.log = ItemLog(root)
+        check_writable(self.log)
         self.settings = settings
+        self.metrics = metrics
+        """service.metrics.ServiceMetrics (quarantine and corrupt-line counts); None in tools."""
         self.limits = limits_of(settings)  # the process's decode budget, shared with the upload routes
+        self.quarantine: dict[str, Quarantined] = {}
+        """Stored audio name → why it could not be embedded (retried when a bundle replays the log)."""
+        self._quarantine_lock = threading.Lock()
+        self._corrupt_seen: tuple[str, int] = ("", 0)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -64,23 +119,68 @@ class ItemStore:
         (embedding only new audio and captions), or the log's file is replayed after a compaction."""
         lock: threading.Lock = searcher.items_lock  # type: ignore[attr-defined]
         bundle = searcher.bundle  # type: ignore[attr-defined]
+        searcher.catalogue_id = self.log.log_id  # type: ignore[attr-defined]  # cache keys: this log's results only
         with lock:
             for attempt in range(SYNC_TRIES):
                 history = self.log.history()
                 current: ItemOverlay = searcher.items  # type: ignore[attr-defined]
-                try:
-                    overlay = build_overlay(
-                        current, history, clip_ids=searcher.clip_rows,  # type: ignore[attr-defined]
-                        embed_audio=lambda records: self._embed_audio(bundle, records),
-                        embed_text=lambda texts: _batched(bundle.encode_text, list(texts), bundle.embed_dim),
-                    )
-                except FileNotFoundError:
-                    if attempt == SYNC_TRIES - 1:
-                        raise
-                    continue
+                missing: list[str] = []
+                overlay = build_overlay(
+                    current, history, clip_ids=searcher.clip_rows,  # type: ignore[attr-defined]
+                    embed_audio=functools.partial(self._embed_audio, bundle, missing=missing),
+                    embed_text=lambda texts: _batched(bundle.encode_text, list(texts), bundle.embed_dim),
+                )
+                if missing and attempt < SYNC_TRIES - 1 and self.log.history().generation != history.generation:
+                    continue  # a compaction replaced the log meanwhile and removed that audio: replay the new file
                 searcher.items = overlay  # type: ignore[attr-defined]
+                self._report(overlay)
                 return overlay
         raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ quarantine
+
+    def quarantined(self, overlay: ItemOverlay | None = None) -> list[dict[str, Any]]:
+        """The items whose latest record is a put that cannot be embedded (with ``overlay``: those it
+        does not hold live), by id."""
+        with self._quarantine_lock:
+            held = dict(self.quarantine)
+        if not held:
+            return []
+        latest = list(self.log.state.items.values())  # one C-level copy: safe while the follower applies records
+        live = overlay.row_of if overlay is not None else {}
+        return [{"id": r.id, "added_at": r.at, "audio": r.audio, "reason": held[r.audio].reason,
+                 "detail": held[r.audio].detail, "metadata": r.metadata}
+                for r in sorted(latest, key=lambda r: r.id)
+                if r.audio in held and r.id not in live]
+
+    def corrupt_lines(self) -> list[dict[str, Any]]:
+        """Lines of the log file that are not records (skipped by every reader)."""
+        return [{"offset": c.offset, "length": c.length, "reason": c.reason} for c in list(self.log.corrupt)]
+
+    def _quarantine(self, record: ItemRecord, reason: str, detail: str) -> None:
+        name = record.audio or ""
+        with self._quarantine_lock:
+            known = self.quarantine.get(name)
+            self.quarantine[name] = Quarantined(reason, detail)
+        if known is None:
+            log.error("item %r quarantined (%s): %s — not searchable until its audio is fixed or it is "
+                      "re-posted; GET /v1/items?status=quarantined lists it", record.id, reason, detail)
+            if self.metrics is not None:
+                self.metrics.items_quarantine_events.labels(reason=reason).inc()
+
+    def _report(self, overlay: ItemOverlay) -> None:
+        """Log new corrupt lines and set the gauges (after each sync)."""
+        corrupt = list(self.log.corrupt)
+        seen_generation, seen = self._corrupt_seen
+        if seen_generation != self.log.generation:
+            seen = 0
+        for line in corrupt[seen:]:
+            log.error("item log %s: line at byte %d (%d bytes) skipped: %s", self.log.path, line.offset,
+                      line.length, line.reason)
+        self._corrupt_seen = (self.log.generation, len(corrupt))
+        if self.metrics is not None:
+            self.metrics.items_corrupt_lines.set(len(corrupt))
+            self.metrics.items_quarantined.set(len(self.quarantined(overlay)) if self.quarantine else 0)
 
     def compact_if_due(self) -> bool:
         """Compact the log when the records a compaction drops are at least
@@ -96,11 +196,39 @@ class ItemStore:
                      done.records_before, done.records_after, done.audio_removed, done.audio_bytes_removed)
         return done.compacted
 
-    def _embed_audio(self, bundle: object, records: Sequence[ItemRecord]) -> np.ndarray:
-        rate = int(bundle.sample_rate)  # type: ignore[attr-defined]
-        waves = [decode_upload(self.log.audio_path(r).read_bytes(), sample_rate=rate, limits=self.limits).waveform
-                 for r in records]
-        return _batched(bundle.encode_audio, waves, int(bundle.embed_dim))  # type: ignore[attr-defined]
+    def _embed_audio(self, bundle: object, records: Sequence[ItemRecord], *, missing: list[str]) -> np.ndarray:
+        """The records' audio embeddings; a record that cannot be embedded is quarantined and gets a
+        row of NaN (:data:`index.overlay.AudioEmbedder`: its row is added dead)."""
+        rate, dim = int(bundle.sample_rate), int(bundle.embed_dim)  # type: ignore[attr-defined]
+        out = np.full((len(records), dim), np.nan, np.float32)
+        waves, rows = [], []
+        for row, record in enumerate(records):
+            try:
+                data = self.log.audio_path(record).read_bytes()
+                waves.append(decode_upload(data, sample_rate=rate, limits=self.limits).waveform)
+                rows.append(row)
+            except FileNotFoundError:
+                missing.append(record.audio or "")
+                self._quarantine(record, "missing-audio", f"stored audio {record.audio} is missing from "
+                                 f"{self.log.root / AUDIO_DIR}")
+            except ServiceError as err:
+                self._quarantine(record, "over-limit" if err.slug == "audio-limits" else "undecodable", err.detail)
+            except OSError as err:
+                self._quarantine(record, "unreadable", f"stored audio {record.audio}: {err.strerror or err}")
+        encode = bundle.encode_audio  # type: ignore[attr-defined]
+        try:
+            out[rows] = _batched(encode, waves, dim)
+        except Exception:  # one input the encoder refuses: find it, keep the others
+            for row, wave in zip(rows, waves, strict=True):
+                try:
+                    out[row] = _batched(encode, [wave], dim)[0]
+                except Exception as err:
+                    self._quarantine(records[row], "embedding-failed", f"the encoder failed: {err}"[:300])
+        with self._quarantine_lock:
+            for row in rows:
+                if not np.isnan(out[row]).any():
+                    self.quarantine.pop(records[row].audio or "", None)
+        return out
 
     # ------------------------------------------------------------------ follower
 

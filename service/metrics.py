@@ -41,6 +41,21 @@ class ServiceMetrics:
         self.activations = Counter(
             "tonearm_activations", "Bundle activations by outcome", ["outcome"], registry=r,
         )
+        self.items_quarantined = Gauge(
+            "tonearm_items_quarantined", "Added items whose stored audio cannot be embedded (not searchable; "
+            "GET /v1/items?status=quarantined lists them)", registry=r,
+        )
+        self.items_quarantine_events = Counter(
+            "tonearm_items_quarantine_events", "Stored audio files found unembeddable, by reason", ["reason"], registry=r,
+        )
+        self.items_corrupt_lines = Gauge(
+            "tonearm_items_corrupt_lines", "Lines of the item log that are not records (skipped by every reader)",
+            registry=r,
+        )
+        self.items_ready = Gauge(
+            "tonearm_items_ready", "1 when the item log is open and writable (items configured); 0: not ready",
+            registry=r,
+        )
 
         self.gc_pause = Histogram(
             "tonearm_gc_pause_seconds",

@@ -313,6 +313,31 @@ class ItemDeleted(BaseModel):
     deleted_at: str
 
 
+class QuarantinedItem(BaseModel):
+    id: str
+    added_at: str = Field(description="UTC time of the record that cannot be embedded.")
+    audio: str | None = Field(description="Its stored audio (`<sha256>.<format>` under the log's `audio/`).")
+    reason: Literal["missing-audio", "over-limit", "undecodable", "unreadable", "embedding-failed"]
+    detail: str
+    metadata: dict[str, Any]
+
+
+class CorruptLineOut(BaseModel):
+    offset: int = Field(description="Byte offset of the line in the log's current file.")
+    length: int
+    reason: str
+
+
+class ItemsStatusResponse(BaseModel):
+    """Items that no search returns although the log holds them, and log lines every reader skipped."""
+
+    status: Literal["quarantined"]
+    bundle_id: str
+    items: list[QuarantinedItem]
+    corrupt_lines: list[CorruptLineOut] = Field(
+        description="Lines of the item log that are not records (a crash's NULs, lost bytes); a compaction drops them.")
+
+
 def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` entries documenting application/problem+json errors."""
     schema = Problem.model_json_schema()

@@ -203,6 +203,13 @@ class Searcher:
         )
         """Items added through the API (service.items keeps it in step with the log); replaced whole."""
         self.items_lock = threading.Lock()
+        self.catalogue_id = ""
+        """The item log's id (:attr:`index.item_log.ItemLog.log_id`, set by service.items before this
+        bundle goes live; "" without items): cached results name it beside the log's version."""
+        manifest_sha = str(getattr(getattr(bundle, "manifest", None), "manifest_sha256", "") or "")
+        self.cache_bundle = f"{self.bundle_id}.{manifest_sha[:16]}" if manifest_sha else self.bundle_id
+        """The bundle's part of every cache key: its id and its manifest's hash (two bundles that
+        reuse an id never share entries)."""
 
     # ------------------------------------------------------------------ filters
 
@@ -294,7 +301,7 @@ class Searcher:
     # ------------------------------------------------------------------ text embeddings
 
     def _key(self, kind: str, text: str) -> str:
-        return cache_key(prefix=self.key_prefix, bundle_id=self.bundle_id, kind=kind, text=text)
+        return cache_key(prefix=self.key_prefix, bundle_id=self.cache_bundle, kind=kind, text=text)
 
     def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
         """(n, d) embeddings of already-normalized texts; cached ones are not re-encoded."""
@@ -331,11 +338,13 @@ class Searcher:
         return self.hits_of(self.complete_text(lookup), min_score=min_score, include_captions=include_captions,
                             items=lookup.items)
 
-    @staticmethod
-    def _results_kind(k: int, clip_filter: ClipFilter | None, items: ItemOverlay) -> str:
-        """Cached results are keyed by the filter and by the item log's version (rows of added items
-        are the same in every replica at one version of the log)."""
+    def _results_kind(self, k: int, clip_filter: ClipFilter | None, items: ItemOverlay) -> str:
+        """Cached results are keyed by the filter and by the catalogue: the item log's id and version
+        (rows of added items are the same in every replica at one version of one log; a replica on
+        another log, or on none, never reads them)."""
         kind = f"t2a-k{k}" if clip_filter is None else f"t2a-k{k}-f{clip_filter.key}"
+        if self.catalogue_id:
+            return f"{kind}-L{self.catalogue_id}-v{items.version}"
         return f"{kind}-v{items.version}" if items.version else kind
 
     def lookup_text(
@@ -351,7 +360,10 @@ class Searcher:
         results: list[tuple[np.ndarray, np.ndarray] | None] = []
         for text in texts:
             raw = self.cache.get(self._key(self._results_kind(k, clip_filter, items), text), kind="results")
-            results.append(decode_hits(raw) if raw is not None else None)
+            hit = decode_hits(raw) if raw is not None else None
+            if hit is not None and int(hit[1].max(initial=-1)) >= items.n_clips + items.size:
+                hit = None  # rows this catalogue does not have (a foreign entry): searched again, never a 500
+            results.append(hit)
         return TextLookup(texts=texts, k=k, results=results, clip_filter=clip_filter, items=items)
 
     def complete_text(self, lookup: TextLookup) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -44,6 +44,11 @@ class Settings(BaseSettings):
     items_dir: Path | None = None
     """Write-ahead log and stored audio of the items added through `POST /v1/items`; default
     `<bundles_dir>/.items` (on the bundles volume every replica mounts: they share it)."""
+    items_enabled: bool | None = None
+    """Items (`/v1/items`, takedowns) on or off; default: on wherever there is a directory for the log
+    (`items_dir`, else `<bundles_dir>/.items`). When on, a replica that cannot open and write the log
+    is not ready (`/readyz` 503 with the reason): it never serves without the takedowns. `false`:
+    no item log at all (a read-only catalogue; `/v1/items` answers 503 `items-unavailable`)."""
     items_poll_s: float = Field(default=0.2, gt=0, le=10)
     """How often a replica checks the item log for records other replicas appended (one `stat`)."""
     items_compact_min: int = Field(default=10_000, ge=0)

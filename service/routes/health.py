@@ -19,7 +19,10 @@ async def healthz() -> HealthResponse:
 
 @router.get("/readyz", responses=problem_responses(503))
 async def readyz(state: StateDep) -> HealthResponse:
-    """Readiness: a bundle is loaded, verified and warm."""
+    """Readiness: a bundle is loaded, verified and warm, and — where items are configured — the item
+    log is open and writable (a replica without it would serve without the takedowns)."""
+    if state.items_error is not None:
+        raise ServiceError("items-unavailable", state.items_error)
     bundle_id = state.registry.active_id
     if bundle_id is None:
         raise ServiceError("not-ready", "no bundle is loaded yet")

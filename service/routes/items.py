@@ -14,9 +14,9 @@ import math
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from tempfile import SpooledTemporaryFile
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException
 
@@ -48,7 +48,14 @@ from service.routes.search import (
     _decode,
     _limited_stream,
 )
-from service.schemas import NOT_BLANK, ItemBatchResponse, ItemDeleted, ItemOut, problem_responses
+from service.schemas import (
+    NOT_BLANK,
+    ItemBatchResponse,
+    ItemDeleted,
+    ItemOut,
+    ItemsStatusResponse,
+    problem_responses,
+)
 from service.searcher import Searcher
 
 router = APIRouter(prefix="/v1/items", tags=["items (admin)"])
@@ -152,7 +159,10 @@ def _invalid(detail: str) -> ServiceError:
 async def get_store(state: StateDep) -> ItemStore:
     store = getattr(state, "items", None)
     if store is None:
-        raise ServiceError("not-ready", "items need a bundles directory (TONEARM_BUNDLES_DIR or TONEARM_ITEMS_DIR)")
+        if state.items_error is not None:
+            raise ServiceError("items-unavailable", state.items_error)
+        raise ServiceError("items-unavailable", "items are off on this deployment: TONEARM_ITEMS_ENABLED=false, or "
+                           "no directory for the item log (set TONEARM_ITEMS_DIR or TONEARM_BUNDLES_DIR)")
     return store  # type: ignore[no-any-return]
 
 
@@ -287,7 +297,8 @@ def _store_items(store: ItemStore, registry: Any, searcher: Searcher,
 
 def _sync_serving(store: ItemStore, registry: Any, searcher: Searcher) -> None:
     store.sync(searcher)
-    active = registry.active_searcher()
+    with registry.live_lock:  # a swap in progress catches up with this record, or is done: sync its bundle
+        active = registry.active_searcher()
     if active is not None and active is not searcher:
         store.sync(active)
 
@@ -338,6 +349,18 @@ async def add_items(
     return ItemBatchResponse(bundle_id=searcher.bundle_id,
                              items=[_added_out(r, searcher.bundle_id, a.duration_seconds)
                                     for r, a in zip(records, decoded, strict=True)])
+
+
+@router.get("", responses=problem_responses(401, 422, 503))
+async def list_items(
+    status: Annotated[Literal["quarantined"], Query(description="`quarantined`: the added items whose stored "
+                                                    "audio cannot be embedded (not searchable), with the reason.")],
+    _: ItemsWriterDep, searcher: SearcherDep, pool: PoolDep, store: StoreDep,
+) -> ItemsStatusResponse:
+    """Items the log holds that no search returns (quarantined), and log lines every reader skipped."""
+    items = await pool.run(store.quarantined, searcher.items)
+    return ItemsStatusResponse(status=status, bundle_id=searcher.bundle_id, items=items,  # type: ignore[arg-type]
+                               corrupt_lines=store.corrupt_lines())  # type: ignore[arg-type]
 
 
 def _visible_clip(searcher: Searcher, item_id: str) -> dict[str, Any] | None:

@@ -8,6 +8,8 @@ Rendering: ``kubectl kustomize`` when kubectl is installed, else tests/deploy/ku
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import re
 import shutil
@@ -337,6 +339,8 @@ def test_compose_runs_the_service_image_read_only_beside_a_bounded_redis():
     assert service["build"]["target"] == "service" and "BASE_IMAGE" in service["build"]["args"]
     assert service["read_only"] is True and any(t.startswith("/tmp") for t in service["tmpfs"])
     assert any(v.endswith(":/bundles:ro") for v in service["volumes"])
+    items = service["environment"]["TONEARM_ITEMS_DIR"]  # the item log on a read-write volume of its own
+    assert any(v.endswith(f":{items}") for v in service["volumes"]) and not items.startswith("/bundles")
     assert service["environment"]["TONEARM_REDIS_URL"] == "redis://redis:6379/0"
     # The token comes from the caller's environment (required), never a literal.
     assert service["environment"]["TONEARM_ADMIN_TOKEN"].startswith("${TONEARM_ADMIN_TOKEN:?")
@@ -370,3 +374,92 @@ def test_configmap_sets_only_real_settings_and_the_milvus_deadlines():
         assert key in config, key
         default = fields[f"milvus_{name}"].default
         assert type(default)(config[key]) == default, (key, config[key], default)
+
+
+# ---------------------------------------------------------------- items (issue 47)
+
+ITEM_LIMITS = ("TONEARM_MAX_UPLOAD_BYTES", "TONEARM_MAX_AUDIO_SECONDS", "TONEARM_MAX_SAMPLE_RATE", "TONEARM_MAX_CHANNELS")
+
+
+def item_problems(objects: list[dict[str, Any]]) -> list[str]:
+    """What keeps a rendered service deployment from running items: the log's directory set and
+    enabled, mounted read-write from a ReadWriteMany claim (not the read-only bundles one), the admin
+    token from the Secret, the upload limits from the ConfigMap. Empty: nothing."""
+    problems = []
+    config = by_kind(objects, "ConfigMap", "tonearm-config")["data"]
+    pod = by_kind(objects, "Deployment", "tonearm")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    items_dir = config.get("TONEARM_ITEMS_DIR")
+    if not items_dir:
+        problems.append("TONEARM_ITEMS_DIR is not set")
+    if config.get("TONEARM_ITEMS_ENABLED") != "true":
+        problems.append("TONEARM_ITEMS_ENABLED is not 'true' (a replica without the log would be ready)")
+    problems += [f"{key} is not in the ConfigMap" for key in ITEM_LIMITS if key not in config]
+    mounts = [m for m in container.get("volumeMounts", [])
+              if items_dir and (items_dir == m["mountPath"] or items_dir.startswith(m["mountPath"].rstrip("/") + "/"))]
+    if not mounts:
+        problems.append(f"nothing is mounted at the item directory {items_dir}")
+    for mount in mounts:
+        if mount.get("readOnly"):
+            problems.append(f"the item directory's volume {mount['name']!r} is mounted read-only")
+        volume = next((v for v in pod.get("volumes", []) if v["name"] == mount["name"]), {})
+        claim = volume.get("persistentVolumeClaim")
+        if claim is None:
+            problems.append(f"the item directory's volume {mount['name']!r} is not a claim (every replica needs the same log)")
+            continue
+        if claim.get("readOnly"):
+            problems.append(f"the item claim {claim['claimName']!r} is attached read-only")
+        pvc = [o for o in objects if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == claim["claimName"]]
+        if not pvc or "ReadWriteMany" not in pvc[0]["spec"].get("accessModes", []):
+            problems.append(f"the item claim {claim['claimName']!r} is not ReadWriteMany")
+    env = {e["name"]: e for e in container.get("env", [])}
+    ref = env.get("TONEARM_ADMIN_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef", {})
+    if ref.get("name") != ADMIN_SECRET or ref.get("optional"):
+        problems.append("TONEARM_ADMIN_TOKEN does not come from the tonearm-admin Secret (required)")
+    if pod.get("securityContext", {}).get("fsGroup") != pod.get("securityContext", {}).get("runAsGroup"):
+        problems.append("no fsGroup = runAsGroup: a fresh item claim is not writable by the service user")
+    return problems
+
+
+@pytest.mark.parametrize("name", ["base", "production"])
+def test_the_service_deployment_runs_items_on_a_shared_read_write_claim(name):
+    assert item_problems(rendered(name)) == []
+
+
+@functools.cache
+def _rendered_once(name: str) -> list[dict[str, Any]]:
+    return rendered(name)
+
+
+def _mutated(name: str, change) -> list[dict[str, Any]]:
+    objects = copy.deepcopy(_rendered_once(name))
+    change(objects)
+    return objects
+
+
+def _container(objects):
+    return by_kind(objects, "Deployment", "tonearm")["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize(("what", "change", "expected"), [
+    ("log mounted read-only", lambda o: next(m for m in _container(o)["volumeMounts"] if m["mountPath"] == "/items")
+     .update(readOnly=True), "mounted read-only"),
+    ("log on the read-only bundles volume", lambda o: by_kind(o, "ConfigMap", "tonearm-config")["data"]
+     .update(TONEARM_ITEMS_DIR="/bundles/.items"), "mounted read-only"),
+    ("token dropped", lambda o: _container(o).update(env=[e for e in _container(o)["env"]
+                                                          if e["name"] != "TONEARM_ADMIN_TOKEN"]), "tonearm-admin"),
+    ("token optional", lambda o: next(e for e in _container(o)["env"] if e["name"] == "TONEARM_ADMIN_TOKEN")
+     ["valueFrom"]["secretKeyRef"].update(optional=True), "tonearm-admin"),
+    ("no items dir", lambda o: by_kind(o, "ConfigMap", "tonearm-config")["data"].pop("TONEARM_ITEMS_DIR"),
+     "TONEARM_ITEMS_DIR"),
+    ("a per-pod log", lambda o: next(v for v in by_kind(o, "Deployment", "tonearm")["spec"]["template"]["spec"]
+                                     ["volumes"] if v["name"] == "items").update(emptyDir={}) or next(v for v in by_kind(o, "Deployment", "tonearm")["spec"]["template"]["spec"]
+                                  ["volumes"] if v["name"] == "items").pop("persistentVolumeClaim"), "not a claim"),
+    ("a ReadWriteOnce claim", lambda o: by_kind(o, "PersistentVolumeClaim", "tonearm-items")["spec"]
+     .update(accessModes=["ReadWriteOnce"]), "not ReadWriteMany"),
+    ("a limit dropped", lambda o: by_kind(o, "ConfigMap", "tonearm-config")["data"].pop("TONEARM_MAX_AUDIO_SECONDS"),
+     "TONEARM_MAX_AUDIO_SECONDS"),
+])
+def test_the_items_check_fails_on_a_broken_manifest(what, change, expected):
+    problems = item_problems(_mutated("production", change))
+    assert any(expected in p for p in problems), (what, problems)

@@ -44,13 +44,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from index import bundle as fmt
 from index.audio import decode_audio
 from index.audio_formats import SNIFF_BYTES, SUPPORTED, sniff_format
+from index.catalogue_pass import DecodeCall, Decoder, PassClock, PassOptions, clip_embedder
 from index.embed_checkpoint import (
     CHUNK_FILES,
-    Chunk,
     EmbedCheckpoint,
     PassRate,
     embed_in_chunks,
-    plan_digest,
+    file_items,
+    pass_digest,
 )
 from index.errors import AudioDecodeError, BundleError, TonearmError
 from index.faiss_ondisk import build_and_save
@@ -60,7 +61,6 @@ from index.loader import AUDIO_INPUTS, LoadedBundle, device_providers, encode_cl
 from index.ray_embed import RayOptions
 
 log = logging.getLogger(__name__)
-EMBED_BATCH = 16
 
 
 @dataclass(frozen=True)
@@ -98,12 +98,14 @@ def audio_files(audio_dir: Path, metadata: Path | None = None) -> list[Path]:
 def index_folder(
     audio_dir: Path, source: Path, out: Path, *, progress: bool = False, ray: RayOptions | None = None,
     milvus: MilvusPublish | None = None, providers: Sequence[str] | None = None, chunk_files: int = CHUNK_FILES,
-    metadata: Path | None = None, precision: Precision = "fp32",
+    metadata: Path | None = None, precision: Precision = "fp32", pass_options: PassOptions | None = None,
 ) -> IndexedFolder:
     """Embed every decodable file under ``audio_dir`` with ``source``'s audio encoder; publish ``out`` atomically.
 
     In this process the pass is checkpointed every ``chunk_files`` files in ``<out>.partial/`` and
-    the same command resumes it after an interruption (:mod:`index.embed_checkpoint`).
+    the same command resumes it after an interruption, reusing every file whose content is unchanged
+    (:mod:`index.embed_checkpoint`); the files are decoded beside the encoder as ``pass_options`` says
+    (:mod:`index.catalogue_pass`; default: in this process).
 
     ``ray``: embed on a Ray cluster instead of in this process (same vectors to float tolerance).
     ``milvus`` (with ``ray``): the workers write the vectors into Milvus; ``out`` gets no FAISS file.
@@ -128,16 +130,19 @@ def index_folder(
     try:
         if ray is None:
             manifest = bundle.manifest
-            digest = plan_digest(bundle=manifest.bundle_id, encoder=manifest.files[manifest.audio_encoder.file].sha256,
-                                 root=str(audio_dir), files=[(p.relative_to(audio_dir).as_posix(), p) for p in files],
-                                 chunk_files=chunk_files, **({"precision": precision} if precision != "fp32" else {}))
+            describe = {"encoder": manifest.files[manifest.audio_encoder.file].sha256,
+                        "sample_rate": bundle.sample_rate, "clip_samples": bundle.clip_samples,
+                        "audio_frontend": manifest.audio_frontend.model_dump(mode="json")
+                        if manifest.audio_frontend is not None else None,
+                        **({"precision": precision} if precision != "fp32" else {})}
             with tempfile.TemporaryDirectory() as scratch:
                 encode: Callable[[Sequence[np.ndarray]], np.ndarray] = bundle.encode_audio
                 if precision == "fp16":
                     encode, catalogue_pass = _half_encoder(bundle, source, audio_dir, files, Path(scratch), providers)
-                checkpoint = EmbedCheckpoint(out, digest)
+                checkpoint = EmbedCheckpoint(out, pass_digest(**describe), describe=describe)
                 clip_ids, embeddings, skipped = _embed(bundle, audio_dir, files, progress=progress,
-                                                       checkpoint=checkpoint, chunk_files=chunk_files, encode=encode)
+                                                       checkpoint=checkpoint, chunk_files=chunk_files, encode=encode,
+                                                       options=pass_options)
         else:
             clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, audio_dir, files, ray)
     finally:
@@ -152,7 +157,7 @@ def index_folder(
             ntotal=built.index.ntotal, search_params=built.search_params, ann_recall_at_10=built.ann_recall_at_10,
         )
         path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index, metas=metas,
-                             catalogue_pass=catalogue_pass)
+                             catalogue_pass=catalogue_pass, skipped=skipped)
     if checkpoint is not None:
         checkpoint.remove()
     return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped)
@@ -162,6 +167,7 @@ def _write_bundle(
     staging: Path, source: Path, manifest: fmt.BundleManifest, audio_dir: Path, bundle_id: str,
     clip_ids: list[str], audio_index: fmt.IndexInfo, milvus_only: fmt.MilvusOnlyInfo | None = None,
     *, metas: dict[str, dict[str, Any]] | None = None, catalogue_pass: fmt.CataloguePassInfo | None = None,
+    skipped: Sequence[tuple[str, str]] = (),
 ) -> Path:
     """Encoders, tokenizer, ids (with each clip's ``metas`` row as its ``metadata``) and manifest of the
     index-only bundle into ``staging``; publish it."""
@@ -180,6 +186,7 @@ def _write_bundle(
         "evaluation": None,
         "milvus_only": milvus_only,
         "catalogue_pass": catalogue_pass,  # this pass's, never the source bundle's
+        "skipped_clips": [fmt.SkippedClip(id=rel, reason=reason) for rel, reason in skipped] or None,
     })
     return fmt.publish(staging, fmt.BundleManifest.model_validate(new.model_dump()))
 
@@ -300,17 +307,21 @@ def decode_file(path: Path, sample_rate: int) -> np.ndarray:
 def _embed(
     bundle: LoadedBundle, audio_dir: Path, files: list[Path], *, progress: bool,
     checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
-    encode: Callable[[Sequence[np.ndarray]], np.ndarray] | None = None,
+    encode: Callable[[Sequence[np.ndarray]], np.ndarray] | None = None, options: PassOptions | None = None,
 ) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
-    """The pass in chunks of ``chunk_files`` files (:func:`index.embed_checkpoint.embed_in_chunks`); a chunk
-    found in ``checkpoint`` is loaded, not embedded. Progress: files done, clips/s of this run and the time
-    left at that rate (bar and log). ``encode``: the waveforms' vectors (default: the bundle's own audio encoder)."""
+    """The pass in chunks of ``chunk_files`` files (:func:`index.embed_checkpoint.embed_in_chunks`); a file
+    whose content a chunk in ``checkpoint`` holds is reused, not embedded; the files decoded beside the
+    encoder (:func:`index.catalogue_pass.clip_embedder`). Progress: files done, clips/s of this run, the
+    time left at that rate, the decode wait and the encoder's busy fraction (bar and log). ``encode``: the
+    waveforms' vectors (default: the bundle's own audio encoder)."""
     encode = encode or bundle.encode_audio
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[speed]}"))
+    rels = [p.relative_to(audio_dir).as_posix() for p in files]
+    clock = PassClock()
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("embedding audio", total=len(files), speed="")
-        rate, logged = PassRate(len(files)), 0
+        rate, logged = PassRate(len(files), clock), 0
 
         def advance(n: int, /, *, resumed: bool = False) -> None:
             nonlocal logged
@@ -320,27 +331,12 @@ def _embed(
                 log.info("index progress: %d/%d files, %s", rate.done, len(files), rate.describe())
                 logged = rate.done
 
-        def embed(start: int, stop: int, step: Callable[[int], None]) -> Chunk:
-            ids: list[str] = []
-            vectors: list[np.ndarray] = []
-            missed: list[tuple[str, str]] = []
-            batch: list[np.ndarray] = []
-            for k, path in enumerate(files[start:stop], start + 1):
-                rel = path.relative_to(audio_dir).as_posix()
-                try:
-                    batch.append(decode_file(path, bundle.sample_rate))
-                    ids.append(rel)
-                except AudioDecodeError as err:  # listed once, by cli_index (not logged as well)
-                    missed.append((rel, str(err).removeprefix(f"{path}: ")))
-                if len(batch) == EMBED_BATCH or (k == stop and batch):
-                    vectors.append(encode(batch))
-                    batch = []
-                step(1)
-            return Chunk(ids, np.concatenate(vectors) if vectors else np.zeros((0, bundle.embed_dim), np.float32),
-                         missed)
-
-        done = embed_in_chunks(len(files), embed, dim=bundle.embed_dim, checkpoint=checkpoint,
-                               chunk_files=chunk_files, advance=advance)
+        decode = DecodeCall(decode_file, args=(bundle.sample_rate,))
+        with Decoder(decode, options or PassOptions(), clock) as decoder:
+            embed = clip_embedder(rels, files, decode, lambda waves: encode(waves), dim=bundle.embed_dim,
+                                  decoder=decoder)
+            done = embed_in_chunks(file_items(rels, files), embed, dim=bundle.embed_dim, checkpoint=checkpoint,
+                                   chunk_files=chunk_files, advance=advance, what="files")
     return done.clip_ids, done.embeddings, done.skipped
 
 

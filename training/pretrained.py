@@ -36,7 +36,15 @@ from index import bundle as fmt
 from index.audio import decode_audio, eval_chunks
 from index.audio_frontend import keeps_short_clips, pad_short_clip
 from index.bundle_eval import evaluate_eval_set
-from index.embed_checkpoint import CHUNK_FILES, Advance, EmbedCheckpoint, resumable
+from index.catalogue_pass import DecodeCall, PassClock, PassOptions
+from index.embed_checkpoint import (
+    CHUNK_FILES,
+    CHUNK_TEXTS,
+    Advance,
+    EmbedCheckpoint,
+    PassResult,
+    resumable,
+)
 from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, write_eval_set
 from index.faiss_index import build_index, parse_factory, save_index
@@ -64,15 +72,20 @@ from training.bundle_parts import (
     catalogue_texts,
     cosines,
     embed_clips,
+    embed_clips_on_ray,
+    embed_texts,
+    first_decodable,
     half_copies,
     half_precision_gate,
     held_out_records,
+    kept_records,
     make_bundle_id,
     parity_texts,
     partial_base,
     probe_texts,
     quantization_records,
     quantize_config,
+    skipped_info,
 )
 from training.bundle_parts import index_info as _index_info
 from training.bundle_parts import load_session as _load_session
@@ -248,12 +261,13 @@ def export_pretrained_encoders(clap: Pretrained, staging: Path, scratch: Path | 
 
 
 def embed_catalogue_audio(encoders: PretrainedEncoders, records: Sequence[ClipRecord], rate: int, advance: Advance, *,
-                 checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES) -> np.ndarray:
-    """(N, d) clip embeddings, a few clips at a time; checkpointed in chunks in ``checkpoint``
-    (:func:`training.bundle_parts.embed_clips`)."""
-    return embed_clips(records, lambda batch: encoders.encode_audio([decode_audio(r.audio, sample_rate=rate)
-                                                                     for r in batch]),
-                       dim=encoders.dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files)
+                          checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
+                          options: PassOptions | None = None, clock: PassClock | None = None) -> PassResult:
+    """The catalogue's clip embeddings (:func:`training.bundle_parts.embed_clips`: decoded beside the
+    encoder, checkpointed in chunks; undecodable clips skipped and listed)."""
+    return embed_clips(records, DecodeCall(decode_audio, kwargs={"sample_rate": rate}), encoders.encode_audio,
+                       dim=encoders.dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files,
+                       options=options, clock=clock)
 
 
 def audio_plan(model: Pretrained) -> dict[str, Any]:
@@ -263,20 +277,19 @@ def audio_plan(model: Pretrained) -> dict[str, Any]:
             "audio_frontend": frontend_info(model).model_dump(mode="json")}
 
 
-def _embed_on_ray(clap: Pretrained, encoders: PretrainedEncoders, records: Sequence[ClipRecord], texts: Sequence[str],
-                  options: RayOptions) -> tuple[np.ndarray, np.ndarray]:
-    """The catalogue's (clip, caption) embeddings on a Ray cluster: each actor runs the served encoder files
-    and prepares a clip as :meth:`PretrainedEncoders.encode_audio` does (the manifest's ``audio_frontend``:
+def _embed_on_ray(clap: Pretrained, encoders: PretrainedEncoders, records: Sequence[ClipRecord], options: RayOptions,
+                  checkpoint: EmbedCheckpoint | None, chunk_files: int) -> PassResult:
+    """The catalogue's clip embeddings on a Ray cluster, one job a chunk: each actor runs the served encoder
+    file and prepares a clip as :meth:`PretrainedEncoders.encode_audio` does (the manifest's ``audio_frontend``:
     padding, then the chunk mean), so the vectors are the in-process pass's."""
-    s = clap.settings
-    audio = embed_audio_files([r.audio for r in records], encoders.audio.path.read_bytes(), decode=decode_whole,
-                              embed_dim=encoders.dim, sample_rate=s.sample_rate, clip_samples=s.clip_samples,
-                              policy="chunk", options=options, frontend=frontend_info(clap))
-    failed = [(r.audio, e) for r, e in zip(records, audio.errors, strict=True) if e]
-    if failed:
-        raise BundleError(f"{len(failed)} catalogue clips could not be decoded, e.g. {failed[0][1]}")
-    text = embed_captions(texts, encoders.text.path.read_bytes(), clap.tokenizer, embed_dim=encoders.dim, options=options)
-    return audio.embeddings, text.embeddings
+    s, model_bytes = clap.settings, encoders.audio.path.read_bytes()
+
+    def run(paths: list[Path]) -> Any:
+        return embed_audio_files(paths, model_bytes, decode=decode_whole, embed_dim=encoders.dim,
+                                 sample_rate=s.sample_rate, clip_samples=s.clip_samples, policy="chunk",
+                                 options=options, frontend=frontend_info(clap))
+
+    return embed_clips_on_ray(records, run, dim=encoders.dim, checkpoint=checkpoint, chunk_files=chunk_files)
 
 
 def _held_out(records: Sequence[ClipRecord], languages: Sequence[str], rate: int) -> EvalSet:
@@ -316,6 +329,7 @@ def export_pretrained_bundle(
     ray: RayOptions | None = None,
     precision: Precision = "fp32",
     chunk_files: int = CHUNK_FILES,
+    pass_options: PassOptions | None = None,
 ) -> Path:
     """Bundle of the model folder ``model_dir`` (CLAP or PE-Audio) over the clips of ``manifest``; returns its path.
     ``providers``: ONNX Runtime providers of the checks and the catalogue pass (``--device cuda``); ``ray``: the
@@ -350,7 +364,7 @@ def export_pretrained_bundle(
         sections = _build(clap, records, held_out, staging, Path(scratch), split=split, languages=langs,
                           index_factory=index_factory, progress=progress, source_manifest=manifest,
                           quantize=quantize, providers=providers, ray=ray, partial=partial, chunk_files=chunk_files,
-                          precision=precision)
+                          precision=precision, pass_options=pass_options)
         s = clap.settings
         body = fmt.BundleManifest(
             bundle_id=bundle_id,
@@ -379,7 +393,7 @@ def _build(
     split: str, languages: list[str], index_factory: str | None, progress: bool, source_manifest: Path,
     quantize: QuantizeConfig, providers: Sequence[str] = CPU, ray: RayOptions | None = None,
     precision: Precision = "fp32",
-    partial: Path | None = None, chunk_files: int = CHUNK_FILES,
+    partial: Path | None = None, chunk_files: int = CHUNK_FILES, pass_options: PassOptions | None = None,
 ) -> dict[str, Any]:
     """Every bundle file except the manifest; the manifest sections they determine. ``partial``: checkpoint
     the in-process clips pass in ``<partial>.partial/`` (None: not checkpointed).
@@ -388,7 +402,7 @@ def _build(
     cosine to the model (not held to it) and its cost is measured on the held-out set against fp32."""
     rate = clap.settings.sample_rate
     encoders, fp32 = export_pretrained_encoders(clap, staging, scratch, quantize=quantize, providers=providers)
-    sample = decode_audio(records[0].audio, sample_rate=rate)
+    (sample,) = first_decodable(records, lambda path: decode_audio(path, sample_rate=rate))
     clips = parity_clips(sample, clap.settings.clip_samples, reflect=keeps_short_clips(clap.settings.padding))
     texts = parity_texts(records, languages)
     expected = references(clap, clips, texts)
@@ -397,22 +411,41 @@ def _build(
         found = parity(encoders, clips, texts, expected, modalities=quantize.encoders)
         audio_cos, text_cos = found.get("audio", audio_cos), found.get("text", text_cos)
         log.info("%s encoders vs the model: audio %.6f, text %.6f", quantize.label, audio_cos, text_cos)
-    text_items, ranges = catalogue_texts(records, languages)
     catalogue_pass = None
-    if ray is not None:
-        audio_emb, text_emb = _embed_on_ray(clap, encoders, records, [t["text"] for t in text_items], ray)
-    else:
-        passing = encoders
-        if precision == "fp16":
-            passing, catalogue_pass = _half_encoders(clap, encoders, records, languages,
-                                                     [t["text"] for t in text_items], scratch, providers)
-        checkpoint = None if partial is None else catalogue_checkpoint(
-            partial, encoders.audio.path, records, chunk_files=chunk_files, providers=providers,
-            frontend=audio_plan(clap), precision=precision)
-        with _progress(progress) as task:
-            audio_emb = embed_catalogue_audio(passing, records, rate, task("embedding clips", len(records)),
-                                              checkpoint=checkpoint, chunk_files=chunk_files)
-            text_emb = passing.encode_text([t["text"] for t in text_items])
+    pass_providers = list(CPU) if ray is not None else list(providers)
+    checkpoint = captions = None
+    if partial is not None:
+        checkpoint = catalogue_checkpoint(partial, encoders.audio.path, providers=pass_providers,
+                                          frontend=audio_plan(clap), precision=precision)
+        captions = catalogue_checkpoint(partial, encoders.text.path, providers=pass_providers, frontend={},
+                                        precision=precision, name="captions")
+    passing = encoders
+    if ray is None and precision == "fp16":
+        all_texts = [t["text"] for t in catalogue_texts(records, languages)[0]]
+        passing, catalogue_pass = _half_encoders(clap, encoders, records, languages, all_texts, scratch, providers)
+    with _progress(progress) as task:
+        if ray is not None:
+            done = _embed_on_ray(clap, encoders, records, ray, checkpoint, chunk_files)
+        else:
+            clock = PassClock()
+            done = embed_catalogue_audio(passing, records, rate, task("embedding clips", len(records), clock),
+                                         checkpoint=checkpoint, chunk_files=chunk_files, options=pass_options,
+                                         clock=clock)
+        skipped = skipped_info(done.skipped)
+        records = kept_records(records, done)
+        if not records:
+            raise BundleError(f"{source_manifest}: none of the catalogue's clips could be decoded")
+        audio_emb = done.embeddings
+        text_items, ranges = catalogue_texts(records, languages)
+        texts = [t["text"] for t in text_items]
+        if ray is not None:
+            model_bytes = encoders.text.path.read_bytes()
+            text_emb = embed_texts(texts, lambda part: embed_captions(part, model_bytes, clap.tokenizer,
+                                                                      embed_dim=encoders.dim, options=ray).embeddings,
+                                   dim=encoders.dim, checkpoint=captions, step=CHUNK_TEXTS)
+        else:
+            text_emb = embed_texts(texts, passing.encode_text, dim=encoders.dim, checkpoint=captions,
+                                   advance=task("embedding captions", len(texts)))
     audio_built = build_index(audio_emb, index_factory, queries=text_emb)
     text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)
     save_index(audio_built.index, staging / fmt.AUDIO_INDEX)
@@ -441,6 +474,7 @@ def _build(
         "evaluation": evaluation,
         "quantization": quantization,
         "catalogue_pass": catalogue_pass,
+        "skipped_clips": skipped,
     }
 
 
@@ -453,7 +487,7 @@ def _half_encoders(
     s = clap.settings
     audio, text = half_copies(encoders.audio.path, encoders.text.path, scratch)
     half = PretrainedEncoders(clap, audio, text, providers)
-    clips = [decode_audio(r.audio, sample_rate=s.sample_rate) for r in records[:PROBE_CLIPS]]
+    clips = first_decodable(records, lambda path: decode_audio(path, sample_rate=s.sample_rate), PROBE_CLIPS)
     clips += probe_waves(s.sample_rate, s.clip_samples)
     info = half_precision_gate((encoders.encode_audio, half.encode_audio, clips),
                                (encoders.encode_text, half.encode_text, probe_texts(records, languages, texts)),

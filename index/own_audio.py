@@ -32,6 +32,7 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,7 +45,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from index import bundle as fmt
 from index.audio import decode_audio
 from index.audio_formats import SNIFF_BYTES, SUPPORTED, sniff_format
-from index.catalogue_pass import DecodeCall, Decoder, PassClock, PassOptions, clip_embedder
+from index.catalogue_pass import (
+    DecodeCall,
+    EncoderSpec,
+    PassClock,
+    PassOptions,
+    pass_embedder,
+    pass_options_from_args,
+)
 from index.embed_checkpoint import (
     CHUNK_FILES,
     EmbedCheckpoint,
@@ -58,7 +66,7 @@ from index.faiss_ondisk import build_and_save
 from index.file_metadata import find_metadata_file, read_file_metadata
 from index.half_precision import PROBE_CLIPS, Precision, check_precision_options, probe_waves
 from index.loader import AUDIO_INPUTS, LoadedBundle, device_providers, encode_clips
-from index.ray_embed import RayOptions
+from index.ray_embed import RayOptions, ray_options_from_args
 
 log = logging.getLogger(__name__)
 
@@ -130,19 +138,25 @@ def index_folder(
     try:
         if ray is None:
             manifest = bundle.manifest
+            frontend = (manifest.audio_frontend.model_dump(mode="json") if manifest.audio_frontend is not None
+                        else None)
             describe = {"encoder": manifest.files[manifest.audio_encoder.file].sha256,
                         "sample_rate": bundle.sample_rate, "clip_samples": bundle.clip_samples,
-                        "audio_frontend": manifest.audio_frontend.model_dump(mode="json")
-                        if manifest.audio_frontend is not None else None,
+                        "audio_frontend": frontend,
                         **({"precision": precision} if precision != "fp32" else {})}
             with tempfile.TemporaryDirectory() as scratch:
                 encode: Callable[[Sequence[np.ndarray]], np.ndarray] = bundle.encode_audio
+                encoder_path = source / manifest.audio_encoder.file
                 if precision == "fp16":
-                    encode, catalogue_pass = _half_encoder(bundle, source, audio_dir, files, Path(scratch), providers)
+                    encode, catalogue_pass, encoder_path = _half_encoder(bundle, source, audio_dir, files,
+                                                                         Path(scratch), providers)
                 checkpoint = EmbedCheckpoint(out, pass_digest(**describe), describe=describe)
+                spec = EncoderSpec(
+                    path=str(encoder_path), embed_dim=bundle.embed_dim, clip_samples=bundle.clip_samples,
+                    providers=tuple(providers or bundle.onnx_providers), frontend=frontend)
                 clip_ids, embeddings, skipped = _embed(bundle, audio_dir, files, progress=progress,
                                                        checkpoint=checkpoint, chunk_files=chunk_files, encode=encode,
-                                                       options=pass_options)
+                                                       options=pass_options, spec=spec)
         else:
             clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, audio_dir, files, ray)
     finally:
@@ -203,7 +217,7 @@ def clip_item(clip_id: str, metas: dict[str, dict[str, Any]] | None) -> dict[str
 def _half_encoder(
     bundle: LoadedBundle, source: Path, audio_dir: Path, files: list[Path], scratch: Path,
     providers: Sequence[str] | None,
-) -> tuple[Callable[[Sequence[np.ndarray]], np.ndarray], fmt.CataloguePassInfo]:
+) -> tuple[Callable[[Sequence[np.ndarray]], np.ndarray], fmt.CataloguePassInfo, Path]:
     """The fp16 copy of ``bundle``'s audio encoder as an encode function, after the parity gate on the
     first :data:`index.half_precision.PROBE_CLIPS` decodable files and four synthetic signals."""
     from index.half_precision import catalogue_pass_info, gate, load_half
@@ -229,7 +243,7 @@ def _half_encoder(
 
     found = gate("audio", bundle.encode_audio, encode, probe)
     device = "cuda" if "CUDAExecutionProvider" in half.session.get_providers() else "cpu"
-    return encode, catalogue_pass_info({"audio": found}, device)
+    return encode, catalogue_pass_info({"audio": found}, device), half.path
 
 
 def _index_into_milvus(
@@ -308,6 +322,7 @@ def _embed(
     bundle: LoadedBundle, audio_dir: Path, files: list[Path], *, progress: bool,
     checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
     encode: Callable[[Sequence[np.ndarray]], np.ndarray] | None = None, options: PassOptions | None = None,
+    spec: EncoderSpec | None = None,
 ) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
     """The pass in chunks of ``chunk_files`` files (:func:`index.embed_checkpoint.embed_in_chunks`); a file
     whose content a chunk in ``checkpoint`` holds is reused, not embedded; the files decoded beside the
@@ -332,9 +347,9 @@ def _embed(
                 logged = rate.done
 
         decode = DecodeCall(decode_file, args=(bundle.sample_rate,))
-        with Decoder(decode, options or PassOptions(), clock) as decoder:
-            embed = clip_embedder(rels, files, decode, lambda waves: encode(waves), dim=bundle.embed_dim,
-                                  decoder=decoder)
+        with ExitStack() as stack:
+            embed = pass_embedder(rels, files, decode, lambda waves: encode(waves), dim=bundle.embed_dim,
+                                  options=options or PassOptions(), clock=clock, spec=spec, stack=stack)
             done = embed_in_chunks(file_items(rels, files), embed, dim=bundle.embed_dim, checkpoint=checkpoint,
                                    chunk_files=chunk_files, advance=advance, what="files")
     return done.clip_ids, done.embeddings, done.skipped
@@ -362,7 +377,7 @@ def cli_index(args: argparse.Namespace) -> int:
         raise BundleError(f"{out}: already exists; bundles are never overwritten")
     ray = None
     if args.ray is not None:
-        ray = RayOptions(address=args.ray or None, workers=args.ray_workers, progress=True)
+        ray = ray_options_from_args(args)
     milvus = None
     if getattr(args, "milvus_uri", None):
         from index.milvus_index import target_from_args
@@ -374,7 +389,8 @@ def cli_index(args: argparse.Namespace) -> int:
     check_precision_options(precision, device, ray=ray is not None)
     metadata = getattr(args, "metadata", None)
     result = index_folder(Path(args.audio_dir), Path(args.bundle), out, progress=True, ray=ray, milvus=milvus,
-                          providers=providers, metadata=Path(metadata) if metadata else None, precision=precision)
+                          providers=providers, metadata=Path(metadata) if metadata else None, precision=precision,
+                          pass_options=pass_options_from_args(args))
     console = Console()
     for rel, reason in result.skipped:
         console.print(f"[yellow]skipped[/yellow] {rel}: {reason}", highlight=False, soft_wrap=True)

@@ -18,7 +18,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from index import bundle as fmt
-from index.catalogue_pass import Decoder, PassClock, PassOptions, clip_embedder
+from index.catalogue_pass import EncoderSpec, PassClock, PassOptions, pass_embedder
 from index.embed_checkpoint import (
     CHUNK_FILES,
     CHUNK_TEXTS,
@@ -249,17 +249,19 @@ def catalogue_checkpoint(base: Path, encoder: Path, *, providers: Sequence[str],
 
 def embed_clips(records: Sequence[ClipRecord], decode: Callable[[Any], np.ndarray], encode: Callable[[list[np.ndarray]], np.ndarray],
                 *, dim: int, advance: Advance, checkpoint: EmbedCheckpoint | None, chunk_files: int = CHUNK_FILES,
-                options: PassOptions | None = None, clock: PassClock | None = None) -> PassResult:
+                options: PassOptions | None = None, clock: PassClock | None = None,
+                spec: EncoderSpec | None = None) -> PassResult:
     """The clips pass over ``records`` (:mod:`index.catalogue_pass`): each clip's audio decoded by
     ``decode`` (a picklable :class:`~index.catalogue_pass.DecodeCall` when ``options.decode_workers`` > 0)
     beside the encoder ``encode`` (waves → (n, d)), in chunks checkpointed in ``checkpoint``
     (:func:`index.embed_checkpoint.embed_in_chunks`: a clip whose content a saved chunk holds is reused).
-    A clip that cannot be decoded is skipped and listed in the result."""
+    A clip that cannot be decoded is skipped and listed in the result. With ``options.devices`` the clips
+    are split over one process per device, each running ``spec`` (:class:`index.catalogue_pass.DevicePool`)."""
     ids, paths = [r.id for r in records], [Path(r.audio) for r in records]
     items = file_items(ids, paths)
-    options = options or PassOptions()
-    with Decoder(decode, options, clock or PassClock()) as decoder:
-        embed = clip_embedder(ids, paths, decode, encode, dim=dim, decoder=decoder)
+    with ExitStack() as stack:
+        embed = pass_embedder(ids, paths, decode, encode, dim=dim, options=options or PassOptions(),
+                              clock=clock or PassClock(), spec=spec, stack=stack)
         return embed_in_chunks(items, embed, dim=dim, checkpoint=checkpoint, chunk_files=chunk_files, advance=advance)
 
 

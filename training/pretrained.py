@@ -36,7 +36,7 @@ from index import bundle as fmt
 from index.audio import decode_audio, eval_chunks
 from index.audio_frontend import keeps_short_clips, pad_short_clip
 from index.bundle_eval import evaluate_eval_set
-from index.catalogue_pass import DecodeCall, PassClock, PassOptions
+from index.catalogue_pass import DecodeCall, PassClock, PassOptions, pass_options_from_args
 from index.embed_checkpoint import (
     CHUNK_FILES,
     CHUNK_TEXTS,
@@ -60,7 +60,13 @@ from index.loader import (
     encode_texts,
     encode_waveforms,
 )
-from index.ray_embed import RayOptions, decode_whole, embed_audio_files, embed_captions
+from index.ray_embed import (
+    RayOptions,
+    decode_whole,
+    embed_audio_files,
+    embed_captions,
+    ray_options_from_args,
+)
 from index.report import METRIC_CONVENTION
 from training.bundle_parts import (
     CPU,
@@ -519,12 +525,13 @@ def cli_export_pretrained(args: argparse.Namespace) -> int:
 
     ray = None
     if getattr(args, "ray", None) is not None:
-        ray = RayOptions(address=args.ray or None, workers=getattr(args, "ray_workers", None), progress=True)
+        ray = ray_options_from_args(args)
     providers = device_providers(getattr(args, "device", "cpu"))
     path = export_pretrained_bundle(
         args.pretrained, manifest=args.data, out_dir=args.out, languages=getattr(args, "languages", None),
         index_factory=args.index, splits=args.split, progress=True, quantize=quantize_config(args),
         providers=providers, ray=ray, precision=getattr(args, "precision", "fp32"),
+        pass_options=pass_options_from_args(args),
     )
     manifest = fmt.read_manifest(path)
     console = Console()

@@ -49,7 +49,13 @@ from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, write_eval_set
 from index.faiss_index import build_index, parse_factory, save_index
 from index.filters import filterable_metadata
-from index.half_precision import PROBE_CLIPS, Precision, check_precision_options, probe_waves
+from index.half_precision import (
+    PROBE_CLIPS,
+    Precision,
+    centred_cosines,
+    check_precision_options,
+    probe_waves,
+)
 from index.languages import DEFAULT_LANGUAGES
 from index.loader import (
     AUDIO_INPUTS,
@@ -200,11 +206,17 @@ def parity_clips(wave: np.ndarray, n: int, *, reflect: bool = False) -> list[np.
     a twentieth of the window plus 7 samples (not a hop multiple, so the reflection runs), one of
     exactly the window and one of 10.5 s + 7 samples (embedded whole, ``long_clips = "whole"``) — 21 s of
     audio, not 43 s. Chunk-and-average of longer clips (CLAP) is the loader's mean over such windows, the
-    same code for every family (``index.loader.encode_waveforms``)."""
+    same code for every family (``index.loader.encode_waveforms``).
+
+    Two more short clips of unrelated synthetic signals (white noise, a pulsed tone;
+    :func:`index.half_precision.probe_waves`) give the centred cosine of :func:`check_parity` its power:
+    a short-clip padding error moves the short clips away from the others."""
     tiled = np.resize(np.asarray(wave, dtype=np.float32), 3 * n)
+    short = n // 20 + 7 if reflect else n // 3
+    probes = probe_waves(48_000, short)[1:3]
     if reflect:
-        return [tiled[: n // 20 + 7], tiled[:n], tiled[: n + n // 20 + 7]]
-    return [tiled[: n // 3], tiled[:n], tiled[: 5 * n // 2]]
+        return [tiled[:short], tiled[:n], tiled[: n + n // 20 + 7], *probes]
+    return [tiled[:short], tiled[:n], tiled[: 5 * n // 2], *probes]
 
 
 Expected = tuple[np.ndarray, np.ndarray]
@@ -232,14 +244,26 @@ def parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], texts: Seq
 def check_parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], texts: Sequence[str],
                  expected: Expected) -> tuple[float, float]:
     """Minimum per-item cosine of the bundle's encoders to the model's own audio / text embeddings;
-    :class:`ExportError` below :data:`MIN_COSINE`."""
+    :class:`ExportError` below :data:`MIN_COSINE`, or when the lowest **centred** cosine (each set's mean
+    row removed, :func:`index.half_precision.centred_cosines`; :mod:`training.step0`) is below
+    :data:`MIN_CENTRED_COSINE`: with random or weakly trained weights unrelated inputs embed at plain
+    cosines near 1, so zero padding of short clips passes a plain 0.999 (0.99946) but not the centred check."""
     found = parity(encoders, waves, texts, expected)
+    centred = {"audio": float(centred_cosines(encoders.encode_audio(waves), expected[0]).min()),
+               "text": float(centred_cosines(encoders.encode_text(texts), expected[1]).min())}
     for name, value in found.items():
         what = f"{name} encoder vs the model's own {name} embedding"
         if not value >= MIN_COSINE:
             raise ExportError(f"{what}: min cosine {value:.6f} < {MIN_COSINE}")
-        log.info("%s: min cosine %.6f", what, value)
+        if not centred[name] >= MIN_CENTRED_COSINE:
+            raise ExportError(f"{what}: min centred cosine {centred[name]:.6f} < {MIN_CENTRED_COSINE} "
+                              f"(plain cosine {value:.6f})")
+        log.info("%s: min cosine %.6f, centred %.6f", what, value, centred[name])
     return found["audio"], found["text"]
+
+
+MIN_CENTRED_COSINE = 0.99
+"""Lowest centred cosine of the bundle's encoders to the model's own (as :data:`training.step0.MIN_CENTRED_COS`)."""
 
 
 def export_pretrained_encoders(clap: Pretrained, staging: Path, scratch: Path | None = None, *,

@@ -16,7 +16,14 @@ import pytest
 import soundfile as sf
 
 from index.bundle import read_manifest
-from index.catalogue_pass import DecodeCall, Decoder, PassClock, PassOptions, length_batches, parse_devices
+from index.catalogue_pass import (
+    DecodeCall,
+    Decoder,
+    PassClock,
+    PassOptions,
+    length_batches,
+    parse_devices,
+)
 from index.errors import TonearmError
 from index.faiss_index import all_vectors, load_index, parse_factory
 from index.own_audio import decode_file, index_folder

@@ -19,6 +19,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,7 @@ def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
 
 
 @contextmanager
-def progress(enabled: bool) -> Iterator[Callable[..., Advance]]:
+def progress_bar(enabled: bool) -> Iterator[Callable[..., Advance]]:
     """``task(description, total, clock=None)`` → ``advance(n, resumed=False)``; a no-op when disabled. Each
     task shows (bar and log, every 10 %) this run's clips/s and the time left at that rate, and with a
     ``clock`` (:class:`index.catalogue_pass.PassClock`) the decode wait and the encoder's busy fraction
@@ -335,6 +336,69 @@ def first_decodable(records: Sequence[ClipRecord], decode: Callable[[Any], np.nd
     return found
 
 
+def pass_checkpoints(partial: Path | None, audio: Path, text: Path, *, providers: Sequence[str],
+                     frontend: dict[str, Any], precision: str) -> tuple[EmbedCheckpoint | None, EmbedCheckpoint | None]:
+    """The clips and the captions checkpoints of an export's catalogue pass (None, None: not checkpointed)."""
+    if partial is None:
+        return None, None
+    return (catalogue_checkpoint(partial, audio, providers=providers, frontend=frontend, precision=precision),
+            catalogue_checkpoint(partial, text, providers=providers, frontend={}, precision=precision,
+                                 name="captions"))
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    """An embedded catalogue: the clips kept (catalogue order), their vectors, the caption rows of those
+    clips with their vectors and language ranges, and the skipped clips (the manifest's ``skipped_clips``)."""
+
+    records: list[ClipRecord]
+    audio: np.ndarray
+    text: np.ndarray
+    text_items: list[dict[str, Any]]
+    ranges: dict[str, tuple[int, int]]
+    skipped: list[fmt.SkippedClip] | None
+
+
+def embed_catalogue(records: Sequence[ClipRecord], languages: Sequence[str], *, source_manifest: Path, progress: bool,
+                    clips: Callable[[Callable[..., Advance]], PassResult],
+                    captions: Callable[[list[str], Callable[..., Advance]], np.ndarray]) -> Catalogue:
+    """The one catalogue pass of every export, trained or pretrained, in process or on Ray: ``clips(task)``
+    embeds the clips (``task``: :func:`progress`'s), the clips that could not be decoded are left out (and
+    logged), then ``captions(texts, task)`` embeds the captions of the clips kept."""
+    with progress_bar(progress) as task:
+        done = clips(task)
+        skipped = skipped_info(done.skipped)
+        kept = kept_records(records, done)
+        if not kept:
+            raise BundleError(f"{source_manifest}: none of the catalogue's clips could be decoded")
+        text_items, ranges = catalogue_texts(kept, languages)
+        text_emb = captions([t["text"] for t in text_items], task)
+    return Catalogue(kept, done.embeddings, text_emb, text_items, ranges, skipped)
+
+
+def write_catalogue(staging: Path, audio_emb: np.ndarray, text_emb: np.ndarray, records: Sequence[ClipRecord],
+                    text_items: Sequence[dict[str, Any]], ranges: dict[str, tuple[int, int]], *,
+                    index_factory: str | None, source_manifest: Path) -> dict[str, fmt.IndexInfo]:
+    """The one assembly from a catalogue's embeddings to a bundle's indices and id files, trained or
+    pretrained (issue 49): the audio index by the catalogue's size (FAISS lists on disk above the
+    threshold, :func:`index.faiss_ondisk.build_and_save`), the caption index grouped by language, both
+    id files; the manifest's ``audio_index`` and ``text_index``."""
+    from index.faiss_index import build_index, save_index
+    from index.faiss_ondisk import build_and_save
+    from index.filters import filterable_metadata
+
+    audio_built = build_and_save(audio_emb, staging / fmt.AUDIO_INDEX, index_factory, queries=text_emb)
+    text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)
+    save_index(text_built.index, staging / fmt.TEXT_INDEX)
+    write_jsonl(staging / fmt.AUDIO_IDS, [
+        {"id": r.id, "uri": audio_uri(r, source_manifest), "captions": r.captions, "split": r.split,
+         "metadata": filterable_metadata(r.meta)} for r in records
+    ])
+    write_jsonl(staging / fmt.TEXT_IDS, list(text_items))
+    return {"audio_index": index_info(audio_built, file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS),
+            "text_index": index_info(text_built, file=fmt.TEXT_INDEX, ids_file=fmt.TEXT_IDS, ranges=ranges)}
+
+
 def kept_records(records: Sequence[ClipRecord], done: PassResult) -> list[ClipRecord]:
     """The records the pass embedded, in catalogue order (the skipped ones left out)."""
     kept = set(done.clip_ids)
@@ -361,3 +425,7 @@ def half_precision_gate(audio: tuple[Encode, Encode, Sequence[Any]], text: tuple
     (:func:`index.half_precision.gate`: one line below the gate); the manifest's ``catalogue_pass``."""
     found = {"audio": gate("audio", *audio), "text": gate("text", *text)}
     return catalogue_pass_info(found, "cuda" if "CUDAExecutionProvider" in providers else "cpu")
+
+
+progress = progress_bar
+"""``training.bundle_parts.progress``: the name the exports import."""

@@ -50,9 +50,7 @@ from index.embed_checkpoint import (
 )
 from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, load_eval_waveform, read_eval_set, write_eval_set
-from index.faiss_index import build_index, parse_factory, save_index
-from index.faiss_ondisk import build_and_save
-from index.filters import filterable_metadata
+from index.faiss_index import parse_factory
 from index.half_precision import PROBE_CLIPS, Precision, check_precision_options, probe_waves
 from index.loader import (
     AUDIO_INPUTS,
@@ -69,12 +67,11 @@ from index.tokenizer import TextTokenizer
 from training.bundle_parts import (
     CPU,
     OPSET,
-    audio_uri,
     canonical_hash,
-    catalogue_checkpoint,
     catalogue_records,
     catalogue_texts,
     cosines,
+    embed_catalogue,
     embed_clips,
     embed_clips_on_ray,
     embed_texts,
@@ -82,18 +79,15 @@ from training.bundle_parts import (
     half_copies,
     half_precision_gate,
     held_out_records,
-    kept_records,
     make_bundle_id,
     parity_texts,
     partial_base,
+    pass_checkpoints,
     probe_texts,
     quantization_records,
-    skipped_info,
+    write_catalogue,
 )
-from training.bundle_parts import index_info as _index_info
 from training.bundle_parts import load_session as _load_session
-from training.bundle_parts import progress as _progress
-from training.bundle_parts import write_jsonl as _write_jsonl
 from training.checkpoint import Checkpoint, load_checkpoint
 from training.config import TrainConfig, short_clip_padding
 from training.data.dataset import eval_captions
@@ -471,46 +465,32 @@ def _build_contents(
     cfg, tokenizer, dim = ckpt.config, ckpt.tokenizer, ckpt.config.model.embed_dim
     encoders = export_encoders(ckpt, staging, scratch, records=records, quantize=quantize, providers=providers)
     catalogue_pass = None
-    pass_providers = list(CPU) if ray is not None else list(providers)
-    checkpoint = captions = None
-    if partial is not None:
-        checkpoint = catalogue_checkpoint(partial, encoders.audio.path, providers=pass_providers,
-                                          frontend=audio_plan(cfg, ckpt.model), precision=precision)
-        captions = catalogue_checkpoint(partial, encoders.text.path, providers=pass_providers, frontend={},
-                                        precision=precision, name="captions")
+    checkpoint, captions = pass_checkpoints(partial, encoders.audio.path, encoders.text.path,
+                                            providers=list(CPU) if ray is not None else list(providers),
+                                            frontend=audio_plan(cfg, ckpt.model), precision=precision)
     audio, text = encoders.audio, encoders.text
     if ray is None and precision == "fp16":
         all_texts = [t["text"] for t in catalogue_texts(records, cfg.data.languages)[0]]
         audio, text, catalogue_pass = half_encoders(ckpt, encoders, records, all_texts, scratch, providers)
-    with _progress(progress) as task:
+
+    def clips_pass(task: Callable[..., Advance]) -> PassResult:
         if ray is not None:
-            done = embed_catalogue_on_ray(encoders, records, cfg, ray, ckpt.model, checkpoint=checkpoint,
+            return embed_catalogue_on_ray(encoders, records, cfg, ray, ckpt.model, checkpoint=checkpoint,
                                           chunk_files=chunk_files)
-        else:
-            clock = PassClock()
-            done = embed_catalogue_audio(audio, records, cfg, task("embedding clips", len(records), clock),
-                                         ckpt.model, checkpoint=checkpoint, chunk_files=chunk_files,
-                                         options=pass_options, clock=clock)
-        skipped = skipped_info(done.skipped)
-        records = kept_records(records, done)
-        if not records:
-            raise BundleError(f"{source_manifest}: none of the catalogue's clips could be decoded")
-        audio_emb = done.embeddings
-        text_items, ranges = catalogue_texts(records, cfg.data.languages)
-        texts = [t["text"] for t in text_items]
+        clock = PassClock()
+        return embed_catalogue_audio(audio, records, cfg, task("embedding clips", len(records), clock), ckpt.model,
+                                     checkpoint=checkpoint, chunk_files=chunk_files, options=pass_options, clock=clock)
+
+    def texts_of(texts: list[str], task: Callable[..., Advance]) -> np.ndarray:
         if ray is not None:
-            text_emb = captions_on_ray(encoders.text.path, tokenizer, texts, dim, ray, captions)
-        else:
-            text_emb = embed_catalogue_texts(text, tokenizer, texts, dim, task("embedding captions", len(texts)),
-                                             captions)
-    audio_built = build_and_save(audio_emb, staging / fmt.AUDIO_INDEX, index_factory, queries=text_emb)
-    text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)
-    save_index(text_built.index, staging / fmt.TEXT_INDEX)
-    _write_jsonl(staging / fmt.AUDIO_IDS, [
-        {"id": r.id, "uri": audio_uri(r, source_manifest), "captions": r.captions, "split": r.split,
-         "metadata": filterable_metadata(r.meta)} for r in records
-    ])
-    _write_jsonl(staging / fmt.TEXT_IDS, text_items)
+            return captions_on_ray(encoders.text.path, tokenizer, texts, dim, ray, captions)
+        return embed_catalogue_texts(text, tokenizer, texts, dim, task("embedding captions", len(texts)), captions)
+
+    done = embed_catalogue(records, cfg.data.languages, source_manifest=source_manifest, progress=progress,
+                           clips=clips_pass, captions=texts_of)
+    records, skipped, text_items = done.records, done.skipped, done.text_items
+    indices = write_catalogue(staging, done.audio, done.text, records, text_items, done.ranges,
+                              index_factory=index_factory, source_manifest=source_manifest)
     eval_set = build_held_out(held_out, cfg)
     write_eval_set(staging / fmt.EVAL_DIR, eval_set)
     evaluation, quantization = evaluate_staged(staging, encoders, tokenizer, cfg, ckpt.model)
@@ -527,8 +507,7 @@ def _build_contents(
                                         quantization=quantize.label if quantize.applies("text") else "none"),
         "tokenizer": fmt.TokenizerInfo(file=fmt.TOKENIZER, max_length=tokenizer.max_length,
                                        vocab_size=tokenizer.vocab_size),
-        "audio_index": _index_info(audio_built, file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS),
-        "text_index": _index_info(text_built, file=fmt.TEXT_INDEX, ids_file=fmt.TEXT_IDS, ranges=ranges),
+        **indices,
         "evaluation": evaluation,
         "quantization": quantization,
         "catalogue_pass": catalogue_pass,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -47,8 +47,7 @@ from index.embed_checkpoint import (
 )
 from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, write_eval_set
-from index.faiss_index import build_index, parse_factory, save_index
-from index.filters import filterable_metadata
+from index.faiss_index import parse_factory
 from index.half_precision import (
     PROBE_CLIPS,
     Precision,
@@ -77,12 +76,11 @@ from index.report import METRIC_CONVENTION
 from training.bundle_parts import (
     CPU,
     OPSET,
-    audio_uri,
     canonical_hash,
-    catalogue_checkpoint,
     catalogue_records,
     catalogue_texts,
     cosines,
+    embed_catalogue,
     embed_clips,
     embed_clips_on_ray,
     embed_texts,
@@ -90,19 +88,16 @@ from training.bundle_parts import (
     half_copies,
     half_precision_gate,
     held_out_records,
-    kept_records,
     make_bundle_id,
     parity_texts,
     partial_base,
+    pass_checkpoints,
     probe_texts,
     quantization_records,
     quantize_config,
-    skipped_info,
+    write_catalogue,
 )
-from training.bundle_parts import index_info as _index_info
 from training.bundle_parts import load_session as _load_session
-from training.bundle_parts import progress as _progress
-from training.bundle_parts import write_jsonl as _write_jsonl
 from training.data.dataset import eval_captions
 from training.data.manifest import ClipRecord, load_manifest
 from training.models.pretrained_clap import (
@@ -442,49 +437,35 @@ def _build(
         audio_cos, text_cos = found.get("audio", audio_cos), found.get("text", text_cos)
         log.info("%s encoders vs the model: audio %.6f, text %.6f", quantize.label, audio_cos, text_cos)
     catalogue_pass = None
-    pass_providers = list(CPU) if ray is not None else list(providers)
-    checkpoint = captions = None
-    if partial is not None:
-        checkpoint = catalogue_checkpoint(partial, encoders.audio.path, providers=pass_providers,
-                                          frontend=audio_plan(clap), precision=precision)
-        captions = catalogue_checkpoint(partial, encoders.text.path, providers=pass_providers, frontend={},
-                                        precision=precision, name="captions")
+    checkpoint, captions = pass_checkpoints(partial, encoders.audio.path, encoders.text.path,
+                                            providers=list(CPU) if ray is not None else list(providers),
+                                            frontend=audio_plan(clap), precision=precision)
     passing = encoders
     if ray is None and precision == "fp16":
         all_texts = [t["text"] for t in catalogue_texts(records, languages)[0]]
         passing, catalogue_pass = _half_encoders(clap, encoders, records, languages, all_texts, scratch, providers)
-    with _progress(progress) as task:
+
+    def clips_pass(task: Callable[..., Advance]) -> PassResult:
         if ray is not None:
-            done = _embed_on_ray(clap, encoders, records, ray, checkpoint, chunk_files)
-        else:
-            clock = PassClock()
-            done = embed_catalogue_audio(passing, records, rate, task("embedding clips", len(records), clock),
-                                         checkpoint=checkpoint, chunk_files=chunk_files, options=pass_options,
-                                         clock=clock)
-        skipped = skipped_info(done.skipped)
-        records = kept_records(records, done)
-        if not records:
-            raise BundleError(f"{source_manifest}: none of the catalogue's clips could be decoded")
-        audio_emb = done.embeddings
-        text_items, ranges = catalogue_texts(records, languages)
-        texts = [t["text"] for t in text_items]
+            return _embed_on_ray(clap, encoders, records, ray, checkpoint, chunk_files)
+        clock = PassClock()
+        return embed_catalogue_audio(passing, records, rate, task("embedding clips", len(records), clock),
+                                     checkpoint=checkpoint, chunk_files=chunk_files, options=pass_options, clock=clock)
+
+    def texts_of(texts: list[str], task: Callable[..., Advance]) -> np.ndarray:
         if ray is not None:
             model_bytes = encoders.text.path.read_bytes()
-            text_emb = embed_texts(texts, lambda part: embed_captions(part, model_bytes, clap.tokenizer,
-                                                                      embed_dim=encoders.dim, options=ray).embeddings,
-                                   dim=encoders.dim, checkpoint=captions, step=CHUNK_TEXTS)
-        else:
-            text_emb = embed_texts(texts, passing.encode_text, dim=encoders.dim, checkpoint=captions,
-                                   advance=task("embedding captions", len(texts)))
-    audio_built = build_index(audio_emb, index_factory, queries=text_emb)
-    text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)
-    save_index(audio_built.index, staging / fmt.AUDIO_INDEX)
-    save_index(text_built.index, staging / fmt.TEXT_INDEX)
-    _write_jsonl(staging / fmt.AUDIO_IDS, [
-        {"id": r.id, "uri": audio_uri(r, source_manifest), "captions": r.captions, "split": r.split,
-         "metadata": filterable_metadata(r.meta)} for r in records
-    ])
-    _write_jsonl(staging / fmt.TEXT_IDS, text_items)
+            return embed_texts(texts, lambda part: embed_captions(part, model_bytes, clap.tokenizer,
+                                                                  embed_dim=encoders.dim, options=ray).embeddings,
+                               dim=encoders.dim, checkpoint=captions, step=CHUNK_TEXTS)
+        return embed_texts(texts, passing.encode_text, dim=encoders.dim, checkpoint=captions,
+                           advance=task("embedding captions", len(texts)))
+
+    done = embed_catalogue(records, languages, source_manifest=source_manifest, progress=progress,
+                           clips=clips_pass, captions=texts_of)
+    records, skipped, text_items = done.records, done.skipped, done.text_items
+    indices = write_catalogue(staging, done.audio, done.text, records, text_items, done.ranges,
+                              index_factory=index_factory, source_manifest=source_manifest)
     eval_set = _held_out(held_out, languages, rate)
     write_eval_set(staging / fmt.EVAL_DIR, eval_set)
     evaluation, quantization = _evaluate(eval_set, languages, encoders, fp32, quantize)
@@ -499,8 +480,7 @@ def _build(
                                         outputs=list(OUTPUTS), parity_min_cosine=text_cos,
                                         quantization=quantize.label if quantize.applies("text") else "none"),
         "tokenizer": fmt.TokenizerInfo(file=fmt.TOKENIZER, max_length=tok.max_length, vocab_size=tok.vocab_size),
-        "audio_index": _index_info(audio_built, file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS),
-        "text_index": _index_info(text_built, file=fmt.TEXT_INDEX, ids_file=fmt.TEXT_IDS, ranges=ranges),
+        **indices,
         "evaluation": evaluation,
         "quantization": quantization,
         "catalogue_pass": catalogue_pass,

@@ -252,7 +252,7 @@ for device in ("cpu", "cuda"):
     dataset = build_dataset([{"row": 0, "path": "x.wav"}], AudioEmbedder, {"model": b"", "embed_dim": 4},
                             batch_size=16, options=options, workers=2)
     op = dataset._logical_plan.dag
-    found[device] = {"remote": op.ray_remote_args, "ctor": sorted(op._fn_constructor_kwargs.items())}
+    found[device] = {"remote": op.ray_remote_args, "ctor": sorted(op.fn_constructor_kwargs.items())}
 try:
     pool_size(RayOptions(address=address, device="cuda"), {"CPU": 2.0})
     found["no_gpu"] = "accepted"

@@ -204,8 +204,8 @@ def clip_embedder(ids: Sequence[str], sources: Sequence[Any], decode: Callable[[
                 continue
             kept.append(i)
             window.append((i, wave))
-            if len(window) >= options.prefetch or sum(len(w) for _, w in window) >= 4 * options.batch_samples:
-                flush()
+            if len(window) >= options.prefetch or sum(len(w) for _, w in window) >= options.batch_samples:
+                flush()  # one call's worth: encode it while the workers decode the next
         if window:
             flush()
         embeddings = np.stack([vectors[i] for i in kept]).astype(np.float32) if kept else np.zeros((0, dim), np.float32)

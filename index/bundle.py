@@ -48,7 +48,7 @@ TEXT_IDS = "text_ids.jsonl"
 EVAL_DIR = "eval"
 
 _ZERO_HASH = "0" * 64
-OMITTED_WHEN_NONE = ("catalogue_pass",)
+OMITTED_WHEN_NONE = ("catalogue_pass", "skipped_clips")
 """Manifest fields added after format version 1 was fixed: written only when set."""
 _HASH_KEY = '"manifest_sha256": "'
 _CHUNK = 1 << 20
@@ -226,6 +226,13 @@ class CataloguePassInfo(_Frozen):
     """The gate the pass held each encoder to."""
 
 
+class SkippedClip(_Frozen):
+    """A catalogue clip the pass could not decode: not in the index (issue 49)."""
+
+    id: str
+    reason: str
+
+
 class BundleManifest(_Frozen):
     """Schema of ``manifest.json`` (docs/bundle.md)."""
 
@@ -259,6 +266,8 @@ class BundleManifest(_Frozen):
     """Set when the vectors live only in Milvus (no FAISS file); None: the bundle's own index."""
     catalogue_pass: CataloguePassInfo | None = None
     """Set when the catalogue was embedded in fp16 (`--precision fp16`); None: by the encoders as stored."""
+    skipped_clips: list[SkippedClip] | None = None
+    """Catalogue clips that could not be decoded, with the reason (not indexed); None: every clip was."""
     files: dict[str, FileEntry]
     manifest_sha256: str = _ZERO_HASH
     """sha256 of this file's bytes with this value replaced by 64 zeros."""

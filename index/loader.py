@@ -31,6 +31,7 @@ from index.errors import BundleError, TonearmError
 from index.evalset import EvalSet, read_eval_set, read_jsonl
 from index.faiss_index import DEFAULT_MMAP_THRESHOLD
 from index.filters import Filter
+from index.gpu_io import on_cuda, provider_entries, run_bound
 from index.length_groups import length_groups
 from index.tokenizer import TextTokenizer
 from index.vector_index import (
@@ -164,12 +165,13 @@ class OnnxEncoder:
     @classmethod
     def load(
         cls, path: Path, *, inputs: Sequence[str], embed_dim: int, providers: list[str], threads: int | None,
-        session: SessionConfig | None = None,
+        session: SessionConfig | None = None, device_id: int | None = None,
     ) -> OnnxEncoder:
-        """``session`` (default: ``threads`` intra-op threads, full graph optimisation, no spinning)."""
+        """``session`` (default: ``threads`` intra-op threads, full graph optimisation, no spinning);
+        ``device_id``: the GPU of a CUDA provider (:func:`index.gpu_io.provider_entries`)."""
         config = session or SessionConfig(threads=threads)
         try:
-            loaded = ort.InferenceSession(str(path), config.options(), providers=providers)
+            loaded = ort.InferenceSession(str(path), config.options(), providers=provider_entries(providers, device_id))
         except Exception as err:  # onnxruntime raises its own untyped errors for bad files
             raise BundleError(f"{path}: cannot load ONNX model ({str(err).splitlines()[0]})") from None
         gpu = [name for name in providers if name != "CPUExecutionProvider"]
@@ -201,6 +203,8 @@ class OnnxEncoder:
             raise BundleError(f"{self.path}: embedding width {width} != manifest embed_dim {embed_dim}")
 
     def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        if on_cuda(self.session):  # pragma: no cover - a GPU only (index.gpu_io)
+            return run_bound(self.session, OUTPUTS, feeds)
         return np.asarray(self.session.run(list(OUTPUTS), feeds)[0], dtype=np.float32)
 
 

@@ -32,6 +32,7 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,23 +45,30 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from index import bundle as fmt
 from index.audio import decode_audio
 from index.audio_formats import SNIFF_BYTES, SUPPORTED, sniff_format
+from index.catalogue_pass import (
+    DecodeCall,
+    EncoderSpec,
+    PassClock,
+    PassOptions,
+    pass_embedder,
+    pass_options_from_args,
+)
 from index.embed_checkpoint import (
     CHUNK_FILES,
-    Chunk,
     EmbedCheckpoint,
     PassRate,
     embed_in_chunks,
-    plan_digest,
+    file_items,
+    pass_digest,
 )
 from index.errors import AudioDecodeError, BundleError, TonearmError
 from index.faiss_ondisk import build_and_save
 from index.file_metadata import find_metadata_file, read_file_metadata
 from index.half_precision import PROBE_CLIPS, Precision, check_precision_options, probe_waves
 from index.loader import AUDIO_INPUTS, LoadedBundle, device_providers, encode_clips
-from index.ray_embed import RayOptions
+from index.ray_embed import RayOptions, ray_options_from_args
 
 log = logging.getLogger(__name__)
-EMBED_BATCH = 16
 
 
 @dataclass(frozen=True)
@@ -98,12 +106,14 @@ def audio_files(audio_dir: Path, metadata: Path | None = None) -> list[Path]:
 def index_folder(
     audio_dir: Path, source: Path, out: Path, *, progress: bool = False, ray: RayOptions | None = None,
     milvus: MilvusPublish | None = None, providers: Sequence[str] | None = None, chunk_files: int = CHUNK_FILES,
-    metadata: Path | None = None, precision: Precision = "fp32",
+    metadata: Path | None = None, precision: Precision = "fp32", pass_options: PassOptions | None = None,
 ) -> IndexedFolder:
     """Embed every decodable file under ``audio_dir`` with ``source``'s audio encoder; publish ``out`` atomically.
 
     In this process the pass is checkpointed every ``chunk_files`` files in ``<out>.partial/`` and
-    the same command resumes it after an interruption (:mod:`index.embed_checkpoint`).
+    the same command resumes it after an interruption, reusing every file whose content is unchanged
+    (:mod:`index.embed_checkpoint`); the files are decoded beside the encoder as ``pass_options`` says
+    (:mod:`index.catalogue_pass`; default: in this process).
 
     ``ray``: embed on a Ray cluster instead of in this process (same vectors to float tolerance).
     ``milvus`` (with ``ray``): the workers write the vectors into Milvus; ``out`` gets no FAISS file.
@@ -128,16 +138,25 @@ def index_folder(
     try:
         if ray is None:
             manifest = bundle.manifest
-            digest = plan_digest(bundle=manifest.bundle_id, encoder=manifest.files[manifest.audio_encoder.file].sha256,
-                                 root=str(audio_dir), files=[(p.relative_to(audio_dir).as_posix(), p) for p in files],
-                                 chunk_files=chunk_files, **({"precision": precision} if precision != "fp32" else {}))
+            frontend = (manifest.audio_frontend.model_dump(mode="json") if manifest.audio_frontend is not None
+                        else None)
+            describe = {"encoder": manifest.files[manifest.audio_encoder.file].sha256,
+                        "sample_rate": bundle.sample_rate, "clip_samples": bundle.clip_samples,
+                        "audio_frontend": frontend,
+                        **({"precision": precision} if precision != "fp32" else {})}
             with tempfile.TemporaryDirectory() as scratch:
                 encode: Callable[[Sequence[np.ndarray]], np.ndarray] = bundle.encode_audio
+                encoder_path = source / manifest.audio_encoder.file
                 if precision == "fp16":
-                    encode, catalogue_pass = _half_encoder(bundle, source, audio_dir, files, Path(scratch), providers)
-                checkpoint = EmbedCheckpoint(out, digest)
+                    encode, catalogue_pass, encoder_path = _half_encoder(bundle, source, audio_dir, files,
+                                                                         Path(scratch), providers)
+                checkpoint = EmbedCheckpoint(out, pass_digest(**describe), describe=describe)
+                spec = EncoderSpec(
+                    path=str(encoder_path), embed_dim=bundle.embed_dim, clip_samples=bundle.clip_samples,
+                    providers=tuple(providers or bundle.onnx_providers), frontend=frontend)
                 clip_ids, embeddings, skipped = _embed(bundle, audio_dir, files, progress=progress,
-                                                       checkpoint=checkpoint, chunk_files=chunk_files, encode=encode)
+                                                       checkpoint=checkpoint, chunk_files=chunk_files, encode=encode,
+                                                       options=pass_options, spec=spec)
         else:
             clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, audio_dir, files, ray)
     finally:
@@ -152,7 +171,7 @@ def index_folder(
             ntotal=built.index.ntotal, search_params=built.search_params, ann_recall_at_10=built.ann_recall_at_10,
         )
         path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index, metas=metas,
-                             catalogue_pass=catalogue_pass)
+                             catalogue_pass=catalogue_pass, skipped=skipped)
     if checkpoint is not None:
         checkpoint.remove()
     return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped)
@@ -162,6 +181,7 @@ def _write_bundle(
     staging: Path, source: Path, manifest: fmt.BundleManifest, audio_dir: Path, bundle_id: str,
     clip_ids: list[str], audio_index: fmt.IndexInfo, milvus_only: fmt.MilvusOnlyInfo | None = None,
     *, metas: dict[str, dict[str, Any]] | None = None, catalogue_pass: fmt.CataloguePassInfo | None = None,
+    skipped: Sequence[tuple[str, str]] = (),
 ) -> Path:
     """Encoders, tokenizer, ids (with each clip's ``metas`` row as its ``metadata``) and manifest of the
     index-only bundle into ``staging``; publish it."""
@@ -180,6 +200,7 @@ def _write_bundle(
         "evaluation": None,
         "milvus_only": milvus_only,
         "catalogue_pass": catalogue_pass,  # this pass's, never the source bundle's
+        "skipped_clips": [fmt.SkippedClip(id=rel, reason=reason) for rel, reason in skipped] or None,
     })
     return fmt.publish(staging, fmt.BundleManifest.model_validate(new.model_dump()))
 
@@ -196,7 +217,7 @@ def clip_item(clip_id: str, metas: dict[str, dict[str, Any]] | None) -> dict[str
 def _half_encoder(
     bundle: LoadedBundle, source: Path, audio_dir: Path, files: list[Path], scratch: Path,
     providers: Sequence[str] | None,
-) -> tuple[Callable[[Sequence[np.ndarray]], np.ndarray], fmt.CataloguePassInfo]:
+) -> tuple[Callable[[Sequence[np.ndarray]], np.ndarray], fmt.CataloguePassInfo, Path]:
     """The fp16 copy of ``bundle``'s audio encoder as an encode function, after the parity gate on the
     first :data:`index.half_precision.PROBE_CLIPS` decodable files and four synthetic signals."""
     from index.half_precision import catalogue_pass_info, gate, load_half
@@ -222,7 +243,7 @@ def _half_encoder(
 
     found = gate("audio", bundle.encode_audio, encode, probe)
     device = "cuda" if "CUDAExecutionProvider" in half.session.get_providers() else "cpu"
-    return encode, catalogue_pass_info({"audio": found}, device)
+    return encode, catalogue_pass_info({"audio": found}, device), half.path
 
 
 def _index_into_milvus(
@@ -300,17 +321,22 @@ def decode_file(path: Path, sample_rate: int) -> np.ndarray:
 def _embed(
     bundle: LoadedBundle, audio_dir: Path, files: list[Path], *, progress: bool,
     checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
-    encode: Callable[[Sequence[np.ndarray]], np.ndarray] | None = None,
+    encode: Callable[[Sequence[np.ndarray]], np.ndarray] | None = None, options: PassOptions | None = None,
+    spec: EncoderSpec | None = None,
 ) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
-    """The pass in chunks of ``chunk_files`` files (:func:`index.embed_checkpoint.embed_in_chunks`); a chunk
-    found in ``checkpoint`` is loaded, not embedded. Progress: files done, clips/s of this run and the time
-    left at that rate (bar and log). ``encode``: the waveforms' vectors (default: the bundle's own audio encoder)."""
+    """The pass in chunks of ``chunk_files`` files (:func:`index.embed_checkpoint.embed_in_chunks`); a file
+    whose content a chunk in ``checkpoint`` holds is reused, not embedded; the files decoded beside the
+    encoder (:func:`index.catalogue_pass.clip_embedder`). Progress: files done, clips/s of this run, the
+    time left at that rate, the decode wait and the encoder's busy fraction (bar and log). ``encode``: the
+    waveforms' vectors (default: the bundle's own audio encoder)."""
     encode = encode or bundle.encode_audio
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[speed]}"))
+    rels = [p.relative_to(audio_dir).as_posix() for p in files]
+    clock = PassClock()
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("embedding audio", total=len(files), speed="")
-        rate, logged = PassRate(len(files)), 0
+        rate, logged = PassRate(len(files), clock), 0
 
         def advance(n: int, /, *, resumed: bool = False) -> None:
             nonlocal logged
@@ -320,27 +346,12 @@ def _embed(
                 log.info("index progress: %d/%d files, %s", rate.done, len(files), rate.describe())
                 logged = rate.done
 
-        def embed(start: int, stop: int, step: Callable[[int], None]) -> Chunk:
-            ids: list[str] = []
-            vectors: list[np.ndarray] = []
-            missed: list[tuple[str, str]] = []
-            batch: list[np.ndarray] = []
-            for k, path in enumerate(files[start:stop], start + 1):
-                rel = path.relative_to(audio_dir).as_posix()
-                try:
-                    batch.append(decode_file(path, bundle.sample_rate))
-                    ids.append(rel)
-                except AudioDecodeError as err:  # listed once, by cli_index (not logged as well)
-                    missed.append((rel, str(err).removeprefix(f"{path}: ")))
-                if len(batch) == EMBED_BATCH or (k == stop and batch):
-                    vectors.append(encode(batch))
-                    batch = []
-                step(1)
-            return Chunk(ids, np.concatenate(vectors) if vectors else np.zeros((0, bundle.embed_dim), np.float32),
-                         missed)
-
-        done = embed_in_chunks(len(files), embed, dim=bundle.embed_dim, checkpoint=checkpoint,
-                               chunk_files=chunk_files, advance=advance)
+        decode = DecodeCall(decode_file, args=(bundle.sample_rate,))
+        with ExitStack() as stack:
+            embed = pass_embedder(rels, files, decode, lambda waves: encode(waves), dim=bundle.embed_dim,
+                                  options=options or PassOptions(), clock=clock, spec=spec, stack=stack)
+            done = embed_in_chunks(file_items(rels, files), embed, dim=bundle.embed_dim, checkpoint=checkpoint,
+                                   chunk_files=chunk_files, advance=advance, what="files")
     return done.clip_ids, done.embeddings, done.skipped
 
 
@@ -366,7 +377,7 @@ def cli_index(args: argparse.Namespace) -> int:
         raise BundleError(f"{out}: already exists; bundles are never overwritten")
     ray = None
     if args.ray is not None:
-        ray = RayOptions(address=args.ray or None, workers=args.ray_workers, progress=True)
+        ray = ray_options_from_args(args)
     milvus = None
     if getattr(args, "milvus_uri", None):
         from index.milvus_index import target_from_args
@@ -378,7 +389,8 @@ def cli_index(args: argparse.Namespace) -> int:
     check_precision_options(precision, device, ray=ray is not None)
     metadata = getattr(args, "metadata", None)
     result = index_folder(Path(args.audio_dir), Path(args.bundle), out, progress=True, ray=ray, milvus=milvus,
-                          providers=providers, metadata=Path(metadata) if metadata else None, precision=precision)
+                          providers=providers, metadata=Path(metadata) if metadata else None, precision=precision,
+                          pass_options=pass_options_from_args(args))
     console = Console()
     for rel, reason in result.skipped:
         console.print(f"[yellow]skipped[/yellow] {rel}: {reason}", highlight=False, soft_wrap=True)

@@ -95,9 +95,36 @@ class RayOptions:
     """None: RAY_ADDRESS / the local cluster / a new local instance; else ``auto``, ``HOST:PORT``, ``ray://…``."""
     workers: int | None = None
     """Actors in the pool (one ONNX session each); None: the cluster's CPUs // ``cpus_per_worker``."""
-    cpus_per_worker: int = 1
-    """CPUs each actor reserves; also its ONNX Runtime intra-op threads."""
+    cpus_per_worker: int | None = None
+    """CPUs each actor reserves (decoding and its ONNX Runtime intra-op threads); None: 1 on the CPU,
+    :data:`CUDA_CPUS_PER_WORKER` with ``device`` cuda (an actor decodes beside its GPU)."""
     progress: bool = False
+    device: Literal["cpu", "cuda"] = "cpu"
+    """cuda: each actor asks Ray for ``gpus_per_worker`` GPUs and runs ONNX Runtime's CUDA provider."""
+    gpus_per_worker: float = 1.0
+
+    @property
+    def cpus(self) -> int:
+        return self.cpus_per_worker or (CUDA_CPUS_PER_WORKER if self.device == "cuda" else 1)
+
+
+CUDA_CPUS_PER_WORKER = 4
+"""CPUs a GPU actor reserves by default: its decoding (docs/models.md, "Throughput": ~4-8 cores a GPU)."""
+
+
+def ray_options_from_args(args: Any) -> RayOptions:
+    """`--ray [ADDRESS]`, `--ray-workers`, `--ray-cpus-per-worker` and `--device` as :class:`RayOptions`."""
+    return RayOptions(address=args.ray or None, workers=getattr(args, "ray_workers", None),
+                      cpus_per_worker=getattr(args, "ray_cpus_per_worker", None), progress=True,
+                      device=getattr(args, "device", "cpu") or "cpu")
+
+
+def actor_resources(options: RayOptions) -> dict[str, Any]:
+    """What each embedding actor asks Ray for: ``num_cpus`` (decoding + ONNX threads) and, on CUDA, ``num_gpus``."""
+    found: dict[str, Any] = {"num_cpus": options.cpus}
+    if options.device == "cuda":
+        found["num_gpus"] = options.gpus_per_worker
+    return found
 
 
 def connect(address: str | None) -> Any:
@@ -168,16 +195,24 @@ def _check_reachable(address: str | None) -> None:
         raise TonearmError(f"cannot reach the Ray cluster at {address}: {err}") from None
 
 
-def _session(model: Any, inputs: Sequence[str], embed_dim: int, threads: int) -> OnnxEncoder:
-    """One ONNX session from the encoder bytes (an object-store ref is resolved by Ray)."""
+def _session(model: Any, inputs: Sequence[str], embed_dim: int, threads: int, device: str = "cpu") -> OnnxEncoder:
+    """One ONNX session from the encoder bytes (an object-store ref is resolved by Ray); ``device`` cuda:
+    the CUDA provider on the GPU Ray gave the actor (its ``CUDA_VISIBLE_DEVICES``), refused in one line
+    when it does not start."""
     import ray
+
+    from index.gpu_io import CUDA, provider_entries
 
     data = ray.get(model) if isinstance(model, ray.ObjectRef) else model
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
-    session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    providers = [CUDA, "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+    session = ort.InferenceSession(data, options, providers=provider_entries(providers))
+    if device == "cuda" and session.get_providers()[0] != CUDA:  # pragma: no cover - a GPU node only
+        raise TonearmError(f"Ray actor on {socket.gethostname()}: onnxruntime could not start {CUDA} "
+                           "(install onnxruntime-gpu on the workers, or leave out --device cuda)")
     encoder = OnnxEncoder(session=session, path=Path("<ray actor>"))
     encoder.check_interface(inputs, embed_dim)
     return encoder
@@ -188,8 +223,8 @@ class AudioEmbedder:
 
     def __init__(self, model: Any, *, decode: Decode, embed_dim: int, sample_rate: int, clip_samples: int,
                  policy: Policy, threads: int, sink: Sink | None = None, padding: Padding = "pad",
-                 frontend: AudioFrontendInfo | None = None) -> None:
-        self.encoder = _session(model, AUDIO_INPUTS, embed_dim, threads)
+                 frontend: AudioFrontendInfo | None = None, device: str = "cpu") -> None:
+        self.encoder = _session(model, AUDIO_INPUTS, embed_dim, threads, device)
         self.decode = decode
         self.sink = sink
         self.embed_dim, self.sample_rate, self.clip_samples, self.policy = embed_dim, sample_rate, clip_samples, policy
@@ -226,10 +261,10 @@ class AudioEmbedder:
 class TextEmbedder:
     """Ray Data actor: tokenizes and embeds a batch of captions with its own ONNX session."""
 
-    def __init__(self, model: Any, *, tokenizer_json: str, embed_dim: int, threads: int) -> None:
+    def __init__(self, model: Any, *, tokenizer_json: str, embed_dim: int, threads: int, device: str = "cpu") -> None:
         from tokenizers import Tokenizer
 
-        self.encoder = _session(model, TEXT_INPUTS, embed_dim, threads)
+        self.encoder = _session(model, TEXT_INPUTS, embed_dim, threads, device)
         self.tokenizer = TextTokenizer(Tokenizer.from_str(tokenizer_json))
         self.embed_dim = embed_dim
 
@@ -259,6 +294,32 @@ class RayEmbedded:
     the pass's fixed costs (actor start, session creation) — rows / busy_s is its throughput."""
 
 
+def pool_size(options: RayOptions, resources: dict[str, float]) -> int:
+    """Actors in the pool: ``options.workers``, else as many as the cluster's CPUs (GPUs with ``device``
+    cuda) hold at the resources each asks for."""
+    if options.workers:
+        return options.workers
+    by_cpu = int(resources.get("CPU", 1)) // options.cpus
+    if options.device == "cuda":
+        gpus = float(resources.get("GPU", 0))
+        if gpus < options.gpus_per_worker:
+            raise TonearmError("--device cuda --ray: the Ray cluster has no GPU (ray status shows its resources)")
+        return max(1, min(by_cpu, int(gpus // options.gpus_per_worker)))
+    return max(1, by_cpu)
+
+
+def build_dataset(rows: list[dict[str, Any]], actor: type, constructor: dict[str, Any], *, batch_size: int,
+                  options: RayOptions, workers: int) -> Any:
+    """The pass's lazy Ray Data pipeline: ``rows`` in blocks → ``actor`` pool with :func:`actor_resources`."""
+    from ray import data as ray_data
+
+    blocks = max(1, min(len(rows), workers * BLOCKS_PER_WORKER))
+    return ray_data.from_items(rows, override_num_blocks=blocks).map_batches(
+        actor, fn_constructor_kwargs=constructor | {"threads": options.cpus, "device": options.device},
+        batch_size=batch_size, concurrency=workers, batch_format="numpy", **actor_resources(options),
+    )
+
+
 def _run(rows: list[dict[str, Any]], actor: type, constructor: dict[str, Any], *, batch_size: int,
          options: RayOptions, dim: int, advance: Callable[[int], None] | None) -> RayEmbedded:
     ray = connect(options.address)
@@ -267,12 +328,8 @@ def _run(rows: list[dict[str, Any]], actor: type, constructor: dict[str, Any], *
     context = ray_data.DataContext.get_current()
     context.enable_progress_bars = options.progress
     context.wait_for_min_actors_s = ACTOR_START_TIMEOUT_S  # the whole pool up before blocks are handed out
-    workers = options.workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // options.cpus_per_worker)
-    blocks = max(1, min(len(rows), workers * BLOCKS_PER_WORKER))
-    dataset = ray_data.from_items(rows, override_num_blocks=blocks).map_batches(
-        actor, fn_constructor_kwargs=constructor | {"threads": options.cpus_per_worker},
-        batch_size=batch_size, concurrency=workers, num_cpus=options.cpus_per_worker, batch_format="numpy",
-    )
+    workers = pool_size(options, ray.cluster_resources())
+    dataset = build_dataset(rows, actor, constructor, batch_size=batch_size, options=options, workers=workers)
     embeddings = np.zeros((len(rows), 0 if constructor.get("sink") is not None else dim), np.float32)
     errors = [""] * len(rows)
     seen: set[int] = set()

@@ -215,6 +215,16 @@ def _add_device_option(p: argparse.ArgumentParser) -> None:
         "against fp32 on a probe set (stops in one line below centred cosine 0.999); the bundle keeps its fp32 "
         "encoders for queries and records the pass in its manifest (docs/models.md); default fp32",
     )
+    p.add_argument(
+        "--decode-workers", type=_non_negative_int, default=None, metavar="N",
+        help="processes decoding clips beside the encoder (0: decode in the encoder's process; default: the "
+        "cores left after the encoder's; docs/models.md, \"Throughput\")",
+    )
+    p.add_argument(
+        "--devices", default=None, metavar="0,1,...|all",
+        help="with --device cuda: split the catalogue over these GPUs, one process each, merged into the "
+        "bundle one GPU writes (default: the first GPU only)",
+    )
 
 
 def _add_ray_options(p: argparse.ArgumentParser) -> None:
@@ -225,7 +235,20 @@ def _add_ray_options(p: argparse.ArgumentParser) -> None:
         "RAY_ADDRESS, else the cluster started on this machine, else a new local Ray (needs tonearm[ray])",
     )
     p.add_argument("--ray-workers", type=_positive_int, default=None, metavar="N",
-                   help="embedding actors (one ONNX session each; default: one per CPU of the cluster)")
+                   help="embedding actors (one ONNX session each; default: one per CPU of the cluster, or per "
+                   "GPU with --device cuda)")
+    p.add_argument("--ray-cpus-per-worker", type=_positive_int, default=None, metavar="N",
+                   help="CPUs each actor reserves for decoding and its ONNX threads (default 1; 4 with --device cuda)")
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -18,7 +18,8 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -26,14 +27,20 @@ from typing import Any
 import numpy as np
 
 from index import bundle as fmt
+from index.catalogue_pass import EncoderSpec, PassClock, PassOptions, pass_embedder
 from index.embed_checkpoint import (
     CHUNK_FILES,
+    CHUNK_TEXTS,
     Advance,
     Chunk,
     EmbedCheckpoint,
+    Item,
     PassRate,
+    PassResult,
     embed_in_chunks,
-    plan_digest,
+    file_items,
+    pass_digest,
+    text_key,
 )
 from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS
@@ -108,15 +115,16 @@ def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
 
 
 @contextmanager
-def progress(enabled: bool) -> Iterator[Callable[[str, int], Advance]]:
-    """``task(description, total)`` → ``advance(n, resumed=False)``; a no-op when disabled. Each task shows
-    (bar and log, every 10 %) this run's clips/s and the time left at that rate
+def progress_bar(enabled: bool) -> Iterator[Callable[..., Advance]]:
+    """``task(description, total, clock=None)`` → ``advance(n, resumed=False)``; a no-op when disabled. Each
+    task shows (bar and log, every 10 %) this run's clips/s and the time left at that rate, and with a
+    ``clock`` (:class:`index.catalogue_pass.PassClock`) the decode wait and the encoder's busy fraction
     (:class:`index.embed_checkpoint.PassRate`; ``resumed``: items loaded from a checkpoint, not counted)."""
     if not enabled:
         def no_op(_n: int, /, *, resumed: bool = False) -> None:
             return None
 
-        yield lambda _description, _total: no_op
+        yield lambda _description, _total, clock=None: no_op
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -124,9 +132,9 @@ def progress(enabled: bool) -> Iterator[Callable[[str, int], Advance]]:
                TextColumn("{task.fields[speed]}"))
     with Progress(*columns, transient=False) as bar:
 
-        def task(description: str, total: int) -> Advance:
+        def task(description: str, total: int, clock: PassClock | None = None) -> Advance:
             task_id = bar.add_task(description, total=total, speed="")
-            rate, next_log = PassRate(total), 0
+            rate, next_log = PassRate(total, clock), 0
 
             def advance(n: int, /, *, resumed: bool = False) -> None:
                 # Also to the log (every 10 %), so a log file, not only a terminal, shows the progress.
@@ -227,40 +235,174 @@ def partial_base(out_dir: Path, name: str, fingerprint: str) -> Path:
     return out_dir / f".{name}-{fingerprint[:8]}"
 
 
-def catalogue_checkpoint(base: Path, encoder: Path, records: Sequence[ClipRecord], *, chunk_files: int,
-                         providers: Sequence[str], frontend: dict[str, Any], precision: str = "fp32") -> EmbedCheckpoint:
-    """The checkpoint of the clips pass: its plan is the served audio encoder's sha256 (and its external
-    data file's, if any), the ONNX Runtime providers, the audio preparation (``frontend``), every clip's id
-    and its audio file's path, size and mtime, the chunk size and ``precision`` when not fp32 (`--precision fp16`
-    embeds with fp16 copies) — a pass with any of them changed starts over."""
+def catalogue_checkpoint(base: Path, encoder: Path, *, providers: Sequence[str], frontend: dict[str, Any],
+                         precision: str = "fp32", name: str = "") -> EmbedCheckpoint:
+    """The checkpoint of a catalogue pass (``name`` ``""``: the clips, ``captions``: the captions): its pass
+    digest is the encoder's sha256 (and its external data file's, if any), the ONNX Runtime providers, the
+    audio preparation (``frontend``) and ``precision`` when not fp32 (`--precision fp16` embeds with fp16
+    copies); an item is reused when its content key (:func:`index.embed_checkpoint.content_key`) is in a
+    chunk saved under the same digest (a pass with another digest starts over and says what changed)."""
     checksums = [fmt.sha256_file(p) for p in (encoder, external_data_file(encoder)) if p.is_file()]
-    digest = plan_digest(encoder=checksums, providers=list(providers), frontend=frontend,
-                         ids=[r.id for r in records], files=[(str(r.audio), Path(r.audio)) for r in records],
-                         chunk_files=chunk_files, per_step=EMBED_CLIPS_PER_STEP,
-                         **({"precision": precision} if precision != "fp32" else {}))
-    return EmbedCheckpoint(base, digest)
+    describe = {"encoder": checksums, "providers": list(providers), "frontend": frontend,
+                **({"precision": precision} if precision != "fp32" else {})}
+    return EmbedCheckpoint(base, pass_digest(**describe), name=name, describe=describe)
 
 
-EMBED_CLIPS_PER_STEP = 8
-"""Clips decoded and encoded together (within a chunk)."""
+def embed_clips(records: Sequence[ClipRecord], decode: Callable[[Any], np.ndarray], encode: Callable[[list[np.ndarray]], np.ndarray],
+                *, dim: int, advance: Advance, checkpoint: EmbedCheckpoint | None, chunk_files: int = CHUNK_FILES,
+                options: PassOptions | None = None, clock: PassClock | None = None,
+                spec: EncoderSpec | None = None) -> PassResult:
+    """The clips pass over ``records`` (:mod:`index.catalogue_pass`): each clip's audio decoded by
+    ``decode`` (a picklable :class:`~index.catalogue_pass.DecodeCall` when ``options.decode_workers`` > 0)
+    beside the encoder ``encode`` (waves → (n, d)), in chunks checkpointed in ``checkpoint``
+    (:func:`index.embed_checkpoint.embed_in_chunks`: a clip whose content a saved chunk holds is reused).
+    A clip that cannot be decoded is skipped and listed in the result. With ``options.devices`` the clips
+    are split over one process per device, each running ``spec`` (:class:`index.catalogue_pass.DevicePool`)."""
+    ids, paths = [r.id for r in records], [Path(r.audio) for r in records]
+    items = file_items(ids, paths)
+    with ExitStack() as stack:
+        embed = pass_embedder(ids, paths, decode, encode, dim=dim, options=options or PassOptions(),
+                              clock=clock or PassClock(), spec=spec, stack=stack)
+        return embed_in_chunks(items, embed, dim=dim, checkpoint=checkpoint, chunk_files=chunk_files, advance=advance)
 
 
-def embed_clips(records: Sequence[ClipRecord], encode: Callable[[Sequence[ClipRecord]], np.ndarray], *, dim: int,
-                advance: Advance, checkpoint: EmbedCheckpoint | None, chunk_files: int = CHUNK_FILES) -> np.ndarray:
-    """(N, d) embeddings of ``records``, :data:`EMBED_CLIPS_PER_STEP` clips at a time through ``encode``
-    (decode + the bundle's audio encoder), in chunks checkpointed in ``checkpoint``
-    (:func:`index.embed_checkpoint.embed_in_chunks`: a finished chunk is loaded, not embedded again)."""
+def embed_clips_on_ray(records: Sequence[ClipRecord], run: Callable[[list[Path]], Any], *, dim: int,
+                       checkpoint: EmbedCheckpoint | None, chunk_files: int = CHUNK_FILES,
+                       advance: Advance | None = None) -> PassResult:
+    """The clips pass as Ray jobs (``run(paths)`` → :class:`index.ray_embed.RayEmbedded`), one job a chunk,
+    checkpointed as the in-process pass is; a clip a worker could not decode is skipped and listed."""
+    ids, paths = [r.id for r in records], [Path(r.audio) for r in records]
 
-    def embed(start: int, stop: int, step: Callable[[int], None]) -> Chunk:
+    def embed(indices: Sequence[int], step: Callable[[int], None]) -> Chunk:
+        done = run([paths[i] for i in indices])
+        kept = [k for k, error in enumerate(done.errors) if not error]
+        step(len(indices))
+        return Chunk([ids[indices[k]] for k in kept], np.asarray(done.embeddings[kept], np.float32),
+                     [(ids[indices[k]], str(e).removeprefix(f"{paths[indices[k]]}: "))
+                      for k, e in enumerate(done.errors) if e])
+
+    return embed_in_chunks(file_items(ids, paths), embed, dim=dim, checkpoint=checkpoint, chunk_files=chunk_files,
+                           advance=advance or _quiet)
+
+
+def embed_texts(texts: Sequence[str], encode: Callable[[list[str]], np.ndarray], *, dim: int,
+                checkpoint: EmbedCheckpoint | None, advance: Advance | None = None, chunk_texts: int = CHUNK_TEXTS,
+                step: int = 256) -> np.ndarray:
+    """(N, d) caption embeddings, ``step`` captions a call through ``encode`` (in process, or one Ray job a
+    chunk), checkpointed in chunks of ``chunk_texts`` keyed by each caption's text."""
+    items = [Item(str(i), text_key(t)) for i, t in enumerate(texts)]
+
+    def embed(indices: Sequence[int], tick: Callable[[int], None]) -> Chunk:
         parts = []
-        for first in range(start, stop, EMBED_CLIPS_PER_STEP):
-            batch = records[first : min(first + EMBED_CLIPS_PER_STEP, stop)]
-            parts.append(encode(batch))
-            step(len(batch))
-        return Chunk([r.id for r in records[start:stop]], np.concatenate(parts), [])
+        for s in range(0, len(indices), step):
+            part = [texts[i] for i in indices[s : s + step]]
+            parts.append(np.asarray(encode(part), np.float32))
+            tick(len(part))
+        return Chunk([str(i) for i in indices], np.concatenate(parts) if parts else np.zeros((0, dim), np.float32), [])
 
-    return embed_in_chunks(len(records), embed, dim=dim, checkpoint=checkpoint, chunk_files=chunk_files,
-                           advance=advance).embeddings
+    return embed_in_chunks(items, embed, dim=dim, checkpoint=checkpoint, chunk_files=chunk_texts,
+                           advance=advance or _quiet, what="captions").embeddings
+
+
+def _quiet(_n: int, /, *, resumed: bool = False) -> None:
+    return None
+
+
+def skipped_info(skipped: Sequence[tuple[str, str]]) -> list[fmt.SkippedClip] | None:
+    """The manifest's ``skipped_clips`` (None when every clip was embedded); each one logged."""
+    for clip_id, reason in skipped:
+        log.warning("skipped catalogue clip %s: %s", clip_id, reason)
+    if skipped:
+        log.warning("%d catalogue clips could not be decoded and are not indexed (manifest: skipped_clips)",
+                    len(skipped))
+    return [fmt.SkippedClip(id=c, reason=r) for c, r in skipped] or None
+
+
+def first_decodable(records: Sequence[ClipRecord], decode: Callable[[Any], np.ndarray], n: int = 1) -> list[np.ndarray]:
+    """The waveforms of the first ``n`` records that decode (the parity and probe clips: a catalogue's
+    undecodable clip is skipped by the pass, not a reason to fail its checks)."""
+    from index.errors import AudioDecodeError
+
+    found: list[np.ndarray] = []
+    for record in records:
+        if len(found) == n:
+            break
+        try:
+            found.append(decode(record.audio))
+        except AudioDecodeError:
+            continue
+    if not found:
+        raise BundleError("none of the catalogue's clips could be decoded")
+    return found
+
+
+def pass_checkpoints(partial: Path | None, audio: Path, text: Path, *, providers: Sequence[str],
+                     frontend: dict[str, Any], precision: str) -> tuple[EmbedCheckpoint | None, EmbedCheckpoint | None]:
+    """The clips and the captions checkpoints of an export's catalogue pass (None, None: not checkpointed)."""
+    if partial is None:
+        return None, None
+    return (catalogue_checkpoint(partial, audio, providers=providers, frontend=frontend, precision=precision),
+            catalogue_checkpoint(partial, text, providers=providers, frontend={}, precision=precision,
+                                 name="captions"))
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    """An embedded catalogue: the clips kept (catalogue order), their vectors, the caption rows of those
+    clips with their vectors and language ranges, and the skipped clips (the manifest's ``skipped_clips``)."""
+
+    records: list[ClipRecord]
+    audio: np.ndarray
+    text: np.ndarray
+    text_items: list[dict[str, Any]]
+    ranges: dict[str, tuple[int, int]]
+    skipped: list[fmt.SkippedClip] | None
+
+
+def embed_catalogue(records: Sequence[ClipRecord], languages: Sequence[str], *, source_manifest: Path, progress: bool,
+                    clips: Callable[[Callable[..., Advance]], PassResult],
+                    captions: Callable[[list[str], Callable[..., Advance]], np.ndarray]) -> Catalogue:
+    """The one catalogue pass of every export, trained or pretrained, in process or on Ray: ``clips(task)``
+    embeds the clips (``task``: :func:`progress`'s), the clips that could not be decoded are left out (and
+    logged), then ``captions(texts, task)`` embeds the captions of the clips kept."""
+    with progress_bar(progress) as task:
+        done = clips(task)
+        skipped = skipped_info(done.skipped)
+        kept = kept_records(records, done)
+        if not kept:
+            raise BundleError(f"{source_manifest}: none of the catalogue's clips could be decoded")
+        text_items, ranges = catalogue_texts(kept, languages)
+        text_emb = captions([t["text"] for t in text_items], task)
+    return Catalogue(kept, done.embeddings, text_emb, text_items, ranges, skipped)
+
+
+def write_catalogue(staging: Path, audio_emb: np.ndarray, text_emb: np.ndarray, records: Sequence[ClipRecord],
+                    text_items: Sequence[dict[str, Any]], ranges: dict[str, tuple[int, int]], *,
+                    index_factory: str | None, source_manifest: Path) -> dict[str, fmt.IndexInfo]:
+    """The one assembly from a catalogue's embeddings to a bundle's indices and id files, trained or
+    pretrained (issue 49): the audio index by the catalogue's size (FAISS lists on disk above the
+    threshold, :func:`index.faiss_ondisk.build_and_save`), the caption index grouped by language, both
+    id files; the manifest's ``audio_index`` and ``text_index``."""
+    from index.faiss_index import build_index, save_index
+    from index.faiss_ondisk import build_and_save
+    from index.filters import filterable_metadata
+
+    audio_built = build_and_save(audio_emb, staging / fmt.AUDIO_INDEX, index_factory, queries=text_emb)
+    text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)
+    save_index(text_built.index, staging / fmt.TEXT_INDEX)
+    write_jsonl(staging / fmt.AUDIO_IDS, [
+        {"id": r.id, "uri": audio_uri(r, source_manifest), "captions": r.captions, "split": r.split,
+         "metadata": filterable_metadata(r.meta)} for r in records
+    ])
+    write_jsonl(staging / fmt.TEXT_IDS, list(text_items))
+    return {"audio_index": index_info(audio_built, file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS),
+            "text_index": index_info(text_built, file=fmt.TEXT_INDEX, ids_file=fmt.TEXT_IDS, ranges=ranges)}
+
+
+def kept_records(records: Sequence[ClipRecord], done: PassResult) -> list[ClipRecord]:
+    """The records the pass embedded, in catalogue order (the skipped ones left out)."""
+    kept = set(done.clip_ids)
+    return [r for r in records if r.id in kept]
 
 
 Encode = Callable[[list[Any]], np.ndarray]
@@ -283,3 +425,7 @@ def half_precision_gate(audio: tuple[Encode, Encode, Sequence[Any]], text: tuple
     (:func:`index.half_precision.gate`: one line below the gate); the manifest's ``catalogue_pass``."""
     found = {"audio": gate("audio", *audio), "text": gate("text", *text)}
     return catalogue_pass_info(found, "cuda" if "CUDAExecutionProvider" in providers else "cpu")
+
+
+progress = progress_bar
+"""``training.bundle_parts.progress``: the name the exports import."""

@@ -39,12 +39,18 @@ import torch
 from index import bundle as fmt
 from index.audio import decode_audio
 from index.bundle_eval import evaluate_eval_set
-from index.embed_checkpoint import CHUNK_FILES, Advance, EmbedCheckpoint, resumable
+from index.catalogue_pass import DecodeCall, PassClock, PassOptions
+from index.embed_checkpoint import (
+    CHUNK_FILES,
+    CHUNK_TEXTS,
+    Advance,
+    EmbedCheckpoint,
+    PassResult,
+    resumable,
+)
 from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, load_eval_waveform, read_eval_set, write_eval_set
-from index.faiss_index import build_index, parse_factory, save_index
-from index.faiss_ondisk import build_and_save
-from index.filters import filterable_metadata
+from index.faiss_index import parse_factory
 from index.half_precision import PROBE_CLIPS, Precision, check_precision_options, probe_waves
 from index.loader import (
     AUDIO_INPUTS,
@@ -61,26 +67,27 @@ from index.tokenizer import TextTokenizer
 from training.bundle_parts import (
     CPU,
     OPSET,
-    audio_uri,
     canonical_hash,
-    catalogue_checkpoint,
     catalogue_records,
     catalogue_texts,
     cosines,
+    embed_catalogue,
     embed_clips,
+    embed_clips_on_ray,
+    embed_texts,
+    first_decodable,
     half_copies,
     half_precision_gate,
     held_out_records,
     make_bundle_id,
     parity_texts,
     partial_base,
+    pass_checkpoints,
     probe_texts,
     quantization_records,
+    write_catalogue,
 )
-from training.bundle_parts import index_info as _index_info
 from training.bundle_parts import load_session as _load_session
-from training.bundle_parts import progress as _progress
-from training.bundle_parts import write_jsonl as _write_jsonl
 from training.checkpoint import Checkpoint, load_checkpoint
 from training.config import TrainConfig, short_clip_padding
 from training.data.dataset import eval_captions
@@ -207,7 +214,7 @@ def export_encoders(
     text_fp32 = _load_session(text_fp32_path, TEXT_INPUTS, dim, providers)
     texts = parity_texts(records, cfg.data.languages)
     text_cos = _require(check_text_parity(model, ckpt.tokenizer, text_fp32, texts), "text encoder")
-    sample = decode_audio(records[0].audio, sample_rate=cfg.frontend.sample_rate)
+    (sample,) = first_decodable(records, lambda path: decode_audio(path, sample_rate=cfg.frontend.sample_rate))
     waves = parity_waveforms(sample, clip_samples_of(cfg))
     audio_cos = _require(check_audio_parity(model, audio_fp32, waves), "audio encoder")
     audio, text = audio_fp32, text_fp32
@@ -238,22 +245,18 @@ def encode_bundle_audio(encoder: OnnxEncoder, waves: Sequence[np.ndarray], cfg: 
 def embed_catalogue_audio(
     encoder: OnnxEncoder, records: Sequence[ClipRecord], cfg: TrainConfig, advance: Advance,
     model: Any = None, *, checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
-) -> np.ndarray:
-    """(N, d) clip embeddings with the evaluation policy, decoding a few clips at a time; checkpointed
-    in chunks in ``checkpoint`` (:func:`training.bundle_parts.embed_clips`)."""
+    options: PassOptions | None = None, clock: PassClock | None = None,
+) -> PassResult:
+    """The catalogue's clip embeddings with the evaluation policy (:func:`training.bundle_parts.embed_clips`:
+    decoded beside the encoder, checkpointed in chunks; undecodable clips skipped and listed)."""
     clip_samples, padding = clip_samples_of(cfg), short_clip_padding(cfg.frontend)
     frontend = checkpoint_audio_frontend(cfg, model)
-
-    def encode(batch: Sequence[ClipRecord]) -> np.ndarray:
-        waves = [
-            load_eval_waveform(r.audio, sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples,
-                               policy=cfg.data.eval_crop, padding=padding)
-            for r in batch
-        ]
-        return encode_bundle_audio(encoder, waves, cfg, frontend)
-
-    return embed_clips(records, encode, dim=cfg.model.embed_dim, advance=advance, checkpoint=checkpoint,
-                       chunk_files=chunk_files)
+    decode = DecodeCall(load_eval_waveform, kwargs={"sample_rate": cfg.frontend.sample_rate,
+                                                    "clip_samples": clip_samples, "policy": cfg.data.eval_crop,
+                                                    "padding": padding})
+    return embed_clips(records, decode, lambda waves: encode_bundle_audio(encoder, waves, cfg, frontend),
+                       dim=cfg.model.embed_dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files,
+                       options=options, clock=clock)
 
 
 def audio_plan(cfg: TrainConfig, model: Any = None) -> dict[str, Any]:
@@ -265,14 +268,12 @@ def audio_plan(cfg: TrainConfig, model: Any = None) -> dict[str, Any]:
 
 
 def embed_catalogue_texts(
-    encoder: OnnxEncoder, tokenizer: TextTokenizer, texts: Sequence[str], dim: int, advance: Callable[[int], None]
+    encoder: OnnxEncoder, tokenizer: TextTokenizer, texts: Sequence[str], dim: int, advance: Advance,
+    checkpoint: EmbedCheckpoint | None = None,
 ) -> np.ndarray:
-    parts = []
-    step = 256
-    for start in range(0, len(texts), step):
-        parts.append(encode_texts(encoder, tokenizer, texts[start : start + step], embed_dim=dim))
-        advance(len(parts[-1]))
-    return np.concatenate(parts) if parts else np.zeros((0, dim), np.float32)
+    """(N, d) caption embeddings, 256 a call, checkpointed by caption text (:func:`training.bundle_parts.embed_texts`)."""
+    return embed_texts(texts, lambda part: encode_texts(encoder, tokenizer, part, embed_dim=dim), dim=dim,
+                       checkpoint=checkpoint, advance=advance)
 
 
 def reflect_frontend(cfg: TrainConfig, model: Any = None) -> fmt.AudioFrontendInfo | None:
@@ -282,21 +283,29 @@ def reflect_frontend(cfg: TrainConfig, model: Any = None) -> fmt.AudioFrontendIn
 
 
 def embed_catalogue_on_ray(
-    encoders: _Encoders, tokenizer: TextTokenizer, records: Sequence[ClipRecord], texts: Sequence[str],
-    cfg: TrainConfig, options: RayOptions, model: Any = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The catalogue's (audio, caption) embeddings as two Ray Data jobs (same vectors as above)."""
-    dim = cfg.model.embed_dim
-    audio = embed_audio_files(
-        [r.audio for r in records], encoders.audio.path.read_bytes(), decode=decode_whole, embed_dim=dim,
-        sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples_of(cfg), policy=cfg.data.eval_crop,
-        options=options, padding=short_clip_padding(cfg.frontend), frontend=reflect_frontend(cfg, model),
-    )
-    failed = [(r.audio, e) for r, e in zip(records, audio.errors, strict=True) if e]
-    if failed:
-        raise BundleError(f"{len(failed)} catalogue clips could not be decoded, e.g. {failed[0][1]}")
-    text = embed_captions(texts, encoders.text.path.read_bytes(), tokenizer, embed_dim=dim, options=options)
-    return audio.embeddings, text.embeddings
+    encoders: _Encoders, records: Sequence[ClipRecord], cfg: TrainConfig, options: RayOptions, model: Any = None,
+    *, checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
+) -> PassResult:
+    """The catalogue's clip embeddings as Ray Data jobs, one a chunk, checkpointed as in process (same vectors)."""
+    dim, model_bytes = cfg.model.embed_dim, encoders.audio.path.read_bytes()
+
+    def run(paths: list[Path]) -> Any:
+        return embed_audio_files(
+            paths, model_bytes, decode=decode_whole, embed_dim=dim, sample_rate=cfg.frontend.sample_rate,
+            clip_samples=clip_samples_of(cfg), policy=cfg.data.eval_crop, options=options,
+            padding=short_clip_padding(cfg.frontend), frontend=reflect_frontend(cfg, model),
+        )
+
+    return embed_clips_on_ray(records, run, dim=dim, checkpoint=checkpoint, chunk_files=chunk_files)
+
+
+def captions_on_ray(encoder: Path, tokenizer: TextTokenizer, texts: Sequence[str], dim: int, options: RayOptions,
+                    checkpoint: EmbedCheckpoint | None) -> np.ndarray:
+    """The captions' embeddings as Ray Data jobs, one a chunk, checkpointed by caption text."""
+    model_bytes = encoder.read_bytes()
+    return embed_texts(texts, lambda part: embed_captions(part, model_bytes, tokenizer, embed_dim=dim,
+                                                          options=options).embeddings,
+                       dim=dim, checkpoint=checkpoint, step=CHUNK_TEXTS)
 
 
 def build_held_out(records: Sequence[ClipRecord], cfg: TrainConfig) -> EvalSet:
@@ -371,6 +380,7 @@ def export_bundle(
     providers: Sequence[str] = CPU,
     precision: Precision = "fp32",
     chunk_files: int = CHUNK_FILES,
+    pass_options: PassOptions | None = None,
 ) -> Path:
     """Export ``checkpoint_dir`` with the clips of ``manifest`` (only those of ``splits`` when
     given); returns ``out_dir/<bundle_id>``. The held-out set is chosen from every clip.
@@ -379,7 +389,10 @@ def export_bundle(
     ``fp16``: the in-process pass runs fp16 copies of the encoders (:mod:`index.half_precision`).
     The in-process clips pass is checkpointed every ``chunk_files`` clips in
     ``out_dir/.<run name>-<8 hex>.partial/`` (:func:`training.bundle_parts.partial_base`) and the same
-    call resumes it after an interruption; the folder is removed once the bundle is published."""
+    call resumes it after an interruption, reusing every clip whose content is unchanged; the folder is removed
+    once the bundle is published. ``pass_options``: decode workers, prefetch and the samples of one encoder
+    call (:class:`index.catalogue_pass.PassOptions`; default: decode in this process). A clip that cannot be
+    decoded is skipped and listed in the manifest's ``skipped_clips``."""
     checkpoint_dir, manifest, out_dir = Path(checkpoint_dir), Path(manifest), Path(out_dir)
     quantize = quantize or QuantizeConfig.from_choice(None, quantize_text=quantize_text)  # quantize_text: old alias
     check_precision_options(precision, None, ray=ray is not None, quantized=quantize.encoders)
@@ -402,7 +415,7 @@ def export_bundle(
             ckpt, records, held_out, staging, Path(scratch), split=split, index_factory=index_factory,
             quantize=quantize, progress=progress, source_manifest=manifest, ray=ray, providers=providers,
             precision=precision,
-            partial=partial, chunk_files=chunk_files,
+            partial=partial, chunk_files=chunk_files, pass_options=pass_options,
         )
         manifest_model = fmt.BundleManifest(
             bundle_id=bundle_id,
@@ -445,37 +458,39 @@ def _build_contents(
     precision: Precision = "fp32",
     partial: Path | None = None,
     chunk_files: int = CHUNK_FILES,
+    pass_options: PassOptions | None = None,
 ) -> dict[str, Any]:
     """Write every bundle file except the manifest; return the manifest sections they determine.
     ``partial``: checkpoint the in-process clips pass in ``<partial>.partial/`` (None: not checkpointed)."""
     cfg, tokenizer, dim = ckpt.config, ckpt.tokenizer, ckpt.config.model.embed_dim
     encoders = export_encoders(ckpt, staging, scratch, records=records, quantize=quantize, providers=providers)
-    text_items, ranges = catalogue_texts(records, cfg.data.languages)
     catalogue_pass = None
-    if ray is not None:
-        audio_emb, text_emb = embed_catalogue_on_ray(encoders, tokenizer, records, [t["text"] for t in text_items],
-                                                     cfg, ray, ckpt.model)
-    else:
-        audio, text = encoders.audio, encoders.text
-        if precision == "fp16":
-            audio, text, catalogue_pass = half_encoders(ckpt, encoders, records, [t["text"] for t in text_items],
-                                                        scratch, providers)
-        checkpoint = None if partial is None else catalogue_checkpoint(
-            partial, encoders.audio.path, records, chunk_files=chunk_files, providers=providers,
-            frontend=audio_plan(cfg, ckpt.model), precision=precision)
-        with _progress(progress) as task:
-            audio_emb = embed_catalogue_audio(audio, records, cfg, task("embedding clips", len(records)),
-                                              ckpt.model, checkpoint=checkpoint, chunk_files=chunk_files)
-            text_emb = embed_catalogue_texts(text, tokenizer, [t["text"] for t in text_items], dim,
-                                             task("embedding captions", len(text_items)))
-    audio_built = build_and_save(audio_emb, staging / fmt.AUDIO_INDEX, index_factory, queries=text_emb)
-    text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)
-    save_index(text_built.index, staging / fmt.TEXT_INDEX)
-    _write_jsonl(staging / fmt.AUDIO_IDS, [
-        {"id": r.id, "uri": audio_uri(r, source_manifest), "captions": r.captions, "split": r.split,
-         "metadata": filterable_metadata(r.meta)} for r in records
-    ])
-    _write_jsonl(staging / fmt.TEXT_IDS, text_items)
+    checkpoint, captions = pass_checkpoints(partial, encoders.audio.path, encoders.text.path,
+                                            providers=list(CPU) if ray is not None else list(providers),
+                                            frontend=audio_plan(cfg, ckpt.model), precision=precision)
+    audio, text = encoders.audio, encoders.text
+    if ray is None and precision == "fp16":
+        all_texts = [t["text"] for t in catalogue_texts(records, cfg.data.languages)[0]]
+        audio, text, catalogue_pass = half_encoders(ckpt, encoders, records, all_texts, scratch, providers)
+
+    def clips_pass(task: Callable[..., Advance]) -> PassResult:
+        if ray is not None:
+            return embed_catalogue_on_ray(encoders, records, cfg, ray, ckpt.model, checkpoint=checkpoint,
+                                          chunk_files=chunk_files)
+        clock = PassClock()
+        return embed_catalogue_audio(audio, records, cfg, task("embedding clips", len(records), clock), ckpt.model,
+                                     checkpoint=checkpoint, chunk_files=chunk_files, options=pass_options, clock=clock)
+
+    def texts_of(texts: list[str], task: Callable[..., Advance]) -> np.ndarray:
+        if ray is not None:
+            return captions_on_ray(encoders.text.path, tokenizer, texts, dim, ray, captions)
+        return embed_catalogue_texts(text, tokenizer, texts, dim, task("embedding captions", len(texts)), captions)
+
+    done = embed_catalogue(records, cfg.data.languages, source_manifest=source_manifest, progress=progress,
+                           clips=clips_pass, captions=texts_of)
+    records, skipped, text_items = done.records, done.skipped, done.text_items
+    indices = write_catalogue(staging, done.audio, done.text, records, text_items, done.ranges,
+                              index_factory=index_factory, source_manifest=source_manifest)
     eval_set = build_held_out(held_out, cfg)
     write_eval_set(staging / fmt.EVAL_DIR, eval_set)
     evaluation, quantization = evaluate_staged(staging, encoders, tokenizer, cfg, ckpt.model)
@@ -492,11 +507,11 @@ def _build_contents(
                                         quantization=quantize.label if quantize.applies("text") else "none"),
         "tokenizer": fmt.TokenizerInfo(file=fmt.TOKENIZER, max_length=tokenizer.max_length,
                                        vocab_size=tokenizer.vocab_size),
-        "audio_index": _index_info(audio_built, file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS),
-        "text_index": _index_info(text_built, file=fmt.TEXT_INDEX, ids_file=fmt.TEXT_IDS, ranges=ranges),
+        **indices,
         "evaluation": evaluation,
         "quantization": quantization,
         "catalogue_pass": catalogue_pass,
+        "skipped_clips": skipped,
     }
 
 
@@ -511,9 +526,9 @@ def half_encoders(
     audio = _load_session(audio_path, AUDIO_INPUTS, dim, providers)
     text = _load_session(text_path, TEXT_INPUTS, dim, providers)
     frontend = checkpoint_audio_frontend(cfg, ckpt.model)
-    clips = [load_eval_waveform(r.audio, sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples_of(cfg),
-                                policy=cfg.data.eval_crop, padding=short_clip_padding(cfg.frontend))
-             for r in records[:PROBE_CLIPS]] + probe_waves(cfg.frontend.sample_rate, clip_samples_of(cfg))
+    clips = first_decodable(records, lambda path: load_eval_waveform(
+        path, sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples_of(cfg), policy=cfg.data.eval_crop,
+        padding=short_clip_padding(cfg.frontend)), PROBE_CLIPS) + probe_waves(cfg.frontend.sample_rate, clip_samples_of(cfg))
 
     def audio_with(encoder: OnnxEncoder) -> Callable[[list[Any]], np.ndarray]:
         return lambda waves: encode_bundle_audio(encoder, waves, cfg, frontend)

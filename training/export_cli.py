@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 
 from index import bundle as fmt
+from index.catalogue_pass import pass_options_from_args
 from index.errors import BundleError
 from index.half_precision import check_precision_options
 from index.loader import device_providers
-from index.ray_embed import RayOptions
+from index.ray_embed import ray_options_from_args
 from training.bundle_parts import quantize_config
 
 
@@ -37,9 +38,8 @@ def cli_export(args: argparse.Namespace) -> int:
     path = export_bundle(
         args.checkpoint, manifest=args.data, out_dir=args.out, index_factory=args.index,
         quantize=quantize, progress=True, splits=args.split, precision=args.precision,
-        ray=None if args.ray is None else RayOptions(address=args.ray or None, workers=args.ray_workers,
-                                                    progress=True),
-        providers=providers,
+        ray=None if args.ray is None else ray_options_from_args(args),
+        providers=providers, pass_options=pass_options_from_args(args),
     )
     manifest = fmt.read_manifest(path)
     assert manifest.evaluation is not None  # a trained bundle always has its held-out report

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -36,12 +36,25 @@ from index import bundle as fmt
 from index.audio import decode_audio, eval_chunks
 from index.audio_frontend import keeps_short_clips, pad_short_clip
 from index.bundle_eval import evaluate_eval_set
-from index.embed_checkpoint import CHUNK_FILES, Advance, EmbedCheckpoint, resumable
+from index.catalogue_pass import DecodeCall, PassClock, PassOptions, pass_options_from_args
+from index.embed_checkpoint import (
+    CHUNK_FILES,
+    CHUNK_TEXTS,
+    Advance,
+    EmbedCheckpoint,
+    PassResult,
+    resumable,
+)
 from index.errors import BundleError
 from index.evalset import MAX_EVAL_CLIPS, EvalSet, write_eval_set
-from index.faiss_index import build_index, parse_factory, save_index
-from index.filters import filterable_metadata
-from index.half_precision import PROBE_CLIPS, Precision, check_precision_options, probe_waves
+from index.faiss_index import parse_factory
+from index.half_precision import (
+    PROBE_CLIPS,
+    Precision,
+    centred_cosines,
+    check_precision_options,
+    probe_waves,
+)
 from index.languages import DEFAULT_LANGUAGES
 from index.loader import (
     AUDIO_INPUTS,
@@ -52,32 +65,39 @@ from index.loader import (
     encode_texts,
     encode_waveforms,
 )
-from index.ray_embed import RayOptions, decode_whole, embed_audio_files, embed_captions
+from index.ray_embed import (
+    RayOptions,
+    decode_whole,
+    embed_audio_files,
+    embed_captions,
+    ray_options_from_args,
+)
 from index.report import METRIC_CONVENTION
 from training.bundle_parts import (
     CPU,
     OPSET,
-    audio_uri,
     canonical_hash,
-    catalogue_checkpoint,
     catalogue_records,
     catalogue_texts,
     cosines,
+    embed_catalogue,
     embed_clips,
+    embed_clips_on_ray,
+    embed_texts,
+    first_decodable,
     half_copies,
     half_precision_gate,
     held_out_records,
     make_bundle_id,
     parity_texts,
     partial_base,
+    pass_checkpoints,
     probe_texts,
     quantization_records,
     quantize_config,
+    write_catalogue,
 )
-from training.bundle_parts import index_info as _index_info
 from training.bundle_parts import load_session as _load_session
-from training.bundle_parts import progress as _progress
-from training.bundle_parts import write_jsonl as _write_jsonl
 from training.data.dataset import eval_captions
 from training.data.manifest import ClipRecord, load_manifest
 from training.models.pretrained_clap import (
@@ -181,11 +201,17 @@ def parity_clips(wave: np.ndarray, n: int, *, reflect: bool = False) -> list[np.
     a twentieth of the window plus 7 samples (not a hop multiple, so the reflection runs), one of
     exactly the window and one of 10.5 s + 7 samples (embedded whole, ``long_clips = "whole"``) — 21 s of
     audio, not 43 s. Chunk-and-average of longer clips (CLAP) is the loader's mean over such windows, the
-    same code for every family (``index.loader.encode_waveforms``)."""
+    same code for every family (``index.loader.encode_waveforms``).
+
+    Two more short clips of unrelated synthetic signals (white noise, a pulsed tone;
+    :func:`index.half_precision.probe_waves`) give the centred cosine of :func:`check_parity` its power:
+    a short-clip padding error moves the short clips away from the others."""
     tiled = np.resize(np.asarray(wave, dtype=np.float32), 3 * n)
+    short = n // 20 + 7 if reflect else n // 3
+    probes = probe_waves(48_000, short)[1:3]
     if reflect:
-        return [tiled[: n // 20 + 7], tiled[:n], tiled[: n + n // 20 + 7]]
-    return [tiled[: n // 3], tiled[:n], tiled[: 5 * n // 2]]
+        return [tiled[:short], tiled[:n], tiled[: n + n // 20 + 7], *probes]
+    return [tiled[:short], tiled[:n], tiled[: 5 * n // 2], *probes]
 
 
 Expected = tuple[np.ndarray, np.ndarray]
@@ -213,14 +239,26 @@ def parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], texts: Seq
 def check_parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], texts: Sequence[str],
                  expected: Expected) -> tuple[float, float]:
     """Minimum per-item cosine of the bundle's encoders to the model's own audio / text embeddings;
-    :class:`ExportError` below :data:`MIN_COSINE`."""
+    :class:`ExportError` below :data:`MIN_COSINE`, or when the lowest **centred** cosine (each set's mean
+    row removed, :func:`index.half_precision.centred_cosines`; :mod:`training.step0`) is below
+    :data:`MIN_CENTRED_COSINE`: with random or weakly trained weights unrelated inputs embed at plain
+    cosines near 1, so zero padding of short clips passes a plain 0.999 (0.99946) but not the centred check."""
     found = parity(encoders, waves, texts, expected)
+    centred = {"audio": float(centred_cosines(encoders.encode_audio(waves), expected[0]).min()),
+               "text": float(centred_cosines(encoders.encode_text(texts), expected[1]).min())}
     for name, value in found.items():
         what = f"{name} encoder vs the model's own {name} embedding"
         if not value >= MIN_COSINE:
             raise ExportError(f"{what}: min cosine {value:.6f} < {MIN_COSINE}")
-        log.info("%s: min cosine %.6f", what, value)
+        if not centred[name] >= MIN_CENTRED_COSINE:
+            raise ExportError(f"{what}: min centred cosine {centred[name]:.6f} < {MIN_CENTRED_COSINE} "
+                              f"(plain cosine {value:.6f})")
+        log.info("%s: min cosine %.6f, centred %.6f", what, value, centred[name])
     return found["audio"], found["text"]
+
+
+MIN_CENTRED_COSINE = 0.99
+"""Lowest centred cosine of the bundle's encoders to the model's own (as :data:`training.step0.MIN_CENTRED_COS`)."""
 
 
 def export_pretrained_encoders(clap: Pretrained, staging: Path, scratch: Path | None = None, *,
@@ -248,12 +286,13 @@ def export_pretrained_encoders(clap: Pretrained, staging: Path, scratch: Path | 
 
 
 def embed_catalogue_audio(encoders: PretrainedEncoders, records: Sequence[ClipRecord], rate: int, advance: Advance, *,
-                 checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES) -> np.ndarray:
-    """(N, d) clip embeddings, a few clips at a time; checkpointed in chunks in ``checkpoint``
-    (:func:`training.bundle_parts.embed_clips`)."""
-    return embed_clips(records, lambda batch: encoders.encode_audio([decode_audio(r.audio, sample_rate=rate)
-                                                                     for r in batch]),
-                       dim=encoders.dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files)
+                          checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
+                          options: PassOptions | None = None, clock: PassClock | None = None) -> PassResult:
+    """The catalogue's clip embeddings (:func:`training.bundle_parts.embed_clips`: decoded beside the
+    encoder, checkpointed in chunks; undecodable clips skipped and listed)."""
+    return embed_clips(records, DecodeCall(decode_audio, kwargs={"sample_rate": rate}), encoders.encode_audio,
+                       dim=encoders.dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files,
+                       options=options, clock=clock)
 
 
 def audio_plan(model: Pretrained) -> dict[str, Any]:
@@ -263,20 +302,19 @@ def audio_plan(model: Pretrained) -> dict[str, Any]:
             "audio_frontend": frontend_info(model).model_dump(mode="json")}
 
 
-def _embed_on_ray(clap: Pretrained, encoders: PretrainedEncoders, records: Sequence[ClipRecord], texts: Sequence[str],
-                  options: RayOptions) -> tuple[np.ndarray, np.ndarray]:
-    """The catalogue's (clip, caption) embeddings on a Ray cluster: each actor runs the served encoder files
-    and prepares a clip as :meth:`PretrainedEncoders.encode_audio` does (the manifest's ``audio_frontend``:
+def _embed_on_ray(clap: Pretrained, encoders: PretrainedEncoders, records: Sequence[ClipRecord], options: RayOptions,
+                  checkpoint: EmbedCheckpoint | None, chunk_files: int) -> PassResult:
+    """The catalogue's clip embeddings on a Ray cluster, one job a chunk: each actor runs the served encoder
+    file and prepares a clip as :meth:`PretrainedEncoders.encode_audio` does (the manifest's ``audio_frontend``:
     padding, then the chunk mean), so the vectors are the in-process pass's."""
-    s = clap.settings
-    audio = embed_audio_files([r.audio for r in records], encoders.audio.path.read_bytes(), decode=decode_whole,
-                              embed_dim=encoders.dim, sample_rate=s.sample_rate, clip_samples=s.clip_samples,
-                              policy="chunk", options=options, frontend=frontend_info(clap))
-    failed = [(r.audio, e) for r, e in zip(records, audio.errors, strict=True) if e]
-    if failed:
-        raise BundleError(f"{len(failed)} catalogue clips could not be decoded, e.g. {failed[0][1]}")
-    text = embed_captions(texts, encoders.text.path.read_bytes(), clap.tokenizer, embed_dim=encoders.dim, options=options)
-    return audio.embeddings, text.embeddings
+    s, model_bytes = clap.settings, encoders.audio.path.read_bytes()
+
+    def run(paths: list[Path]) -> Any:
+        return embed_audio_files(paths, model_bytes, decode=decode_whole, embed_dim=encoders.dim,
+                                 sample_rate=s.sample_rate, clip_samples=s.clip_samples, policy="chunk",
+                                 options=options, frontend=frontend_info(clap))
+
+    return embed_clips_on_ray(records, run, dim=encoders.dim, checkpoint=checkpoint, chunk_files=chunk_files)
 
 
 def _held_out(records: Sequence[ClipRecord], languages: Sequence[str], rate: int) -> EvalSet:
@@ -316,6 +354,7 @@ def export_pretrained_bundle(
     ray: RayOptions | None = None,
     precision: Precision = "fp32",
     chunk_files: int = CHUNK_FILES,
+    pass_options: PassOptions | None = None,
 ) -> Path:
     """Bundle of the model folder ``model_dir`` (CLAP or PE-Audio) over the clips of ``manifest``; returns its path.
     ``providers``: ONNX Runtime providers of the checks and the catalogue pass (``--device cuda``); ``ray``: the
@@ -350,7 +389,7 @@ def export_pretrained_bundle(
         sections = _build(clap, records, held_out, staging, Path(scratch), split=split, languages=langs,
                           index_factory=index_factory, progress=progress, source_manifest=manifest,
                           quantize=quantize, providers=providers, ray=ray, partial=partial, chunk_files=chunk_files,
-                          precision=precision)
+                          precision=precision, pass_options=pass_options)
         s = clap.settings
         body = fmt.BundleManifest(
             bundle_id=bundle_id,
@@ -379,7 +418,7 @@ def _build(
     split: str, languages: list[str], index_factory: str | None, progress: bool, source_manifest: Path,
     quantize: QuantizeConfig, providers: Sequence[str] = CPU, ray: RayOptions | None = None,
     precision: Precision = "fp32",
-    partial: Path | None = None, chunk_files: int = CHUNK_FILES,
+    partial: Path | None = None, chunk_files: int = CHUNK_FILES, pass_options: PassOptions | None = None,
 ) -> dict[str, Any]:
     """Every bundle file except the manifest; the manifest sections they determine. ``partial``: checkpoint
     the in-process clips pass in ``<partial>.partial/`` (None: not checkpointed).
@@ -388,7 +427,7 @@ def _build(
     cosine to the model (not held to it) and its cost is measured on the held-out set against fp32."""
     rate = clap.settings.sample_rate
     encoders, fp32 = export_pretrained_encoders(clap, staging, scratch, quantize=quantize, providers=providers)
-    sample = decode_audio(records[0].audio, sample_rate=rate)
+    (sample,) = first_decodable(records, lambda path: decode_audio(path, sample_rate=rate))
     clips = parity_clips(sample, clap.settings.clip_samples, reflect=keeps_short_clips(clap.settings.padding))
     texts = parity_texts(records, languages)
     expected = references(clap, clips, texts)
@@ -397,31 +436,36 @@ def _build(
         found = parity(encoders, clips, texts, expected, modalities=quantize.encoders)
         audio_cos, text_cos = found.get("audio", audio_cos), found.get("text", text_cos)
         log.info("%s encoders vs the model: audio %.6f, text %.6f", quantize.label, audio_cos, text_cos)
-    text_items, ranges = catalogue_texts(records, languages)
     catalogue_pass = None
-    if ray is not None:
-        audio_emb, text_emb = _embed_on_ray(clap, encoders, records, [t["text"] for t in text_items], ray)
-    else:
-        passing = encoders
-        if precision == "fp16":
-            passing, catalogue_pass = _half_encoders(clap, encoders, records, languages,
-                                                     [t["text"] for t in text_items], scratch, providers)
-        checkpoint = None if partial is None else catalogue_checkpoint(
-            partial, encoders.audio.path, records, chunk_files=chunk_files, providers=providers,
-            frontend=audio_plan(clap), precision=precision)
-        with _progress(progress) as task:
-            audio_emb = embed_catalogue_audio(passing, records, rate, task("embedding clips", len(records)),
-                                              checkpoint=checkpoint, chunk_files=chunk_files)
-            text_emb = passing.encode_text([t["text"] for t in text_items])
-    audio_built = build_index(audio_emb, index_factory, queries=text_emb)
-    text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)
-    save_index(audio_built.index, staging / fmt.AUDIO_INDEX)
-    save_index(text_built.index, staging / fmt.TEXT_INDEX)
-    _write_jsonl(staging / fmt.AUDIO_IDS, [
-        {"id": r.id, "uri": audio_uri(r, source_manifest), "captions": r.captions, "split": r.split,
-         "metadata": filterable_metadata(r.meta)} for r in records
-    ])
-    _write_jsonl(staging / fmt.TEXT_IDS, text_items)
+    checkpoint, captions = pass_checkpoints(partial, encoders.audio.path, encoders.text.path,
+                                            providers=list(CPU) if ray is not None else list(providers),
+                                            frontend=audio_plan(clap), precision=precision)
+    passing = encoders
+    if ray is None and precision == "fp16":
+        all_texts = [t["text"] for t in catalogue_texts(records, languages)[0]]
+        passing, catalogue_pass = _half_encoders(clap, encoders, records, languages, all_texts, scratch, providers)
+
+    def clips_pass(task: Callable[..., Advance]) -> PassResult:
+        if ray is not None:
+            return _embed_on_ray(clap, encoders, records, ray, checkpoint, chunk_files)
+        clock = PassClock()
+        return embed_catalogue_audio(passing, records, rate, task("embedding clips", len(records), clock),
+                                     checkpoint=checkpoint, chunk_files=chunk_files, options=pass_options, clock=clock)
+
+    def texts_of(texts: list[str], task: Callable[..., Advance]) -> np.ndarray:
+        if ray is not None:
+            model_bytes = encoders.text.path.read_bytes()
+            return embed_texts(texts, lambda part: embed_captions(part, model_bytes, clap.tokenizer,
+                                                                  embed_dim=encoders.dim, options=ray).embeddings,
+                               dim=encoders.dim, checkpoint=captions, step=CHUNK_TEXTS)
+        return embed_texts(texts, passing.encode_text, dim=encoders.dim, checkpoint=captions,
+                           advance=task("embedding captions", len(texts)))
+
+    done = embed_catalogue(records, languages, source_manifest=source_manifest, progress=progress,
+                           clips=clips_pass, captions=texts_of)
+    records, skipped, text_items = done.records, done.skipped, done.text_items
+    indices = write_catalogue(staging, done.audio, done.text, records, text_items, done.ranges,
+                              index_factory=index_factory, source_manifest=source_manifest)
     eval_set = _held_out(held_out, languages, rate)
     write_eval_set(staging / fmt.EVAL_DIR, eval_set)
     evaluation, quantization = _evaluate(eval_set, languages, encoders, fp32, quantize)
@@ -436,11 +480,11 @@ def _build(
                                         outputs=list(OUTPUTS), parity_min_cosine=text_cos,
                                         quantization=quantize.label if quantize.applies("text") else "none"),
         "tokenizer": fmt.TokenizerInfo(file=fmt.TOKENIZER, max_length=tok.max_length, vocab_size=tok.vocab_size),
-        "audio_index": _index_info(audio_built, file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS),
-        "text_index": _index_info(text_built, file=fmt.TEXT_INDEX, ids_file=fmt.TEXT_IDS, ranges=ranges),
+        **indices,
         "evaluation": evaluation,
         "quantization": quantization,
         "catalogue_pass": catalogue_pass,
+        "skipped_clips": skipped,
     }
 
 
@@ -453,7 +497,7 @@ def _half_encoders(
     s = clap.settings
     audio, text = half_copies(encoders.audio.path, encoders.text.path, scratch)
     half = PretrainedEncoders(clap, audio, text, providers)
-    clips = [decode_audio(r.audio, sample_rate=s.sample_rate) for r in records[:PROBE_CLIPS]]
+    clips = first_decodable(records, lambda path: decode_audio(path, sample_rate=s.sample_rate), PROBE_CLIPS)
     clips += probe_waves(s.sample_rate, s.clip_samples)
     info = half_precision_gate((encoders.encode_audio, half.encode_audio, clips),
                                (encoders.encode_text, half.encode_text, probe_texts(records, languages, texts)),
@@ -485,12 +529,13 @@ def cli_export_pretrained(args: argparse.Namespace) -> int:
 
     ray = None
     if getattr(args, "ray", None) is not None:
-        ray = RayOptions(address=args.ray or None, workers=getattr(args, "ray_workers", None), progress=True)
+        ray = ray_options_from_args(args)
     providers = device_providers(getattr(args, "device", "cpu"))
     path = export_pretrained_bundle(
         args.pretrained, manifest=args.data, out_dir=args.out, languages=getattr(args, "languages", None),
         index_factory=args.index, splits=args.split, progress=True, quantize=quantize_config(args),
         providers=providers, ray=ray, precision=getattr(args, "precision", "fp32"),
+        pass_options=pass_options_from_args(args),
     )
     manifest = fmt.read_manifest(path)
     console = Console()

@@ -10,6 +10,8 @@ mid-pass); the decoder is otherwise the real one, and the twin is a fresh, unint
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,7 @@ from index.faiss_index import all_vectors, load_index, parse_factory
 from index.own_audio import index_folder
 
 CHUNK = 4
+REAL_DECODE = own_audio.decode_file
 
 
 def _vectors(bundle: Path) -> np.ndarray:
@@ -74,22 +77,65 @@ def test_an_interrupted_pass_resumes_and_equals_its_uninterrupted_twin(
     assert len(twin.clip_ids) == 13 and [s[0] for s in twin.skipped] == ["c05b.wav"]
 
 
-def test_a_changed_folder_starts_over(folder: Path, tiny_bundle: Path, tmp_path: Path,
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def _interrupt_after(folder: Path, tiny_bundle: Path, out: Path, monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     real = own_audio.decode_file
     calls: list[str] = []
 
     def interrupted(path: Path, rate: int) -> np.ndarray:
-        if len(calls) == 6:
+        if len(calls) == n:
             raise KeyboardInterrupt
         calls.append(path.name)
         return real(path, rate)
 
     monkeypatch.setattr(own_audio, "decode_file", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        index_folder(folder, tiny_bundle, tmp_path / "out", chunk_files=CHUNK)
-    (folder / "c00.wav").unlink()  # the plan changed: the chunk written before must not be reused
-    calls.clear()
+        index_folder(folder, tiny_bundle, out, chunk_files=CHUNK)
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    real = REAL_DECODE
+    calls: list[str] = []
     monkeypatch.setattr(own_audio, "decode_file", lambda path, rate: calls.append(path.name) or real(path, rate))
-    result = index_folder(folder, tiny_bundle, tmp_path / "out", chunk_files=CHUNK)
-    assert len(calls) == 13 and "c00.wav" not in result.clip_ids
+    return calls
+
+
+def test_a_changed_folder_reuses_what_did_not_change(folder: Path, tiny_bundle: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Chunks are keyed by content (issue 49): a touched mtime reuses every clip, a removed file
+    reuses the rest, one added file is the only one embedded, and the log says how many were reused."""
+    out = tmp_path / "out"
+    _interrupt_after(folder, tiny_bundle, out, monkeypatch, 9)  # chunks 0 and 1 saved (8 files), c07 decoded
+    for path in folder.glob("c0[0-3].wav"):  # chunk 0's files touched: bytes unchanged
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    (folder / "c07.wav").unlink()  # a file of chunk 1 removed
+    rate = read_manifest(tiny_bundle).sample_rate
+    sf.write(folder / "a-new.wav", np.sin(np.arange(rate) * 0.05).astype(np.float32), rate)  # one added
+    calls = _counting(monkeypatch)
+    with caplog.at_level("INFO", logger="index.embed_checkpoint"):
+        result = index_folder(folder, tiny_bundle, out, chunk_files=CHUNK)
+    # 14 files: 8 reused (chunk 0's c00-c03 touched, chunk 1's c04, c05, c05b, c06), c07 (decoded before the
+    # interruption, in no saved chunk) removed, 6 embedded: the added file and c08-c12
+    assert sorted(calls) == ["a-new.wav", "c08.wav", "c09.wav", "c10.wav", "c11.wav", "c12.wav"]
+    assert "resume: 8 of 14 files reused" in caplog.text
+    assert "new or changed content" in caplog.text
+    twin = index_folder(folder, tiny_bundle, tmp_path / "twin", chunk_files=CHUNK)
+    assert result.clip_ids == twin.clip_ids and result.skipped == twin.skipped
+    np.testing.assert_allclose(_vectors(out), _vectors(twin.path), atol=1e-6)
+    assert [s.id for s in read_manifest(out).skipped_clips or []] == ["c05b.wav"]  # counted in the manifest
+
+
+def test_another_encoder_starts_over_and_says_why(folder: Path, tiny_bundle: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    out = tmp_path / "out"
+    _interrupt_after(folder, tiny_bundle, out, monkeypatch, 5)
+    plan = tmp_path / "out.partial" / "pass.json"
+    body = json.loads(plan.read_text())
+    body["digest"], body["describe"]["encoder"] = "0" * 64, "another"  # as if another bundle's encoder ran
+    plan.write_text(json.dumps(body))
+    calls = _counting(monkeypatch)
+    with caplog.at_level("INFO", logger="index.embed_checkpoint"):
+        index_folder(folder, tiny_bundle, out, chunk_files=CHUNK)
+    assert len(calls) == 14
+    assert "not reused: another pass (encoder changed)" in caplog.text

@@ -237,3 +237,43 @@ def test_a_cluster_started_after_a_local_run_takes_its_token(tiny_bundle: Path, 
         run = tonearm("index", str(tmp_path / "audio"), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "y"),
                       "--ray", address, "--ray-workers", "1", home=elsewhere, RAY_AUTH_TOKEN=STALE_TOKEN, **fast)
         assert run.returncode == 0, run.stderr[-3000:]
+
+
+ACTOR_OPTIONS = """
+import json, sys
+from index.ray_embed import AudioEmbedder, RayOptions, build_dataset, connect, pool_size
+from index.errors import TonearmError
+
+address = sys.argv[1]
+connect(address)
+found = {}
+for device in ("cpu", "cuda"):
+    options = RayOptions(address=address, workers=2, device=device, cpus_per_worker=None)
+    dataset = build_dataset([{"row": 0, "path": "x.wav"}], AudioEmbedder, {"model": b"", "embed_dim": 4},
+                            batch_size=16, options=options, workers=2)
+    op = dataset._logical_plan.dag
+    found[device] = {"remote": op.ray_remote_args, "ctor": sorted(op.fn_constructor_kwargs.items())}
+try:
+    pool_size(RayOptions(address=address, device="cuda"), {"CPU": 2.0})
+    found["no_gpu"] = "accepted"
+except TonearmError as err:
+    found["no_gpu"] = str(err)
+print(json.dumps(found, default=str))
+"""
+
+
+def test_a_ray_actor_asks_for_a_gpu_when_cuda_is_asked(ray_address: str, ray_home: Path) -> None:
+    """Issue 49: with ``--device cuda`` each embedding actor reserves a GPU (``num_gpus``) and its decoding
+    CPUs (``num_cpus``), and runs the CUDA provider; on the CPU it asks for one CPU and no GPU. Checked on
+    the pipeline's actor options (the shared CPU cluster has no GPU to run them); a cluster without a GPU
+    is refused in one line before any actor starts."""
+    import json
+
+    run = subprocess.run([sys.executable, "-c", ACTOR_OPTIONS, ray_address], env=_ray_env(ray_home),
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert found["cuda"]["remote"].get("num_gpus") == 1.0 and found["cuda"]["remote"].get("num_cpus") == 4
+    assert "num_gpus" not in found["cpu"]["remote"] and found["cpu"]["remote"].get("num_cpus") == 1
+    assert ["device", "cuda"] in found["cuda"]["ctor"] and ["threads", 4] in found["cuda"]["ctor"]
+    assert "has no GPU" in found["no_gpu"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,12 +32,12 @@ import numpy as np
 import pytest
 
 from index import bundle as fmt
-from index.embed_checkpoint import Chunk, EmbedCheckpoint
+from index.embed_checkpoint import Chunk, EmbedCheckpoint, content_key
 from index.faiss_index import all_vectors, load_index, parse_factory
 from index.languages import DEFAULT_LANGUAGES
 from training import export, pretrained
 from training.bundle_parts import catalogue_checkpoint
-from training.data.manifest import ClipRecord, load_manifest
+from training.data.manifest import load_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -168,17 +169,18 @@ def test_an_interrupted_pretrained_export_resumes_and_equals_its_uninterrupted_t
     assert sorted(p.name for p in partial.glob("chunk-*.npz")) == ["chunk-000000.npz", "chunk-000001.npz"]
 
     saved.clear()
-    monkeypatch.setattr(EmbedCheckpoint, "save", lambda self, number, done: saved.append(number) or save(self, number, done))
+    monkeypatch.setattr(EmbedCheckpoint, "save", lambda self, number, done: (
+        self.folder.name.endswith(".partial") and saved.append(number)) or save(self, number, done))
     resumed = pretrained.export_pretrained_bundle(folder, manifest=real_manifest, out_dir=out, progress=False,
                                                   chunk_files=chunk)
-    assert saved == [2]  # chunks 0 and 1 were loaded, only chunk 2 embedded
+    assert saved == [2]  # chunks 0 and 1 were loaded, only chunk 2 embedded (caption chunks not counted)
     assert not partial.exists()
 
     model = pretrained.load_pretrained(folder)
     encoders = pretrained.PretrainedEncoders(model, resumed / fmt.AUDIO_ENCODER, resumed / fmt.TEXT_ENCODER)
     records = load_manifest(real_manifest, languages=DEFAULT_LANGUAGES)
     twin = pretrained.embed_catalogue_audio(encoders, records, model.settings.sample_rate, no_progress,
-                                            chunk_files=chunk)
+                                            chunk_files=chunk).embeddings
     assert twin.shape == (6, encoders.dim)
     np.testing.assert_allclose(vectors(resumed)[0], twin, atol=1e-6)
     assert [json.loads(line)["id"] for line in (resumed / fmt.AUDIO_IDS).read_text().splitlines()] == [
@@ -189,25 +191,78 @@ def no_progress(_n: int, /, *, resumed: bool = False) -> None:
     return None
 
 
-def test_the_plan_covers_the_encoder_the_clips_and_the_preparation(tmp_path: Path) -> None:
-    """Chunks are reused only under the same plan: another encoder, provider, preparation, chunk size, clip
-    id, or a clip file rewritten (size or mtime) each give another digest."""
+def test_a_corrupt_clip_mid_pass_keeps_every_earlier_chunk(
+    tiny_checkpoint: Path, tiny_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 49: clip 20 of 48 (chunk 2 of 8-clip chunks) cannot be decoded; the pass is then interrupted
+    after chunk 3. Every chunk written stays (none deleted for the bad clip), the rerun embeds only the
+    clips of chunks 4 and 5, and the bundle lists the bad clip in ``skipped_clips``, without it in either
+    index (its captions left out of the caption index too)."""
+    corpus = tmp_path / "corpus"
+    shutil.copytree(tiny_corpus.parent, corpus)
+    manifest = corpus / tiny_corpus.name
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    bad = rows[20]
+    (corpus / bad["audio"]).write_bytes(b"RIFF\x10\x00\x00\x00WAVEfmt garbage")
+    chunk, save, saved = 8, EmbedCheckpoint.save, []
+
+    def save_then_stop(self: EmbedCheckpoint, number: int, done: Chunk) -> None:
+        save(self, number, done)
+        saved.append(number)
+        if number == 3 and self.folder.name.endswith(".partial"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(EmbedCheckpoint, "save", save_then_stop)
+    out = tmp_path / "bundles"
+    with pytest.raises(KeyboardInterrupt):
+        export.export_bundle(tiny_checkpoint, manifest=manifest, out_dir=out, progress=False, chunk_files=chunk)
+    (partial,) = out.glob(".*.partial")
+    assert sorted(p.name for p in partial.glob("chunk-*.npz")) == [f"chunk-{n:06d}.npz" for n in range(4)]
+    with np.load(partial / "chunk-000002.npz") as data:
+        assert list(data["skipped_rel"]) == [bad["id"]] and len(data["clip_ids"]) == chunk - 1
+
+    monkeypatch.setattr(EmbedCheckpoint, "save", save)
+    decoded = counting(monkeypatch, export, "load_eval_waveform")
+    bundle = export.export_bundle(tiny_checkpoint, manifest=manifest, out_dir=out, progress=False, chunk_files=chunk)
+    catalogue = [str(corpus / r["audio"]) for r in rows]
+    assert [d for d in decoded if d in catalogue[:32]] == []  # chunks 0-3 (the bad clip's too) reused
+    assert not partial.exists()
+    body = fmt.read_manifest(bundle)
+    assert [(s.id, "garbage" in s.reason or "fmt" in s.reason or bool(s.reason)) for s in body.skipped_clips or []] == [
+        (bad["id"], True)]
+    ids = [json.loads(line)["id"] for line in (bundle / fmt.AUDIO_IDS).read_text().splitlines()]
+    assert ids == [r["id"] for r in rows if r["id"] != bad["id"]] and body.audio_index.ntotal == 47
+    assert bad["id"] not in {json.loads(line)["clip_id"] for line in (bundle / fmt.TEXT_IDS).read_text().splitlines()}
+
+
+def test_the_pass_digest_covers_the_encoder_and_the_preparation_and_keys_cover_content(tmp_path: Path) -> None:
+    """Chunks are reused only under the same pass digest (another encoder, provider, preparation or precision
+    gives another), and per clip by its content key: bytes, not the name or mtime."""
     encoder, audio = tmp_path / "audio_encoder.onnx", tmp_path / "a.wav"
     encoder.write_bytes(b"graph")
     audio.write_bytes(b"RIFF0000")
-    records = [ClipRecord(id="a", audio=audio, captions={}, split="test")]
 
-    def digest(*, chunk_files: int = 4, providers: tuple[str, ...] = ("CPUExecutionProvider",),
-               frontend: dict[str, Any] | None = None, clips: list[ClipRecord] = records) -> str:
-        return catalogue_checkpoint(tmp_path / "out", encoder, clips, chunk_files=chunk_files, providers=providers,
-                                    frontend=frontend or {"padding": "pad"}).digest
+    def digest(*, providers: tuple[str, ...] = ("CPUExecutionProvider",), frontend: dict[str, Any] | None = None,
+               precision: str = "fp32") -> str:
+        return catalogue_checkpoint(tmp_path / "out", encoder, providers=providers,
+                                    frontend=frontend or {"padding": "pad"}, precision=precision).digest
 
     first = digest()
     assert digest() == first
-    others = [digest(chunk_files=8), digest(providers=("CUDAExecutionProvider",)), digest(frontend={"padding": "repeat"}),
-              digest(clips=[ClipRecord(id="b", audio=audio, captions={}, split="test")])]
+    others = [digest(providers=("CUDAExecutionProvider",)), digest(frontend={"padding": "repeat"}),
+              digest(precision="fp16")]
     (tmp_path / "audio_encoder.onnx.data").write_bytes(b"weights")  # external data counts
     others.append(digest())
-    audio.write_bytes(b"RIFF00001")
-    others.append(digest())
     assert len({first, *others}) == 1 + len(others)
+
+    key = content_key(audio)
+    os.utime(audio, ns=(0, 10**18))
+    (tmp_path / "b.wav").write_bytes(audio.read_bytes())
+    assert content_key(audio) == key == content_key(tmp_path / "b.wav")  # mtime and name: same key
+    big = tmp_path / "big.wav"
+    body = bytearray(np.random.default_rng(0).bytes(300_000))
+    big.write_bytes(bytes(body))
+    before = content_key(big)
+    body[-1] ^= 1  # the last byte changed
+    big.write_bytes(bytes(body))
+    assert content_key(big) != before

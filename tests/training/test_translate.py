@@ -612,6 +612,25 @@ def test_cache_key_follows_the_weights(tmp_path: Path) -> None:
     cache.close()
 
 
+def test_cache_key_follows_every_option_that_changes_an_output(tmp_path: Path) -> None:
+    """Issue 49: ``--lang-code zho=zh_Hant`` (another target code), another source language and, for an
+    endpoint, another language name give other cache keys; a code given for another language does not."""
+    from training.data.translate import Seq2SeqTranslator
+
+    folder = tmp_path / "m2m100"
+    _save_m2m100(folder)
+
+    def key(**options: Any) -> str:
+        return Seq2SeqTranslator({"*": folder}, max_new_tokens=3, **options).key_for("zho")
+
+    plain = key()
+    assert key(lang_codes={"zho": "zh_Hant"}) != plain != key(source="fra")
+    assert key(lang_codes={"deu": "de"}) == plain
+    chat = ChatTranslator("http://127.0.0.1:9/v1/chat/completions", model="m", lang_names={"zho": "Traditional Chinese"})
+    assert chat.key_for("zho") != chat.key_for("deu") == ChatTranslator(
+        "http://127.0.0.1:9/v1/chat/completions", model="m").key_for("deu")
+
+
 def test_m2m100_forces_the_target_language_token(tmp_path: Path) -> None:
     from index.errors import DataError
     from training.data.translate import Seq2SeqTranslator

@@ -216,14 +216,18 @@ class Seq2SeqTranslator:
         raise DataError(f"--model: no model folder for {target} (give {target}=FOLDER or one many-to-many folder)")
 
     def key_for(self, target: str) -> str:
-        """Cache key of one target language: only that language's model counts."""
+        """Cache key of one target language: only that language's model counts, and every option that
+        changes its output — the model, beams, token budget, CTranslate2 precision, a ``--lang-code``
+        override of the target's code and a source language other than English (issue 49)."""
         lang = target if target in self.models else "*"
         folder = self.folder(target)
         ct2 = f"|ct2={self.compute_type}" if (folder / "model.bin").is_file() else ""
         if folder not in self._fingerprints:
             self._fingerprints[folder] = _fingerprint(folder, self.digest)
+        code = f"|code={self.lang_codes[target]}" if target in self.lang_codes else ""
+        source = f"|src={self.source}" if self.source != ENGLISH else ""
         return (f"seq2seq|{self.families[lang]}:{self._fingerprints[folder]}|beams={self.beams}"
-                f"|max_new_tokens={self.max_new_tokens}{ct2}")
+                f"|max_new_tokens={self.max_new_tokens}{ct2}{code}{source}")
 
     def _load(self, folder: Path) -> tuple[Any, Any, bool]:
         if self._loaded is not None and self._loaded[0] == folder:
@@ -382,7 +386,8 @@ class ChatTranslator:
         return self._concurrency
 
     def key_for(self, target: str) -> str:
-        return self._key
+        """The endpoint, model, temperature and prompt, and a ``--lang-code`` name of the target (the prompt's)."""
+        return self._key + (f"|name={self.lang_names[target]}" if target in self.lang_names else "")
 
     def _post(self, messages: list[dict[str, str]]) -> str:
         import httpx

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from index.bundle import MomentsInfo
+from index.bundle import AudioFrontendInfo, MomentsInfo
 from index.errors import BundleError
 from index.moments import MomentParams, moments_from_scores, window_spans
 
@@ -31,6 +31,9 @@ WINDOWS_FILE = "moments/windows.npy"
 SPANS_FILE = "moments/spans.npy"
 HOP_FRACTION = 0.5
 """Windows overlap by half: the hop is half the model's window."""
+LONG_RECORDING_WINDOWS = 2
+"""A recording is *long* (indexed as windows) when it lasts more than this many windows; a shorter
+one is found by its clip vector, and is at most two windows long anyway."""
 ENCODE_BATCH = 16
 
 
@@ -137,12 +140,16 @@ def index_recordings(
     paths: Sequence[Path], *, sample_rate: int, window_samples: int,
     decode: Callable[[Path, int], np.ndarray], encode: Callable[[Sequence[np.ndarray]], np.ndarray],
 ) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """``(row, spans, vectors)`` of every recording among ``paths`` (row i = paths[i]) longer than a window."""
+    """``(row, spans, vectors)`` of every long recording among ``paths`` (row i = paths[i]); the
+    others are not decoded when their header tells their length."""
     hop = max(1, int(round(window_samples * HOP_FRACTION)))
     found = []
     for row, path in enumerate(paths):
+        seconds = _header_seconds(path)
+        if seconds is not None and seconds * sample_rate <= LONG_RECORDING_WINDOWS * window_samples:
+            continue
         wave = decode(path, sample_rate)
-        if wave.shape[0] > window_samples:
+        if wave.shape[0] > LONG_RECORDING_WINDOWS * window_samples:
             spans, vectors = embed_windows(wave, sample_rate=sample_rate, window_samples=window_samples,
                                            hop_samples=hop, encode=encode)
             found.append((row, spans, vectors))
@@ -157,3 +164,39 @@ def write_bundle_windows(
     hop = max(1, int(round(window_samples * HOP_FRACTION)))
     return MomentsInfo(windows_file=WINDOWS_FILE, spans_file=SPANS_FILE, window_seconds=window_samples / sample_rate,
                        hop_seconds=hop / sample_rate, n_windows=n_windows, n_recordings=n_recordings)
+
+
+def _header_seconds(path: Path) -> float | None:
+    """The duration a file's header declares (None: unknown, decode it to know)."""
+    import soundfile as sf
+
+    try:
+        info = sf.info(str(path))
+    except Exception:  # noqa: BLE001 - not readable by libsndfile: the decoder says why
+        return None
+    return float(info.frames) / info.samplerate if info.frames > 0 and info.samplerate > 0 else None
+
+
+def export_windows(
+    staging: Path, paths: Sequence[Path], *, encoder_file: str, sample_rate: int, clip_samples: int, embed_dim: int,
+    frontend: AudioFrontendInfo | None, providers: Sequence[str],
+) -> MomentsInfo | None:
+    """Windows of the long recordings among a catalogue's ``paths`` (row i = paths[i]), embedded by the
+    bundle's staged audio encoder and written into ``staging``; None when there is none."""
+    from index.audio import decode_audio
+    from index.loader import AUDIO_INPUTS, OnnxEncoder, encode_clips
+
+    encoder = OnnxEncoder.load(staging / encoder_file, inputs=AUDIO_INPUTS, embed_dim=embed_dim,
+                               providers=list(providers), threads=None)
+
+    def encode(waves: Sequence[np.ndarray]) -> np.ndarray:
+        return encode_clips(encoder, waves, clip_samples=clip_samples, embed_dim=embed_dim, frontend=frontend)
+
+    def decode(path: Path, rate: int) -> np.ndarray:
+        return decode_audio(path, sample_rate=rate)
+
+    windows = index_recordings(paths, sample_rate=sample_rate, window_samples=clip_samples, decode=decode,
+                               encode=encode)
+    if not windows:
+        return None
+    return write_bundle_windows(staging, windows, sample_rate=sample_rate, window_samples=clip_samples)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from index.bundle import AudioFrontendInfo, MomentsInfo
+from index.bundle import MomentsInfo
 from index.errors import BundleError
 from index.moments import MomentParams, moments_from_scores, window_spans
 
@@ -176,27 +176,3 @@ def _header_seconds(path: Path) -> float | None:
         return None
     return float(info.frames) / info.samplerate if info.frames > 0 and info.samplerate > 0 else None
 
-
-def export_windows(
-    staging: Path, paths: Sequence[Path], *, encoder_file: str, sample_rate: int, clip_samples: int, embed_dim: int,
-    frontend: AudioFrontendInfo | None, providers: Sequence[str],
-) -> MomentsInfo | None:
-    """Windows of the long recordings among a catalogue's ``paths`` (row i = paths[i]), embedded by the
-    bundle's staged audio encoder and written into ``staging``; None when there is none."""
-    from index.audio import decode_audio
-    from index.loader import AUDIO_INPUTS, OnnxEncoder, encode_clips
-
-    encoder = OnnxEncoder.load(staging / encoder_file, inputs=AUDIO_INPUTS, embed_dim=embed_dim,
-                               providers=list(providers), threads=None)
-
-    def encode(waves: Sequence[np.ndarray]) -> np.ndarray:
-        return encode_clips(encoder, waves, clip_samples=clip_samples, embed_dim=embed_dim, frontend=frontend)
-
-    def decode(path: Path, rate: int) -> np.ndarray:
-        return decode_audio(path, sample_rate=rate)
-
-    windows = index_recordings(paths, sample_rate=sample_rate, window_samples=clip_samples, decode=decode,
-                               encode=encode)
-    if not windows:
-        return None
-    return write_bundle_windows(staging, windows, sample_rate=sample_rate, window_samples=clip_samples)

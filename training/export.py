@@ -55,7 +55,7 @@ from index.loader import (
     encode_texts,
     encode_waveforms,
 )
-from index.moment_index import export_windows
+from index.moment_export import export_windows
 from index.ray_embed import RayOptions, decode_whole, embed_audio_files, embed_captions
 from index.report import METRIC_CONVENTION
 from index.tokenizer import TextTokenizer

@@ -127,3 +127,30 @@ def test_a_known_event_is_found_at_its_time_through_http_on_milvus(
     require_milvus()
     assert tonearm_main(["bundle", "publish", str(moment_bundles / "walks"), "--milvus-uri", milvus_uri]) == 0
     _check_service(create_app(_settings(moment_bundles, index_backend="milvus", milvus_uri=milvus_uri)), long_recording)
+
+
+def test_the_demo_page_shows_the_moments_on_a_timeline_and_plays_from_start(
+    moment_bundles: Path, long_recording: dict, uvicorn_runner, tmp_path: Path
+) -> None:
+    from tests.service.test_demo_page import CHROMIUM, _screenshots, _watched_page
+
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("chromium is not installed (scripts/ensure-chromium.sh)")
+    with uvicorn_runner(create_app(_settings(moment_bundles))) as server, playwright_api.sync_playwright() as p:
+        server.wait_ready()
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--mute-audio"])
+        page, problems = _watched_page(browser, server.url)
+        page.goto(server.url + "/")
+        page.fill("#moment-query", long_recording["caption"])
+        page.click("#moments-button")
+        page.wait_for_selector("#moments li .timeline .mark.current")
+        first = page.locator("#moments li").first
+        assert "walk.wav" in first.inner_text()
+        start = float(page.evaluate("() => document.querySelector('#moments li audio').currentTime"))
+        label = first.locator("button").inner_text()  # "Play from m:ss.s"
+        minutes, seconds = label.removeprefix("Play from ").split(":")
+        assert start == pytest.approx(60 * int(minutes) + float(seconds), abs=0.06)
+        page.screenshot(path=str(_screenshots(tmp_path) / "5-moments.png"), full_page=True)
+        browser.close()
+        assert problems == []

@@ -237,6 +237,9 @@ class MomentsInfo(_Frozen):
     hop_seconds: float = Field(gt=0)
     n_windows: int = Field(ge=0)
     n_recordings: int = Field(ge=0)
+    heldout: dict[str, float] | None = None
+    """The sliding-window baseline's moment report (docs/metrics.md, "Moments") on the held-out split's
+    recordings with moments in the data manifest; None when it has none."""
 
 
 class BundleManifest(_Frozen):

@@ -636,8 +636,9 @@ class Searcher:
     def heldout_report(self) -> HeldoutReport:
         """The bundle's own held-out report: from its manifest, else computed once from its eval set."""
         evaluation = getattr(getattr(self.bundle, "manifest", None), "evaluation", None)
-        if evaluation is not None and evaluation.report:
-            return HeldoutReport(dict(evaluation.report), str(evaluation.convention), "manifest")
+        moments = getattr(getattr(getattr(self.bundle, "manifest", None), "moments", None), "heldout", None) or {}
+        if evaluation is not None and evaluation.report:  # with the moment report's keys (moment_*), if any
+            return HeldoutReport({**evaluation.report, **moments}, str(evaluation.convention), "manifest")
         if getattr(getattr(self.bundle, "manifest", None), "eval_set", True) is None:
             raise ServiceError(
                 "no-heldout-set",

@@ -408,7 +408,9 @@ def export_bundle(
         sections["moments"] = export_windows(  # long recordings as windows (SPEC §19, docs/bundle.md "Moments")
             staging, [r.audio for r in records], encoder_file=sections["audio_encoder"].file,
             sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples_of(cfg), embed_dim=cfg.model.embed_dim,
-            frontend=checkpoint_audio_frontend(cfg, ckpt.model), providers=providers)
+            frontend=checkpoint_audio_frontend(cfg, ckpt.model), providers=providers,
+            heldout=[r for r in all_records if r.split == split and r.moments], languages=list(cfg.data.languages),
+            text_files=(sections["text_encoder"].file, sections["tokenizer"].file))
         manifest_model = fmt.BundleManifest(
             bundle_id=bundle_id,
             created=created.isoformat().replace("+00:00", "Z"),

@@ -356,7 +356,8 @@ def export_pretrained_bundle(
         sections["moments"] = export_windows(  # long recordings as windows (SPEC §19, docs/bundle.md "Moments")
             staging, [r.audio for r in records], encoder_file=sections["audio_encoder"].file,
             sample_rate=s.sample_rate, clip_samples=s.clip_samples, embed_dim=dim, frontend=frontend_info(clap),
-            providers=providers)
+            providers=providers, heldout=[r for r in all_records if r.split == split and r.moments], languages=langs,
+            text_files=(sections["text_encoder"].file, sections["tokenizer"].file))
         body = fmt.BundleManifest(
             bundle_id=bundle_id,
             created=created.isoformat().replace("+00:00", "Z"),

@@ -69,5 +69,11 @@ def test_evaluate_moments_reports_each_language_with_one_query_per_caption(expor
             assert 0.0 <= report[f"moment_{metric}_{lang}"] <= 1.0
     assert report["moment_R1@0.7_mean"] <= report["moment_R1@0.5_mean"]
     assert "| eng | 3 |" in (out / "moments.md").read_text() and "| eng | 3 |" in capsys.readouterr().out
+    # the bundle's held-out report (the long recording is in the test split): the same numbers, measured
+    # at export with the staged encoders
+    heldout = read_manifest(exported["bundle"]).moments.heldout
+    assert heldout is not None and set(heldout) == set(report)
+    for key, value in report.items():
+        assert heldout[key] == pytest.approx(value, abs=1e-6), key
     assert tonearm_main(["evaluate", str(exported["manifest"].parent), "--data", str(exported["manifest"]),
                          "--moments"]) == 2  # not a bundle: export first

@@ -20,7 +20,7 @@ import soundfile as sf
 from index.audio import decode_audio
 from index.bundle import read_manifest
 from service.app import create_app
-from tests.service.conftest import make_settings, running_client
+from tests.service.conftest import ADMIN, make_settings, running_client
 from tests.service.test_routes import assert_problem
 from tonearm.cli import main as tonearm_main
 from training.data.manifest import load_manifest
@@ -111,10 +111,28 @@ def test_a_known_event_is_found_at_its_time_through_http_on_faiss(moment_bundles
     _check_service(create_app(_settings(moment_bundles)), long_recording)
 
 
-def test_a_bundle_without_windows_answers_409(tiny_bundle: Path) -> None:
+def test_a_bundle_without_windows_answers_409_until_a_long_recording_is_added(
+    tiny_bundle: Path, long_recording: dict, tmp_path: Path
+) -> None:
     app = create_app(make_settings(bundles_dir=tiny_bundle.parent, bundle=tiny_bundle.name,
-                                   gate_metric="t2a_mAP@10_mean"))
+                                   gate_metric="t2a_mAP@10_mean", items_dir=tmp_path / "items"))
     with running_client(app) as client:
+        assert_problem(client.post("/v1/search/moments", json={"query": "a dog barks"}), 409, "no-moment-index")
+        wav = (long_recording["folder"] / "walk.wav").read_bytes()
+        r = client.post("/v1/items", headers=ADMIN, data={"id": "added-walk", "metadata": json.dumps({"kind": "walk"})},
+                        files={"file": ("walk.wav", wav, "audio/wav")})
+        assert r.status_code == 201, r.text
+        r = client.post("/v1/search/moments/audio", content=long_recording["snippet"],
+                        headers={"content-type": "audio/wav"}, params={"k": 2})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["hits"][0]["id"] == "added-walk"
+        _assert_found([{**h, "id": "walk.wav"} for h in body["hits"]], long_recording["span"], body["window_seconds"])
+        gone = client.post("/v1/search/moments/audio", content=long_recording["snippet"],
+                           headers={"content-type": "audio/wav"},
+                           params={"filter": json.dumps({"kind": {"eq": "other"}})})
+        assert gone.status_code == 200 and gone.json()["hits"] == []
+        assert client.delete("/v1/items/added-walk", headers=ADMIN).status_code == 200
         assert_problem(client.post("/v1/search/moments", json={"query": "a dog barks"}), 409, "no-moment-index")
 
 

@@ -83,7 +83,6 @@ class ItemStore:
                         raise
                     continue
                 searcher.items = overlay  # type: ignore[attr-defined]
-                searcher.items_audio = self.log.stored_audio  # type: ignore[attr-defined]  # moment windows
                 return overlay
         raise AssertionError("unreachable")
 

@@ -216,8 +216,6 @@ class Searcher:
         )
         """Items added through the API (service.items keeps it in step with the log); replaced whole."""
         self.items_lock = threading.Lock()
-        self.items_audio: Callable[[str], Path | None] | None = None
-        """Stored audio of an added item by its name (set by service.items): for the moment windows."""
         self._item_windows: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
         self._item_windows_lock = threading.Lock()
 
@@ -565,14 +563,16 @@ class Searcher:
     # ------------------------------------------------------------------ moments (SPEC §19)
 
     def search_moments(
-        self, embedding: np.ndarray, *, k: int, min_score: float | None = None, clip_filter: ClipFilter | None = None
+        self, embedding: np.ndarray, *, k: int, min_score: float | None = None, clip_filter: ClipFilter | None = None,
+        stored_audio: Callable[[str], Path | None] | None = None,
     ) -> list[MomentResult]:
         """Top-``k`` moments of the bundle's long recordings for one query vector (text or audio),
-        best first (:mod:`index.moment_index`); ``no-moment-index`` when the bundle has none."""
+        best first (:mod:`index.moment_index`); ``no-moment-index`` when the bundle has none.
+        ``stored_audio``: the item log's file of an added item's audio (its long recordings join in)."""
         opener = getattr(self.bundle, "moment_windows", None)
         windows = opener() if callable(opener) else None
         items = clip_filter.items if clip_filter is not None and clip_filter.items is not None else self.items
-        added = self._added_windows(items) if items.size else None
+        added = self._added_windows(items, stored_audio) if items.size and stored_audio is not None else None
         if windows is None and added is None:
             raise ServiceError("no-moment-index", f"bundle {self.bundle_id} indexes no recording longer than "
                                "two windows: build it with `tonearm index` or `tonearm export` from long recordings, "
@@ -593,11 +593,9 @@ class Searcher:
             results.sort(key=lambda r: -r.score)
         return results[:k]
 
-    def _added_windows(self, items: ItemOverlay) -> WindowIndex | None:
+    def _added_windows(self, items: ItemOverlay, stored_audio: Callable[[str], Path | None]) -> WindowIndex | None:
         """The windows of the live added items that are long recordings, embedded on first use (each
         item's stored audio once per bundle: the cache is keyed by id and content)."""
-        if self.items_audio is None:
-            return None
         window = int(self.bundle.clip_samples)  # type: ignore[attr-defined]
         rate = int(self.bundle.sample_rate)
         rows, spans, vectors = [], [], []
@@ -606,7 +604,7 @@ class Searcher:
                 item = items.items[int(row)]
                 key = (item.id, item.audio)
                 if key not in self._item_windows:
-                    path = self.items_audio(item.audio)
+                    path = stored_audio(item.audio)
                     wave = decode_audio(path, sample_rate=rate) if path is not None and path.is_file() else np.zeros(0)
                     found = (embed_windows(wave, sample_rate=rate, window_samples=window,
                                            hop_samples=max(1, round(window * HOP_FRACTION)), encode=self.bundle.encode_audio)

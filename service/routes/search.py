@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import asdict
+from pathlib import Path as PathType
 from typing import Annotated, Any
 
 import numpy as np
@@ -304,8 +305,16 @@ def _moments_response(searcher: Searcher, hits: list[MomentResult], **fields: An
     )
 
 
+def _stored_audio(request: Request) -> Callable[[str], PathType | None] | None:
+    """The item log's lookup of an added item's stored audio (None: no item store)."""
+    store = request.app.state.tonearm.items
+    return store.log.stored_audio if store is not None else None
+
+
 @router.post("/moments", responses=problem_responses(400, 409, 415, 422, 503, 504))
-async def search_moments(body: MomentSearchRequest, searcher: SearcherDep, pool: PoolDep) -> MomentSearchResponse:
+async def search_moments(
+    body: MomentSearchRequest, searcher: SearcherDep, pool: PoolDep, request: Request
+) -> MomentSearchResponse:
     """Where in the catalogue's long recordings a text query happens: ranked `{id, start, end, score}`.
 
     Each recording longer than the model's window is indexed as windows; the query scores every
@@ -318,7 +327,8 @@ async def search_moments(body: MomentSearchRequest, searcher: SearcherDep, pool:
         text = searcher.normalized(body.query)
         clip_filter = searcher.clip_filter(body.filter)
         embedding = searcher.embed_texts([text])[0]
-        return searcher.search_moments(embedding, k=body.k, min_score=body.min_score, clip_filter=clip_filter)
+        return searcher.search_moments(embedding, k=body.k, min_score=body.min_score, clip_filter=clip_filter,
+                                       stored_audio=_stored_audio(request))
 
     hits = await pool.run(run)
     return _moments_response(searcher, hits, query=body.query, lang=body.lang)
@@ -344,7 +354,8 @@ async def search_moments_audio(
 
     def run() -> list[MomentResult]:
         embedding = np.asarray(searcher.bundle.encode_audio([audio.waveform]), dtype=np.float32)[0]
-        return searcher.search_moments(embedding, k=k, min_score=min_score, clip_filter=clip_filter)
+        return searcher.search_moments(embedding, k=k, min_score=min_score, clip_filter=clip_filter,
+                                       stored_audio=_stored_audio(request))
 
     hits = await pool.run(run)
     return _moments_response(searcher, hits, duration_seconds=audio.duration_seconds)

@@ -67,6 +67,10 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--noise", type=_noise_fraction, default=0.0, metavar="P",
                    help="replace a fraction P in [0, 1) of the training captions with other clips' "
                         "(noisy correspondences; recorded in each clip's meta.noisy_captions)")
+    p.add_argument("--moments", action="store_true",
+                   help="long recordings with captioned moments and exact boundaries (docs/corpus.md, Moments)")
+    p.add_argument("--bed-seconds", type=float, nargs=2, metavar=("MIN", "MAX"), default=None,
+                   help="with --moments: recording lengths in seconds (default: the size's; 1-10 min: 60 600)")
     p.set_defaults(handler=_lazy("training.data.synth:cli_synth", "train"))
 
 

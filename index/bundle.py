@@ -226,6 +226,19 @@ class CataloguePassInfo(_Frozen):
     """The gate the pass held each encoder to."""
 
 
+class MomentsInfo(_Frozen):
+    """Window embeddings of the recordings longer than one window (SPEC §19, :mod:`index.moment_index`)."""
+
+    windows_file: str
+    """``(W, d)`` float32, L2-normalized window vectors, grouped by recording in time order."""
+    spans_file: str
+    """``(W, 3)`` float64: the recording's row in ``audio_ids.jsonl``, start and end in seconds."""
+    window_seconds: float = Field(gt=0)
+    hop_seconds: float = Field(gt=0)
+    n_windows: int = Field(ge=0)
+    n_recordings: int = Field(ge=0)
+
+
 class BundleManifest(_Frozen):
     """Schema of ``manifest.json`` (docs/bundle.md)."""
 
@@ -259,6 +272,8 @@ class BundleManifest(_Frozen):
     """Set when the vectors live only in Milvus (no FAISS file); None: the bundle's own index."""
     catalogue_pass: CataloguePassInfo | None = None
     """Set when the catalogue was embedded in fp16 (`--precision fp16`); None: by the encoders as stored."""
+    moments: MomentsInfo | None = None
+    """Set when the catalogue's long recordings are indexed as windows; None: clips only."""
     files: dict[str, FileEntry]
     manifest_sha256: str = _ZERO_HASH
     """sha256 of this file's bytes with this value replaced by 64 zeros."""

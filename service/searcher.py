@@ -154,6 +154,17 @@ class AudioHit:
 
 
 @dataclass(frozen=True)
+class MomentResult:
+    """A moment of a catalogue recording: seconds from its start, and the cosine of its best window."""
+
+    id: str
+    start: float
+    end: float
+    score: float
+    uri: str | None
+
+
+@dataclass(frozen=True)
 class CaptionHit:
     clip_id: str
     lang: str
@@ -544,6 +555,34 @@ class Searcher:
         embedding = np.asarray(self.bundle.encode_audio([waveform]), dtype=np.float32)
         scores, rows = self.search_clips(embedding, k, items, clip_filter)
         return self._audio_hits(scores[0], rows[0], min_score=min_score, include_captions=False, items=items)
+
+    # ------------------------------------------------------------------ moments (SPEC §19)
+
+    def search_moments(
+        self, embedding: np.ndarray, *, k: int, min_score: float | None = None, clip_filter: ClipFilter | None = None
+    ) -> list[MomentResult]:
+        """Top-``k`` moments of the bundle's long recordings for one query vector (text or audio),
+        best first (:mod:`index.moment_index`); ``no-moment-index`` when the bundle has none."""
+        opener = getattr(self.bundle, "moment_windows", None)
+        windows = opener() if callable(opener) else None
+        if windows is None:
+            raise ServiceError("no-moment-index", f"bundle {self.bundle_id} indexes no recording longer than "
+                               "its window: build it with `tonearm index` or `tonearm export` from long recordings")
+        items = clip_filter.items if clip_filter is not None and clip_filter.items is not None else self.items
+        mask = items.bundle_mask(clip_filter.allowed if clip_filter is not None else None)
+        hits = windows.search(np.asarray(embedding, dtype=np.float32).reshape(-1), k, allowed_rows=mask,
+                              min_score=min_score)
+        results = []
+        for hit in hits:
+            item = self.bundle.audio_items[hit.row]
+            results.append(MomentResult(id=str(item["id"]), start=round(hit.start, 3), end=round(hit.end, 3),
+                                        score=hit.score, uri=item.get("uri")))
+        return results
+
+    def moment_resolution(self) -> tuple[float, float]:
+        """``(window, hop)`` seconds of the bundle's moment windows."""
+        info = self.bundle.manifest.moments  # type: ignore[attr-defined]
+        return float(info.window_seconds), float(info.hop_seconds)
 
     def clip_vector(self, row: int) -> np.ndarray:
         """One clip's stored vector (the audio index's own, as every search scores it)."""

@@ -135,7 +135,11 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", required=True, help="JSONL manifest")
     p.add_argument("--split", default="test")
     p.add_argument("--out", help="report directory (default: CHECKPOINT/eval-SPLIT)")
-    p.set_defaults(handler=_lazy("training.evaluate:cli_evaluate", "train"))
+    p.add_argument("--moments", action="store_true",
+                   help="moment retrieval in the manifest's long recordings (Recall1@0.5/0.7, mAP@[0.5:0.95] per "
+                   "language; docs/metrics.md): CHECKPOINT is then a bundle directory")
+    clips, moments = _lazy("training.evaluate:cli_evaluate", "train"), _lazy("training.moment_evaluate:cli_evaluate_moments", "train")
+    p.set_defaults(handler=lambda args: moments(args) if args.moments else clips(args))
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:

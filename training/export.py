@@ -55,6 +55,7 @@ from index.loader import (
     encode_texts,
     encode_waveforms,
 )
+from index.moment_export import export_windows
 from index.ray_embed import RayOptions, decode_whole, embed_audio_files, embed_captions
 from index.report import METRIC_CONVENTION
 from index.tokenizer import TextTokenizer
@@ -404,6 +405,10 @@ def export_bundle(
             precision=precision,
             partial=partial, chunk_files=chunk_files,
         )
+        sections["moments"] = export_windows(  # long recordings as windows (SPEC §19, docs/bundle.md "Moments")
+            staging, [r.audio for r in records], encoder_file=sections["audio_encoder"].file,
+            sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples_of(cfg), embed_dim=cfg.model.embed_dim,
+            frontend=checkpoint_audio_frontend(cfg, ckpt.model), providers=providers)
         manifest_model = fmt.BundleManifest(
             bundle_id=bundle_id,
             created=created.isoformat().replace("+00:00", "Z"),

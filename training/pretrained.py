@@ -52,6 +52,7 @@ from index.loader import (
     encode_texts,
     encode_waveforms,
 )
+from index.moment_export import export_windows
 from index.ray_embed import RayOptions, decode_whole, embed_audio_files, embed_captions
 from index.report import METRIC_CONVENTION
 from training.bundle_parts import (
@@ -352,6 +353,10 @@ def export_pretrained_bundle(
                           quantize=quantize, providers=providers, ray=ray, partial=partial, chunk_files=chunk_files,
                           precision=precision)
         s = clap.settings
+        sections["moments"] = export_windows(  # long recordings as windows (SPEC §19, docs/bundle.md "Moments")
+            staging, [r.audio for r in records], encoder_file=sections["audio_encoder"].file,
+            sample_rate=s.sample_rate, clip_samples=s.clip_samples, embed_dim=dim, frontend=frontend_info(clap),
+            providers=providers)
         body = fmt.BundleManifest(
             bundle_id=bundle_id,
             created=created.isoformat().replace("+00:00", "Z"),

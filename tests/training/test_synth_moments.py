@@ -66,7 +66,7 @@ def test_boundaries_are_the_audio_energy(corpus: Path) -> None:
     checked = 0
     for row in _rows(corpus):
         rms, floor = _frame_rms(corpus.parent / row["audio"])
-        moments, duration = row["meta"]["moments"], row["meta"]["duration"]
+        moments, duration = row["moments"], row["meta"]["duration"]
         assert abs(rms.size * FRAME - duration) < 0.02
         for m in moments:
             assert 0 <= m["start"] < m["end"] <= duration
@@ -85,11 +85,13 @@ def test_manifest_moments_captions_and_splits(corpus: Path) -> None:
     records = load_manifest(corpus, languages=DEFAULT_LANGUAGES)
     assert {r.split for r in records} == {"train", "val", "test"}
     overlapping = 0
-    for row in rows:
-        moments = row["meta"]["moments"]
-        assert [m["caption"] for m in moments] == list(range(len(moments)))
-        for lang in DEFAULT_LANGUAGES:  # one caption per moment in each of the eight languages
-            assert len(row["captions"][lang]) == len(moments)
+    for row, record in zip(rows, records, strict=True):
+        moments = row["moments"]
+        assert len(record.moments) == len(moments) == len(row["meta"]["moment_events"]) >= 1
+        for i, m in enumerate(moments):  # one caption per moment in each of the eight languages
+            assert sorted(m["captions"]) == sorted(DEFAULT_LANGUAGES)
+            for lang in DEFAULT_LANGUAGES:
+                assert m["captions"][lang] == [row["captions"][lang][i]]
         spans = sorted((m["start"], m["end"]) for m in moments)
         overlapping += sum(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False))
     assert overlapping >= 1  # "overlapping sometimes"

@@ -18,10 +18,11 @@ reverberant tail or a quiet first bark never leaves energy outside its span.
 The test reads the rendered WAV's energy, not this bookkeeping
 (tests/training/test_synth_moments.py).
 
-Manifest (docs/corpus.md, "Moments"): one line per recording; ``captions`` holds
-the moments' captions; ``meta.moments`` = ``[{"caption": i, "start": s, "end": e,
-"labels": [...], "relation": r}]`` in seconds, ``meta.duration`` the recording's
-length. Determinism as in :mod:`training.data.synth`: plans from
+Manifest: the moments schema of docs/corpus.md ("Moments: long recordings"): one
+line per recording, ``moments`` = ``[{"start", "end", "captions": {lang: [one caption]}}]``
+in seconds, the clip's own ``captions`` = the moments' captions (position i = moment i);
+``meta.duration`` the recording's length, ``meta.moment_events`` what each moment holds
+(labels, relation), ``meta.bed_db`` the bed level. Determinism as in :mod:`training.data.synth`: plans from
 ``(seed, 5, i)``, audio from ``(seed, 6, i)``; byte-identical for a seed.
 """
 
@@ -40,7 +41,7 @@ import numpy as np
 import soundfile as sf
 
 from index.languages import DEFAULT_LANGUAGES
-from training.data.manifest import ClipRecord, write_manifest
+from training.data.manifest import ClipRecord, MomentRecord, write_manifest
 from training.data.synth import (
     CLASSES,
     EVENT_LEVEL,
@@ -253,10 +254,10 @@ def plan_moment_corpus(*, size: str, seed: int, out_dir: Path,
 
 
 def moment_meta(job: RecordingJob, spans: Sequence[tuple[float, float] | None]) -> dict[str, Any]:
-    moments = [{"caption": i, "start": span[0], "end": span[1],
-                "labels": [e.label for e in m.scene.events], "relation": m.scene.relation}
-               for i, (m, span) in enumerate(zip(job.moments, spans, strict=True)) if span is not None]
-    return {"duration": job.duration, "bed_db": job.bed_db, "moments": moments, "kind": "moments"}
+    """``meta`` of a recording: its length, bed level and what each (audible) moment holds."""
+    events = [{"labels": [e.label for e in m.scene.events], "relation": m.scene.relation}
+              for m, span in zip(job.moments, spans, strict=True) if span is not None]
+    return {"duration": job.duration, "bed_db": job.bed_db, "moment_events": events, "kind": "moments"}
 
 
 def generate_moment_corpus(*, size: str, seed: int, out_dir: Path, workers: int | None = None,
@@ -292,14 +293,13 @@ def generate_moment_corpus(*, size: str, seed: int, out_dir: Path, workers: int 
         if not keep:
             log.warning("%s: no audible moment; left out of the manifest", job.path)
             continue
-        meta = moment_meta(job, spans)
-        for new, entry in enumerate(meta["moments"]):
-            entry["caption"] = new  # inaudible moments (none seen so far) drop out with their captions
+        moments = [MomentRecord(span[0], span[1], {lang: [texts[i]] for lang, texts in captions.items()})
+                   for i, span in enumerate(spans) if span is not None]
         kept = {lang: [texts[i] for i in keep] for lang, texts in captions.items()}
-        records.append(ClipRecord(job.path.stem, job.path, kept, split, meta))
+        records.append(ClipRecord(job.path.stem, job.path, kept, split, moment_meta(job, spans), moments))
     manifest = out_dir / "manifest.jsonl"
     write_manifest(records, manifest)
     hours = sum(job.duration for job in jobs) / 3600
     log.info("wrote the %s moment corpus (seed %d; %d recordings, %.2f h, %d moments) to %s", size, seed,
-             len(records), hours, sum(len(r.meta["moments"]) for r in records), manifest)
+             len(records), hours, sum(len(r.moments) for r in records), manifest)
     return manifest

@@ -82,6 +82,7 @@ def main() -> None:
         base = moment_report([MomentQuery(e.language, e.truth, [tuple(m) for m in moments_from_scores(
             e.spans, e.windows @ e.text)]) for e in test], languages)
         heads = []
+        controls: list[dict[str, float]] = []
         train_seconds = []
         for seed in args.seeds:
             t1 = time.monotonic()
@@ -92,6 +93,11 @@ def main() -> None:
             model = MomentHeadModel.load(folder)
             heads.append(moment_report([MomentQuery(e.language, e.truth, [tuple(m) for m in model.moments(
                 e.spans, e.windows, e.text)]) for e in test], languages))
+            # control: the same head given another query's text (a head that only learned where and how
+            # long moments tend to be keeps its score; one that reads the text loses it)
+            shuffled = np.random.default_rng(seed).permutation(len(test))
+            controls.append(moment_report([MomentQuery(e.language, e.truth, [tuple(m) for m in model.moments(
+                e.spans, e.windows, test[j].text)]) for e, j in zip(test, shuffled, strict=True)], languages))
         recordings = {s: len([r for r in records if r.split == s]) for s in ("train", "test")}
         hours = {s: sum(r.meta["duration"] for r in records if r.split == s) / 3600 for s in ("train", "test")}
 
@@ -121,6 +127,9 @@ def main() -> None:
         h = stat(heads, f"moment_{key}_mean")
         lines.append(f"| {name} (mean of 8 languages) | {cell(b)} | {cell(h)} | {100 * (h[0] - b[0]):+.1f} | "
                      f"**{verdict(h, b)}** |")
+    lines += ["", "Control — the trained head given another query's text (shuffled): "
+              + ", ".join(f"{name} {cell(stat(controls, f'moment_{key}_mean'))}" for key, name in METRICS)
+              + " (what the head gets from where moments tend to be, without reading the query)."]
     lines += ["", "Per language (baseline → head, %):", "",
               "| language | " + " | ".join(name for _, name in METRICS) + " |", "|---|" + "---:|" * len(METRICS)]
     for lang in languages:

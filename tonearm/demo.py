@@ -194,41 +194,24 @@ def _build(root: Path, *, size: str | None = None, config: Path | None = None) -
 
 LONG_RECORDINGS = 3
 """Long recordings the demo bundle holds beside its clips, to try moment search on (docs/service.md)."""
-LONG_EVENTS = ((6.0, 0), (21.0, 1), (37.0, 2), (50.0, 3))
-"""(second, which test clip) of the events of each long recording; 64 s of quiet noise under them."""
-LONG_SECONDS = 64.0
+LONG_SECONDS = (60.0, 90.0)
+"""Their length: `tonearm synth --moments` beds of 1 to 1.5 min."""
 
 
 def add_long_recordings(manifest: Path, out_dir: Path) -> Path:
-    """A manifest of the corpus plus :data:`LONG_RECORDINGS` long recordings (split ``long``: never held
-    out) made of the corpus' test clips laid on a quiet noise bed, each clip a moment with its captions."""
-    import numpy as np
-    import soundfile as sf
+    """A manifest of the corpus plus :data:`LONG_RECORDINGS` long recordings of `tonearm synth --moments`
+    (seed 0; renamed ``long-1`` … and put in split ``long``, so they are never held out), each moment
+    with its captions in the eight languages."""
+    from dataclasses import replace
 
-    from index.audio import decode_audio
-    from training.data.manifest import ClipRecord, MomentRecord, read_manifest, write_manifest
+    from training.data.manifest import read_manifest, write_manifest
+    from training.data.synth_moments import generate_moment_corpus
 
     records = [record for _, record in read_manifest(manifest, languages=None)]
-    tests = [r for r in records if r.split == "test"]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    rate = 16000
-    long_records = []
-    for i in range(min(LONG_RECORDINGS, len(tests) // len(LONG_EVENTS))):
-        wave = rng.normal(0.0, 0.004, int(LONG_SECONDS * rate)).astype(np.float32)
-        moments, captions = [], {}
-        for at, which in LONG_EVENTS:
-            clip = tests[i * len(LONG_EVENTS) + which]
-            sound = decode_audio(clip.audio, sample_rate=rate)
-            start = int(at * rate)
-            wave[start : start + len(sound)] += sound[: len(wave) - start]
-            first = {lang: texts[:1] for lang, texts in clip.captions.items()}
-            moments.append(MomentRecord(at, round(at + len(sound) / rate, 3), first))
-            for lang, texts in first.items():
-                captions.setdefault(lang, []).extend(texts)
-        path = out_dir / f"long-{i + 1}.wav"
-        sf.write(path, np.clip(wave, -1.0, 1.0), rate)
-        long_records.append(ClipRecord(f"long-{i + 1}", path, captions, "long", {"duration": LONG_SECONDS}, moments))
+    long_manifest = generate_moment_corpus(size="tiny", seed=0, out_dir=out_dir, progress=False, seconds=LONG_SECONDS)
+    recordings = [record for _, record in read_manifest(long_manifest, languages=None) if record.split == "test"]
+    long_records = [replace(record, id=f"long-{i + 1}", split="long")
+                    for i, record in enumerate(recordings[:LONG_RECORDINGS])]
     out = manifest.parent / "manifest_with_long.jsonl"
     write_manifest([*records, *long_records], out)
     return out

@@ -233,6 +233,22 @@ class SkippedClip(_Frozen):
     reason: str
 
 
+class MomentsInfo(_Frozen):
+    """Window embeddings of the recordings longer than one window (SPEC §19, :mod:`index.moment_index`)."""
+
+    windows_file: str
+    """``(W, d)`` float32, L2-normalized window vectors, grouped by recording in time order."""
+    spans_file: str
+    """``(W, 3)`` float64: the recording's row in ``audio_ids.jsonl``, start and end in seconds."""
+    window_seconds: float = Field(gt=0)
+    hop_seconds: float = Field(gt=0)
+    n_windows: int = Field(ge=0)
+    n_recordings: int = Field(ge=0)
+    heldout: dict[str, float] | None = None
+    """The sliding-window baseline's moment report (docs/metrics.md, "Moments") on the held-out split's
+    recordings with moments in the data manifest; None when it has none."""
+
+
 class BundleManifest(_Frozen):
     """Schema of ``manifest.json`` (docs/bundle.md)."""
 
@@ -268,6 +284,10 @@ class BundleManifest(_Frozen):
     """Set when the catalogue was embedded in fp16 (`--precision fp16`); None: by the encoders as stored."""
     skipped_clips: list[SkippedClip] | None = None
     """Catalogue clips that could not be decoded, with the reason (not indexed); None: every clip was."""
+
+
+    moments: MomentsInfo | None = None
+    """Set when the catalogue's long recordings are indexed as windows; None: clips only."""
     files: dict[str, FileEntry]
     manifest_sha256: str = _ZERO_HASH
     """sha256 of this file's bytes with this value replaced by 64 zeros."""

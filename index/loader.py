@@ -331,6 +331,17 @@ class LoadedBundle:
         self._clip_rows: np.ndarray | None = None  # clip row of each caption row (filtered caption search)
         """The :class:`index.milvus_index.MilvusTarget` the vectors live in (None: FAISS in the bundle)."""
 
+    def moment_windows(self) -> Any:
+        """The :class:`index.moment_index.WindowIndex` of the long recordings (None: the bundle has none);
+        loaded on first use (the files were checksummed when the bundle was opened)."""
+        if self.manifest.moments is None:
+            return None
+        if getattr(self, "_moment_windows", None) is None:
+            from index.moment_index import WindowIndex
+
+            self._moment_windows = WindowIndex.load(self.path)
+        return self._moment_windows
+
     @property
     def onnx_providers(self) -> list[str]:
         """The onnxruntime providers the encoders run on, best first (both encoders share them)."""

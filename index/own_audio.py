@@ -66,6 +66,7 @@ from index.faiss_ondisk import build_and_save
 from index.file_metadata import find_metadata_file, read_file_metadata
 from index.half_precision import PROBE_CLIPS, Precision, check_precision_options, probe_waves
 from index.loader import AUDIO_INPUTS, LoadedBundle, device_providers, encode_clips
+from index.moment_index import index_recordings, write_bundle_windows
 from index.ray_embed import RayOptions, ray_options_from_args
 
 log = logging.getLogger(__name__)
@@ -157,8 +158,11 @@ def index_folder(
                 clip_ids, embeddings, skipped = _embed(bundle, audio_dir, files, progress=progress,
                                                        checkpoint=checkpoint, chunk_files=chunk_files, encode=encode,
                                                        options=pass_options, spec=spec)
+                windows = index_recordings([audio_dir / c for c in clip_ids], sample_rate=bundle.sample_rate,
+                                           window_samples=bundle.clip_samples, decode=decode_file, encode=encode)
         else:
             clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, audio_dir, files, ray)
+            windows = []  # long recordings' windows: in-process passes only (docs/bundle.md, "Moments")
     finally:
         bundle.close()
     if not clip_ids:
@@ -170,8 +174,10 @@ def index_folder(
             file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS, factory=built.spec.factory, dim=built.index.d,
             ntotal=built.index.ntotal, search_params=built.search_params, ann_recall_at_10=built.ann_recall_at_10,
         )
+        moments = (write_bundle_windows(staging, windows, sample_rate=manifest.sample_rate,
+                                        window_samples=manifest.clip_samples) if windows else None)
         path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index, metas=metas,
-                             catalogue_pass=catalogue_pass, skipped=skipped)
+                             catalogue_pass=catalogue_pass, skipped=skipped, moments=moments)
     if checkpoint is not None:
         checkpoint.remove()
     return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped)
@@ -181,7 +187,7 @@ def _write_bundle(
     staging: Path, source: Path, manifest: fmt.BundleManifest, audio_dir: Path, bundle_id: str,
     clip_ids: list[str], audio_index: fmt.IndexInfo, milvus_only: fmt.MilvusOnlyInfo | None = None,
     *, metas: dict[str, dict[str, Any]] | None = None, catalogue_pass: fmt.CataloguePassInfo | None = None,
-    skipped: Sequence[tuple[str, str]] = (),
+    skipped: Sequence[tuple[str, str]] = (), moments: fmt.MomentsInfo | None = None,
 ) -> Path:
     """Encoders, tokenizer, ids (with each clip's ``metas`` row as its ``metadata``) and manifest of the
     index-only bundle into ``staging``; publish it."""
@@ -201,6 +207,7 @@ def _write_bundle(
         "milvus_only": milvus_only,
         "catalogue_pass": catalogue_pass,  # this pass's, never the source bundle's
         "skipped_clips": [fmt.SkippedClip(id=rel, reason=reason) for rel, reason in skipped] or None,
+        "moments": moments,
     })
     return fmt.publish(staging, fmt.BundleManifest.model_validate(new.model_dump()))
 

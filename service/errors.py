@@ -35,6 +35,7 @@ PROBLEMS: dict[str, Problem] = {
     "audio-limits": Problem(422, "Audio exceeds the duration, sample-rate or channel limits"),
     "unauthorized": Problem(401, "Missing or wrong admin bearer token"),
     "no-caption-index": Problem(409, "The active bundle has no caption index (an index-only bundle from `tonearm index`)"),
+    "no-moment-index": Problem(409, "The active bundle indexes no long recording as windows (no moments to search)"),
     "no-heldout-set": Problem(409, "The active bundle has no held-out set (an index-only bundle from `tonearm index`)"),
     "bundle-not-found": Problem(404, "No bundle with this id in the bundles directory"),
     "bundle-invalid": Problem(422, "Bundle failed verification"),

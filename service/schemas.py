@@ -140,6 +140,40 @@ class SimilarResponse(BaseModel):
     hits: list[AudioHitOut] = Field(description="Clips by audio–audio cosine, best first; the clip itself excluded.")
 
 
+class MomentSearchRequest(_Request):
+    """One text query → ranked moments inside the catalogue's long recordings."""
+
+    query: str = Field(
+        min_length=1,
+        max_length=QUERY_MAX_CHARS,
+        pattern=NOT_BLANK,
+        description=f"Free text in any served language, 1–{QUERY_MAX_CHARS} characters after trimming.",
+        examples=["les cloches de l'église sonnent"],
+    )
+    lang: str | None = LANG_FIELD
+    k: HitCount = K_FIELD
+    min_score: Score | None = MIN_SCORE_FIELD
+    filter: ClipFilterField = FILTER_FIELD
+
+
+class MomentHitOut(BaseModel):
+    id: str = Field(description="The recording's clip id.", examples=["walk-017.wav"])
+    start: float = Field(description="Start of the moment, seconds from the recording's start.", examples=[12.5])
+    end: float = Field(description="End of the moment, seconds from the recording's start.", examples=[18.0])
+    score: float = Field(description="Cosine similarity of the query and the moment's best window.", examples=[0.42])
+    uri: str | None = Field(None, description="Recording location recorded at indexing, when known.")
+
+
+class MomentSearchResponse(BaseModel):
+    bundle_id: str
+    query: str | None = Field(None, description="The text query (absent for an audio snippet).")
+    lang: str | None = None
+    duration_seconds: float | None = Field(None, description="Decoded duration of the snippet (audio query).")
+    window_seconds: float = Field(description="The index's window: boundaries are resolved to about half of it.")
+    hop_seconds: float = Field(description="Seconds between the starts of consecutive windows.")
+    hits: list[MomentHitOut] = Field(description="Moments, best first; several may come from one recording.")
+
+
 class CaptionHitOut(BaseModel):
     clip_id: str = Field(examples=["synth-000123"])
     lang: str = Field(examples=["jpn"])

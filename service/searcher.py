@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,10 +18,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from index.audio import decode_audio
 from index.errors import IndexBackendError, IndexTimeout
 from index.filters import Filter, FilterError, MetadataTable, merged_fields, parse_filter
 from index.languages import ENGLISH
 from index.metrics import dis, gap, mean_rank_std, mean_rank_variance, t2a_ranks_from_embeddings
+from index.moment_index import HOP_FRACTION, LONG_RECORDING_WINDOWS, WindowIndex, embed_windows
 from index.overlay import ItemOverlay, merge_top_k
 from index.report import METRIC_CONVENTION
 from service.cache import (
@@ -154,6 +156,17 @@ class AudioHit:
 
 
 @dataclass(frozen=True)
+class MomentResult:
+    """A moment of a catalogue recording: seconds from its start, and the cosine of its best window."""
+
+    id: str
+    start: float
+    end: float
+    score: float
+    uri: str | None
+
+
+@dataclass(frozen=True)
 class CaptionHit:
     clip_id: str
     lang: str
@@ -210,6 +223,8 @@ class Searcher:
         self.cache_bundle = f"{self.bundle_id}.{manifest_sha[:16]}" if manifest_sha else self.bundle_id
         """The bundle's part of every cache key: its id and its manifest's hash (two bundles that
         reuse an id never share entries)."""
+        self._item_windows: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+        self._item_windows_lock = threading.Lock()
 
     # ------------------------------------------------------------------ filters
 
@@ -557,6 +572,72 @@ class Searcher:
         scores, rows = self.search_clips(embedding, k, items, clip_filter)
         return self._audio_hits(scores[0], rows[0], min_score=min_score, include_captions=False, items=items)
 
+    # ------------------------------------------------------------------ moments (SPEC §19)
+
+    def search_moments(
+        self, embedding: np.ndarray, *, k: int, min_score: float | None = None, clip_filter: ClipFilter | None = None,
+        stored_audio: Callable[[str], Path | None] | None = None,
+    ) -> list[MomentResult]:
+        """Top-``k`` moments of the bundle's long recordings for one query vector (text or audio),
+        best first (:mod:`index.moment_index`); ``no-moment-index`` when the bundle has none.
+        ``stored_audio``: the item log's file of an added item's audio (its long recordings join in)."""
+        opener = getattr(self.bundle, "moment_windows", None)
+        windows = opener() if callable(opener) else None
+        items = clip_filter.items if clip_filter is not None and clip_filter.items is not None else self.items
+        added = self._added_windows(items, stored_audio) if items.size and stored_audio is not None else None
+        if windows is None and added is None:
+            raise ServiceError("no-moment-index", f"bundle {self.bundle_id} indexes no recording longer than "
+                               "two windows: build it with `tonearm index` or `tonearm export` from long recordings, "
+                               "or add long recordings with POST /v1/items")
+        mask = items.bundle_mask(clip_filter.allowed if clip_filter is not None else None)
+        query = np.asarray(embedding, dtype=np.float32).reshape(-1)
+        hits = windows.search(query, k, allowed_rows=mask, min_score=min_score) if windows is not None else []
+        results = []
+        for hit in hits:
+            item = self.bundle.audio_items[hit.row]
+            results.append(MomentResult(id=str(item["id"]), start=round(hit.start, 3), end=round(hit.end, 3),
+                                        score=hit.score, uri=item.get("uri")))
+        if added is not None:
+            allowed = items.alive if clip_filter is None or clip_filter.added is None else items.alive & clip_filter.added
+            for hit in added.search(query, k, allowed_rows=allowed, min_score=min_score):
+                results.append(MomentResult(id=items.items[hit.row].id, start=round(hit.start, 3),
+                                            end=round(hit.end, 3), score=hit.score, uri=None))
+            results.sort(key=lambda r: -r.score)
+        return results[:k]
+
+    def _added_windows(self, items: ItemOverlay, stored_audio: Callable[[str], Path | None]) -> WindowIndex | None:
+        """The windows of the live added items that are long recordings, embedded on first use (each
+        item's stored audio once per bundle: the cache is keyed by id and content)."""
+        window = int(self.bundle.clip_samples)  # type: ignore[attr-defined]
+        rate = int(self.bundle.sample_rate)
+        rows, spans, vectors = [], [], []
+        with self._item_windows_lock:
+            for row in np.flatnonzero(items.alive):
+                item = items.items[int(row)]
+                key = (item.id, item.audio)
+                if key not in self._item_windows:
+                    path = stored_audio(item.audio)
+                    wave = decode_audio(path, sample_rate=rate) if path is not None and path.is_file() else np.zeros(0)
+                    found = (embed_windows(wave, sample_rate=rate, window_samples=window,
+                                           hop_samples=max(1, round(window * HOP_FRACTION)), encode=self.bundle.encode_audio)
+                             if len(wave) > LONG_RECORDING_WINDOWS * window else (np.zeros((0, 2)), np.zeros((0, 0))))
+                    self._item_windows[key] = found
+                s, v = self._item_windows[key]
+                if len(s):
+                    rows.append(np.full(len(s), row, dtype=np.float64))
+                    spans.append(s)
+                    vectors.append(v)
+        if not rows:
+            return None
+        table = np.column_stack([np.concatenate(rows), np.concatenate(spans)])
+        return WindowIndex(np.concatenate(vectors).astype(np.float32), table)
+
+    def moment_resolution(self) -> tuple[float, float]:
+        """``(window, hop)`` seconds of the moment windows: the model's window, half of it."""
+        window = int(self.bundle.clip_samples) / int(self.bundle.sample_rate)  # type: ignore[attr-defined]
+        hop = max(1, round(int(self.bundle.clip_samples) * HOP_FRACTION)) / int(self.bundle.sample_rate)  # type: ignore[attr-defined]
+        return window, hop
+
     def clip_vector(self, row: int) -> np.ndarray:
         """One clip's stored vector (the audio index's own, as every search scores it)."""
         gallery = self.gallery()
@@ -609,8 +690,9 @@ class Searcher:
     def heldout_report(self) -> HeldoutReport:
         """The bundle's own held-out report: from its manifest, else computed once from its eval set."""
         evaluation = getattr(getattr(self.bundle, "manifest", None), "evaluation", None)
-        if evaluation is not None and evaluation.report:
-            return HeldoutReport(dict(evaluation.report), str(evaluation.convention), "manifest")
+        moments = getattr(getattr(getattr(self.bundle, "manifest", None), "moments", None), "heldout", None) or {}
+        if evaluation is not None and evaluation.report:  # with the moment report's keys (moment_*), if any
+            return HeldoutReport({**evaluation.report, **moments}, str(evaluation.convention), "manifest")
         if getattr(getattr(self.bundle, "manifest", None), "eval_set", True) is None:
             raise ServiceError(
                 "no-heldout-set",

@@ -67,6 +67,10 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--noise", type=_noise_fraction, default=0.0, metavar="P",
                    help="replace a fraction P in [0, 1) of the training captions with other clips' "
                         "(noisy correspondences; recorded in each clip's meta.noisy_captions)")
+    p.add_argument("--moments", action="store_true",
+                   help="long recordings with captioned moments and exact boundaries (docs/corpus.md, Moments)")
+    p.add_argument("--bed-seconds", type=float, nargs=2, metavar=("MIN", "MAX"), default=None,
+                   help="with --moments: recording lengths in seconds (default: the size's; 1-10 min: 60 600)")
     p.set_defaults(handler=_lazy("training.data.synth:cli_synth", "train"))
 
 
@@ -134,7 +138,11 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", required=True, help="JSONL manifest")
     p.add_argument("--split", default="test")
     p.add_argument("--out", help="report directory (default: CHECKPOINT/eval-SPLIT)")
-    p.set_defaults(handler=_lazy("training.evaluate:cli_evaluate", "train"))
+    p.add_argument("--moments", action="store_true",
+                   help="moment retrieval in the manifest's long recordings (Recall1@0.5/0.7, mAP@[0.5:0.95] per "
+                   "language; docs/metrics.md): CHECKPOINT is then a bundle directory")
+    clips, moments = _lazy("training.evaluate:cli_evaluate", "train"), _lazy("training.moment_evaluate:cli_evaluate_moments", "train")
+    p.set_defaults(handler=lambda args: moments(args) if args.moments else clips(args))
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
@@ -352,6 +360,18 @@ def _add_items(sub: argparse._SubParsersAction) -> None:
     compact.set_defaults(handler=_lazy("index.item_log:cli_compact", "service"))
 
 
+def _add_train_moments(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-moments", help="train the temporal moment head on a bundle's window embeddings "
+                                             "(docs/objectives.md, Moments)")
+    p.add_argument("--bundle", required=True, help="bundle whose frozen encoders embed the windows and captions")
+    p.add_argument("--manifest", required=True, help="manifest with moments (tonearm synth --moments)")
+    p.add_argument("--split", default="train")
+    p.add_argument("--out", required=True, help="folder for moment_head.onnx + moment_head.json")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=600)
+    p.set_defaults(handler=_lazy("training.moment_head:cli_train_moments", "train"))
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark of a source checkout (bench/NAME.py), e.g. `bench quality`",
                        add_help=False)
@@ -365,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_synth, _add_data, _add_train, _add_evaluate, _add_export, _add_index, _add_bundle, _add_items, _add_serve,
-                _add_bench):
+                _add_train_moments, _add_bench):
         add(sub)
     return parser
 

@@ -186,9 +186,35 @@ def _build(root: Path, *, size: str | None = None, config: Path | None = None) -
              extra={"demo_stage": 3})
     if bundles_dir.exists():
         shutil.rmtree(bundles_dir)  # an interrupted export; bundles are published atomically
-    bundle = export_bundle(checkpoint, manifest=manifest, out_dir=bundles_dir, progress=True)
+    with_long = add_long_recordings(manifest, corpus_dir / "long")
+    bundle = export_bundle(checkpoint, manifest=with_long, out_dir=bundles_dir, progress=True)
     log.info("demo bundle ready: %s", bundle)
     return bundle
+
+
+LONG_RECORDINGS = 3
+"""Long recordings the demo bundle holds beside its clips, to try moment search on (docs/service.md)."""
+LONG_SECONDS = (60.0, 90.0)
+"""Their length: `tonearm synth --moments` beds of 1 to 1.5 min."""
+
+
+def add_long_recordings(manifest: Path, out_dir: Path) -> Path:
+    """A manifest of the corpus plus :data:`LONG_RECORDINGS` long recordings of `tonearm synth --moments`
+    (seed 0; renamed ``long-1`` … and put in split ``long``, so they are never held out), each moment
+    with its captions in the eight languages."""
+    from dataclasses import replace
+
+    from training.data.manifest import read_manifest, write_manifest
+    from training.data.synth_moments import generate_moment_corpus
+
+    records = [record for _, record in read_manifest(manifest, languages=None)]
+    long_manifest = generate_moment_corpus(size="tiny", seed=0, out_dir=out_dir, progress=False, seconds=LONG_SECONDS)
+    recordings = [record for _, record in read_manifest(long_manifest, languages=None) if record.split == "test"]
+    long_records = [replace(record, id=f"long-{i + 1}", split="long")
+                    for i, record in enumerate(recordings[:LONG_RECORDINGS])]
+    out = manifest.parent / "manifest_with_long.jsonl"
+    write_manifest([*records, *long_records], out)
+    return out
 
 
 def _remove_stale_runs(root: Path, *, keep: Path | None) -> None:

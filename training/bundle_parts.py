@@ -429,3 +429,10 @@ def half_precision_gate(audio: tuple[Encode, Encode, Sequence[Any]], text: tuple
 
 progress = progress_bar
 """``training.bundle_parts.progress``: the name the exports import."""
+
+
+def indexed_records(records: Sequence[ClipRecord], sections: dict[str, Any]) -> list[ClipRecord]:
+    """The records whose clips the audio index holds, in its row order: ``records`` less the pass's
+    ``skipped_clips`` (the windows of long recordings are keyed by that row)."""
+    skipped = {clip.id for clip in sections.get("skipped_clips") or ()}
+    return [r for r in records if r.id not in skipped]

@@ -61,6 +61,7 @@ from index.loader import (
     encode_texts,
     encode_waveforms,
 )
+from index.moment_export import export_windows
 from index.ray_embed import RayOptions, decode_whole, embed_audio_files, embed_captions
 from index.report import METRIC_CONVENTION
 from index.tokenizer import TextTokenizer
@@ -79,6 +80,7 @@ from training.bundle_parts import (
     half_copies,
     half_precision_gate,
     held_out_records,
+    indexed_records,
     make_bundle_id,
     parity_texts,
     partial_base,
@@ -417,6 +419,12 @@ def export_bundle(
             precision=precision,
             partial=partial, chunk_files=chunk_files, pass_options=pass_options,
         )
+        sections["moments"] = export_windows(  # long recordings as windows (SPEC §19, docs/bundle.md "Moments")
+            staging, [r.audio for r in indexed_records(records, sections)], encoder_file=sections["audio_encoder"].file,
+            sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples_of(cfg), embed_dim=cfg.model.embed_dim,
+            frontend=checkpoint_audio_frontend(cfg, ckpt.model), providers=providers,
+            heldout=[r for r in all_records if r.split == split and r.moments], languages=list(cfg.data.languages),
+            text_files=(sections["text_encoder"].file, sections["tokenizer"].file))
         manifest_model = fmt.BundleManifest(
             bundle_id=bundle_id,
             created=created.isoformat().replace("+00:00", "Z"),

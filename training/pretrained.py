@@ -65,6 +65,7 @@ from index.loader import (
     encode_texts,
     encode_waveforms,
 )
+from index.moment_export import export_windows
 from index.ray_embed import (
     RayOptions,
     decode_whole,
@@ -88,6 +89,7 @@ from training.bundle_parts import (
     half_copies,
     half_precision_gate,
     held_out_records,
+    indexed_records,
     make_bundle_id,
     parity_texts,
     partial_base,
@@ -391,6 +393,11 @@ def export_pretrained_bundle(
                           quantize=quantize, providers=providers, ray=ray, partial=partial, chunk_files=chunk_files,
                           precision=precision, pass_options=pass_options)
         s = clap.settings
+        sections["moments"] = export_windows(  # long recordings as windows (SPEC §19, docs/bundle.md "Moments")
+            staging, [r.audio for r in indexed_records(records, sections)], encoder_file=sections["audio_encoder"].file,
+            sample_rate=s.sample_rate, clip_samples=s.clip_samples, embed_dim=dim, frontend=frontend_info(clap),
+            providers=providers, heldout=[r for r in all_records if r.split == split and r.moments], languages=langs,
+            text_files=(sections["text_encoder"].file, sections["tokenizer"].file))
         body = fmt.BundleManifest(
             bundle_id=bundle_id,
             created=created.isoformat().replace("+00:00", "Z"),

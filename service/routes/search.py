@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import asdict
+from pathlib import Path as PathType
 from typing import Annotated, Any
 
+import numpy as np
 from fastapi import APIRouter, Query, Request
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -25,6 +27,9 @@ from service.schemas import (
     AudioHitOut,
     AudioSearchResponse,
     CaptionHitOut,
+    MomentHitOut,
+    MomentSearchRequest,
+    MomentSearchResponse,
     SimilarResponse,
     TextBatchItem,
     TextBatchRequest,
@@ -33,7 +38,7 @@ from service.schemas import (
     TextSearchResponse,
     problem_responses,
 )
-from service.searcher import AudioHit, AudioQuery, ClipFilter, Searcher, TextLookup
+from service.searcher import AudioHit, AudioQuery, ClipFilter, MomentResult, Searcher, TextLookup
 from service.settings import Settings
 
 router = APIRouter(prefix="/v1/search", tags=["search"])
@@ -296,3 +301,70 @@ async def search_similar_item(
 
     hits = await pool.run(run)
     return SimilarResponse(bundle_id=searcher.bundle_id, id=item_id, hits=_hits_out(hits))
+
+
+# ---------------------------------------------------------------------- moments (SPEC §19)
+
+
+def _moments_response(searcher: Searcher, hits: list[MomentResult], **fields: Any) -> MomentSearchResponse:
+    window, hop = searcher.moment_resolution()
+    return MomentSearchResponse(
+        bundle_id=searcher.bundle_id, window_seconds=window, hop_seconds=hop,
+        hits=[MomentHitOut(id=h.id, start=h.start, end=h.end, score=h.score, uri=h.uri) for h in hits], **fields,
+    )
+
+
+def _stored_audio(request: Request) -> Callable[[str], PathType | None] | None:
+    """The item log's lookup of an added item's stored audio (None: no item store)."""
+    store = request.app.state.tonearm.items
+    return store.log.stored_audio if store is not None else None
+
+
+@router.post("/moments", responses=problem_responses(400, 409, 415, 422, 503, 504))
+async def search_moments(
+    body: MomentSearchRequest, searcher: SearcherDep, pool: PoolDep, request: Request
+) -> MomentSearchResponse:
+    """Where in the catalogue's long recordings a text query happens: ranked `{id, start, end, score}`.
+
+    Each recording longer than the model's window is indexed as windows; the query scores every
+    window, adjacent windows near the recording's best are merged into a moment whose boundaries
+    are refined at half its peak, and overlapping moments are suppressed (docs/service.md, Moments).
+    Several hits may come from one recording."""
+
+    def run() -> list[MomentResult]:
+        searcher.check_language(body.lang)
+        text = searcher.normalized(body.query)
+        clip_filter = searcher.clip_filter(body.filter)
+        embedding = searcher.embed_texts([text])[0]
+        return searcher.search_moments(embedding, k=body.k, min_score=body.min_score, clip_filter=clip_filter,
+                                       stored_audio=_stored_audio(request))
+
+    hits = await pool.run(run)
+    return _moments_response(searcher, hits, query=body.query, lang=body.lang)
+
+
+@router.post(
+    "/moments/audio",
+    openapi_extra={**AUDIO_BODY, "parameters": [FILTER_PARAMETER]},
+    responses=problem_responses(400, 409, 413, 415, 422, 503, 504),
+)
+async def search_moments_audio(
+    request: Request,
+    searcher: SearcherDep,
+    pool: PoolDep,
+    settings: SettingsDep,
+    k: Annotated[int, K_QUERY] = 10,
+    min_score: Annotated[float | None, MIN_SCORE_QUERY] = None,
+) -> MomentSearchResponse:
+    """Sounds like this moment: where an uploaded snippet's sound happens in the long recordings."""
+    clip_filter = await pool.run(filter_param, request, searcher)
+    data = await read_upload(request, settings)
+    audio = await pool.run(_decode, searcher, data, settings)
+
+    def run() -> list[MomentResult]:
+        embedding = np.asarray(searcher.bundle.encode_audio([audio.waveform]), dtype=np.float32)[0]
+        return searcher.search_moments(embedding, k=k, min_score=min_score, clip_filter=clip_filter,
+                                       stored_audio=_stored_audio(request))
+
+    hits = await pool.run(run)
+    return _moments_response(searcher, hits, duration_seconds=audio.duration_seconds)

@@ -137,6 +137,61 @@ async function search(event) {
   }
 }
 
+function clock(seconds) {
+  const m = Math.floor(seconds / 60), s = seconds - 60 * m;
+  return `${m}:${s.toFixed(1).padStart(4, "0")}`;
+}
+
+function renderMoments(hits) {
+  // one item per moment: a timeline of its recording (every hit in it marked, this one highlighted)
+  // and a player that starts at the moment
+  const list = $("moments");
+  list.replaceChildren();
+  hits.forEach((hit, index) => {
+    const item = el("li");
+    const head = el("div", { class: "hit-head" });
+    head.append(el("span", { class: "hit-id" }, `${hit.id} · ${clock(hit.start)}–${clock(hit.end)}`),
+                el("span", { class: "score" }, `score ${hit.score.toFixed(3)}`));
+    const timeline = el("div", { class: "timeline", role: "img",
+                                 "aria-label": `Moment ${clock(hit.start)} to ${clock(hit.end)} of ${hit.id}` });
+    const audio = el("audio", { controls: "", preload: "metadata", src: `/v1/audio/${encodeURIComponent(hit.id)}`,
+                                "aria-label": `Play ${hit.id} from ${clock(hit.start)}` });
+    audio.addEventListener("loadedmetadata", () => {
+      const total = audio.duration || hit.end;
+      for (const other of hits.filter((h) => h.id === hit.id)) {
+        const mark = el("span", { class: other === hit ? "mark current" : "mark" });
+        mark.style.left = `${(100 * other.start) / total}%`;
+        mark.style.width = `${Math.max(0.5, (100 * (other.end - other.start)) / total)}%`;
+        timeline.append(mark);
+      }
+      audio.currentTime = hit.start;
+    });
+    const play = el("button", { type: "button", class: "more-like-this", "data-moment": String(index) },
+                    `Play from ${clock(hit.start)}`);
+    play.addEventListener("click", () => { audio.currentTime = hit.start; audio.play(); });
+    item.append(head, timeline, audio, play);
+    list.append(item);
+  });
+}
+
+async function findMoments(event) {
+  if (event) event.preventDefault();
+  const query = $("moment-query").value.trim();
+  if (!query) { setStatus("moments-status", "Type a query first.", true); return; }
+  setStatus("moments-status", "Searching the long recordings…");
+  try {
+    const body = await api("/v1/search/moments", {
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ query, lang: $("lang").value, k: 5 }),
+    });
+    renderMoments(body.hits);
+    setStatus("moments-status",
+              `${body.hits.length} moments for “${query}” (windows of ${body.window_seconds} s every ${body.hop_seconds} s).`);
+  } catch (err) {
+    setStatus("moments-status", `Moment search failed: ${err.message}`, true);
+  }
+}
+
 const SVG = "http://www.w3.org/2000/svg";
 
 function svg(tag, attrs, text = null) {
@@ -229,6 +284,7 @@ async function findCaptions(event) {
 document.addEventListener("DOMContentLoaded", () => {
   setupLanguages();
   $("search-form").addEventListener("submit", search);
+  $("moments-form").addEventListener("submit", findMoments);
   $("consistency-form").addEventListener("submit", checkConsistency);
   $("upload-form").addEventListener("submit", findCaptions);
 });

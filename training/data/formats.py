@@ -395,6 +395,11 @@ def cli_convert(args: argparse.Namespace) -> int:
         records = convert_audiocaps(Path(args.input), audio_pattern=args.audio_pattern, **common)
     elif args.format == "wavcaps":
         records = convert_wavcaps(Path(args.input), **common)
+    elif args.format in ("castella", "clotho-moment"):  # long recordings with moments (SPEC §19)
+        from training.data.moment_formats import convert_castella, convert_clotho_moment
+
+        convert = convert_castella if args.format == "castella" else convert_clotho_moment
+        records = convert(Path(args.input), **common)
     else:  # argparse choices prevent this
         raise DataError(f"unknown format {args.format!r}")
     out = Path(args.out)
@@ -409,9 +414,12 @@ def cli_convert(args: argparse.Namespace) -> int:
 
 def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``convert`` to the ``tonearm data`` subcommands (handler: :func:`cli_convert`)."""
-    p = subparsers.add_parser("convert", help="convert Clotho / AudioCaps / WavCaps captions to a JSONL manifest")
-    p.add_argument("--format", required=True, choices=["clotho", "audiocaps", "wavcaps"])
-    p.add_argument("--input", required=True, help="captions CSV (clotho, audiocaps) or JSON (wavcaps)")
+    p = subparsers.add_parser(
+        "convert", help="convert Clotho / AudioCaps / WavCaps captions, or CASTELLA / Clotho-Moment moments, "
+        "to a JSONL manifest")
+    p.add_argument("--format", required=True, choices=["clotho", "audiocaps", "wavcaps", "castella", "clotho-moment"])
+    p.add_argument("--input", required=True, help="captions CSV (clotho, audiocaps), JSON (wavcaps, castella: "
+                   "json/en/<split>.json) or JSONL (clotho-moment: lighthouse's <name>_<split>_release.jsonl)")
     p.add_argument("--audio-dir", required=True, help="directory holding the audio files")
     p.add_argument("--split", required=True, help="split name written for every clip (train, val, test)")
     p.add_argument("--out", required=True, help="JSONL manifest to write (audio paths relative to it)")

@@ -9,7 +9,9 @@ Line format (keys in any order)::
 ``audio`` is relative to the manifest's directory (absolute paths are kept).
 Captions at the same position in different languages are translations of each
 other (a *query group*, SPEC §5). ``meta`` is optional free-form JSON; any other
-top-level key is also kept in :attr:`ClipRecord.meta`.
+top-level key is also kept in :attr:`ClipRecord.meta`. ``moments`` (optional, SPEC §19) lists
+the captioned spans of a long recording: ``[{"start": s, "end": s, "captions": {lang: [...]}}]``
+(docs/corpus.md, "Moments").
 
 Problems the user can fix raise :class:`index.errors.DataError` naming the file
 and line: bad JSON, missing or mistyped fields, duplicate ids, captions in a
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -36,6 +39,7 @@ from index.languages import validate_language_codes
 log = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = ("id", "audio", "captions", "split")
+OPTIONAL_FIELDS = ("meta", "moments")
 MISSING_EXAMPLES = 5
 """How many missing audio files a report lists by name."""
 
@@ -49,6 +53,19 @@ class ClipRecord:
     captions: dict[str, list[str]]
     split: str
     meta: dict[str, Any] = field(default_factory=dict)
+    moments: list[MomentRecord] = field(default_factory=list)
+
+
+@dataclass
+class MomentRecord:
+    """A captioned span of a clip (seconds from its start); captions as a clip's, by position."""
+
+    start: float
+    end: float
+    captions: dict[str, list[str]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"start": self.start, "end": self.end, "captions": self.captions}
 
 
 def _check_code(code: str, where: str) -> None:
@@ -83,6 +100,25 @@ def _parse_captions(value: Any, *, where: str, languages: Sequence[str] | None) 
     return captions
 
 
+def _parse_moments(value: Any, *, where: str, languages: Sequence[str] | None) -> list[MomentRecord]:
+    """Validate ``moments``: a list of ``{start, end, captions}`` with ``0 <= start < end``."""
+    if not isinstance(value, list):
+        raise DataError(f"{where}: 'moments' must be a list of {{start, end, captions}} objects")
+    moments = []
+    for i, item in enumerate(value):
+        at = f"{where}: moments[{i}]"
+        if not isinstance(item, dict) or set(item) != {"start", "end", "captions"}:
+            raise DataError(f"{at} must be an object with exactly start, end and captions")
+        start, end = item["start"], item["end"]
+        if any(isinstance(v, bool) or not isinstance(v, int | float) for v in (start, end)):
+            raise DataError(f"{at}: start and end must be numbers (seconds)")
+        if not (math.isfinite(start) and math.isfinite(end) and 0 <= start < end):
+            raise DataError(f"{at}: need 0 <= start < end, got start={start}, end={end}")
+        captions = _parse_captions(item["captions"], where=at, languages=languages)
+        moments.append(MomentRecord(float(start), float(end), captions))
+    return moments
+
+
 def _parse_line(
     obj: Any, *, where: str, base: Path, languages: Sequence[str] | None
 ) -> ClipRecord:
@@ -97,13 +133,14 @@ def _parse_line(
     meta = obj.get("meta", {})
     if not isinstance(meta, dict):
         raise DataError(f"{where}: 'meta' must be an object")
-    extra = {k: v for k, v in obj.items() if k not in (*REQUIRED_FIELDS, "meta")}
+    extra = {k: v for k, v in obj.items() if k not in (*REQUIRED_FIELDS, *OPTIONAL_FIELDS)}
     return ClipRecord(
         id=obj["id"],
         audio=Path(os.path.normpath(base / obj["audio"])),
         captions=_parse_captions(obj["captions"], where=where, languages=languages),
         split=obj["split"],
         meta={**meta, **extra},
+        moments=_parse_moments(obj.get("moments", []), where=where, languages=languages),
     )
 
 
@@ -166,8 +203,13 @@ def keep_languages(
             if lang not in languages:
                 dropped[lang] = dropped.get(lang, 0) + len(texts)
         captions = {lang: texts for lang, texts in record.captions.items() if lang in languages}
+        moments = [
+            MomentRecord(m.start, m.end, {lang: t for lang, t in m.captions.items() if lang in languages})
+            for m in record.moments
+        ]
         if captions:
-            kept.append((number, ClipRecord(record.id, record.audio, captions, record.split, record.meta)))
+            kept.append((number, ClipRecord(record.id, record.audio, captions, record.split, record.meta,
+                                            [m for m in moments if m.captions])))
     if dropped:
         per_language = ", ".join(f"{lang} {count}" for lang, count in sorted(dropped.items()))
         log.info(
@@ -218,13 +260,16 @@ def record_to_json(record: ClipRecord, *, base: Path) -> dict[str, Any]:
     user passes; it is rewritten relative to the manifest so the manifest can move.
     """
     relative = Path(os.path.relpath(Path(record.audio).resolve(), base.resolve()))
-    return {
+    line: dict[str, Any] = {
         "id": record.id,
         "audio": relative.as_posix(),
         "captions": record.captions,
         "split": record.split,
         "meta": record.meta,
     }
+    if record.moments:
+        line["moments"] = [moment.to_json() for moment in record.moments]
+    return line
 
 
 def write_manifest(records: Iterable[ClipRecord], path: Path) -> None:

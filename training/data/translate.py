@@ -717,8 +717,8 @@ def translate_records(records: Sequence[ClipRecord], translator: Any, cache: Tra
     if unknown:
         raise DataError(f"cannot drop {', '.join(sorted(unknown))}: the flags are {', '.join(DROPPABLE)}")
     reports: dict[str, LanguageReport] = {}
-    out = [ClipRecord(r.id, r.audio, {k: list(v) for k, v in r.captions.items()}, r.split, dict(r.meta))
-           for r in records]
+    out = [ClipRecord(r.id, r.audio, {k: list(v) for k, v in r.captions.items()}, r.split, dict(r.meta),
+                      list(r.moments)) for r in records]
     with_source = [r for r in out if r.captions.get(source_lang)]
     if not with_source:
         raise DataError(f"no clip has {source_lang} captions to translate")

@@ -16,6 +16,7 @@ from training.objectives.cacl import CoAnchor
 from training.objectives.infonce import InfoNCE
 from training.objectives.iot import IOT
 from training.objectives.kcl import OneToK
+from training.objectives.moment_span import MomentSpanLoss
 from training.objectives.random_language import RandomLanguage
 from training.objectives.reweight import SimpleReweight
 from training.objectives.siglip import SigLIP
@@ -35,6 +36,10 @@ STRATEGIES: dict[str, type[Strategy]] = {
     OneToK.name: OneToK,
     CoAnchor.name: CoAnchor,
 }
+MOMENT_LOSSES: dict[str, type[MomentSpanLoss]] = {
+    MomentSpanLoss.name: MomentSpanLoss,
+}
+"""Objectives of the temporal moment head (`tonearm train-moments`, docs/objectives.md "Moments")."""
 REGULARIZERS: dict[str, type[PairTerm]] = {
     SupportVectorRegularizer.name: SupportVectorRegularizer,
     UWD.name: UWD,
@@ -76,3 +81,18 @@ def build_objective(config: ObjectiveConfig, env: BuildEnv) -> Objective:
 
         base = wrap_with_knowledge(config.knowledge, base, env)
     return Objective(base=base, strategy=strategy, regularizers=regularizers)
+
+
+def build_moment_loss(spec: dict[str, Any]) -> MomentSpanLoss:
+    """The moment head's objective from ``{name: ..., **params}``; raises :class:`ConfigError`."""
+    params = dict(spec)
+    name = params.pop("name", None)
+    if name not in MOMENT_LOSSES:
+        raise ConfigError(f"moments.objective: unknown name {name!r}; known: {', '.join(sorted(MOMENT_LOSSES))}")
+    cls = MOMENT_LOSSES[name]
+    try:
+        config = cls.Config.model_validate(params)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise ConfigError(f"moments.objective ({name}): {problems}") from None
+    return cls(config)

@@ -1,0 +1,39 @@
+"""`tonearm evaluate BUNDLE --data M --moments`: the moment report of a bundle (index/moment_eval.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from index.errors import TonearmError
+from index.loader import LoadedBundle
+from index.moment_eval import evaluate_moments, format_moment_report
+from training.data.manifest import load_manifest
+
+log = logging.getLogger(__name__)
+
+
+def cli_evaluate_moments(args: argparse.Namespace) -> int:
+    """``tonearm evaluate BUNDLE --data M --moments [--split S] [--out DIR]``."""
+    source = Path(args.checkpoint)
+    if not (source / "manifest.json").is_file():
+        raise TonearmError(f"{source}: --moments evaluates a bundle (a directory with manifest.json); "
+                           "export the checkpoint first (`tonearm export`)")
+    bundle = LoadedBundle.open(source)
+    try:
+        languages = list(bundle.languages)
+        records = [r for r in load_manifest(Path(args.data), languages=languages, split=args.split,
+                                            drop_other_languages=True) if r.moments]
+        report = evaluate_moments(bundle, records, languages=languages)
+    finally:
+        bundle.close()
+    table = format_moment_report(report, languages)
+    out = Path(args.out) if args.out else source.parent / f"{source.name}-moments-{args.split}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "moments.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    (out / "moments.md").write_text(table, encoding="utf-8")
+    print(table, end="")  # noqa: T201 - the command's output
+    log.info("wrote %s and %s", out / "moments.json", out / "moments.md")
+    return 0

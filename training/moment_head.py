@@ -1,0 +1,169 @@
+"""`tonearm train-moments`: train the temporal moment head on a bundle's frozen window embeddings.
+
+Features come from the bundle's own ONNX encoders and the windows of the sliding-window baseline
+(:func:`index.moment_index.embed_windows`, window = the bundle's clip, hop = the evaluator's), so
+the head sees exactly what the index stores. Each (recording, language, caption) of the manifest's
+moments (docs/corpus.md, "Moments") is one training example; the objective is built by the
+registry (``moment_span``, training/objectives/moment_span.py). The head is exported to
+``OUT/moment_head.onnx`` (checked against torch with onnxruntime at export) and
+``OUT/moment_head.json``; :mod:`index.moment_head` runs it without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from index.moment_head import HEAD_INFO, HEAD_ONNX
+from training.models.moment_head import MomentHead
+from training.objectives.registry import build_moment_loss
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MomentExample:
+    spans: np.ndarray
+    """(T, 2) seconds of the windows."""
+    windows: np.ndarray
+    """(T, d) L2-normalized window embeddings."""
+    text: np.ndarray
+    """(d,) L2-normalized caption embedding."""
+    truth: list[tuple[float, float]]
+    language: str
+    recording: str
+
+
+def bundle_examples(bundle: Any, records: Sequence[Any], languages: Sequence[str]) -> list[MomentExample]:
+    """One example per (recording, language, caption text) of ``records``' moments."""
+    from index.audio import decode_audio
+    from index.moment_eval import moment_queries
+    from index.moment_index import HOP_FRACTION, embed_windows
+
+    window = int(bundle.clip_samples)
+    hop = max(1, int(round(window * HOP_FRACTION)))
+    out = []
+    for record in records:
+        asked = {k: v for k, v in moment_queries(record.moments).items() if k[0] in languages}
+        if not asked:
+            continue
+        wave = decode_audio(record.audio, sample_rate=bundle.sample_rate)
+        spans, vectors = embed_windows(wave, sample_rate=bundle.sample_rate, window_samples=window,
+                                       hop_samples=hop, encode=bundle.encode_audio)
+        if not len(spans):
+            continue
+        texts = np.asarray(bundle.encode_text([t for _, t in asked]), np.float32)
+        for (lang, _), text, truth in zip(asked, texts, asked.values(), strict=True):
+            out.append(MomentExample(spans, vectors, text, list(truth), lang, record.id))
+    return out
+
+
+def _batch(examples: Sequence[MomentExample]) -> dict[str, torch.Tensor]:
+    size, d = len(examples), examples[0].windows.shape[1]
+    t_max = max(len(e.spans) for e in examples)
+    windows = np.zeros((size, t_max, d), np.float32)
+    centres = np.zeros((size, t_max), np.float32)
+    targets = np.zeros((size, t_max, 2), np.float32)
+    positive = np.zeros((size, t_max), bool)
+    valid = np.zeros((size, t_max), bool)
+    lengths = np.zeros(size, np.float32)
+    for i, e in enumerate(examples):
+        t = len(e.spans)
+        windows[i, :t], valid[i, :t] = e.windows, True
+        c = e.spans.mean(axis=1)
+        centres[i, :t] = c
+        lengths[i] = float(e.spans[-1, 1] - e.spans[0, 0])
+        for s, end in e.truth:
+            inside = (c >= s) & (c <= end) & ~positive[i, :t]
+            positive[i, :t] |= inside
+            targets[i, :t][inside] = (s, end)
+    return {"windows": torch.from_numpy(windows), "text": torch.from_numpy(np.stack([e.text for e in examples])),
+            "centres": torch.from_numpy(centres), "targets": torch.from_numpy(targets),
+            "positive": torch.from_numpy(positive), "valid": torch.from_numpy(valid),
+            "lengths": torch.from_numpy(lengths)}
+
+
+def train_head(examples: Sequence[MomentExample], *, seed: int = 0, steps: int = 300, batch_size: int = 32,
+               lr: float = 3e-3, hidden: int = 64, layers: int = 2,
+               objective: dict[str, Any] | None = None) -> MomentHead:
+    """Adam on random batches of ``examples``; deterministic for a seed (CPU)."""
+    if not examples:
+        raise ValueError("no moment examples to train on (does the manifest's split have moments?)")
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    window_seconds = float(examples[0].spans[0, 1] - examples[0].spans[0, 0])
+    head = MomentHead(examples[0].windows.shape[1], hidden=hidden, layers=layers, window_seconds=window_seconds)
+    loss_fn = build_moment_loss(objective or {"name": "moment_span"})
+    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=1e-4)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
+    for step in range(steps):
+        picked = rng.choice(len(examples), min(batch_size, len(examples)), replace=False)
+        b = _batch([examples[i] for i in picked])
+        logits, distances = head(b["windows"], b["text"])
+        terms = loss_fn(logits, distances, b["centres"], b["targets"], b["positive"], b["valid"], b["lengths"])
+        loss = sum(terms.values())
+        optimizer.zero_grad()
+        loss.backward()  # type: ignore[union-attr]
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == steps - 1:
+            log.info("moment head step %d/%d: %s", step + 1, steps,
+                     " ".join(f"{k}={float(v.detach()):.4f}" for k, v in terms.items()))
+    return head.eval()
+
+
+def export_head(head: MomentHead, out_dir: Path, *, window_seconds: float, hop_seconds: float,
+                extra: dict[str, Any] | None = None) -> Path:
+    """Write ``moment_head.onnx`` + ``moment_head.json``; checks onnxruntime against torch (atol 1e-4)."""
+    from index.moment_head import MomentHeadModel
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    d = head.project.in_features - 1
+    windows, text = torch.randn(1, 17, d), torch.randn(1, d)
+    torch.onnx.export(head, (windows, text), str(out_dir / HEAD_ONNX), input_names=["windows", "text"],
+                      output_names=["logits", "distances"],
+                      dynamic_axes={"windows": {1: "windows"}, "logits": {1: "windows"}, "distances": {1: "windows"}},
+                      opset_version=17, dynamo=False)
+    info = {"embed_dim": d, "window_seconds": window_seconds, "hop_seconds": hop_seconds,
+            "hidden": head.project.out_features, "layers": len(head.convs), **(extra or {})}
+    (out_dir / HEAD_INFO).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    check = MomentHeadModel.load(out_dir)
+    for t in (1, 9, 40):
+        w, q = torch.randn(1, t, d), torch.randn(1, d)
+        with torch.no_grad():
+            logits, distances = head(w, q)
+        got = check.outputs(w[0].numpy(), q[0].numpy())
+        if not (np.allclose(got[0], logits[0].numpy(), atol=1e-4) and np.allclose(got[1], distances[0].numpy(), atol=1e-4)):
+            raise RuntimeError(f"{out_dir / HEAD_ONNX}: onnxruntime disagrees with torch for {t} windows")
+    return out_dir / HEAD_ONNX
+
+
+def cli_train_moments(args: argparse.Namespace) -> int:
+    """``tonearm train-moments --bundle DIR --manifest M --out DIR [--split train] [--seed N] [--steps N]``."""
+    from index.languages import DEFAULT_LANGUAGES
+    from index.loader import LoadedBundle
+    from training.data.manifest import load_manifest
+
+    records = load_manifest(Path(args.manifest), languages=DEFAULT_LANGUAGES, split=args.split)
+    bundle = LoadedBundle.open(Path(args.bundle))
+    try:
+        examples = bundle_examples(bundle, [r for r in records if r.moments], DEFAULT_LANGUAGES)
+    finally:
+        bundle.close()
+    log.info("moment head: %d examples from %d recordings", len(examples), len({e.recording for e in examples}))
+    head = train_head(examples, seed=args.seed, steps=args.steps)
+    window = float(examples[0].spans[0, 1] - examples[0].spans[0, 0])
+    hop = float(examples[0].spans[1, 0] - examples[0].spans[0, 0]) if len(examples[0].spans) > 1 else window
+    path = export_head(head, Path(args.out), window_seconds=window, hop_seconds=hop,
+                       extra={"bundle": str(args.bundle), "seed": args.seed, "steps": args.steps})
+    log.info("wrote the moment head to %s", path)
+    return 0

@@ -100,6 +100,9 @@ def test_onnx_equals_torch(trained, tmp_path) -> None:
         got_logits, got_distances = model.outputs(e.windows, e.text)
         np.testing.assert_allclose(got_logits, logits[0].numpy(), atol=1e-4)
         np.testing.assert_allclose(got_distances, distances[0].numpy(), atol=1e-4)
+    one = held_out[0]  # one window (a recording as long as a window), and none
+    assert len(model.moments(one.spans[:1], one.windows[:1], one.text)) <= 1
+    assert model.moments(np.zeros((0, 2)), np.zeros((0, D), np.float32), one.text) == []
 
 
 def test_train_moments_cli_on_a_bundle(tiny_bundle, tmp_path) -> None:

@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--bundle", help="bundle whose encoders embed windows and captions (default: the demo)")
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
 

@@ -47,8 +47,10 @@ class MomentHeadModel:
     def moments(self, spans: np.ndarray, windows: np.ndarray, text: np.ndarray, *, nms_iou: float = 0.5,
                 limit: int = 10) -> list[Moment]:
         """Ranked moments of one recording (``spans`` (T, 2) seconds of its windows, in time order)."""
+        spans = np.asarray(spans, np.float64).reshape(-1, 2)
+        if len(spans) == 0:
+            return []
         logits, distances = self.outputs(windows, text)
-        spans = np.asarray(spans, np.float64)
         centres = spans.mean(axis=1)
         lo, hi = float(spans[0, 0]), float(spans[-1, 1])
         starts = np.clip(centres - distances[:, 0], lo, hi)

@@ -1,7 +1,8 @@
 """The temporal moment head: its objective on hand cases, training beats the sliding-window
 baseline on constructed window embeddings, and the ONNX export equals torch's forward (onnxruntime).
 
-Cost: ~10 s (a 64-wide head, 150 steps on 96 short synthetic sequences).
+Cost: ~8 s on idle cores (a 32-wide head, 80 steps on 96 short synthetic sequences; held out: baseline
+R1@0.7 72.5 % → head 97.5 %), plus ~10 s for the CLI test beside the shared tiny bundle.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def _examples(seed: int, count: int) -> list[MomentExample]:
 
 @pytest.fixture(scope="module")
 def trained() -> tuple[torch.nn.Module, list[MomentExample]]:
-    return train_head(_examples(0, 96), seed=0, steps=150, batch_size=16, hidden=32), _examples(1, 40)
+    return train_head(_examples(0, 96), seed=0, steps=80, batch_size=16, hidden=32), _examples(1, 40)
 
 
 def test_head_beats_the_sliding_window_baseline(trained, tmp_path) -> None:
@@ -99,3 +100,42 @@ def test_onnx_equals_torch(trained, tmp_path) -> None:
         got_logits, got_distances = model.outputs(e.windows, e.text)
         np.testing.assert_allclose(got_logits, logits[0].numpy(), atol=1e-4)
         np.testing.assert_allclose(got_distances, distances[0].numpy(), atol=1e-4)
+    one = held_out[0]  # one window (a recording as long as a window), and none
+    assert len(model.moments(one.spans[:1], one.windows[:1], one.text)) <= 1
+    assert model.moments(np.zeros((0, 2)), np.zeros((0, D), np.float32), one.text) == []
+
+
+def test_train_moments_cli_on_a_bundle(tiny_bundle, tmp_path) -> None:
+    """`tonearm synth --moments` → `tonearm train-moments` on the tiny bundle's encoders → a head
+    that runs without torch on the bundle's own window embeddings (~10 s beside the shared bundle)."""
+    import json
+
+    from index.audio import decode_audio
+    from index.languages import DEFAULT_LANGUAGES
+    from index.loader import LoadedBundle
+    from index.moment_index import HOP_FRACTION, embed_windows
+    from tonearm.cli import main
+    from training.data.manifest import load_manifest
+
+    corpus = tmp_path / "corpus"
+    assert main(["synth", "--moments", "--size", "tiny", "--seed", "1", "--out", str(corpus)]) == 0
+    out = tmp_path / "head"
+    assert main(["train-moments", "--bundle", str(tiny_bundle), "--manifest", str(corpus / "manifest.jsonl"),
+                 "--out", str(out), "--steps", "5"]) == 0
+    info = json.loads((out / "moment_head.json").read_text())
+    model = MomentHeadModel.load(out)
+    record = load_manifest(corpus / "manifest.jsonl", languages=DEFAULT_LANGUAGES, split="test")[0]
+    bundle = LoadedBundle.open(tiny_bundle)
+    try:
+        assert info["window_seconds"] == pytest.approx(bundle.clip_samples / bundle.sample_rate)
+        wave = decode_audio(record.audio, sample_rate=bundle.sample_rate)
+        spans, windows = embed_windows(wave, sample_rate=bundle.sample_rate, window_samples=bundle.clip_samples,
+                                       hop_samples=int(round(bundle.clip_samples * HOP_FRACTION)),
+                                       encode=bundle.encode_audio)
+        text = bundle.encode_text([record.moments[0].captions["fra"][0]])[0]
+    finally:
+        bundle.close()
+    assert info["embed_dim"] == windows.shape[1]
+    found = model.moments(spans, windows, text)
+    assert found and all(spans[0, 0] <= m.start < m.end <= spans[-1, 1] for m in found)
+    assert [m.score for m in found] == sorted((m.score for m in found), reverse=True)

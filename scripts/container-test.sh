@@ -142,7 +142,7 @@ done
 curl -sf "$url/readyz" >/dev/null || { podman logs "$run_id-svc" >&2; die "/readyz not 200 after 90 s"; }
 step "service ready at $url"
 ro_ready=""
-for _ in $(seq 1 60); do
+for _ in $(seq 1 180); do  # 90 s, as for the serving replica (a loaded CI machine)
   ro_ready="$(podman exec "$run_id-ro" python -c '
 import urllib.error, urllib.request
 try:

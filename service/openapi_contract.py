@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from index.filters import filter_json_schema_name as filter_schema_name
 from index.filters import filter_json_schemas
 
-TEXT_REQUESTS = ("TextSearchRequest", "TextBatchRequest")
+TEXT_REQUESTS = ("TextSearchRequest", "TextBatchRequest", "MomentSearchRequest")
 
 
 def _string_branches(schema: dict[str, Any]) -> list[dict[str, Any]]:

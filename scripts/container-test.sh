@@ -158,7 +158,15 @@ case "$ro_ready" in
   503*items-unavailable*) step "read-only item log: /readyz 503 items-unavailable (not ready, as it must be)" ;;
   *) podman logs "$run_id-ro" >&2; die "a replica on the read-only bundles mount alone answered /readyz: $ro_ready" ;;
 esac
-podman logs "$run_id-ro" 2>&1 | grep -q "cannot be opened for writing" || die "the read-only replica did not log why"
+# the logs in a variable first: `podman logs | grep -q` under pipefail fails when grep stops reading
+# early (SIGPIPE), and the line may land just after /readyz answers
+ro_logged=""
+for _ in $(seq 1 40); do
+  ro_log="$(podman logs "$run_id-ro" 2>&1 || true)"
+  if grep -q "cannot be opened for writing" <<<"$ro_log"; then ro_logged=1; break; fi
+  sleep 0.5
+done
+[ -n "$ro_logged" ] || { echo "$ro_log" >&2; die "the read-only replica did not log why"; }
 
 check() {  # NAME PYTHON-EXPRESSION-ON-r  (r = parsed JSON body)
   "$python" -c "import json, sys; r = json.load(sys.stdin); assert $2, r" \

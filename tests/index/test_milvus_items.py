@@ -1,0 +1,203 @@
+"""Added items kept in Milvus (issue 47, part 5): :class:`index.milvus_items.MilvusItemStore` on the real
+Milvus standalone server of the test session (tests/milvus_server.py).
+
+The reference is independent of Milvus and of the expression writer: exact inner products in numpy
+over the live items, filtered by :meth:`index.filters.MetadataTable.mask` (the evaluator the FAISS
+backend uses). A second replica is a second process with its own client; a reconnect drops the
+process's client and opens a new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.milvus_server import require_milvus
+
+require_milvus()
+
+from index import milvus_index  # noqa: E402
+from index.filters import FilterError, MetadataTable, parse_filter  # noqa: E402
+from index.milvus_index import MilvusTarget  # noqa: E402
+from index.milvus_items import MilvusItemStore, row_metadata  # noqa: E402
+
+DIM = 16
+N = 600
+K = 10
+LICENSES = ("cc0", "cc-by", "cc-by-nc", "proprietary")
+TAGS = ("rain", "wind", "night", "city", "birds", "sea")
+FILTERS = [
+    {},
+    {"license": "cc0"},
+    {"license": {"in": ["cc0", "cc-by"]}},
+    {"not": {"license": "cc0"}},
+    {"license": {"ne": "proprietary"}},
+    {"duration": {"lte": 5}},
+    {"duration": {"gt": 2.5, "lt": 7}},
+    {"tags": "rain"},
+    {"tags": {"any": ["wind", "sea"]}},
+    {"tags": {"all": ["rain", "night"]}},
+    {"tags": {"ne": "city"}},
+    {"or": [{"loop": True}, {"tags": "birds"}]},
+    {"and": [{"loop": False}, {"duration": {"gte": 3}}, {"not": {"tags": "rain"}}]},
+    {"id": {"in": ["it-00007", "it-00123", "it-00599", "absent"]}},  # ~0.5 % selectivity
+    {"license": "cc0", "duration": {"lt": 0.5}},  # rare
+]
+
+
+def _metadata(rng: np.random.Generator, i: int) -> dict:
+    meta: dict = {"duration": round(float(rng.uniform(0.1, 10.0)), 2)}
+    if i % 7:  # some items have no license: missing, never equal, never "ne"
+        meta["license"] = LICENSES[int(rng.integers(len(LICENSES)))]
+    if i % 5:
+        meta["tags"] = sorted({TAGS[int(t)] for t in rng.integers(len(TAGS), size=int(rng.integers(1, 4)))})
+    if i % 3 == 0:
+        meta["loop"] = bool(rng.integers(2))
+    meta["credit"] = {"author": f"a{i}"}  # an object: stored, never filterable
+    return meta
+
+
+def _unit(rng: np.random.Generator, n: int) -> np.ndarray:
+    x = rng.standard_normal((n, DIM)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+class Reference:
+    """The live items as the test wrote them: exact search, filters by MetadataTable."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, tuple[np.ndarray, dict]] = {}
+
+    def search(self, queries: np.ndarray, k: int, flt: dict) -> tuple[np.ndarray, list[list[str]]]:
+        ids = sorted(self.items)
+        vectors = np.stack([self.items[i][0] for i in ids])
+        table = MetadataTable.from_items([row_metadata(i, self.items[i][1]) for i in ids])
+        mask = table.mask(parse_filter(flt))
+        scores = queries @ vectors.T
+        out_s = np.full((len(queries), k), -np.inf, np.float32)
+        out_i: list[list[str]] = []
+        for q in range(len(queries)):
+            rows = sorted(np.flatnonzero(mask), key=lambda r: (-scores[q, r], ids[r]))[:k]
+            out_s[q, : len(rows)] = scores[q, rows]
+            out_i.append([ids[r] for r in rows])
+        return out_s, out_i
+
+
+@pytest.fixture(scope="module")
+def store(milvus_server) -> tuple[MilvusItemStore, Reference]:
+    """One store of N items per module (the session's server is shared: a fresh prefix)."""
+    target = MilvusTarget(uri=milvus_server.uri, prefix=f"t{uuid.uuid4().hex[:10]}")
+    s = MilvusItemStore(target, dim=DIM).open()
+    rng = np.random.default_rng(47)
+    vectors = _unit(rng, N)
+    ref = Reference()
+    batch = []
+    for i in range(N):
+        item_id, meta = f"it-{i:05d}", _metadata(rng, i)
+        batch.append((item_id, vectors[i], meta))
+        ref.items[item_id] = (vectors[i], meta)
+    s.put(batch[:100])
+    s.put(batch[100:], docs=[{"audio": f"{b[0]}.flac"} for b in batch[100:]])
+    yield s, ref
+    s.drop()
+
+
+def _check(store: MilvusItemStore, ref: Reference, queries: np.ndarray, flt: dict) -> None:
+    got_s, got_i = store.search(queries, K, parse_filter(flt))
+    want_s, want_i = ref.search(queries, K, flt)
+    assert got_i == want_i, flt
+    np.testing.assert_allclose(got_s, want_s, atol=1e-5)
+
+
+def test_search_equals_brute_force_with_filters(store):
+    s, ref = store
+    queries = _unit(np.random.default_rng(1), 4)
+    assert s.count() == N
+    for flt in FILTERS:
+        _check(s, ref, queries, flt)
+    # the filters are selective where they should be: guard against a filter that passes everything
+    table = MetadataTable.from_items([row_metadata(i, m) for i, (_, m) in sorted(ref.items.items())])
+    assert min(int(table.mask(parse_filter(f)).sum()) for f in FILTERS) < 10
+
+
+def test_fields_and_filter_errors(store):
+    s, _ = store
+    fields = s.fields()
+    assert fields == {"duration": "number", "id": "string", "license": "string", "loop": "boolean",
+                      "tags": "strings"}  # "credit" (an object) is not filterable
+    with pytest.raises(FilterError, match="not in the catalogue"):
+        s.search(np.zeros((1, DIM), np.float32), K, parse_filter({"genre": "rock"}))
+    with pytest.raises(FilterError, match="holds numbers"):
+        s.search(np.zeros((1, DIM), np.float32), K, parse_filter({"duration": "long"}))
+
+
+def test_upsert_delete_takedown_and_a_second_replica(store, tmp_path: Path):
+    """Writes on this replica are seen by a second process at once (Strong reads), and the other way
+    round; then the same after this process reconnects."""
+    s, ref = store
+    rng = np.random.default_rng(2)
+    queries = _unit(rng, 3)
+    # replace one item (new vector right on query 0, new metadata), delete two, take down a bundle clip
+    s.put([("it-00010", queries[0], {"license": "cc0", "duration": 0.2})])
+    ref.items["it-00010"] = (queries[0], {"license": "cc0", "duration": 0.2})
+    s.delete(["it-00011", "it-00012", "never-added"])
+    del ref.items["it-00011"], ref.items["it-00012"]
+    s.takedown(["clip-7", "it-00013"])  # a takedown over an added item replaces it
+    del ref.items["it-00013"]
+    assert s.ids(takedown=True) == ["clip-7", "it-00013"]
+    assert len(s.ids(takedown=False)) == len(ref.items) == s.count()
+    got = s.get(["it-00010", "it-00100", "clip-7"])
+    assert got["it-00010"].metadata == {"license": "cc0", "duration": 0.2, "id": "it-00010"}
+    assert got["it-00100"].doc == {"audio": "it-00100.flac"} and got["clip-7"].takedown
+    scores, ids = s.search(queries, K, parse_filter({"license": "cc0", "duration": {"lt": 0.5}}))
+    assert ids[0][0] == "it-00010" and scores[0, 0] == pytest.approx(1.0, abs=1e-5)
+    for flt in ({}, {"license": "cc0"}, {"tags": {"any": ["rain"]}}):
+        _check(s, ref, queries, flt)
+
+    # a second replica: another process, its own client, no shared volume
+    script = tmp_path / "replica.py"
+    script.write_text(
+        "import json, sys\nimport numpy as np\n"
+        "from index.filters import parse_filter\nfrom index.milvus_index import MilvusTarget\n"
+        "from index.milvus_items import MilvusItemStore\n"
+        "uri, prefix, q = sys.argv[1], sys.argv[2], np.array(json.loads(sys.argv[3]), np.float32)\n"
+        f"s = MilvusItemStore(MilvusTarget(uri=uri, prefix=prefix), dim={DIM}).open()\n"
+        "out = {f: s.search(q, 10, parse_filter(json.loads(f)))[1] for f in sys.argv[4:]}\n"
+        "out['takedowns'] = s.ids(takedown=True)\n"
+        "s.put([('from-replica-2', q[1], {'license': 'cc0', 'tags': ['rain']})])\n"
+        "print(json.dumps(out))\n"
+    )
+    filters = [json.dumps(f) for f in ({}, {"license": "cc0"}, {"tags": {"all": ["rain", "night"]}})]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, str(script), s.target.uri, s.target.prefix,
+                           json.dumps(queries.tolist()), *filters], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["takedowns"] == ["clip-7", "it-00013"]
+    for f in filters:
+        assert seen[f] == ref.search(queries, K, json.loads(f))[1], f
+    ref.items["from-replica-2"] = (queries[1], {"license": "cc0", "tags": ["rain"]})
+    _, ids = s.search(queries[1:2], 1, parse_filter({"tags": "rain"}))
+    assert ids == [["from-replica-2"]]  # the other replica's write, seen here at once
+
+    # a reconnect: this process's client closed and dropped; a new store object on a new client
+    key = (s.target.uri, s.target.token)
+    milvus_index._CLIENTS.pop(key).close()
+    again = MilvusItemStore(MilvusTarget(uri=s.target.uri, prefix=s.target.prefix), dim=DIM).open()
+    for flt in ({}, {"license": "cc0"}, {"not": {"tags": "rain"}}):
+        _check(again, ref, queries, flt)
+    assert again.ids(takedown=True) == ["clip-7", "it-00013"]
+
+
+def test_dimension_is_checked(store):
+    s, _ = store
+    with pytest.raises(Exception, match="holds 16-d vectors"):
+        MilvusItemStore(s.target, dim=DIM * 2).open()

@@ -201,3 +201,37 @@ def test_dimension_is_checked(store):
     s, _ = store
     with pytest.raises(Exception, match="holds 16-d vectors"):
         MilvusItemStore(s.target, dim=DIM * 2).open()
+
+
+@pytest.mark.slow
+def test_items_survive_the_server_killed_right_after_the_writes(store, milvus_server):
+    """Acknowledged writes are flushed: Milvus SIGKILLed at once comes back with every item, takedown
+    and delete (a restart of the session's server, ~20 s)."""
+    import time
+
+    from index.errors import IndexBackendError, IndexUnavailable
+
+    s, ref = store
+    rng = np.random.default_rng(3)
+    queries = _unit(rng, 2)
+    s.put([("last-write", queries[0], {"license": "cc-by", "tags": ["sea"]})])
+    ref.items["last-write"] = (queries[0], {"license": "cc-by", "tags": ["sea"]})
+    s.delete(["it-00020"])
+    del ref.items["it-00020"]
+    s.takedown(["clip-9"])
+    milvus_server.kill()
+    milvus_server.start()
+    milvus_index._DOWN.clear()
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            reopened = MilvusItemStore(MilvusTarget(uri=s.target.uri, prefix=s.target.prefix), dim=DIM).open()
+            takedowns = reopened.ids(takedown=True)
+            break
+        except (IndexUnavailable, IndexBackendError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+    assert "clip-9" in takedowns and reopened.count() == len(ref.items)
+    for flt in ({}, {"license": "cc-by"}, {"tags": {"any": ["sea", "night"]}}):
+        _check(reopened, ref, queries, flt)

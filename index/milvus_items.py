@@ -176,11 +176,13 @@ class MilvusItemStore:
 
     def put(self, items: Sequence[tuple[str, np.ndarray, Mapping[str, Any]]], *,
             docs: Sequence[Mapping[str, Any]] | None = None) -> None:
-        """Upsert ``(id, vector, metadata)`` items (``docs[i]``: the record kept beside item ``i``)."""
+        """Upsert ``(id, vector, metadata)`` items (``docs[i]``: the record kept beside item ``i``); an id
+        given twice keeps its last item (as two puts in a row would)."""
         if not items:
             return
         now = int(time.time() * 1000)
-        rows, kinds = [], {}
+        rows: dict[str, dict[str, Any]] = {}
+        kinds = {}
         for i, (item_id, vector, metadata) in enumerate(items):
             _literal_id(item_id)
             vec = np.asarray(vector, dtype=np.float32).reshape(-1)
@@ -189,15 +191,16 @@ class MilvusItemStore:
             meta = row_metadata(item_id, metadata)
             own = {k: kind for k, v in meta.items() if (kind := _kind_of(v)) is not None and v != []}
             kinds.update({f"{k}\x1f{kind}": (k, kind) for k, kind in own.items()})
-            rows.append({"id": item_id, ORDER_FIELD: now, "takedown": False,
-                         META_FIELD: milvus_metadata(meta, own),
-                         DOC_FIELD: dict(docs[i]) if docs is not None else {}, "vector": vec.tolist()})
+            rows.pop(item_id, None)  # keep the batch's order: the last put of an id is written last
+            rows[item_id] = {"id": item_id, ORDER_FIELD: now, "takedown": False,
+                             META_FIELD: milvus_metadata(meta, own),
+                             DOC_FIELD: dict(docs[i]) if docs is not None else {}, "vector": vec.tolist()}
         with _mapped(f"writing items into {self.collection}", self.target):
             if kinds:  # kinds first: an item is never searchable before its fields are filterable
                 self.target.call("upsert", self.fields_collection, [
                     {"key": key, "field": name, "kind": kind, "vector": [0.0, 0.0]}
                     for key, (name, kind) in sorted(kinds.items())], bulk=True)
-            self.target.call("upsert", self.collection, rows, bulk=True)
+            self.target.call("upsert", self.collection, list(rows.values()), bulk=True)
             self._flush()
 
     def takedown(self, ids: Sequence[str]) -> None:
@@ -206,7 +209,7 @@ class MilvusItemStore:
             return
         now = int(time.time() * 1000)
         rows = [{"id": i, ORDER_FIELD: now, "takedown": True, META_FIELD: {}, DOC_FIELD: {},
-                 "vector": [0.0] * self.dim} for i in ids]
+                 "vector": [0.0] * self.dim} for i in dict.fromkeys(ids)]
         for i in ids:
             _literal_id(i)
         with _mapped(f"writing takedowns into {self.collection}", self.target):

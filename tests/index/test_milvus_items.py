@@ -144,8 +144,9 @@ def test_upsert_delete_takedown_and_a_second_replica(store, tmp_path: Path):
     s, ref = store
     rng = np.random.default_rng(2)
     queries = _unit(rng, 3)
-    # replace one item (new vector right on query 0, new metadata), delete two, take down a bundle clip
-    s.put([("it-00010", queries[0], {"license": "cc0", "duration": 0.2})])
+    # replace one item (twice in one batch: the last wins; new vector right on query 0, new metadata),
+    # delete two, take down a bundle clip
+    s.put([("it-00010", queries[2], {"license": "cc-by"}), ("it-00010", queries[0], {"license": "cc0", "duration": 0.2})])
     ref.items["it-00010"] = (queries[0], {"license": "cc0", "duration": 0.2})
     s.delete(["it-00011", "it-00012", "never-added"])
     del ref.items["it-00011"], ref.items["it-00012"]

@@ -1,8 +1,8 @@
 """Added items kept in Milvus (issue 47, part 5): :class:`index.milvus_items.MilvusItemStore` on the real
 Milvus standalone server of the test session (tests/milvus_server.py).
 
-The brute-force parity also runs on milvus-lite 3.x. The reference is independent of Milvus and of the expression writer: exact inner products in numpy
-over the live items, filtered by :meth:`index.filters.MetadataTable.mask` (the evaluator the FAISS
+The brute-force parity also runs on milvus-lite 3.x. The reference is independent of Milvus and of
+the expression writer: exact inner products in numpy over the live items, filtered by :meth:`index.filters.MetadataTable.mask` (the evaluator the FAISS
 backend uses). A second replica is a second process with its own client; a reconnect drops the
 process's client and opens a new one.
 """

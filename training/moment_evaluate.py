@@ -7,6 +7,8 @@ import json
 import logging
 from pathlib import Path
 
+from rich.console import Console
+
 from index.errors import TonearmError
 from index.loader import LoadedBundle
 from index.moment_eval import evaluate_moments, format_moment_report
@@ -34,6 +36,6 @@ def cli_evaluate_moments(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "moments.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     (out / "moments.md").write_text(table, encoding="utf-8")
-    print(table, end="")  # noqa: T201 - the command's output
+    Console().print(table, end="", markup=False, highlight=False)  # the command's output, as `evaluate` prints its report
     log.info("wrote %s and %s", out / "moments.json", out / "moments.md")
     return 0

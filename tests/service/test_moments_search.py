@@ -21,6 +21,7 @@ from index.audio import decode_audio
 from index.bundle import read_manifest
 from service.app import create_app
 from tests.service.conftest import ADMIN, make_settings, running_client
+from tests.service.test_demo_page import browser  # noqa: F401 - the demo page's fixture (fails under CI=true without chromium)
 from tests.service.test_routes import assert_problem
 from tonearm.cli import main as tonearm_main
 from training.data.manifest import load_manifest
@@ -148,16 +149,12 @@ def test_a_known_event_is_found_at_its_time_through_http_on_milvus(
 
 
 def test_the_demo_page_shows_the_moments_on_a_timeline_and_plays_from_start(
-    moment_bundles: Path, long_recording: dict, uvicorn_runner, tmp_path: Path
+    moment_bundles: Path, long_recording: dict, uvicorn_runner, browser, tmp_path: Path  # noqa: F811
 ) -> None:
-    from tests.service.test_demo_page import CHROMIUM, _screenshots, _watched_page
+    from tests.service.test_demo_page import _screenshots, _watched_page
 
-    playwright_api = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.skip("chromium is not installed (scripts/ensure-chromium.sh)")
-    with uvicorn_runner(create_app(_settings(moment_bundles))) as server, playwright_api.sync_playwright() as p:
+    with uvicorn_runner(create_app(_settings(moment_bundles))) as server:
         server.wait_ready()
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--mute-audio"])
         page, problems = _watched_page(browser, server.url)
         page.goto(server.url + "/")
         page.fill("#moment-query", long_recording["caption"])
@@ -170,5 +167,5 @@ def test_the_demo_page_shows_the_moments_on_a_timeline_and_plays_from_start(
         minutes, seconds = label.removeprefix("Play from ").split(":")
         assert start == pytest.approx(60 * int(minutes) + float(seconds), abs=0.06)
         page.screenshot(path=str(_screenshots(tmp_path) / "5-moments.png"), full_page=True)
-        browser.close()
+        page.close()
         assert problems == []

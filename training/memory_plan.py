@@ -56,10 +56,11 @@ RECORDS_RSS_FACTOR = 2.4
 SEQUENCE_BYTES = 2 * INT64
 """Bytes per usable clip of the epoch's sequence in each worker (shard, ordinal); the stream's per-shard plan
 holds twice as much (ordinal, row, byte offset, size)."""
-MAIN_PROCESS_PSS = 640 * 2**20
+MAIN_PROCESS_PSS = 800 * 2**20
 """PSS of a training process besides what the plan counts item by item (the interpreter, torch and its
-libraries, autograd's and the optimizer's working memory at a small model): 622-634 MiB measured before
-the loader workers start in a small CPU run, bench/plan_pss.py. A GPU process adds its CUDA context
+libraries, autograd's and the optimizer's working memory at a small model): 754-839 MiB measured on a quiet
+machine (load < 1.1) in a small CPU run of the merged tree, bench/plan_pss.py (622-634 MiB in the first,
+loaded runs). A GPU process adds its CUDA context
 (not counted, docs/training.md)."""
 WORKER_PSS = 16 * 2**20
 """PSS of one forked loader worker besides its shuffle buffer and batches (its own pages: the decoder's

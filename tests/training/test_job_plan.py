@@ -57,7 +57,7 @@ def test_the_plan_refuses_host_memory_it_cannot_hold() -> None:
         refuse_unless_node_fits(cfg, workers=4, buffer_bytes=2**20, crop=128_000, index=2**20, ranks_on_node=8,
                                 shm=2**34, memory=memory)
 
-    check(2**35)  # 8 × (1 + 4 + 0.5 × 4 × 8 ... MiB + 640 + 128 MiB of processes) fits in 32 GiB
+    check(2**35)  # 8 × (1 + 4 + 0.5 × 4 × 8 ... MiB + 800 + 128 MiB of processes) fits in 32 GiB
     with pytest.raises(ConfigError, match=r"memory .*data\.num_workers=4"):
         check(2**30)
 

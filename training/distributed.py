@@ -573,6 +573,16 @@ MAX_OF = frozenset({"peak_memory_mib"})
 """Window metrics logged as their largest value over ranks (the rank that runs out first)."""
 
 
+def _gathered_rows(values: Mapping[str, float]) -> tuple[list[str], list[list[float]]]:
+    """``values``' keys and every rank's row of them (one all-gather; one row on one process)."""
+    keys = list(values)
+    if not is_distributed():
+        return keys, [[float(values[k]) for k in keys]]
+    with _helper_scope():
+        local = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=group_device())
+        return keys, all_gather_no_grad(local.unsqueeze(0)).tolist()
+
+
 def reduce_window(values: Mapping[str, float]) -> dict[str, float]:
     """A logging window's data metrics over every rank, for rank 0 to log: ONE all-gather.
 
@@ -581,13 +591,7 @@ def reduce_window(values: Mapping[str, float]) -> dict[str, float]:
     also gets ``data_wait_fraction_max``, the worst rank's. On one process: the values, with the
     worst equal to the mean.
     """
-    keys = list(values)
-    if not is_distributed():
-        rows = [[float(values[k]) for k in keys]]
-    else:
-        with _helper_scope():
-            local = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=group_device())
-            rows = all_gather_no_grad(local.unsqueeze(0)).tolist()
+    keys, rows = _gathered_rows(values)
     out: dict[str, float] = {}
     for column, key in enumerate(keys):
         per_rank = [row[column] for row in rows]
@@ -601,13 +605,7 @@ def reduce_counts(values: Mapping[str, float], *, worst: Mapping[str, str]) -> d
     """Per-rank counts of the job as rank 0 logs them: ONE all-gather; each key becomes its total over
     ranks, and ``KEY_worst_rank`` the worst rank's value (``worst[KEY]``: ``"min"`` or ``"max"``), e.g.
     the rank that served the fewest clips or held back the most. On one process: the values themselves."""
-    keys = list(values)
-    if not is_distributed():
-        rows = [[float(values[k]) for k in keys]]
-    else:
-        with _helper_scope():
-            local = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=group_device())
-            rows = all_gather_no_grad(local.unsqueeze(0)).tolist()
+    keys, rows = _gathered_rows(values)
     out: dict[str, float] = {}
     for column, key in enumerate(keys):
         per_rank = [row[column] for row in rows]

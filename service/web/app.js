@@ -186,7 +186,7 @@ async function findMoments(event) {
     });
     renderMoments(body.hits);
     setStatus("moments-status",
-              `${body.hits.length} moments for “${query}” (windows of ${body.window_seconds} s every ${body.hop_seconds} s).`);
+              `${body.hits.length} moment${body.hits.length === 1 ? "" : "s"} for “${query}” (windows of ${body.window_seconds} s every ${body.hop_seconds} s).`);
   } catch (err) {
     setStatus("moments-status", `Moment search failed: ${err.message}`, true);
   }

@@ -1,7 +1,7 @@
 """Benchmark: ONNX vs PyTorch encoder latency, and FAISS index build throughput + ANN recall@10.
 
 Encoders: the built-in towers of the default config (random weights — latency does
-not depend on them) exported with ``training.onnx_export``; text = ``max_length``
+not depend on them) exported with ``training.bundle.onnx_export``; text = ``max_length``
 token batches, audio = 5-s clips; batch 1 and 32; the same thread count for
 PyTorch (``torch.set_num_threads``) and ONNX Runtime (``intra_op_num_threads``),
 1 by default (on a shared 2-core machine, 2 torch threads measured mostly
@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from index.faiss_index import build_index  # noqa: E402
+from training.bundle.onnx_export import export_audio_encoder, export_text_encoder  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 from training.models.dual_encoder import build_dual_encoder  # noqa: E402
-from training.onnx_export import export_audio_encoder, export_text_encoder  # noqa: E402
 
 from benchlib import cpu_model, publish_section, synthetic_vectors  # noqa: E402
 

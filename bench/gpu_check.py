@@ -208,9 +208,9 @@ def onnx_parity(work: Path) -> dict[str, Any]:
     import onnxruntime as ort
     import torch
 
+    from training.bundle.onnx_export import _export
     from training.config import TrainConfig
     from training.models.dual_encoder import build_dual_encoder
-    from training.onnx_export import _export
 
     device = torch.device(DEVICE)
     cfg = TrainConfig()

@@ -171,10 +171,10 @@ def cmd_build(args: argparse.Namespace) -> None:
         train_preset,
     )
 
+    from training.bundle.export import export_bundle
+    from training.bundle.pretrained import export_pretrained_bundle
+    from training.bundle.quantize import QuantizeConfig
     from training.data.synth import generate_corpus
-    from training.export import export_bundle
-    from training.pretrained import export_pretrained_bundle
-    from training.quantize import QuantizeConfig
 
     work = work_dir(args)
     corpus = work / "corpus" / "manifest.jsonl"
@@ -214,7 +214,7 @@ def cmd_build(args: argparse.Namespace) -> None:
 def onnx_sizes(bundle: Path) -> dict[str, float]:
     """MB of each ONNX model of a bundle: the ``.onnx`` file plus its external data file (``.onnx.data``,
     written for a model above ~2 GB; PE-Audio's fp32 towers, 1.1 and 1.3 GB, have none)."""
-    from training.onnx_export import external_data_file
+    from training.bundle.onnx_export import external_data_file
 
     sizes = {}
     for path in sorted(bundle.glob("*.onnx")):
@@ -254,7 +254,7 @@ def cmd_encoders(args: argparse.Namespace) -> None:
     from index.audio import eval_chunks
     from index.loader import AUDIO_INPUTS, TEXT_INPUTS, OnnxEncoder, SessionConfig
     from index.tokenizer import TextTokenizer
-    from training.quantize import cosines, quantize_model
+    from training.bundle.quantize import cosines, quantize_model
 
     work = work_dir(args)
     rows = []

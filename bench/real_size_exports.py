@@ -57,13 +57,13 @@ def measure(target: str, work: Path) -> dict[str, Any]:
     manifest = mini_manifest(corpus, work / "mini.jsonl")
     load = os.getloadavg()[0]
     if target == "pretrained":
-        from training.pretrained import export_pretrained_bundle
+        from training.bundle.pretrained import export_pretrained_bundle
 
         folder = real_model_dir("clap", work)
         started = time.perf_counter()
         bundle = export_pretrained_bundle(folder, manifest=manifest, out_dir=work / "bundles" / target, progress=False)
     else:
-        from training.export import export_bundle
+        from training.bundle.export import export_bundle
 
         dirs = {m: real_model_dir(m, work) for m in PRESET_MODELS[target].values()}
         run = train_preset(target, dirs, manifest, work / "runs" / f"{target}-{int(time.time())}")
@@ -82,10 +82,10 @@ def measure(target: str, work: Path) -> dict[str, Any]:
 
 
 def int8_sizes(bundle: Path) -> dict[str, float]:
-    """MB of each encoder after `--quantize`'s dynamic int8 (training.quantize.quantize_model), after the timing."""
+    """MB of each encoder after `--quantize`'s dynamic int8 (training.bundle.quantize.quantize_model), after the timing."""
     import tempfile
 
-    from training.quantize import quantize_model
+    from training.bundle.quantize import quantize_model
 
     sizes = {}
     with tempfile.TemporaryDirectory() as scratch:

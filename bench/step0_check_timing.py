@@ -1,4 +1,4 @@
-"""Time the run-time step-0 check (training/step0.py) on the full-size random-weight CLAP and AST.
+"""Time the run-time step-0 check (training/bundle/step0.py) on the full-size random-weight CLAP and AST.
 
     PYTHONPATH=. python bench/step0_check_timing.py cpu|cuda [FOLDER_FOR_THE_MODELS]
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from tests.real_size_models import PRESETS, real_model_dir
+from training.bundle.step0 import check_step0
 from training.config import ConfigError, load_train_config
 from training.models.dual_encoder import build_dual_encoder
 from training.models.tokenizer import build_tokenizer
-from training.step0 import check_step0
 
 log = logging.getLogger("step0_check_timing")
 

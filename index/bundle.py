@@ -148,7 +148,7 @@ class QuantizationAgreement(_Frozen):
 
 
 class QuantizationInfo(_Frozen):
-    """Quantized encoders and what they cost against fp32 (training.quantize, docs/bundle.md)."""
+    """Quantized encoders and what they cost against fp32 (training.bundle.quantize, docs/bundle.md)."""
 
     precision: Literal["int8", "fp16"]
     encoders: list[Literal["text", "audio"]]

@@ -2,7 +2,7 @@
 a bad clip and a changed catalogue without losing work (issues 41 and 49).
 
 One logic for every catalogue pass — `tonearm index` (:mod:`index.own_audio`), `tonearm export` and
-`export --pretrained` (:mod:`training.bundle_parts`), in process or on Ray, clips and captions alike.
+`export --pretrained` (:mod:`training.bundle.parts`), in process or on Ray, clips and captions alike.
 
 * **Keys.** Every item has a content key (:func:`content_key`: a file's size and a hash of its first
   and last 64 KiB; :func:`text_key`: a caption's sha256) and the pass has a digest of what else decides

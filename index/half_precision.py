@@ -22,7 +22,7 @@ The rest — matmuls, convolutions, GELU, residual adds, PE-Audio's codec — ru
 four synthetic signals; for captions, the export's parity captions and the first
 :data:`PROBE_TEXTS` catalogue captions) is embedded with the fp32 and the fp16 graph on the pass's
 providers; when the lowest **centred cosine** (both sets L2-normalised, each set's mean row
-removed: what differs between items, not what they share — as training/step0.py) is below
+removed: what differs between items, not what they share — as training/bundle/step0.py) is below
 :data:`MIN_CENTRED_COSINE`, the command stops with one line and writes nothing. It does not fall
 back to fp32: the user asked for fp16 and reruns with ``--precision fp32`` knowingly. A bundle
 embedded in fp16 records it (``manifest.catalogue_pass``); an fp32 pass records nothing.
@@ -230,7 +230,7 @@ def load_half(src: Path, folder: Path, *, inputs: Sequence[str], embed_dim: int,
 
 def centred_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Per item: cosine of ``a[i]`` and ``b[i]`` after L2-normalising every row and removing each
-    set's mean row (training.step0.centred_cosines, in numpy)."""
+    set's mean row (training.bundle.step0.centred_cosines, in numpy)."""
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)

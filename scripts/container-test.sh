@@ -62,7 +62,7 @@ from pathlib import Path
 
 from training.config import load_train_config
 from training.data.synth import generate_corpus
-from training.export import export_bundle
+from training.bundle.export import export_bundle
 from training.loop import train
 
 cache, work = Path(sys.argv[1]), Path(sys.argv[2])

@@ -48,7 +48,7 @@ def tiny_checkpoint(tiny_run: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_bundle(tiny_checkpoint: Path, tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Bundle directory exported with the defaults (exact Flat indices, fp32 encoders)."""
-    from training.export import export_bundle
+    from training.bundle.export import export_bundle
 
     out_dir = tmp_path_factory.mktemp("bundles")
     return export_bundle(tiny_checkpoint, manifest=tiny_corpus, out_dir=out_dir, progress=False)

@@ -291,7 +291,7 @@ def real_train_manifest(tiny_corpus: Path, tmp_path_factory: pytest.TempPathFact
 def real_clap_pretrained_bundle(real_clap_dir: Path, real_manifest: Path,
                                 tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`tonearm export --pretrained` of the real-size CLAP folder over :func:`real_manifest` (48 kHz)."""
-    from training.pretrained import export_pretrained_bundle
+    from training.bundle.pretrained import export_pretrained_bundle
 
     return export_pretrained_bundle(real_clap_dir, manifest=real_manifest, out_dir=tmp_path_factory.mktemp("bundles"),
                                     progress=False)
@@ -328,7 +328,7 @@ class PresetRun:
 def _preset_fixture(name: str) -> Callable[..., PresetRun]:
     def build(request: pytest.FixtureRequest, real_manifest: Path, real_train_manifest: Path,
               tmp_path_factory: pytest.TempPathFactory) -> PresetRun:
-        from training.export import export_bundle
+        from training.bundle.export import export_bundle
 
         dirs = {model: request.getfixturevalue(f"real_{model}_dir") for model in PRESET_MODELS[name].values()}
         # two steps of batch 2 in one epoch (the same steps as two one-clip-pair epochs, one `last/` save)

@@ -165,9 +165,10 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_trained_and_pretrained_exports_do_not_import_each_other() -> None:
-    """Issue 41: one pipeline, its shared parts in training/bundle_parts.py, the CLI in
-    training/export_cli.py; neither training/export.py nor training/pretrained.py imports the other."""
-    export, pretrained = (_imported_modules(ROOT / "training" / f"{name}.py") for name in ("export", "pretrained"))
-    assert not {m for m in export if m == "training.pretrained" or m.startswith("training.pretrained.")}
-    assert not {m for m in pretrained if m == "training.export" or m.startswith("training.export.")}
-    assert "training.bundle_parts" in export and "training.bundle_parts" in pretrained
+    """Issue 41: one pipeline, its shared parts in training/bundle/parts.py, the CLI in
+    training/bundle/cli.py; neither training/bundle/export.py nor training/bundle/pretrained.py imports the other
+    (issue 49: the files that make a bundle live together in training/bundle/)."""
+    export, pretrained = (_imported_modules(ROOT / "training" / "bundle" / f"{name}.py") for name in ("export", "pretrained"))
+    assert not {m for m in export if m == "training.bundle.pretrained" or m.startswith("training.bundle.pretrained.")}
+    assert not {m for m in pretrained if m == "training.bundle.export" or m.startswith("training.bundle.export.")}
+    assert "training.bundle.parts" in export and "training.bundle.parts" in pretrained

@@ -181,7 +181,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
                    help="past --quantize-max-drop: refuse the export (exit status 2) or only warn")
     _add_ray_options(p)
     _add_device_option(p)
-    p.set_defaults(handler=_lazy("training.export_cli:cli_export", "train"))
+    p.set_defaults(handler=_lazy("training.bundle.cli:cli_export", "train"))
 
 
 def _add_index(sub: argparse._SubParsersAction) -> None:

@@ -152,9 +152,9 @@ def _build(root: Path, *, size: str | None = None, config: Path | None = None) -
     :data:`DEMO_CONFIG`) let tests run the same path on ``tiny``."""
     size, config = size or DEMO_SIZE, config or DEMO_CONFIG
     try:
+        from training.bundle.export import export_bundle
         from training.config import load_train_config
         from training.data.synth import generate_corpus
-        from training.export import export_bundle
         from training.loop import train
     except ModuleNotFoundError as err:
         raise TonearmError(

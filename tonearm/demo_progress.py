@@ -59,7 +59,7 @@ class BuildProgress(logging.Handler):
                 epoch = int(m["epoch"])
                 state.stage_fraction = min(1.0, epoch / state.epochs)
                 state.detail = f"training: epoch {epoch}/{state.epochs} done"
-            elif record.name == "training.export" and (m := EXPORT_PROGRESS.search(message)):
+            elif record.name == "training.bundle.export" and (m := EXPORT_PROGRESS.search(message)):
                 done, total = int(m["done"]), max(1, int(m["total"]))
                 # embedding clips then captions: the two halves of the stage's long part
                 half = 0.5 if m["what"].startswith("embedding captions") else 0.0

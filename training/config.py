@@ -133,7 +133,7 @@ class ModelConfig(_Strict):
     ``hf_auto`` text; not on resume or ``init_checkpoint``), embed four synthetic clips and four captions
     through the training model and through the folder's own transformers model, extractor and
     tokenizer, and stop with one line when their centred cosine falls below 0.99
-    (training/step0.py; docs/training.md, "Fine-tune a pretrained CLAP or AST")."""
+    (training/bundle/step0.py; docs/training.md, "Fine-tune a pretrained CLAP or AST")."""
     audio: AudioTowerConfig = Field(default_factory=AudioTowerConfig)
     text: TextTowerConfig = Field(default_factory=TextTowerConfig)
 

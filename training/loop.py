@@ -28,8 +28,9 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from index.errors import DataError
-from training import distributed, step0
+from training import distributed
 from training.accumulate import accumulated_backward, surrogate
+from training.bundle import step0
 from training.config import ConfigError, TrainConfig, load_train_config, short_clip_padding
 from training.context import LoopContext
 from training.data.loader import BadSampleBudget, loader_options, loader_workers
@@ -295,7 +296,7 @@ def check_pretrained_start(
     cfg: TrainConfig, model: DualEncoder, tokenizer: Any, runtime: Runtime, *, resuming: bool
 ) -> list[step0.Step0Result]:
     """``model.step0_check``: a run from a pretrained folder stops here, before step 1, in one line when
-    a tower does not start as the folder's own model (training/step0.py); every rank checks alike."""
+    a tower does not start as the folder's own model (training/bundle/step0.py); every rank checks alike."""
     if not step0.applies(cfg, resuming=resuming):
         return []
     return step0.check_step0(model, cfg, tokenizer, runtime.device)

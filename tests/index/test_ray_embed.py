@@ -186,7 +186,7 @@ def test_pretrained_export_on_ray_writes_the_single_process_bundle(
     """`export --pretrained --ray` (issue 41): a small ClapModel folder bundled in this process and on the
     cluster gives the same ids, vectors (float tolerance) and neighbours, clips and captions."""
     from tests.training.test_pretrained_quantize import write_small_clap
-    from training.pretrained import export_pretrained_bundle
+    from training.bundle.pretrained import export_pretrained_bundle
 
     folder = write_small_clap(tmp_path / "small_clap")
     local = export_pretrained_bundle(folder, manifest=tiny_corpus, out_dir=tmp_path / "local", progress=False)

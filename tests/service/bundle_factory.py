@@ -36,7 +36,7 @@ def train_checkpoint(manifest: Path, out_dir: Path, overrides: list[str]) -> Pat
 
 
 def export(checkpoint: Path, manifest: Path, out_dir: Path) -> Path:
-    from training.export import export_bundle
+    from training.bundle.export import export_bundle
 
     return export_bundle(checkpoint, manifest=manifest, out_dir=out_dir, progress=False)
 

@@ -14,7 +14,7 @@ zero-padding fails both checks.
 
 Cost: ~5 s (a 2-layer, 64-wide random ``ASTModel`` at the real 128 × 1024 input size); one test
 checks the exported ONNX encoder (what a bundle serves) on NaN-tailed clips against the tower,
-another the run-time step-0 check (training/step0.py) passes frame padding and stops the waveform zero-pad.
+another the run-time step-0 check (training/bundle/step0.py) passes frame padding and stops the waveform zero-pad.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def test_exported_ast_encoder_pads_frames_as_the_tower(small_ast: Path, tmp_path
     import onnxruntime as ort
 
     from index.audio_frontend import pad_short_clip
-    from training.onnx_export import export_audio_encoder
+    from training.bundle.onnx_export import export_audio_encoder
 
     cfg = load_train_config(PRESETS / "ast_xlmr.yaml", [f"model.audio.path={small_ast}"])
     tower, _ = build_hf_audio_tower("hf_ast", path=str(small_ast), frontend_cfg=cfg.frontend, config=None)
@@ -140,13 +140,13 @@ def test_exported_ast_encoder_pads_frames_as_the_tower(small_ast: Path, tmp_path
 
 
 def test_run_time_step0_check_passes_frame_padding_and_stops_waveform_zero_pad(small_ast: Path) -> None:
-    """``model.step0_check`` (training/step0.py) at the start of an AST fine-tune: the folder's own
+    """``model.step0_check`` (training/bundle/step0.py) at the start of an AST fine-tune: the folder's own
     ``ASTModel`` + ``ASTFeatureExtractor`` against the training tower on four probe clips, centred; the
     resolved frame padding passes, the waveform zero-pad of before stops the run in one line."""
+    from training.bundle.step0 import MIN_CENTRED_COS, check_step0
     from training.config import ConfigError
     from training.models.dual_encoder import build_dual_encoder
     from training.models.tokenizer import build_tokenizer
-    from training.step0 import MIN_CENTRED_COS, check_step0
 
     def step0(*extra: str) -> list:  # type: ignore[type-arg]
         cfg = load_train_config(PRESETS / "ast_xlmr.yaml", [f"model.audio.path={small_ast}", "model.text.kind=builtin",

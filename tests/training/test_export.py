@@ -21,9 +21,7 @@ from index.loader import OnnxEncoder
 from index.verify import verify_bundle
 from tonearm.cli import main
 from tonearm.errors import BundleError, TonearmError
-from training.checkpoint import load_checkpoint
-from training.data.manifest import ClipRecord, load_manifest
-from training.export import (
+from training.bundle.export import (
     canonical_hash,
     catalogue_texts,
     check_text_parity,
@@ -32,7 +30,9 @@ from training.export import (
     make_bundle_id,
     run_name,
 )
-from training.onnx_export import ExportError
+from training.bundle.onnx_export import ExportError
+from training.checkpoint import load_checkpoint
+from training.data.manifest import ClipRecord, load_manifest
 
 LANGS = ["eng", "fra", "deu", "spa", "nld", "cat", "jpn", "zho"]
 
@@ -157,7 +157,7 @@ def test_parity_check_catches_a_different_model(tiny_bundle, tiny_checkpoint):
                                embed_dim=32, providers=["CPUExecutionProvider"], threads=1)
     worst = check_text_parity(other.model, other.tokenizer, encoder, ["a dog barks", "il pleut", "風が吹く"])
     assert worst < 0.999
-    from training.export import _require
+    from training.bundle.export import _require
 
     with pytest.raises(ExportError, match="min cosine"):
         _require(worst, "text encoder")

@@ -24,7 +24,7 @@ RATE = 16000
 def exported(tiny_checkpoint: Path, tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Three test clips, and one long recording of those clips three times over, with a moment per
     scene (the same caption on the three repeats: one query, three ground-truth windows)."""
-    from training.export import export_bundle
+    from training.bundle.export import export_bundle
 
     tmp = tmp_path_factory.mktemp("export_moments")
     clips = load_manifest(tiny_corpus, languages=DEFAULT_LANGUAGES, split="test")[:3]

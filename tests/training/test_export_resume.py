@@ -1,6 +1,6 @@
 """`tonearm export` and `export --pretrained` resume an interrupted clips pass (issue 41), as `tonearm index`
 does (tests/index/test_index_resume.py): the pass checkpoints its vectors in chunks in
-``OUT/.<name>-<8 hex>.partial/`` (:mod:`index.embed_checkpoint`, :func:`training.bundle_parts.embed_clips`).
+``OUT/.<name>-<8 hex>.partial/`` (:mod:`index.embed_checkpoint`, :func:`training.bundle.parts.embed_clips`).
 
 For `tonearm export` the interruption is a real one: the export runs in a child process that is
 killed with SIGKILL once its second chunk is on disk (the child's only change is that it waits there,
@@ -35,8 +35,8 @@ from index import bundle as fmt
 from index.embed_checkpoint import Chunk, EmbedCheckpoint, content_key
 from index.faiss_index import all_vectors, load_index, parse_factory
 from index.languages import DEFAULT_LANGUAGES
-from training import export, pretrained
-from training.bundle_parts import catalogue_checkpoint
+from training.bundle import export, pretrained
+from training.bundle.parts import catalogue_checkpoint
 from training.data.manifest import load_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,11 +60,11 @@ def save_then_wait(self, number, chunk):
 embed_checkpoint.EmbedCheckpoint.save = save_then_wait
 kind, source, manifest, out, chunk = sys.argv[1:]
 if kind == "trained":
-    from training.export import export_bundle
+    from training.bundle.export import export_bundle
 
     export_bundle(source, manifest=manifest, out_dir=out, progress=False, chunk_files=int(chunk))
 else:
-    from training.pretrained import export_pretrained_bundle
+    from training.bundle.pretrained import export_pretrained_bundle
 
     export_pretrained_bundle(source, manifest=manifest, out_dir=out, progress=False, chunk_files=int(chunk))
 """

@@ -10,11 +10,11 @@ The reference is the **transformers model's own** feature extractor + model (``C
 window the crop took) — never tonearm's front end.
 
 Parity is judged per element on the features and on **centred** embeddings
-(:func:`training.step0.centred_cosines`: rows L2-normalised, each set's mean removed): at random weights
+(:func:`training.bundle.step0.centred_cosines`: rows L2-normalised, each set's mean removed): at random weights
 unrelated 10-s signals embed at plain cosines of 0.9986–0.9999, so a plain ``cos ≥ 0.999`` passes a
 front-end error of that size. The negative cases apply each error found before as a deliberately wrong
 front end or data path and assert the measure — and the run-time check ``model.step0_check``
-(training/step0.py), which stops a fine-tune before step 1 — rejects it: HTK instead of Slaney mel bank,
+(training/bundle/step0.py), which stops a fine-tune before step 1 — rejects it: HTK instead of Slaney mel bank,
 no bicubic stretch (1,024 silence-padded frames), zero-pad instead of repeatpad (CLAP), waveform zero-pad
 instead of frame padding (AST). Measured here: every correct path ≥ 0.9999 centred, every error ≤ 0.66.
 """
@@ -32,10 +32,10 @@ import torch
 from transformers import ClapFeatureExtractor, ClapModel
 
 from tests.real_size_models import PRESETS
+from training.bundle.step0 import MIN_CENTRED_COS, centred_cosines, check_step0, probe_signal
 from training.config import ConfigError, load_train_config
 from training.models.dual_encoder import build_dual_encoder
 from training.models.tokenizer import build_tokenizer
-from training.step0 import MIN_CENTRED_COS, centred_cosines, check_step0, probe_signal
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the first test may build the session fixtures
 
@@ -44,7 +44,7 @@ CPU = torch.device("cpu")
 
 
 def signal(seconds: float, kind: int, rate: int) -> np.ndarray:
-    """Four unrelated signals (:func:`training.step0.probe_signal`): inputs only, the reference is transformers'."""
+    """Four unrelated signals (:func:`training.bundle.step0.probe_signal`): inputs only, the reference is transformers'."""
     return probe_signal(kind, np.arange(int(seconds * rate)) / rate, seconds, np.random.default_rng(kind))
 
 
@@ -98,7 +98,7 @@ def clap(real_clap_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
 
 def test_clap_step0_equals_the_pretrained_model_on_what_differs(clap: dict[str, Any]) -> None:
-    from training.export import checkpoint_audio_frontend
+    from training.bundle.export import checkpoint_audio_frontend
 
     model, tokenizer = clap["model"], clap["tokenizer"]
     assert clap["cfg"].frontend.short_clip_padding == "repeatpad"  # auto: the extractor's padding
@@ -245,8 +245,8 @@ def test_a_fine_tune_that_does_not_start_as_its_model_stops_before_step_1(
     metrics.jsonl: tests/training/test_real_size_presets.py.)"""
     import json
 
+    from training.bundle.step0 import applies
     from training.loop import train
-    from training.step0 import applies
 
     out = tmp_path / "run"
     overrides = [f"model.audio.path={real_clap_dir}", f"data.manifest={real_train_manifest}", f"out_dir={out}",

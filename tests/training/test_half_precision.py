@@ -34,7 +34,7 @@ from index.loader import AUDIO_INPUTS, TEXT_INPUTS, LoadedBundle, OnnxEncoder
 from index.own_audio import index_folder
 from tests.small_pe_audio import save_small_pe_audio
 from tests.training.test_pretrained_quantize import write_small_clap
-from training.pretrained import (
+from training.bundle.pretrained import (
     export_pretrained_bundle,
     export_pretrained_encoders,
     load_pretrained,
@@ -64,7 +64,7 @@ def run(path: Path, inputs: tuple[str, ...], feeds: dict[str, np.ndarray]) -> np
 def test_centred_cosine_is_step0s() -> None:
     import torch
 
-    from training.step0 import centred_cosines as torch_centred
+    from training.bundle.step0 import centred_cosines as torch_centred
 
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((6, 8)), rng.standard_normal((6, 8))
@@ -152,7 +152,7 @@ def test_fp16_pass_of_export_and_index_keeps_fp32_encoders_and_records_it(
 
 def test_fp16_pass_of_a_trained_export(tiny_checkpoint: Path, tiny_corpus: Path, tmp_path: Path) -> None:
     """`tonearm export CHECKPOINT --precision fp16`: the same record from the trained pipeline."""
-    from training.export import export_bundle
+    from training.bundle.export import export_bundle
 
     path = export_bundle(tiny_checkpoint, manifest=tiny_corpus, out_dir=tmp_path, progress=False, precision="fp16")
     record = fmt.read_manifest(path).catalogue_pass

@@ -28,6 +28,7 @@ from transformers import (
     WhisperModel,
 )
 
+from training.bundle.onnx_export import export_audio_encoder, export_text_encoder, onnx_session
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import (
     AudioTowerConfig,
@@ -39,7 +40,6 @@ from training.config import (
 )
 from training.models.dual_encoder import DualEncoder, build_dual_encoder
 from training.models.tokenizer import build_tokenizer
-from training.onnx_export import export_audio_encoder, export_text_encoder, onnx_session
 
 FRONTEND = FrontendConfig(n_mels=16)
 TEXTS = [

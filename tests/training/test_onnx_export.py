@@ -13,16 +13,16 @@ from torch import nn
 
 from index.tokenizer import TextTokenizer
 from tests.index.test_tokenizer import ALL_CAPTIONS, CAPTIONS, corpus
-from training.config import FrontendConfig, ModelConfig
-from training.models.dual_encoder import DualEncoder, build_dual_encoder
-from training.models.frontend import LogMelFrontend
-from training.models.tokenizer import train_bpe_tokenizer
-from training.onnx_export import (
+from training.bundle.onnx_export import (
     ExportError,
     export_audio_encoder,
     export_text_encoder,
     onnx_session,
 )
+from training.config import FrontendConfig, ModelConfig
+from training.models.dual_encoder import DualEncoder, build_dual_encoder
+from training.models.frontend import LogMelFrontend
+from training.models.tokenizer import train_bpe_tokenizer
 
 SR = 16000
 

@@ -95,14 +95,14 @@ def test_step0_is_the_model_at_every_length_and_the_wrong_rules_fail(small_pe: P
 
 
 def test_run_time_step0_check_holds_for_pe_audio_and_stops_a_wrong_data_path(small_pe: Path) -> None:
-    """``model.step0_check`` (training/step0.py) at the start of a PE-Audio fine-tune: the training towers on
+    """``model.step0_check`` (training/bundle/step0.py) at the start of a PE-Audio fine-tune: the training towers on
     the probe clips of 0.5, 3, 10 and 14 s (the preset's 10-s window) as the evaluation data path gives them —
     short clips at their own length (the NaN marker), the 14-s clip whole — against the folder's own
     ``PeAudioFeatureExtractor`` + ``PeAudioModel.get_audio_embeds`` on each clip at its own length (the 14-s
     one whole: the extractor neither truncates nor windows) and ``PeAudioModel.forward``'s
     ``text_audio_embeds``, centred. The same check with the zero-pad of every other tower stops in one line;
     a wrong sample rate is refused before it."""
-    from training.step0 import MIN_CENTRED_COS, check_step0, make_probe
+    from training.bundle.step0 import MIN_CENTRED_COS, check_step0, make_probe
 
     def check(*extra: str) -> list:  # type: ignore[type-arg]
         cfg = load_train_config(PRESETS / "pe_audio.yaml", [f"model.audio.path={small_pe}", "model.embed_dim=32",
@@ -278,8 +278,8 @@ def test_a_fine_tuned_pe_audio_exports_a_bundle_the_service_embeds_as_training_d
     service's path (``LoadedBundle.encode_audio``) gives the checkpoint's own evaluation embeddings."""
     from index import bundle as fmt
     from index.loader import LoadedBundle
+    from training.bundle.export import export_bundle
     from training.checkpoint import load_checkpoint
-    from training.export import export_bundle
     from training.loop import train
 
     run = train(load_train_config(PRESETS / "pe_audio.yaml", pe_run_overrides(small_pe, pe_manifest, tmp_path / "run")))

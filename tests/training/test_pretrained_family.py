@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tonearm.cli import main
+from training.bundle.pretrained_family import SUPPORTED, detect_family
 from training.config import ConfigError
-from training.pretrained_family import SUPPORTED, detect_family
 
 
 def folder_with(tmp_path: Path, name: str, config: str) -> Path:

@@ -1,4 +1,4 @@
-"""`export --pretrained`'s own parity check judges centred cosines (issue 49, :func:`training.pretrained.check_parity`):
+"""`export --pretrained`'s own parity check judges centred cosines (issue 49, :func:`training.bundle.pretrained.check_parity`):
 the staged encoders pass against the model's own embeddings, and the same encoders fed short clips zero-padded
 instead of the model's repeat-padding fail — a plain cosine near 1 is no evidence with random weights.
 
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from index.audio_frontend import pad_short_clip
-from training import pretrained
-from training.onnx_export import ExportError
+from training.bundle import pretrained
+from training.bundle.onnx_export import ExportError
 
 
 def test_parity_passes_the_model_and_refuses_zero_padding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,5 @@
 """`tonearm export --pretrained --quantize text|audio|both`: int8 encoders in the bundle, recorded in the
-manifest and measured against fp32 on the held-out set, as for trained bundles (training.quantize).
+manifest and measured against fp32 on the held-out set, as for trained bundles (training.bundle.quantize).
 
 A small random ``ClapModel`` (0.37 M parameters) keeps this cheap; the full-size CLAP's fp32 path is
 tests/training/test_real_size_pretrained.py.

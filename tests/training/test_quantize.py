@@ -12,7 +12,7 @@ from index.bundle import read_manifest
 from index.loader import LoadedBundle
 from tonearm.cli import main
 from tonearm.errors import TonearmError
-from training.quantize import QuantizeConfig
+from training.bundle.quantize import QuantizeConfig
 
 
 def _export(checkpoint, corpus, out, *options: str) -> int:

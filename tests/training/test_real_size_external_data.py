@@ -14,12 +14,12 @@ import pytest
 
 from index.loader import LoadedBundle
 from index.verify import verify_bundle
-from training import onnx_export
+from training.bundle import onnx_export
 
 
 @pytest.fixture(scope="module")
 def external_bundle(tiny_checkpoint: Path, tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from training.export import export_bundle
+    from training.bundle.export import export_bundle
 
     patch = pytest.MonkeyPatch()
     patch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 1)
@@ -47,7 +47,7 @@ def test_external_data_bundle_gives_the_same_embeddings(external_bundle: Path, t
 
 
 def test_copy_model_keeps_external_data(tmp_path: Path, external_bundle: Path) -> None:
-    from training.onnx_export import copy_model, onnx_session
+    from training.bundle.onnx_export import copy_model, onnx_session
 
     copy_model(external_bundle / "text_encoder.onnx", tmp_path / "copy.onnx")
     assert (tmp_path / "copy.onnx.data").is_file()

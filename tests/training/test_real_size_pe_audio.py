@@ -1,7 +1,7 @@
 """`tonearm export --pretrained` of Meta PE-Audio at its FULL default size (random weights, 606 M).
 
 One fp32 export is shared by every assert (`--quantize` is family-independent code,
-``training.export.quantization_records``, exercised at full size on CLAP by
+``training.bundle.export.quantization_records``, exercised at full size on CLAP by
 tests/training/test_pretrained_quantize.py; quantizing this 1.3-GB text tower here would add
 minutes to the suite). The references are the transformers model itself: ``PeAudioFeatureExtractor`` +
 ``get_audio_embeds`` of the clip (clips longer than the window are embedded whole, the bundle's

@@ -60,7 +60,7 @@ def test_training_steps_have_finite_losses_and_move_both_towers(preset: PresetRu
     rows = [json.loads(line) for line in (preset.run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [row["loss"] for row in rows if "loss" in row]
     assert losses and all(math.isfinite(v) for v in losses)
-    # model.step0_check ran before step 1 (training/step0.py): every pretrained tower starts as its folder's model
+    # model.step0_check ran before step 1 (training/bundle/step0.py): every pretrained tower starts as its folder's model
     checks = [row for row in rows if row.get("kind") == "step0_check"]
     assert len(checks) == 1, rows[:3]
     checked = {key for key in checks[0] if key.endswith("_centred_cos")}

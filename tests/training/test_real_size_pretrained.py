@@ -64,7 +64,7 @@ def test_the_model_is_clap_at_its_default_size(clap) -> None:
 
 def test_bundle_reproduces_get_audio_features(clap, bundle) -> None:
     """Short (repeat-padded), exactly 10 s, and long (chunk-and-average of the model's own 10-s features)."""
-    from training.pretrained import reference_clip_features
+    from training.bundle.pretrained import reference_clip_features
 
     waves = [signal(3.3, 48000, 0), signal(10.0, 48000, 1), signal(23.0, 48000, 2), signal(0.2, 48000, 3)]
     got = bundle.encode_audio(waves)

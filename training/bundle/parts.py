@@ -1,13 +1,13 @@
-"""What every bundle export shares, trained (:mod:`training.export`) or pretrained
-(:mod:`training.pretrained`): the bundle's identity, the catalogue and held-out selection, the
+"""What every bundle export shares, trained (:mod:`training.bundle.export`) or pretrained
+(:mod:`training.bundle.pretrained`): the bundle's identity, the catalogue and held-out selection, the
 progress display, ONNX-vs-torch parity helpers, the manifest's index and quantization records and
 the ``--quantize*`` options.
 
-How a bundle is made (SPEC §6), in one place: ``training.export`` turns a *checkpoint* into
-encoders, ``training.pretrained`` a *pretrained model folder*; both then run the same steps with
+How a bundle is made (SPEC §6), in one place: ``training.bundle.export`` turns a *checkpoint* into
+encoders, ``training.bundle.pretrained`` a *pretrained model folder*; both then run the same steps with
 these parts — embed the catalogue with the ONNX encoders (the clips pass checkpointed in chunks
 and resumed after an interruption: :func:`embed_clips`), build the FAISS indices, store and
-evaluate the held-out set, write the manifest — and ``training.export_cli`` is the one
+evaluate the held-out set, write the manifest — and ``training.bundle.cli`` is the one
 ``tonearm export`` entry point choosing between them. Neither of the two imports the other.
 """
 
@@ -48,11 +48,11 @@ from index.faiss_index import BuiltIndex
 from index.half_precision import PROBE_TEXTS, catalogue_pass_info, gate, half_precision_copy
 from index.loader import OnnxEncoder
 from index.report import METRIC_CONVENTION
+from training.bundle.onnx_export import external_data_file
+from training.bundle.quantize import QuantizeConfig, check_loss
 from training.data.manifest import ClipRecord
-from training.onnx_export import external_data_file
-from training.quantize import QuantizeConfig, check_loss
 
-log = logging.getLogger("training.export")
+log = logging.getLogger("training.bundle.export")
 """The export's logger, whichever pipeline runs (``tonearm/demo_progress.py`` reads its progress lines)."""
 
 OPSET = 18
@@ -428,7 +428,7 @@ def half_precision_gate(audio: tuple[Encode, Encode, Sequence[Any]], text: tuple
 
 
 progress = progress_bar
-"""``training.bundle_parts.progress``: the name the exports import."""
+"""``training.bundle.parts.progress``: the name the exports import."""
 
 
 def indexed_records(records: Sequence[ClipRecord], sections: dict[str, Any]) -> list[ClipRecord]:

@@ -1,6 +1,6 @@
 """`tonearm export --pretrained MODEL_DIR`: a published model folder → bundle, no training (SPEC §11).
 
-Families (:mod:`training.pretrained_family`, read from ``config.json``): Hugging Face
+Families (:mod:`training.bundle.pretrained_family`, read from ``config.json``): Hugging Face
 ``ClapModel`` (:mod:`training.models.pretrained_clap`) and Meta PE-Audio ``PeAudioModel``
 (:mod:`training.models.pretrained_pe_audio`).
 
@@ -74,7 +74,13 @@ from index.ray_embed import (
     ray_options_from_args,
 )
 from index.report import METRIC_CONVENTION
-from training.bundle_parts import (
+from training.bundle.onnx_export import (
+    MIN_COSINE,
+    ExportError,
+    export_audio_encoder,
+    export_text_encoder,
+)
+from training.bundle.parts import (
     CPU,
     OPSET,
     canonical_hash,
@@ -99,7 +105,9 @@ from training.bundle_parts import (
     quantize_config,
     write_catalogue,
 )
-from training.bundle_parts import load_session as _load_session
+from training.bundle.parts import load_session as _load_session
+from training.bundle.pretrained_family import detect_family
+from training.bundle.quantize import EncoderPair, QuantizeConfig, measure, quantize_model
 from training.data.dataset import eval_captions
 from training.data.manifest import ClipRecord, load_manifest
 from training.models.pretrained_clap import (
@@ -109,9 +117,6 @@ from training.models.pretrained_clap import (
     reference_text_features,
 )
 from training.models.pretrained_pe_audio import PretrainedPeAudio, load_pretrained_pe_audio
-from training.onnx_export import MIN_COSINE, ExportError, export_audio_encoder, export_text_encoder
-from training.pretrained_family import detect_family
-from training.quantize import EncoderPair, QuantizeConfig, measure, quantize_model
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +247,7 @@ def check_parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], text
                  expected: Expected) -> tuple[float, float]:
     """Minimum per-item cosine of the bundle's encoders to the model's own audio / text embeddings;
     :class:`ExportError` below :data:`MIN_COSINE`, or when the lowest **centred** cosine (each set's mean
-    row removed, :func:`index.half_precision.centred_cosines`; :mod:`training.step0`) is below
+    row removed, :func:`index.half_precision.centred_cosines`; :mod:`training.bundle.step0`) is below
     :data:`MIN_CENTRED_COSINE`: with random or weakly trained weights unrelated inputs embed at plain
     cosines near 1, so zero padding of short clips passes a plain 0.999 (0.99946) but not the centred check."""
     found = parity(encoders, waves, texts, expected)
@@ -260,7 +265,7 @@ def check_parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], text
 
 
 MIN_CENTRED_COSINE = 0.99
-"""Lowest centred cosine of the bundle's encoders to the model's own (as :data:`training.step0.MIN_CENTRED_COS`)."""
+"""Lowest centred cosine of the bundle's encoders to the model's own (as :data:`training.bundle.step0.MIN_CENTRED_COS`)."""
 
 
 def export_pretrained_encoders(clap: Pretrained, staging: Path, scratch: Path | None = None, *,
@@ -269,7 +274,7 @@ def export_pretrained_encoders(clap: Pretrained, staging: Path, scratch: Path | 
     """Write both ONNX encoders and the tokenizer into ``staging``; returns (served, fp32) encoders.
 
     An encoder to quantize (``quantize``) is exported in fp32 to ``scratch`` and its quantized copy
-    (:func:`training.quantize.quantize_model`) goes into ``staging``; without quantization both are the same."""
+    (:func:`training.bundle.quantize.quantize_model`) goes into ``staging``; without quantization both are the same."""
     s, quantize = clap.settings, quantize or QuantizeConfig()
     if quantize.encoders and scratch is None:
         raise ValueError("quantized export needs a scratch folder for the fp32 encoders")
@@ -290,7 +295,7 @@ def export_pretrained_encoders(clap: Pretrained, staging: Path, scratch: Path | 
 def embed_catalogue_audio(encoders: PretrainedEncoders, records: Sequence[ClipRecord], rate: int, advance: Advance, *,
                           checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
                           options: PassOptions | None = None, clock: PassClock | None = None) -> PassResult:
-    """The catalogue's clip embeddings (:func:`training.bundle_parts.embed_clips`: decoded beside the
+    """The catalogue's clip embeddings (:func:`training.bundle.parts.embed_clips`: decoded beside the
     encoder, checkpointed in chunks; undecodable clips skipped and listed)."""
     return embed_clips(records, DecodeCall(decode_audio, kwargs={"sample_rate": rate}), encoders.encode_audio,
                        dim=encoders.dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files,
@@ -363,7 +368,7 @@ def export_pretrained_bundle(
     catalogue pass (clips and captions) runs as two Ray Data jobs instead (same bundle, vectors to float tolerance);
     ``precision`` ``fp16``: the in-process pass runs fp16 copies of the encoders (:mod:`index.half_precision`).
     The in-process clips pass is checkpointed every ``chunk_files`` clips in ``out_dir/.<name>-<8 hex>.partial/``
-    (:func:`training.bundle_parts.partial_base`) and the same call resumes it after an interruption; the folder
+    (:func:`training.bundle.parts.partial_base`) and the same call resumes it after an interruption; the folder
     is removed once the bundle is published."""
     model_dir, manifest, out_dir = Path(model_dir), Path(manifest), Path(out_dir)
     check_precision_options(precision, None, ray=ray is not None, quantized=(quantize or QuantizeConfig()).encoders)
@@ -515,7 +520,7 @@ def _half_encoders(
 def _evaluate(eval_set: EvalSet, languages: Sequence[str], encoders: PretrainedEncoders, fp32: PretrainedEncoders,
               quantize: QuantizeConfig) -> tuple[fmt.EvaluationInfo, fmt.QuantizationInfo | None]:
     """The held-out report; with quantized encoders also the fp32 report, the agreement and the
-    loss check — the same measurement trained bundles get (:func:`training.export.evaluate_staged`)."""
+    loss check — the same measurement trained bundles get (:func:`training.bundle.export.evaluate_staged`)."""
     if not quantize.encoders:
         report = evaluate_eval_set(eval_set, encode_audio=encoders.encode_audio, encode_text=encoders.encode_text,
                                    languages=languages)

@@ -184,7 +184,7 @@ def export_audio_encoder(
 
     ``verify=False`` leaves out the probe run (a batch of three 1.33-s noise clips through torch and
     onnxruntime) for a caller that checks the file against the module itself right after, on a batch
-    of three as well (:func:`training.export.check_audio_parity`): for AST-base the probe alone is
+    of three as well (:func:`training.bundle.export.check_audio_parity`): for AST-base the probe alone is
     three 10-s windows on each side, ~12 s of two CPU cores. ``onnx.checker`` runs either way."""
     path = Path(path)
     generator = torch.Generator().manual_seed(0)

@@ -1,6 +1,6 @@
 """`tonearm export`: the one entry point of both bundle pipelines — a checkpoint
-(:mod:`training.export`) or ``--pretrained MODEL_DIR`` (:mod:`training.pretrained`); what they
-share is :mod:`training.bundle_parts`."""
+(:mod:`training.bundle.export`) or ``--pretrained MODEL_DIR`` (:mod:`training.bundle.pretrained`); what they
+share is :mod:`training.bundle.parts`."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from index.errors import BundleError
 from index.half_precision import check_precision_options
 from index.loader import device_providers
 from index.ray_embed import ray_options_from_args
-from training.bundle_parts import quantize_config
+from training.bundle.parts import quantize_config
 
 
 def cli_export(args: argparse.Namespace) -> int:
     """`tonearm export CHECKPOINT --data MANIFEST --out BUNDLES_DIR [--split S ...] [--index F] [--quantize-text]`,
-    or `tonearm export --pretrained MODEL_DIR ...` (training.pretrained)."""
+    or `tonearm export --pretrained MODEL_DIR ...` (training.bundle.pretrained)."""
     from rich.console import Console
 
     from index.report import format_report_rich
@@ -30,10 +30,10 @@ def cli_export(args: argparse.Namespace) -> int:
     check_precision_options(args.precision, device, ray=args.ray is not None,
                             quantized=quantize.encoders)
     if args.pretrained is not None:
-        from training.pretrained import cli_export_pretrained
+        from training.bundle.pretrained import cli_export_pretrained
 
         return cli_export_pretrained(args)
-    from training.export import export_bundle
+    from training.bundle.export import export_bundle
 
     path = export_bundle(
         args.checkpoint, manifest=args.data, out_dir=args.out, index_factory=args.index,

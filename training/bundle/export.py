@@ -2,12 +2,12 @@
 
 Steps (SPEC §6), all inside a staging directory published atomically at the end:
 
-1. export both towers to ONNX (``training.onnx_export``) and check them against
+1. export both towers to ONNX (``training.bundle.onnx_export``) and check them against
    PyTorch, cosine >= 0.999 per item: captions of every language (shortest,
    longest, and one truncated at ``max_length``) and audio shorter than, equal
    to and longer than the clip length; the export fails otherwise;
 2. optionally quantize the text and/or audio encoder (``--quantize``, dynamic int8;
-   :mod:`training.quantize`), measured against fp32 on the held-out set in step 4 —
+   :mod:`training.bundle.quantize`), measured against fp32 on the held-out set in step 4 —
    past the configured R@10 loss the export refuses;
 3. embed the catalogue — every clip of the data manifest, or of the splits
    asked for (``tonearm export --split test``) — with
@@ -65,7 +65,13 @@ from index.moment_export import export_windows
 from index.ray_embed import RayOptions, decode_whole, embed_audio_files, embed_captions
 from index.report import METRIC_CONVENTION
 from index.tokenizer import TextTokenizer
-from training.bundle_parts import (
+from training.bundle.onnx_export import (
+    MIN_COSINE,
+    ExportError,
+    export_audio_encoder,
+    export_text_encoder,
+)
+from training.bundle.parts import (
     CPU,
     OPSET,
     canonical_hash,
@@ -89,18 +95,12 @@ from training.bundle_parts import (
     quantization_records,
     write_catalogue,
 )
-from training.bundle_parts import load_session as _load_session
+from training.bundle.parts import load_session as _load_session
+from training.bundle.quantize import EncoderPair, QuantizeConfig, measure, quantize_model
 from training.checkpoint import Checkpoint, load_checkpoint
 from training.config import TrainConfig, short_clip_padding
 from training.data.dataset import eval_captions
 from training.data.manifest import ClipRecord, load_manifest
-from training.onnx_export import (
-    MIN_COSINE,
-    ExportError,
-    export_audio_encoder,
-    export_text_encoder,
-)
-from training.quantize import EncoderPair, QuantizeConfig, measure, quantize_model
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ def embed_catalogue_audio(
     model: Any = None, *, checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
     options: PassOptions | None = None, clock: PassClock | None = None,
 ) -> PassResult:
-    """The catalogue's clip embeddings with the evaluation policy (:func:`training.bundle_parts.embed_clips`:
+    """The catalogue's clip embeddings with the evaluation policy (:func:`training.bundle.parts.embed_clips`:
     decoded beside the encoder, checkpointed in chunks; undecodable clips skipped and listed)."""
     clip_samples, padding = clip_samples_of(cfg), short_clip_padding(cfg.frontend)
     frontend = checkpoint_audio_frontend(cfg, model)
@@ -273,7 +273,7 @@ def embed_catalogue_texts(
     encoder: OnnxEncoder, tokenizer: TextTokenizer, texts: Sequence[str], dim: int, advance: Advance,
     checkpoint: EmbedCheckpoint | None = None,
 ) -> np.ndarray:
-    """(N, d) caption embeddings, 256 a call, checkpointed by caption text (:func:`training.bundle_parts.embed_texts`)."""
+    """(N, d) caption embeddings, 256 a call, checkpointed by caption text (:func:`training.bundle.parts.embed_texts`)."""
     return embed_texts(texts, lambda part: encode_texts(encoder, tokenizer, part, embed_dim=dim), dim=dim,
                        checkpoint=checkpoint, advance=advance)
 
@@ -332,7 +332,7 @@ def evaluate_staged(
     staging: Path, encoders: _Encoders, tokenizer: TextTokenizer, cfg: TrainConfig, model: Any = None,
 ) -> tuple[fmt.EvaluationInfo, fmt.QuantizationInfo | None]:
     """SPEC §5 report of the stored held-out set with the ONNX encoders; with quantized encoders
-    also the fp32 report, the per-item agreement and the loss check (:mod:`training.quantize`)."""
+    also the fp32 report, the per-item agreement and the loss check (:mod:`training.bundle.quantize`)."""
     eval_set = read_eval_set(staging / fmt.EVAL_DIR)
     frontend = checkpoint_audio_frontend(cfg, model)
     dim, languages, quantize = cfg.model.embed_dim, cfg.data.languages, encoders.quantize
@@ -390,7 +390,7 @@ def export_bundle(
     the ONNX Runtime providers of the checks and the in-process pass (``--device cuda``); ``precision``
     ``fp16``: the in-process pass runs fp16 copies of the encoders (:mod:`index.half_precision`).
     The in-process clips pass is checkpointed every ``chunk_files`` clips in
-    ``out_dir/.<run name>-<8 hex>.partial/`` (:func:`training.bundle_parts.partial_base`) and the same
+    ``out_dir/.<run name>-<8 hex>.partial/`` (:func:`training.bundle.parts.partial_base`) and the same
     call resumes it after an interruption, reusing every clip whose content is unchanged; the folder is removed
     once the bundle is published. ``pass_options``: decode workers, prefetch and the samples of one encoder
     call (:class:`index.catalogue_pass.PassOptions`; default: decode in this process). A clip that cannot be

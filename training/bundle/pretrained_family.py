@@ -5,7 +5,7 @@ are loaded, so a folder of another family is refused in one line that names the 
 tonearm can serve.
 
 * ``clap`` — Hugging Face ``ClapModel`` (the LAION CLAP checkpoints): exported
-  (:mod:`training.pretrained`).
+  (:mod:`training.bundle.pretrained`).
 * ``pe_audio`` — Meta's Perception Encoder Audio (``PeAudioModel``): exported
   (:mod:`training.models.pretrained_pe_audio`);
 * ``pe_audio_video`` — ``PeAudioVideoModel`` (the ``facebook/pe-av-*`` checkpoints): its audio branch is

@@ -359,7 +359,7 @@ def check_step0(model: DualEncoder, cfg: TrainConfig, tokenizer: Any, device: to
             raise ConfigError(
                 f"model.step0_check: the {result.tower} tower ({result.kind}, {result.folder}) does not start as "
                 f"the folder's own transformers model: centred cosine {result.worst:.3f} < {MIN_CENTRED_COS} on "
-                f"{where} (4 probes, L2-normalised, each set's mean removed; training/step0.py) — a front end, "
+                f"{where} (4 probes, L2-normalised, each set's mean removed; training/bundle/step0.py) — a front end, "
                 "padding (frontend.short_clip_padding) or tokenizer that is not the model's own; "
                 "model.step0_check=false trains anyway"
             )

@@ -10,6 +10,7 @@ subscriber. Errors are RFC 9457 problem+json, mapped in :func:`install_error_han
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -158,6 +159,11 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):  # not a bug: a full volume
             log.error("no room to store the request on %s: %s", request.url.path, exc)
             return _problem("insufficient-storage", f"no space left to store the request ({exc.strerror})", request)
+        if isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            # not a bug either: the item volume turned read-only (or lost its permissions) after start-up
+            log.error("the volume refused a write on %s: %s", request.url.path, exc)
+            return _problem("items-unavailable", f"the item volume refused the write ({exc.strerror}"
+                            f"{f': {exc.filename}' if exc.filename else ''}); mount it read-write", request)
         log.exception("unhandled error on %s", request.url.path)
         return _problem("internal-error", "internal error; see the service log", request)
 
@@ -203,6 +209,12 @@ def open_items(state: AppState, items_dir: Path) -> bool:
     return True
 
 
+def _items_stale(state: AppState, reason: str | None) -> None:
+    """The follower could not read the item log for ``items_stale_s`` (reason) or reads it again (None)."""
+    state.items_error = reason
+    state.metrics.items_ready.set(0 if reason else 1)
+
+
 def _retry_items(state: AppState, items_dir: Path, stop: threading.Event) -> None:
     """Background thread while the item log is unusable: try again every :data:`ITEMS_RETRY_S`; once it
     opens, sync the active bundle, follow the log and become ready."""
@@ -218,7 +230,7 @@ def _retry_items(state: AppState, items_dir: Path, stop: threading.Event) -> Non
             log.exception("items: syncing the active bundle after the item log opened failed; retrying")
             state.items = None
             continue
-        store.start(state.registry.active_searcher)
+        store.start(state.registry.active_searcher, on_stale=functools.partial(_items_stale, state))
         state.items_error = None
         state.metrics.items_ready.set(1)
         log.info("items: the item log at %s is usable now; ready", items_dir)
@@ -319,7 +331,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     items_stop = threading.Event()
     if state.items is not None:
         state.metrics.items_ready.set(1)
-        state.items.start(state.registry.active_searcher)
+        state.items.start(state.registry.active_searcher, on_stale=functools.partial(_items_stale, state))
     elif state.items_error is not None and state.items_dir is not None:
         threading.Thread(target=_retry_items, args=(state, state.items_dir, items_stop), name="tonearm-items-retry",
                          daemon=True).start()

@@ -34,6 +34,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,19 +233,40 @@ class ItemStore:
 
     # ------------------------------------------------------------------ follower
 
-    def start(self, active: Callable[[], object | None]) -> None:
-        """Follow the log: apply other replicas' records to the active searcher (daemon thread)."""
+    def start(self, active: Callable[[], object | None],
+              on_stale: Callable[[str | None], None] | None = None) -> None:
+        """Follow the log: apply other replicas' records to the active searcher (daemon thread).
+
+        ``on_stale(reason)`` is called once the log could not be read for ``items_stale_s`` (the
+        replica may be missing takedowns: not ready), and ``on_stale(None)`` once it reads it again."""
 
         def run() -> None:
+            last_read, stale = time.monotonic(), False
             while not self._stop.wait(self.settings.items_poll_s):
                 try:
                     self.log.follow()
+                    last_read = time.monotonic()
+                    if stale:
+                        stale = False
+                        log.info("items: the item log at %s is readable again; ready", self.log.root)
+                        if on_stale is not None:
+                            on_stale(None)
                     self.compact_if_due()
                     searcher = active()
                     if searcher is not None and searcher.items.version != self.log.version:  # type: ignore[attr-defined]
                         self.sync(searcher)
-                except Exception:  # keep following; the next tick retries
-                    log.exception("applying the item log failed")
+                except Exception as err:  # keep following; the next tick retries
+                    unread_s = time.monotonic() - last_read
+                    if not stale and unread_s >= self.settings.items_stale_s:
+                        stale = True
+                        reason = (f"the item log at {self.log.root} could not be read for {unread_s:.0f} s "
+                                  f"({type(err).__name__}: {err}); this replica may be missing takedowns made on "
+                                  "others, so it is not ready until it reads the log again (TONEARM_ITEMS_STALE_S)")
+                        log.error("items: %s", reason)
+                        if on_stale is not None:
+                            on_stale(reason)
+                    elif not stale:
+                        log.exception("applying the item log failed")
 
         self._thread = threading.Thread(target=run, name="tonearm-items", daemon=True)
         self._thread.start()

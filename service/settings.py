@@ -51,6 +51,10 @@ class Settings(BaseSettings):
     no item log at all (a read-only catalogue; `/v1/items` answers 503 `items-unavailable`)."""
     items_poll_s: float = Field(default=0.2, gt=0, le=10)
     """How often a replica checks the item log for records other replicas appended (one `stat`)."""
+    items_stale_s: float = Field(default=10.0, gt=0, le=600)
+    """A replica that has not been able to read the item log for this long (the volume went away, an
+    NFS server stopped answering) is not ready (`/readyz` 503 `items-unavailable`) until it reads it
+    again: it may be missing another replica's takedowns, and must not serve them meanwhile."""
     items_compact_min: int = Field(default=10_000, ge=0)
     """A replica's follower compacts the item log (`tonearm items compact`) once it holds at least
     this many records a compaction would drop and they are at least half the log; 0: never

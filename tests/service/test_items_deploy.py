@@ -120,6 +120,55 @@ def test_an_unusable_item_dir_keeps_the_replica_unready_until_it_opens_then_take
         assert _ids(client, "a dog")[0] == "added-dog"
 
 
+def test_a_log_that_cannot_be_read_for_items_stale_s_makes_the_replica_unready_until_it_reads_again(
+    fake_bundles, tmp_path
+):
+    """At run time, not only at start: the volume goes away (the item directory is moved, as an
+    unmounted or unreachable volume looks to ``stat``) — past ``items_stale_s`` the replica is not
+    ready (it could be missing takedowns); the volume comes back with a takedown made meanwhile → ready,
+    with the takedown applied."""
+    from service.app import create_app
+
+    items_dir = tmp_path / "items"
+    settings = make_settings(bundles_dir=fake_bundles, bundle="fake-a", items_dir=items_dir, items_poll_s=0.05,
+                             items_stale_s=0.5)
+    with running_client(create_app(settings, opener=fake_opener)) as client:
+        assert client.get("/readyz").status_code == 200
+        away = tmp_path / "away"
+        items_dir.rename(away)
+        wait_until(lambda: client.get("/readyz").status_code == 503, timeout=10, what="the replica to turn unready")
+        detail = client.get("/readyz").json()["detail"]
+        assert str(items_dir) in detail and "takedowns" in detail and "TONEARM_ITEMS_STALE_S" in detail
+        ItemLog(away).delete("clip-dog")  # another replica's takedown, while this one cannot read the log
+        away.rename(items_dir)
+        wait_until(lambda: client.get("/readyz").status_code == 200, timeout=10, what="the replica to be ready again")
+        assert "clip-dog" not in _ids(client, "a dog")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="remounting a tmpfs read-only needs root")
+def test_a_volume_that_turns_read_only_refuses_writes_with_503_and_keeps_applying_takedowns(fake_bundles, tmp_path):
+    """The volume is remounted read-only under a running replica: a write answers 503
+    ``items-unavailable`` naming the volume (not 500); reads still work, so the replica stays ready and
+    follows the log."""
+    from service.app import create_app
+
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tonearm-test-rw", str(volume)], check=True)
+    try:
+        settings = make_settings(bundles_dir=fake_bundles, bundle="fake-a", items_dir=volume / "items", items_poll_s=0.05)
+        with running_client(create_app(settings, opener=fake_opener)) as client:
+            assert _post(client, "before", ["bell"]).status_code == 201
+            subprocess.run(["mount", "-o", "remount,ro", str(volume)], check=True)
+            r = _post(client, "after", ["dog"])
+            assert_problem(r, 503, "items-unavailable")
+            assert "read-only" in r.json()["detail"].lower()
+            assert client.get("/readyz").status_code == 200
+            assert "before" in _ids(client, "a bell")
+    finally:
+        subprocess.run(["umount", str(volume)], check=False)
+
+
 # ---------------------------------------------------------------- cache across catalogues
 
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
         "vocab_size": 600, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1,
@@ -72,3 +73,22 @@ def save_small_pe_audio_video(directory: Path, pe_audio_dir: Path) -> Path:
         if (pe_audio_dir / name).is_file():
             shutil.copyfile(pe_audio_dir / name, directory / name)
     return directory
+
+
+class RecordedEncoder:
+    """A real :class:`index.loader.OnnxEncoder` that records the ``waveform`` shape of each call (and
+    whether a ``padding_mask`` came with it): how many calls a pass makes, and of which shapes."""
+
+    def __init__(self, encoder: Any) -> None:
+        self.encoder = encoder
+        self.calls: list[tuple[int, int]] = []
+        self.masked: list[bool] = []
+
+    @property
+    def takes_padding_mask(self) -> bool:
+        return bool(self.encoder.takes_padding_mask)
+
+    def run(self, feeds: dict[str, Any]) -> Any:
+        self.calls.append(tuple(feeds["waveform"].shape))  # type: ignore[arg-type]
+        self.masked.append("padding_mask" in feeds)
+        return self.encoder.run(feeds)

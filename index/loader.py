@@ -26,7 +26,13 @@ import onnxruntime as ort
 
 from index import bundle as fmt
 from index.audio import eval_chunks
-from index.audio_frontend import Padding, bucket_length, keeps_short_clips, pad_short_clip, prepare_whole_clip
+from index.audio_frontend import (
+    Padding,
+    bucket_length,
+    keeps_short_clips,
+    pad_short_clip,
+    prepare_whole_clip,
+)
 from index.bundle import BundleManifest, read_manifest, verify_files
 from index.errors import BundleError, TonearmError
 from index.evalset import EvalSet, read_eval_set, read_jsonl

@@ -25,13 +25,21 @@ AUDIO = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "nu
                                         "downsampling_ratios": [2, 8, 10, 12]}}
 
 
-def small_pe_audio_config():  # type: ignore[no-untyped-def]
+REAL_CODEC = {**AUDIO, "dac_config": {"downsampling_ratios": [2, 8, 10, 12]}}
+"""PE-Audio's full-size codec (transformers' defaults: 64 channels at 48 kHz, 1,024 at the hop, ~22 M
+parameters) under the small transformer: what dominates PE-Audio's audio cost, and the codec whose
+receptive field a padding reaches (bench/pe_audio_buckets.py)."""
+
+
+def small_pe_audio_config(audio: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
     from transformers import PeAudioConfig
 
-    return PeAudioConfig(text_config=dict(TEXT, model_type="modernbert"), audio_config=dict(AUDIO))
+    return PeAudioConfig(text_config=dict(TEXT, model_type="modernbert"), audio_config=dict(audio or AUDIO))
 
 
-def save_small_pe_audio(directory: Path, *, seed: int = 0, max_length: int = 512) -> Path:
+def save_small_pe_audio(directory: Path, *, seed: int = 0, max_length: int = 512,
+                        audio: dict[str, Any] | None = None) -> Path:
+    """``audio``: the audio encoder's config (default :data:`AUDIO`; :data:`REAL_CODEC`)."""
     import torch
     from transformers import PeAudioFeatureExtractor, PeAudioModel
 
@@ -39,7 +47,7 @@ def save_small_pe_audio(directory: Path, *, seed: int = 0, max_length: int = 512
 
     torch.manual_seed(seed)
     directory.mkdir(parents=True, exist_ok=True)
-    PeAudioModel(small_pe_audio_config()).save_pretrained(directory)
+    PeAudioModel(small_pe_audio_config(audio)).save_pretrained(directory)
     bpe_tokenizer(directory, roberta_ids=False, max_length=max_length)
     PeAudioFeatureExtractor().save_pretrained(directory)
     return directory

@@ -12,6 +12,11 @@ of each, and the largest difference between their embeddings.
 
     PYTHONPATH=. python bench/pe_audio_buckets.py [--codec small|real] [--clips 64] [--min-s 1] [--max-s 10]
         [--threads 1] [--repeats 2] [--out results/pe_audio_buckets.json]
+
+``--parity`` instead compares, in torch, three ways of padding six clips of 21–40 hops into one call of
+40 hops against ``get_audio_embeds`` of each clip alone: codec and transformer masked
+(``masked_pooled``, the bundles), transformers' own batch ``padding_mask`` (the transformer only), and
+no mask; prints 1 − the lowest plain and centred cosine of each.
 """
 
 from __future__ import annotations
@@ -80,6 +85,33 @@ def run(encoder: OnnxEncoder, clips: list[np.ndarray], repeats: int) -> dict[str
             "clips_per_s": round(len(clips) / best, 2), "padding_fraction": round(1 - audio / called, 4), "_emb": out}
 
 
+def parity(path: Path) -> dict[str, dict[str, float]]:
+    import torch
+    import transformers
+
+    from index.half_precision import centred_cosines
+    from training.models.pretrained_pe_audio import masked_pooled
+
+    model = transformers.PeAudioModel.from_pretrained(path).eval()
+    hops = [21, 25, 30, 34, 38, 40]
+    clips = [probe_waves(RATE, h * HOP)[i % 4] for i, h in enumerate(hops)]
+    width = max(hops) * HOP
+    wave, mask = torch.zeros(len(clips), width), torch.zeros(len(clips), width, dtype=torch.long)
+    for i, clip in enumerate(clips):
+        wave[i, : clip.shape[0]], mask[i, : clip.shape[0]] = torch.from_numpy(clip), 1
+    with torch.no_grad():
+        alone = np.stack([model.get_audio_embeds(torch.from_numpy(c)[None, None])[0].numpy() for c in clips])
+        found = {"codec and transformer masked": model.audio_head(masked_pooled(model.audio_encoder, wave, mask)),
+                 "transformer only (transformers' padding_mask)": model.get_audio_embeds(wave[:, None], padding_mask=mask),
+                 "no mask": model.get_audio_embeds(wave[:, None])}
+    out = {}
+    for name, got in found.items():
+        emb = got.numpy()
+        plain = np.sum(emb * alone, 1) / np.linalg.norm(emb, axis=1) / np.linalg.norm(alone, axis=1)
+        out[name] = {"1-plain": float(1 - plain.min()), "1-centred": float(1 - centred_cosines(emb, alone).min())}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--codec", choices=["small", "real"], default="small")
@@ -89,12 +121,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--parity", action="store_true", help="the padding rules against each clip alone, in torch")
     args = parser.parse_args()
     from training.bundle.onnx_export import export_audio_encoder
     from training.models.pretrained_pe_audio import load_pretrained_pe_audio
 
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
+        if args.parity:
+            print(json.dumps({"codec": args.codec, **parity(folder(args.codec, base))}, indent=2))
+            return
         audio = load_pretrained_pe_audio(folder(args.codec, base)).audio
         encoders = {
             "one length a call (before)": export_audio_encoder(audio, base / "legacy.onnx", sample_rate=RATE),

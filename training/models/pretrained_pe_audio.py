@@ -20,9 +20,10 @@ when absent). :func:`load_pretrained_pe_audio` returns
 What the encoders see per clip (docs/models.md, "Bring your own model"):
 
 * shorter than the window: reflect-padded to a multiple of ``hop_length`` — exactly the
-  extractor's ``_reflect_pad`` — and embedded at that length (the model has no maximum length;
-  the extractor's batch zero-padding + ``padding_mask`` only matter in mixed-length batches, and
-  the loader never mixes lengths in one call);
+  extractor's ``_reflect_pad`` — and embedded at that length (the model has no maximum length);
+  in a call with clips of other lengths it is zero-padded further behind a ``padding_mask`` that
+  masks the codec as well as the transformer (:func:`masked_pooled`, the loader's length buckets:
+  the embedding is the clip's own — transformers' batch ``padding_mask`` masks the transformer only);
 * the window (``clip_samples``, a hop multiple): as the extractor (no padding);
 * longer: the extractor has no policy: the model attends over the whole clip (25 tokens/s; 1,500 at
   60 s, where the attention is still cheaper than the codec). Bundles do the same

@@ -319,7 +319,7 @@ def encode_waveforms(
         per_call = _clips_per_call(int(width), max_call_samples)
         for s in range(0, len(rows), per_call):
             part = rows[s : s + per_call]
-            emb[part] = encoder.run(_audio_feeds(encoder, [windows[i] for i in part], int(width)))
+            emb[part] = encoder.run(audio_feeds(encoder, [windows[i] for i in part], int(width)))
     summed = np.zeros((len(chunks), emb.shape[1]), dtype=np.float64)
     np.add.at(summed, owner, emb)
     return l2_normalize(summed)
@@ -335,7 +335,7 @@ def _call_width(samples: int, multiple: int, max_call_samples: int | None) -> in
     return bucket if _clips_per_call(bucket, max_call_samples) > 1 else samples
 
 
-def _audio_feeds(encoder: OnnxEncoder, windows: Sequence[np.ndarray], width: int) -> dict[str, np.ndarray]:
+def audio_feeds(encoder: OnnxEncoder, windows: Sequence[np.ndarray], width: int) -> dict[str, np.ndarray]:
     """One call's inputs: the windows (all ``width`` samples long unless the encoder takes a padding mask;
     then each zero-padded to ``width`` behind its mask)."""
     if not encoder.takes_padding_mask:

@@ -15,8 +15,8 @@ hop (1,920 samples), so every length rule is the real one.
 * a mixed-length catalogue takes far fewer encoder calls, of a few fixed lengths; a bundle exported before
   (the one-input graph) still runs one length a call, with the same embeddings.
 
-Costs ~50 s wall (~35 s of CPU) on this machine's 2 cores at load 6–8: the folder, two exports of the small
-model and the transformers reference (~40 s, a module fixture), then ~10 s of ONNX calls.
+Costs ~17 s wall (19 s of CPU) on this machine's 2 cores at load 1 (~50 s at load 6–8): the folder, two
+exports of the small model and the transformers reference (a module fixture), then ~4 s of ONNX calls.
 """
 
 from __future__ import annotations

@@ -252,7 +252,7 @@ def _rate(run: Any, seconds: float) -> tuple[float, np.ndarray]:
 def cmd_encoders(args: argparse.Namespace) -> None:
     """ONNX Runtime encoder throughput, fp32 vs dynamic int8, and their per-item agreement."""
     from index.audio import eval_chunks
-    from index.loader import AUDIO_INPUTS, TEXT_INPUTS, OnnxEncoder, SessionConfig
+    from index.loader import AUDIO_INPUTS, TEXT_INPUTS, OnnxEncoder, SessionConfig, audio_feeds
     from index.tokenizer import TextTokenizer
     from training.bundle.quantize import cosines, quantize_model
 
@@ -280,7 +280,7 @@ def cmd_encoders(args: argparse.Namespace) -> None:
                             if modality == "text":
                                 feeds = dict(zip(inputs, tokenizer.encode(texts[:batch], pad_to_longest=True), strict=True))
                             else:
-                                feeds = {"waveform": np.repeat(clip[:1], batch, axis=0)}
+                                feeds = audio_feeds(encoder, [clip[0]] * batch, clip.shape[1])  # + PE-Audio's mask
                             calls, out = _rate(lambda e=encoder, f=feeds: e.run(f), args.seconds)
                             outputs[precision, batch] = out
                             rows.append({"kind": "encoder", "preset": preset, "modality": modality, "threads": threads,

@@ -22,6 +22,11 @@ Bundles exported from a checkpoint zero-pad clips shorter than ``clip_samples``
   for ``frames``: the tower (:class:`training.models.pretrained_pe_audio.PeAudioAudioTower`) embeds
   the clip at its own length, reflect-padded to the hop, exactly as the bundle's loader does.
 
+**Length buckets** (:func:`bucket_length`): a ``whole`` bundle whose audio encoder takes a
+``padding_mask`` (``manifest.audio_encoder.inputs``; exported since issue 49) runs clips of different
+lengths in one call, each zero-padded to its bucket — its hop-multiple length rounded up to one of
+:data:`BUCKET_STEPS_PER_OCTAVE` lengths per octave — and masked there, so the embedding is the clip's own.
+
 Clips of N samples or more are returned unchanged (the loader's chunk-and-average
 handles them). numpy only: the service applies it to every upload, after decoding and
 resampling to the bundle's sample rate.
@@ -44,6 +49,25 @@ def prepare_whole_clip(wave: np.ndarray, multiple: int) -> np.ndarray:
     if wave.shape[0] and np.isnan(wave[-1]):
         wave = wave[~np.isnan(wave)]
     return pad_short_clip(wave, wave.shape[0] + multiple, "reflect", multiple)
+
+
+BUCKET_STEPS_PER_OCTAVE = 8
+"""Bucket lengths per doubling of the clip length (:func:`bucket_length`): a clip is padded by less than
+an eighth of its own length (< 11.1 % of a call's samples are padding, ~6 % on average over uniformly
+spread lengths). The mask makes the padding exact, so this trades only compute (more padding) against
+calls (more clips per bucket): 8 buckets per octave, 29 for a catalogue of 5–60-s clips at 48 kHz."""
+
+
+def bucket_length(samples: int, multiple: int) -> int:
+    """The bucket a clip of ``samples`` samples is zero-padded to (``samples`` a multiple of ``multiple``,
+    the codec's hop, after :func:`prepare_whole_clip`): up to ``2 * BUCKET_STEPS_PER_OCTAVE`` hops every
+    hop count is its own bucket; above, the hop count rounded up to a multiple of 1/``BUCKET_STEPS_PER_OCTAVE``
+    of the power of two below it (4,800 hops → 5,120: 4,096 + 2 · 512). Fixed lengths, independent of
+    the other clips of a call: a clip's call shape never depends on its neighbours."""
+    hops = max(1, -(-int(samples) // multiple))
+    octave = hops.bit_length() - 1
+    step = 1 << max(0, octave - (BUCKET_STEPS_PER_OCTAVE.bit_length() - 1))
+    return -(-hops // step) * step * multiple
 
 
 def keeps_short_clips(padding: str) -> bool:

@@ -292,6 +292,16 @@ class BundleManifest(_Frozen):
     manifest_sha256: str = _ZERO_HASH
     """sha256 of this file's bytes with this value replaced by 64 zeros."""
 
+    @model_validator(mode="after")
+    def _padding_mask_for_whole_clips(self) -> BundleManifest:
+        # audio_encoder.inputs [waveform, padding_mask]: the encoder runs clips of different lengths in
+        # one call, zero-padded behind the mask (PE-Audio's length buckets, index.loader.encode_waveforms);
+        # only a bundle that embeds clips whole pads them so. [waveform] alone: one length a call.
+        if "padding_mask" in self.audio_encoder.inputs and (
+                self.audio_frontend is None or self.audio_frontend.long_clips != "whole"):
+            raise ValueError("audio_encoder.inputs has padding_mask, which needs audio_frontend.long_clips 'whole'")
+        return self
+
 
 # ----------------------------------------------------------------------------- checksums
 

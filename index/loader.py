@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,7 +26,13 @@ import onnxruntime as ort
 
 from index import bundle as fmt
 from index.audio import eval_chunks
-from index.audio_frontend import Padding, keeps_short_clips, pad_short_clip, prepare_whole_clip
+from index.audio_frontend import (
+    Padding,
+    bucket_length,
+    keeps_short_clips,
+    pad_short_clip,
+    prepare_whole_clip,
+)
 from index.bundle import BundleManifest, read_manifest, verify_files
 from index.errors import BundleError, TonearmError
 from index.evalset import EvalSet, read_eval_set, read_jsonl
@@ -56,8 +63,15 @@ CODEC_CALL_SAMPLES = 960_000
 source ``pe_audio_feature_extractor``): 20 s at 48 kHz, two 10-s clips. Its codec encoder keeps 64 channels
 at every input sample (a 123-MB float32 tensor per 10-s clip and intermediate), so its activation memory
 is proportional to the samples of a call: 16 concurrent 10-s clips in one call took the service to 9.4 GB
-RSS (docs/models.md, "PE-Audio: serving memory"). A longer clip still runs whole, alone."""
+RSS (docs/models.md, "PE-Audio: serving memory"). A longer clip still runs whole, alone. Clips share a
+call when the encoder takes a ``padding_mask`` (:data:`MASKED_AUDIO_INPUTS`): padded to length buckets
+(:func:`index.audio_frontend.bucket_length`), this many samples a call, padding included."""
 AUDIO_INPUTS = ("waveform",)
+PADDING_MASK = "padding_mask"
+MASKED_AUDIO_INPUTS = (*AUDIO_INPUTS, PADDING_MASK)
+"""A PE-Audio encoder exported since issue 49: ``padding_mask`` int64 (batch, samples), 1 where a row
+holds its clip and 0 on the zeros it is padded with (training.models.pretrained_pe_audio.masked_pooled).
+An encoder loaded for :data:`AUDIO_INPUTS` may have it; the loader then always feeds it."""
 TEXT_INPUTS = ("input_ids", "attention_mask")
 OUTPUTS = ("embedding",)
 
@@ -187,11 +201,22 @@ class OnnxEncoder:
         encoder.check_interface(inputs, embed_dim)
         return encoder
 
+    @cached_property
+    def input_names(self) -> list[str]:
+        return [i.name for i in self.session.get_inputs()]
+
+    @property
+    def takes_padding_mask(self) -> bool:
+        """True for an audio encoder of :data:`MASKED_AUDIO_INPUTS` (clips of different lengths in one call)."""
+        return self.input_names == list(MASKED_AUDIO_INPUTS)
+
     def check_interface(self, inputs: Sequence[str], embed_dim: int) -> None:
-        """Input/output names, ranks and the embedding width; raises :class:`BundleError`."""
-        got_in = [i.name for i in self.session.get_inputs()]
+        """Input/output names, ranks and the embedding width; raises :class:`BundleError`.
+        An audio encoder (``inputs`` :data:`AUDIO_INPUTS`) may take :data:`PADDING_MASK` as well."""
+        got_in = self.input_names
         got_out = [o.name for o in self.session.get_outputs()]
-        if got_in != list(inputs) or got_out != list(OUTPUTS):
+        accepted = [list(inputs), *([list(MASKED_AUDIO_INPUTS)] if list(inputs) == list(AUDIO_INPUTS) else [])]
+        if got_in not in accepted or got_out != list(OUTPUTS):
             raise BundleError(
                 f"{self.path}: ONNX interface {got_in} -> {got_out}, expected {list(inputs)} -> {list(OUTPUTS)}"
             )
@@ -247,9 +272,10 @@ def encode_clips(
     ``clip_samples`` zero-padded, or padded as the manifest's ``audio_frontend`` says (a pretrained
     model's own padding, :mod:`index.audio_frontend`); then chunk-and-average."""
     if frontend is not None and frontend.long_clips == "whole":
-        waveforms = [prepare_whole_clip(w, int(frontend.pad_multiple or 1)) for w in waveforms]
+        hop = int(frontend.pad_multiple or 1)
+        waveforms = [prepare_whole_clip(w, hop) for w in waveforms]
         return encode_waveforms(encoder, waveforms, clip_samples=clip_samples, embed_dim=embed_dim, whole=True,
-                                max_call_samples=CODEC_CALL_SAMPLES)
+                                max_call_samples=CODEC_CALL_SAMPLES, bucket_multiple=hop)
     if frontend is not None:
         waveforms = [pad_short_clip(w, clip_samples, frontend.padding, frontend.pad_multiple) for w in waveforms]
     return encode_waveforms(encoder, waveforms, clip_samples=clip_samples, embed_dim=embed_dim,
@@ -259,6 +285,7 @@ def encode_clips(
 def encode_waveforms(
     encoder: OnnxEncoder, waveforms: Sequence[np.ndarray], *, clip_samples: int, embed_dim: int,
     keep_short: bool = False, padding: Padding = "pad", whole: bool = False, max_call_samples: int | None = None,
+    bucket_multiple: int | None = None,
 ) -> np.ndarray:
     """(n, d) clip embeddings: L2-normalized mean over each clip's ``eval_chunks`` (docs/corpus.md);
     clips shorter than a window are padded with ``padding`` (:mod:`index.audio_frontend`).
@@ -267,7 +294,13 @@ def encode_waveforms(
     :func:`index.audio_frontend.keeps_short_clips`): a clip shorter than ``clip_samples`` is one
     window of its own length instead of being zero-padded; windows run in calls of equal length.
     ``whole`` (``audio_frontend.long_clips = "whole"``): every clip is one window of its own length.
-    ``max_call_samples``: a call holds at most this many samples (at least one window; :data:`CODEC_CALL_SAMPLES`)."""
+    ``max_call_samples``: a call holds at most this many samples (at least one window; :data:`CODEC_CALL_SAMPLES`).
+
+    ``bucket_multiple`` (with ``whole``, an encoder that :attr:`~OnnxEncoder.takes_padding_mask`): each clip
+    runs zero-padded to its :func:`~index.audio_frontend.bucket_length` beside the other clips of that
+    bucket (the mask makes the padding exact), unless a call holds only one clip of that bucket — that clip
+    runs alone at its own length (padding would only cost). Without the mask input (bundles exported
+    before), calls hold clips of one exact length."""
     chunks = [w[None, :] if (whole and w.shape[0]) or (keep_short and 0 < w.shape[0] < clip_samples)
               else eval_chunks(w, clip_samples, padding)
               for w in (np.asarray(x, dtype=np.float32) for x in waveforms)]
@@ -276,16 +309,43 @@ def encode_waveforms(
     owner = np.repeat(np.arange(len(chunks)), [len(c) for c in chunks])
     windows = [row for c in chunks for row in c]
     emb = np.zeros((len(windows), embed_dim), np.float32)
-    lengths = np.asarray([w.shape[0] for w in windows])
-    for length in np.unique(lengths):
-        rows = np.flatnonzero(lengths == length)
-        per_call = AUDIO_BATCH if max_call_samples is None else max(1, min(AUDIO_BATCH, max_call_samples // int(length)))
+    lengths = [w.shape[0] for w in windows]
+    if whole and bucket_multiple and encoder.takes_padding_mask:
+        widths = np.asarray([_call_width(n, bucket_multiple, max_call_samples) for n in lengths])
+    else:
+        widths = np.asarray(lengths)
+    for width in np.unique(widths):
+        rows = np.flatnonzero(widths == width)
+        per_call = _clips_per_call(int(width), max_call_samples)
         for s in range(0, len(rows), per_call):
             part = rows[s : s + per_call]
-            emb[part] = encoder.run({"waveform": np.stack([windows[i] for i in part])})
+            emb[part] = encoder.run(audio_feeds(encoder, [windows[i] for i in part], int(width)))
     summed = np.zeros((len(chunks), emb.shape[1]), dtype=np.float64)
     np.add.at(summed, owner, emb)
     return l2_normalize(summed)
+
+
+def _clips_per_call(width: int, max_call_samples: int | None) -> int:
+    return AUDIO_BATCH if max_call_samples is None else max(1, min(AUDIO_BATCH, max_call_samples // max(width, 1)))
+
+
+def _call_width(samples: int, multiple: int, max_call_samples: int | None) -> int:
+    """The length a whole clip runs at: its bucket when a call holds two or more of that bucket."""
+    bucket = bucket_length(samples, multiple)
+    return bucket if _clips_per_call(bucket, max_call_samples) > 1 else samples
+
+
+def audio_feeds(encoder: OnnxEncoder, windows: Sequence[np.ndarray], width: int) -> dict[str, np.ndarray]:
+    """One call's inputs: the windows (all ``width`` samples long unless the encoder takes a padding mask;
+    then each zero-padded to ``width`` behind its mask)."""
+    if not encoder.takes_padding_mask:
+        return {"waveform": np.stack(windows)}
+    waveform = np.zeros((len(windows), width), np.float32)
+    mask = np.zeros((len(windows), width), np.int64)
+    for row, window in enumerate(windows):
+        waveform[row, : window.shape[0]] = window
+        mask[row, : window.shape[0]] = 1
+    return {"waveform": waveform, PADDING_MASK: mask}
 
 
 def _read_items(path: Path, *, required: Sequence[str], expected: int) -> list[dict[str, Any]]:
@@ -417,6 +477,7 @@ class LoadedBundle:
         bundle.milvus = milvus
         try:
             bundle._check_text_items()
+            bundle._check_audio_inputs()
         except BundleError:
             bundle.close()
             raise
@@ -444,6 +505,13 @@ class LoadedBundle:
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
             raise BundleError(f"{path}:{row + 1}: outside its language range or clip_row/clip_id mismatch")
+
+    def _check_audio_inputs(self) -> None:
+        """The audio encoder takes the inputs the manifest records (a ``padding_mask`` or not)."""
+        got = self._need(self._audio_encoder).input_names
+        if got != list(self.manifest.audio_encoder.inputs):
+            raise BundleError(f"{self.path / self.manifest.audio_encoder.file}: inputs {got}, but "
+                              f"{fmt.MANIFEST_NAME} records {self.manifest.audio_encoder.inputs}")
 
     def close(self) -> None:
         """Release sessions and indices; call only when no request uses the bundle any more.

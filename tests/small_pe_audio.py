@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
         "vocab_size": 600, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1,
@@ -24,13 +25,21 @@ AUDIO = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "nu
                                         "downsampling_ratios": [2, 8, 10, 12]}}
 
 
-def small_pe_audio_config():  # type: ignore[no-untyped-def]
+REAL_CODEC = {**AUDIO, "dac_config": {"downsampling_ratios": [2, 8, 10, 12]}}
+"""PE-Audio's full-size codec (transformers' defaults: 64 channels at 48 kHz, 1,024 at the hop, ~22 M
+parameters) under the small transformer: what dominates PE-Audio's audio cost, and the codec whose
+receptive field a padding reaches (bench/pe_audio_buckets.py)."""
+
+
+def small_pe_audio_config(audio: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
     from transformers import PeAudioConfig
 
-    return PeAudioConfig(text_config=dict(TEXT, model_type="modernbert"), audio_config=dict(AUDIO))
+    return PeAudioConfig(text_config=dict(TEXT, model_type="modernbert"), audio_config=dict(audio or AUDIO))
 
 
-def save_small_pe_audio(directory: Path, *, seed: int = 0, max_length: int = 512) -> Path:
+def save_small_pe_audio(directory: Path, *, seed: int = 0, max_length: int = 512,
+                        audio: dict[str, Any] | None = None) -> Path:
+    """``audio``: the audio encoder's config (default :data:`AUDIO`; :data:`REAL_CODEC`)."""
     import torch
     from transformers import PeAudioFeatureExtractor, PeAudioModel
 
@@ -38,7 +47,7 @@ def save_small_pe_audio(directory: Path, *, seed: int = 0, max_length: int = 512
 
     torch.manual_seed(seed)
     directory.mkdir(parents=True, exist_ok=True)
-    PeAudioModel(small_pe_audio_config()).save_pretrained(directory)
+    PeAudioModel(small_pe_audio_config(audio)).save_pretrained(directory)
     bpe_tokenizer(directory, roberta_ids=False, max_length=max_length)
     PeAudioFeatureExtractor().save_pretrained(directory)
     return directory
@@ -72,3 +81,22 @@ def save_small_pe_audio_video(directory: Path, pe_audio_dir: Path) -> Path:
         if (pe_audio_dir / name).is_file():
             shutil.copyfile(pe_audio_dir / name, directory / name)
     return directory
+
+
+class RecordedEncoder:
+    """A real :class:`index.loader.OnnxEncoder` that records the ``waveform`` shape of each call (and
+    whether a ``padding_mask`` came with it): how many calls a pass makes, and of which shapes."""
+
+    def __init__(self, encoder: Any) -> None:
+        self.encoder = encoder
+        self.calls: list[tuple[int, int]] = []
+        self.masked: list[bool] = []
+
+    @property
+    def takes_padding_mask(self) -> bool:
+        return bool(self.encoder.takes_padding_mask)
+
+    def run(self, feeds: dict[str, Any]) -> Any:
+        self.calls.append(tuple(feeds["waveform"].shape))  # type: ignore[arg-type]
+        self.masked.append("padding_mask" in feeds)
+        return self.encoder.run(feeds)

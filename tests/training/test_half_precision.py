@@ -30,7 +30,7 @@ from index.half_precision import (
     parity_gate,
     probe_waves,
 )
-from index.loader import AUDIO_INPUTS, TEXT_INPUTS, LoadedBundle, OnnxEncoder
+from index.loader import AUDIO_INPUTS, PADDING_MASK, TEXT_INPUTS, LoadedBundle, OnnxEncoder
 from index.own_audio import index_folder
 from tests.small_pe_audio import save_small_pe_audio
 from tests.training.test_pretrained_quantize import write_small_clap
@@ -105,8 +105,9 @@ def test_fp16_copy_keeps_the_mel_front_end_fp32_and_agrees(staged: dict[str, Pat
 def test_the_gate_stops_a_copy_that_disagrees(staged: dict[str, Path], tmp_path: Path) -> None:
     src = staged["pe"] / fmt.AUDIO_ENCODER
     waves = np.stack(probe_waves(48_000, 48_000))
-    fp32 = run(src, AUDIO_INPUTS, {"waveform": waves})
-    fp16 = run(half_precision_copy(src, tmp_path / "pe.fp16.onnx"), AUDIO_INPUTS, {"waveform": waves})
+    feeds = {"waveform": waves, PADDING_MASK: np.ones(waves.shape, np.int64)}  # PE-Audio's graph takes a mask
+    fp32 = run(src, AUDIO_INPUTS, feeds)
+    fp16 = run(half_precision_copy(src, tmp_path / "pe.fp16.onnx"), AUDIO_INPUTS, feeds)
     plain = np.sum(fp32 * fp16, 1) / np.linalg.norm(fp32, axis=1) / np.linalg.norm(fp16, axis=1)
     assert plain.min() > 0.9999  # a plain cosine would let it through
     with pytest.raises(HalfPrecisionParityError) as caught:

@@ -22,7 +22,7 @@ import transformers
 
 from index.audio import eval_chunks
 from tests.real_size_models import PRESETS, mini_manifest
-from tests.small_pe_audio import save_small_pe_audio, save_small_pe_audio_video
+from tests.small_pe_audio import RecordedEncoder, save_small_pe_audio, save_small_pe_audio_video
 from training.config import ConfigError, load_train_config
 from training.evaluate import embed_chunks
 from training.models.dual_encoder import build_dual_encoder
@@ -325,15 +325,7 @@ def test_export_pretrained_of_a_pe_av_folder_serves_its_audio_branch_with_long_c
     # run two at a time, with the embeddings each clip gets alone
     from index.loader import CODEC_CALL_SAMPLES, encode_clips
 
-    class Recorded:  # the bundle's real encoder; records each call's shape
-        def __init__(self, encoder: object) -> None:
-            self.encoder, self.calls = encoder, []
-
-        def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
-            self.calls.append(feeds["waveform"].shape)
-            return self.encoder.run(feeds)  # type: ignore[attr-defined]
-
-    recorded = Recorded(bundle._need(bundle._audio_encoder))
+    recorded = RecordedEncoder(bundle._need(bundle._audio_encoder))
     tens = [clips()[4 + i % 2] * (1 + i) for i in range(5)]
     together = encode_clips(recorded, tens, clip_samples=bundle.clip_samples, embed_dim=bundle.embed_dim,  # type: ignore[arg-type]
                             frontend=manifest.audio_frontend)

@@ -4,7 +4,8 @@ Signatures (dynamic batch and length):
 
 * audio: ``waveform`` float32 (batch, samples) → ``embedding`` float32 (batch, d),
   log-mel frontend inside (its DFT-as-conv1d path, see
-  ``training.models.frontend``);
+  ``training.models.frontend``); PE-Audio's takes ``padding_mask`` int64 (batch, samples) as well
+  (1 = audio, 0 = the zeros a clip is padded with to its call's length; ``mask_multiple``);
 * text: ``input_ids``, ``attention_mask`` int64 (batch, tokens) → ``embedding``.
 
 Uses the TorchScript-based exporter (``dynamo=False``): it handles the dynamic
@@ -111,7 +112,7 @@ def _export(
     external_threshold: int | None = None,
 ) -> None:
     dynamic_axes = {
-        name: {0: "batch", 1: "samples" if name == "waveform" else "tokens"} for name in input_names
+        name: {0: "batch", 1: "samples" if name in ("waveform", "padding_mask") else "tokens"} for name in input_names
     }
     dynamic_axes["embedding"] = {0: "batch"}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -178,23 +179,38 @@ def verify_export(module: nn.Module, path: Path | str, inputs: dict[str, torch.T
 
 def export_audio_encoder(
     module: nn.Module, path: Path | str, *, sample_rate: int, opset: int = 18,
-    external_threshold: int | None = None, verify: bool = True,
+    external_threshold: int | None = None, verify: bool = True, mask_multiple: int | None = None,
 ) -> Path:
     """Export ``module(waveform) -> embedding`` to ``path`` and verify it; returns ``path``.
 
     ``verify=False`` leaves out the probe run (a batch of three 1.33-s noise clips through torch and
     onnxruntime) for a caller that checks the file against the module itself right after, on a batch
     of three as well (:func:`training.bundle.export.check_audio_parity`): for AST-base the probe alone is
-    three 10-s windows on each side, ~12 s of two CPU cores. ``onnx.checker`` runs either way."""
+    three 10-s windows on each side, ~12 s of two CPU cores. ``onnx.checker`` runs either way.
+
+    ``mask_multiple`` (PE-Audio, its hop): the graph is ``module(waveform, padding_mask)``, and the probe
+    is three clips of 2 s, 1.2 s and 0.4 s (multiples of it) zero-padded to 2 s in one call."""
     path = Path(path)
     generator = torch.Generator().manual_seed(0)
     trace = 0.1 * torch.randn(2, sample_rate, generator=generator)
-    _export(module, (trace,), path, input_names=["waveform"], opset=opset, external_threshold=external_threshold)
+    if mask_multiple is None:
+        args: tuple[torch.Tensor, ...] = (trace,)
+        names = ["waveform"]
+    else:
+        args, names = (trace, torch.ones(trace.shape, dtype=torch.int64)), ["waveform", "padding_mask"]
+    _export(module, args, path, input_names=names, opset=opset, external_threshold=external_threshold)
     if not verify:
         log.info("exported audio encoder to %s (parity checked by the caller)", path)
         return path
-    probe = 0.1 * torch.randn(3, sample_rate + sample_rate // 3, generator=generator)
-    worst = verify_export(module, path, {"waveform": probe})
+    if mask_multiple is None:
+        probes = {"waveform": 0.1 * torch.randn(3, sample_rate + sample_rate // 3, generator=generator)}
+    else:
+        width = 2 * sample_rate // mask_multiple * mask_multiple
+        valid = torch.tensor([width, width * 3 // 5 // mask_multiple * mask_multiple,
+                              width // 5 // mask_multiple * mask_multiple])
+        mask = (torch.arange(width)[None, :] < valid[:, None]).long()
+        probes = {"waveform": 0.1 * torch.randn(3, width, generator=generator) * mask, "padding_mask": mask}
+    worst = verify_export(module, path, probes)
     log.info("exported audio encoder to %s (min cosine vs torch %.6f)", path, worst)
     return path
 

@@ -280,7 +280,8 @@ def export_pretrained_encoders(clap: Pretrained, staging: Path, scratch: Path | 
         raise ValueError("quantized export needs a scratch folder for the fp32 encoders")
     audio_fp32 = (scratch if quantize.applies("audio") else staging) / fmt.AUDIO_ENCODER  # type: ignore[operator]
     text_fp32 = (scratch if quantize.applies("text") else staging) / fmt.TEXT_ENCODER  # type: ignore[operator]
-    export_audio_encoder(clap.audio, audio_fp32, sample_rate=s.sample_rate, opset=OPSET)
+    # PE-Audio: the graph takes a padding_mask, so the loader runs mixed lengths in length buckets
+    export_audio_encoder(clap.audio, audio_fp32, sample_rate=s.sample_rate, opset=OPSET, mask_multiple=pad_multiple(clap))
     export_text_encoder(clap.text, text_fp32, max_length=clap.tokenizer.max_length, opset=OPSET)
     clap.tokenizer.save(staging / fmt.TOKENIZER)
     for path, modality in ((audio_fp32, "audio"), (text_fp32, "text")):
@@ -485,7 +486,7 @@ def _build(
     return {
         "eval_set": fmt.EvalSetInfo(split=split, n_clips=len(eval_set.clip_ids), n_captions=len(eval_set.captions),
                                     max_clips=MAX_EVAL_CLIPS, eval_crop="chunk"),
-        "audio_encoder": fmt.EncoderInfo(file=fmt.AUDIO_ENCODER, opset=OPSET, inputs=list(AUDIO_INPUTS),
+        "audio_encoder": fmt.EncoderInfo(file=fmt.AUDIO_ENCODER, opset=OPSET, inputs=encoders.audio.input_names,
                                          outputs=list(OUTPUTS), parity_min_cosine=audio_cos,
                                          quantization=quantize.label if quantize.applies("audio") else "none"),
         "text_encoder": fmt.EncoderInfo(file=fmt.TEXT_ENCODER, opset=OPSET, inputs=list(TEXT_INPUTS),

@@ -20,9 +20,10 @@ when absent). :func:`load_pretrained_pe_audio` returns
 What the encoders see per clip (docs/models.md, "Bring your own model"):
 
 * shorter than the window: reflect-padded to a multiple of ``hop_length`` — exactly the
-  extractor's ``_reflect_pad`` — and embedded at that length (the model has no maximum length;
-  the extractor's batch zero-padding + ``padding_mask`` only matter in mixed-length batches, and
-  the loader never mixes lengths in one call);
+  extractor's ``_reflect_pad`` — and embedded at that length (the model has no maximum length);
+  in a call with clips of other lengths it is zero-padded further behind a ``padding_mask`` that
+  masks the codec as well as the transformer (:func:`masked_pooled`, the loader's length buckets:
+  the embedding is the clip's own — transformers' batch ``padding_mask`` masks the transformer only);
 * the window (``clip_samples``, a hop multiple): as the extractor (no padding);
 * longer: the extractor has no policy: the model attends over the whole clip (25 tokens/s; 1,500 at
   60 s, where the attention is still cheaper than the codec). Bundles do the same
@@ -83,18 +84,64 @@ class PeAudioSettings:
         return self.hop_length
 
 
+def masked_pooled(encoder: Any, waveform: Tensor, padding_mask: Tensor) -> Tensor:
+    """``PeAudioEncoder``'s ``pooler_output`` (B, hidden) of clips zero-padded to one length, each
+    equal to that of the clip alone (its first ``padding_mask.sum()`` samples, a hop multiple).
+
+    transformers' own ``padding_mask`` masks only the transformer (attention, the patch embedder's
+    group norms); its codec convolutions still see the padding, so the last ~6 frames (the codec's
+    ~22,000-sample receptive field) of a padded clip differ from the clip alone. Here every convolution
+    whose kernel reaches past the clip's end reads zeros there — what it reads for the clip alone
+    (``padding`` of its own ``Conv1d``): the input is zeroed past the end and so is each activation
+    the next kernel reads, at every stride (``padding_mask[:, ::stride]``: a clip of a hop multiple has
+    a whole number of frames at each). ``Snake1d`` maps 0 to 0, so zeros stay zeros through it. The
+    rest is ``PeAudioEncoder.forward`` with the frame mask (:mod:`transformers.models.pe_audio`), whose
+    rotary positions start at each clip's start. Equal to the clip's own forward up to float rounding
+    (tests/training/test_pe_audio_buckets.py); the loader pads clips into length buckets with it
+    (:func:`index.audio_frontend.bucket_length`)."""
+    from transformers.masking_utils import create_bidirectional_mask
+
+    embedder = encoder.embedder
+    codec = embedder.dac_encoder
+    mask = padding_mask.to(waveform.dtype)
+    frames = mask[:, None, :]
+    hidden = codec.conv1(waveform[:, None, :] * frames) * frames
+    stride = 1
+    for block, step in zip(codec.block, encoder.config.dac_config.downsampling_ratios, strict=True):
+        for unit in (block.res_unit1, block.res_unit2, block.res_unit3):
+            hidden = unit(hidden) * frames
+        stride *= int(step)
+        frames = mask[:, None, ::stride]
+        hidden = block.conv1(block.snake1(hidden)) * frames
+    hidden = embedder.bottleneck(codec.conv2(codec.snake1(hidden)))
+    embeds = embedder.data_proj(hidden.transpose(1, 2))
+    hidden, frame_mask = encoder.patch_embedder(embeds, padding_mask=frames[:, 0])
+    attention = create_bidirectional_mask(config=encoder.config, inputs_embeds=hidden, attention_mask=frame_mask.bool())
+    positions = encoder.rotary_emb(hidden, torch.arange(hidden.shape[1], device=hidden.device)[None, :])
+    for layer in encoder.layers[: encoder.config.num_hidden_layers]:
+        hidden = layer(hidden, attention_mask=attention, position_embeddings=positions)
+    return encoder.output(encoder.norm(hidden))[:, 0]
+
+
 class PeAudioAudioEmbedder(nn.Module):
-    """waveform (B, N) at ``sample_rate`` → ``audio_head(audio_encoder(...).pooler_output)``, L2-normalised."""
+    """waveform (B, N) at ``sample_rate`` [, padding_mask (B, N) int64, 1 = audio] →
+    ``audio_head(audio_encoder(...).pooler_output)``, L2-normalised.
+
+    Without ``padding_mask`` (bundles exported before length buckets, and the export's trace of the
+    one-input graph) every row is a whole clip: the loader then runs one clip length per call. With it
+    (the graph bundles export now: ``audio_encoder.inputs = [waveform, padding_mask]``), rows are clips
+    zero-padded to a common length (:func:`masked_pooled`)."""
 
     def __init__(self, model: Any) -> None:
         super().__init__()
         self.audio_encoder = model.audio_encoder
         self.audio_head = model.audio_head
 
-    def forward(self, waveform: Tensor) -> Tensor:
-        # One clip length per call (the loader groups windows by length), so no padding_mask:
-        # the extractor's mask of an unbatched clip is all ones.
-        pooled = self.audio_encoder(input_values=waveform[:, None, :]).pooler_output
+    def forward(self, waveform: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        if padding_mask is None:  # the extractor's mask of an unbatched clip is all ones
+            pooled = self.audio_encoder(input_values=waveform[:, None, :]).pooler_output
+        else:
+            pooled = masked_pooled(self.audio_encoder, waveform, padding_mask)
         return nn.functional.normalize(self.audio_head(pooled), dim=-1)
 
 

@@ -131,6 +131,8 @@ def _authenticate(target: Target) -> None:
                else "runs without token authentication: its workers could not start this driver's actors "
                     "(unset RAY_AUTH_MODE)"))
     _set_mode(needed)
+    log.info("Ray: the cluster at %s %s", target.described,
+             "takes the token found here" if needed == "token" else "runs without token authentication; no token sent")
 
 
 def _cluster_mode(target: Target) -> Mode:
@@ -207,7 +209,6 @@ def _set_mode(mode: Mode) -> None:
     _set_env(AUTH_MODE, mode)
     Config.initialize("")
     _token_loader().reset_cache()
-    log.debug("Ray: token authentication %s for this driver", "on" if mode == "token" else "off")
 
 
 def _set_env(name: str, value: str) -> None:

@@ -242,8 +242,8 @@ def one_clip(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 def _index_one(one_clip: Path, tiny_bundle: Path, out: Path, ray: list[str], *, home: Path,
                **env: str) -> subprocess.CompletedProcess[str]:
-    """`tonearm index ONE_CLIP --ray [ADDRESS]` with one actor."""
-    return tonearm("index", str(one_clip), "--bundle", str(tiny_bundle), "--out", str(out), "--ray", *ray,
+    """`tonearm -v index ONE_CLIP --ray [ADDRESS]` with one actor."""
+    return tonearm("-v", "index", str(one_clip), "--bundle", str(tiny_bundle), "--out", str(out), "--ray", *ray,
                    "--ray-workers", "1", home=home, **env)
 
 
@@ -268,6 +268,8 @@ def test_a_stale_token_does_not_stop_a_driver_that_finds_an_authless_cluster(
                      home=ray_home, **ray_cluster.finding_it())
     assert run.returncode == 0, run.stderr[-3000:]
     assert "1 files indexed" in run.stdout
+    assert "(the cluster last started on this machine" in run.stderr  # found it, not a new local instance
+    assert "runs without token authentication; no token sent" in run.stderr  # Ray alone sent the stale one
     assert _ray_dir(ray_home) == before == {"auth_token": STALE_TOKEN}
 
 

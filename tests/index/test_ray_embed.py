@@ -109,7 +109,7 @@ def _ray_head(env: dict[str, str]) -> Iterator[RayHead]:
     )
     try:
         deadline = time.monotonic() + 60
-        while not _gcs_up(port):
+        while not (_gcs_up(port) and (temp / "ray" / "ray_current_cluster").is_file()):  # up and recorded
             if head.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"ray start failed: {head.stderr.read().decode()[-2000:] if head.stderr else ''}")
             time.sleep(0.2)

@@ -264,7 +264,8 @@ def _index_into_milvus(
     metadata is laid out here, before the pass, by the publish's own :func:`catalogue_metas` over the
     clips the bundle holds if every candidate decodes."""
     from index import milvus_index
-    from index.ray_embed import connect, embed_audio_files
+    from index.ray_connect import connect
+    from index.ray_embed import embed_audio_files
 
     milvus_index.check_new_bundle(milvus.target, out.name, milvus.index_type)
     candidates: list[Path] = []

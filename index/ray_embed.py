@@ -24,13 +24,8 @@ A pass over files (or captions) becomes one Ray Data pipeline::
   JSON, so each actor gets only its own files'), and returns only row numbers and errors: the
   driver never holds the vectors.
 
-Addresses (``--ray [ADDRESS]``): none — ``RAY_ADDRESS``, else the cluster last started on
-this machine, else a new local Ray instance; ``auto`` — an existing cluster only;
-``HOST:PORT`` — the cluster's GCS; ``ray://HEAD:10001`` — Ray Client (KubeRay's head
-service). Token authentication (Ray 2.60): when a cluster refuses a driver without a token, a
-token found in ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token`` is sent on a
-second try unless ``RAY_AUTH_MODE`` is set (:func:`_token_auth_after_refusal`). Audio paths must be readable at the same
-path on every worker (a shared volume); docs/deploy.md, "Ray".
+Addresses (``--ray [ADDRESS]``) and Ray token authentication: :mod:`index.ray_connect`. Audio paths
+must be readable at the same path on every worker (a shared volume); docs/deploy.md, "Ray".
 """
 
 from __future__ import annotations
@@ -61,6 +56,7 @@ from index.loader import (
     encode_texts,
     encode_waveforms,
 )
+from index.ray_connect import connect
 from index.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -76,7 +72,6 @@ AUDIO_BATCH_FILES = 16
 """Files per actor call (the single-process `tonearm index` embeds 16 at a time too)."""
 TEXT_BATCH = 256
 BLOCKS_PER_WORKER = 4
-CONNECT_TIMEOUT_S = 5
 ACTOR_START_TIMEOUT_S = 600
 """Every actor of the pool must start within this; then the blocks are shared among all of them
 (else the first actor up takes every block of a small job)."""
@@ -92,7 +87,8 @@ class RayOptions:
     """Where and how wide an embedding pass runs on Ray."""
 
     address: str | None = None
-    """None: RAY_ADDRESS / the local cluster / a new local instance; else ``auto``, ``HOST:PORT``, ``ray://…``."""
+    """None: RAY_ADDRESS / the local cluster / a new local instance; else ``auto``, ``HOST:PORT``, ``ray://…``
+    (:func:`index.ray_connect.resolve`)."""
     workers: int | None = None
     """Actors in the pool (one ONNX session each); None: the cluster's CPUs // ``cpus_per_worker``."""
     cpus_per_worker: int | None = None
@@ -125,74 +121,6 @@ def actor_resources(options: RayOptions) -> dict[str, Any]:
     if options.device == "cuda":
         found["num_gpus"] = options.gpus_per_worker
     return found
-
-
-def connect(address: str | None) -> Any:
-    """``ray.init`` for ``address`` (module docstring); raises :class:`TonearmError` when unreachable."""
-    try:
-        import ray
-    except ModuleNotFoundError:
-        raise TonearmError("--ray needs Ray Data; install it with: pip install 'tonearm[ray]'") from None
-    if ray.is_initialized():
-        return ray
-    _check_reachable(address)
-    kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
-    if address is None and not os.environ.get("RAY_ADDRESS"):
-        kwargs["include_dashboard"] = False
-    where = address or "RAY_ADDRESS/local"
-    try:
-        try:
-            ray.init(address=address, **kwargs)
-        except (ConnectionError, RuntimeError) as err:
-            if not _token_auth_after_refusal(address):
-                raise
-            log.warning("Ray: %s refused the connection (%s); retrying with the Ray token found here", where, err)
-            ray.init(address=address, **kwargs)
-    except (ConnectionError, RuntimeError, ValueError) as err:
-        raise TonearmError(f"cannot reach the Ray cluster at {where}: {err} (if it uses token authentication, "
-                           f"{TOKEN_HINT})") from None
-    return ray
-
-
-TOKEN_HINT = "pass its token with RAY_AUTH_TOKEN=<token> or RAY_AUTH_TOKEN_PATH=<file>; `ray get-auth-token` on the head prints it"
-
-
-def _token_auth_after_refusal(address: str | None) -> bool:
-    """After a refused connection to an explicit address: turn Ray token authentication on when a
-    token is at hand and ``RAY_AUTH_MODE`` is unset; True when that changed anything (retry).
-
-    Ray 2.60 decides per process: ``RAY_AUTH_MODE`` (``token`` / ``disabled``) when set; else a new
-    local cluster (``ray.init()``) and ``ray start --head`` turn token mode on and use the token
-    of ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token`` (``ray.init()`` writes
-    one there when none exists) — but a driver given an explicit address (argument or
-    ``RAY_ADDRESS``) never does. So after one local ``--ray`` run, a cluster started on this
-    machine requires the token left in ``~/.ray`` while our driver, given its address, sent none
-    (``InvalidAuthToken``, issue 41). The token is not sent up front: a driver in token mode
-    reaches a cluster without token authentication, but that cluster's workers then fail to start
-    Ray Data's actors; so the first try is Ray's own default and only a refusal turns token mode on.
-    """
-    if address is None and not os.environ.get("RAY_ADDRESS"):
-        return False  # a local cluster: ray.init already applied Ray's rule
-    if os.environ.get("RAY_AUTH_MODE") is not None:
-        return False
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-    except ImportError:  # a Ray without token authentication
-        return False
-    return bool(maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
-
-
-def _check_reachable(address: str | None) -> None:
-    """Fail fast on a ``HOST:PORT`` nobody listens on (``ray.init`` would retry for minutes)."""
-    if not address or "://" in address or address in ("auto", "local") or ":" not in address:
-        return
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
-    except (OSError, ValueError) as err:
-        raise TonearmError(f"cannot reach the Ray cluster at {address}: {err}") from None
 
 
 def _session(model: Any, inputs: Sequence[str], embed_dim: int, threads: int, device: str = "cpu") -> OnnxEncoder:

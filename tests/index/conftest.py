@@ -9,8 +9,12 @@ import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.index.test_ray_embed import RayHead
 
 
 def copy_bundle(source: Path, destination: Path) -> Path:
@@ -36,12 +40,18 @@ def ray_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="package")
-def ray_address(ray_home: Path) -> Iterator[str]:
+def ray_cluster(ray_home: Path) -> Iterator[RayHead]:
     """A cluster without token authentication (RAY_AUTH_MODE=disabled: the stale token is not its own).
     Package scope: the two modules that use it run one after the other and share one cluster (one
     ``ray start --head`` and its shutdown less: the two modules took 136 s instead of 142 s on two
     cores); it stops after the package's last test."""
     from tests.index.test_ray_embed import _ray_env, _ray_head
 
-    with _ray_head(_ray_env(ray_home, RAY_AUTH_MODE="disabled")) as address:
-        yield address
+    with _ray_head(_ray_env(ray_home, RAY_AUTH_MODE="disabled")) as head:
+        yield head
+
+
+@pytest.fixture(scope="package")
+def ray_address(ray_cluster: RayHead) -> str:
+    """:func:`ray_cluster`'s GCS address, ``127.0.0.1:PORT``."""
+    return ray_cluster.address

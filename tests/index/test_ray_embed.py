@@ -10,6 +10,13 @@ that both actors embedded files. Ray 2.60 keeps a loopback cluster to one node (
 then every Ray server listens on all interfaces), so no second node is started: the pool, the
 sharding of blocks and the object-store transfer of the encoder are those of a multi-node cluster,
 one node wide.
+
+Reaching a cluster (issues 41, 49; :mod:`index.ray_connect`): the shared cluster runs without token
+authentication while the CLI's HOME holds a stale ``~/.ray/auth_token``, so every test on it checks an
+explicit address with a leftover token; the driver also finds it with no address and with ``auto``
+(through its ``RAY_TMPDIR``, so no other cluster on the machine is found). A second cluster started
+with token authentication is reached with its token by address and found, and refused in one line
+without one or with another's; a local run from an empty HOME leaves that HOME empty.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -75,25 +83,37 @@ def _stale_token_home(parent: Path) -> Path:
     return home
 
 
+@dataclass(frozen=True)
+class RayHead:
+    address: str
+    """``127.0.0.1:PORT``, the GCS."""
+    tmpdir: Path
+    """Its RAY_TMPDIR: a driver with this RAY_TMPDIR and no address (or ``auto``) finds the cluster here
+    (``ray start`` records it in ``ray/ray_current_cluster`` under it), and none of the machine's others."""
+
+    def finding_it(self) -> dict[str, str]:
+        """The environment of a driver that finds this cluster as "the one last started on this machine"."""
+        return {"RAY_TMPDIR": str(self.tmpdir)}
+
+
 @contextmanager
-def _ray_head(env: dict[str, str]) -> Iterator[str]:
+def _ray_head(env: dict[str, str]) -> Iterator[RayHead]:
     """A 2-CPU Ray head on 127.0.0.1 in its own temp dir, started with ``env``; its process group is killed after."""
     port = _free_port()
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
     head = subprocess.Popen(
         [_ray_binary(), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-         "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}",
+         "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp / 'ray'}",
          f"--ray-client-server-port={_free_port()}"],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env=env | {"RAY_TMPDIR": str(temp)}, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
-    address = f"127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
-        while not _gcs_up(port):
+        while not (_gcs_up(port) and (temp / "ray" / "ray_current_cluster").is_file()):  # up and recorded
             if head.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"ray start failed: {head.stderr.read().decode()[-2000:] if head.stderr else ''}")
             time.sleep(0.2)
-        yield address
+        yield RayHead(f"127.0.0.1:{port}", temp)
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         try:  # Ray's own shutdown takes ~10 s; its temp dir goes with it, so a short grace is enough
@@ -212,36 +232,120 @@ def test_unreachable_cluster_is_a_user_error(ray_home: Path, tiny_bundle: Path, 
     assert run.returncode == 2 and "--ray-workers needs --ray" in run.stderr
 
 
-def test_a_cluster_started_after_a_local_run_takes_its_token(tiny_bundle: Path, tmp_path: Path) -> None:
-    """Ray after Ray (issue 41): a local ``--ray`` run left ``~/.ray/auth_token``; a cluster then
-    started on the machine (``ray start --head``, RAY_AUTH_MODE unset) turns token authentication
-    on with it, and a driver given the cluster's address must send it once refused (Ray itself
-    sends a token only to a local cluster it finds). Without a token the refusal is one line saying how to pass
-    one, and RAY_AUTH_TOKEN passes it."""
+@pytest.fixture(scope="module")
+def one_clip(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding one short tone: the cheapest `tonearm index --ray` run (one actor, one file)."""
+    folder = tmp_path_factory.mktemp("one_clip")
+    sf.write(folder / "a.wav", np.sin(np.arange(8000, dtype=np.float32) / 7), read_manifest(tiny_bundle).sample_rate)
+    return folder
+
+
+def _index_one(one_clip: Path, tiny_bundle: Path, out: Path, ray: list[str], *, home: Path,
+               **env: str) -> subprocess.CompletedProcess[str]:
+    """`tonearm -v index ONE_CLIP --ray [ADDRESS]` with one actor."""
+    return tonearm("-v", "index", str(one_clip), "--bundle", str(tiny_bundle), "--out", str(out), "--ray", *ray,
+                   "--ray-workers", "1", home=home, **env)
+
+
+def _ray_dir(home: Path) -> dict[str, str]:
+    """What ``home/.ray`` holds: file name → text."""
+    folder = home / ".ray"
+    return {p.name: p.read_text() for p in folder.iterdir()} if folder.is_dir() else {}
+
+
+@pytest.mark.parametrize("found_by", ["no address", "auto"])
+def test_a_stale_token_does_not_stop_a_driver_that_finds_an_authless_cluster(
+    found_by: str, ray_cluster: RayHead, ray_home: Path, one_clip: Path, tiny_bundle: Path, tmp_path: Path
+) -> None:
+    """Issue 49: ``~/.ray`` holds a token of an earlier local run and the cluster started on this machine
+    runs without token authentication. Ray's own driver, finding that cluster (no address, ``auto``), turns
+    token mode on with the stale token; the cluster accepts it but its workers cannot call back into it, and
+    every actor was "cancelled before it started running". The driver now asks the cluster and runs in its
+    mode. (The explicit address with the same stale token: every test above on ``ray_address``.) The
+    token is left as it was; nothing is added to ``~/.ray``."""
+    before = _ray_dir(ray_home)
+    run = _index_one(one_clip, tiny_bundle, tmp_path / "x", [] if found_by == "no address" else ["auto"],
+                     home=ray_home, **ray_cluster.finding_it())
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "1 files indexed" in run.stdout
+    assert "(the cluster last started on this machine" in run.stderr  # found it, not a new local instance
+    assert "runs without token authentication; no token sent" in run.stderr  # Ray alone sent the stale one
+    assert _ray_dir(ray_home) == before == {"auth_token": STALE_TOKEN}
+
+
+def test_an_auth_mode_that_contradicts_the_cluster_is_refused_in_one_line(
+    ray_cluster: RayHead, ray_home: Path, one_clip: Path, tiny_bundle: Path, tmp_path: Path
+) -> None:
+    """RAY_AUTH_MODE set by the user is obeyed, so token mode against a cluster without authentication
+    (whose actors would never start) stops before Ray is started, saying what to unset."""
+    run = _index_one(one_clip, tiny_bundle, tmp_path / "x", [ray_cluster.address], home=ray_home,
+                     RAY_AUTH_MODE="token")
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert "RAY_AUTH_MODE=token" in last and "runs without token authentication" in last, run.stderr
+
+
+def test_a_local_run_leaves_nothing_behind(one_clip: Path, tiny_bundle: Path, tmp_path: Path) -> None:
+    """No address and no cluster: a new local Ray instance. Ray's ``ray.init()`` writes a token to
+    ``~/.ray/auth_token`` (which the next ``ray start --head`` on the machine adopts, issue 41); the local
+    instance now runs with a token kept in the driver's environment only, so the HOME has no ``.ray`` —
+    and no Ray process of the run outlives it. (ONNX Runtime writes its own ``~/.cache/Microsoft``; not Ray's.)"""
+    home = tmp_path / "home"
+    home.mkdir()
+    ray_tmp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # nothing recorded: no cluster to find
+    try:
+        run = _index_one(one_clip, tiny_bundle, tmp_path / "x", [], home=home, RAY_TMPDIR=str(ray_tmp))
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "1 files indexed" in run.stdout
+        assert not (home / ".ray").exists(), f"the run left {_ray_dir(home)} in ~/.ray"
+        assert not _processes_mentioning(str(ray_tmp)), "Ray processes of the local run are still running"
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Process ids whose command line holds ``text`` (a Ray temp dir names its session's processes)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_cluster_with_token_authentication_takes_its_token(
+    one_clip: Path, tiny_bundle: Path, tmp_path: Path
+) -> None:
+    """A cluster started where a token lies (``ray start --head``, RAY_AUTH_MODE unset: as after a local
+    run before this fix, issue 41) requires it: a driver with that token reaches it by its address and by
+    finding it; a driver without a token, or with another cluster's, is refused in one line naming the
+    variables to set (at once: the GCS is asked, ``ray.init`` never retries), and RAY_AUTH_TOKEN passes it."""
     home = _stale_token_home(tmp_path)
-    (tmp_path / "audio").mkdir()
-    sf.write(tmp_path / "audio" / "a.wav", np.sin(np.arange(8000, dtype=np.float32) / 7),
-             read_manifest(tiny_bundle).sample_rate)
-    fast = {"RAY_NUM_REDIS_GET_RETRIES": "2", "RAY_gcs_server_port_wait_time_s": "2"}  # refused in ~2 s, not 20
-    with _ray_head(_ray_env(home)) as address:
-        run = tonearm("index", str(tmp_path / "audio"), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "x"),
-                      "--ray", address, "--ray-workers", "1", home=home, **fast)
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert "1 files indexed" in run.stdout and "retrying with the Ray token found here" in run.stderr
+    with _ray_head(_ray_env(home)) as head:
+        for how, ray in (("address", [head.address]), ("found", [])):
+            run = _index_one(one_clip, tiny_bundle, tmp_path / how, ray, home=home, **head.finding_it())
+            assert run.returncode == 0, run.stderr[-3000:]
+            assert "1 files indexed" in run.stdout
         elsewhere = Path(tempfile.mkdtemp(prefix="home", dir=tmp_path))  # a machine without the token
-        run = tonearm("index", str(tmp_path / "audio"), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "y"),
-                      "--ray", address, home=elsewhere, **fast)
-        assert run.returncode == 2, run.stderr[-3000:]
-        last = run.stderr.strip().splitlines()[-1]
-        assert last.startswith("error: cannot reach the Ray cluster") and "RAY_AUTH_TOKEN=" in last, run.stderr
-        run = tonearm("index", str(tmp_path / "audio"), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "y"),
-                      "--ray", address, "--ray-workers", "1", home=elsewhere, RAY_AUTH_TOKEN=STALE_TOKEN, **fast)
+        for token, says in (({}, "no token was found here"), ({"RAY_AUTH_TOKEN": "f" * 32}, "refused the token")):
+            began = time.monotonic()
+            run = _index_one(one_clip, tiny_bundle, tmp_path / "y", [head.address], home=elsewhere, **token)
+            assert run.returncode == 2, run.stderr[-3000:]
+            last = run.stderr.strip().splitlines()[-1]
+            assert last.startswith("error: the Ray cluster at") and says in last and "RAY_AUTH_TOKEN=" in last, last
+            assert time.monotonic() - began < 30, "refused at once, not after Ray's connect retries"
+        run = _index_one(one_clip, tiny_bundle, tmp_path / "z", [head.address], home=elsewhere,
+                         RAY_AUTH_TOKEN=STALE_TOKEN)
         assert run.returncode == 0, run.stderr[-3000:]
+        assert _ray_dir(elsewhere) == {}
 
 
 ACTOR_OPTIONS = """
 import json, sys
-from index.ray_embed import AudioEmbedder, RayOptions, build_dataset, connect, pool_size
+from index.ray_connect import connect
+from index.ray_embed import AudioEmbedder, RayOptions, build_dataset, pool_size
 from index.errors import TonearmError
 
 address = sys.argv[1]

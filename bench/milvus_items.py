@@ -171,23 +171,33 @@ def rss_mib(pid: int | str = "self", key: str = "VmRSS") -> float:
     return 0.0
 
 
-def group_rss_mib(pgid: int) -> float:
-    """RSS of every process in a process group (the Milvus launcher starts the server in its own)."""
-    total = 0.0
+def tree_rss_mib(pid: int) -> float:
+    """RSS of a process and its descendants (the Milvus server is one ``milvus run standalone``)."""
+    parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if os.getpgid(int(entry.name)) == pgid:
-                    total += rss_mib(entry.name)
-            except (ProcessLookupError, FileNotFoundError, PermissionError):
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
                 continue
+    tree, grew = {pid}, True
+    while grew:
+        more = {child for child, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    total = 0.0
+    for member in tree:
+        try:
+            total += rss_mib(member)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
     return total
 
 
 # ---------------------------------------------------------------------- Milvus
 
 
-def milvus_run(n: int, args: argparse.Namespace, uri: str, items: Items, server_pgid: int | None) -> dict[str, Any]:
+def milvus_run(n: int, args: argparse.Namespace, uri: str, items: Items, server_pid: int | None) -> dict[str, Any]:
     from index.filters import parse_filter
     from index.milvus_index import MilvusTarget
     from index.milvus_items import MilvusItemStore
@@ -226,7 +236,7 @@ def milvus_run(n: int, args: argparse.Namespace, uri: str, items: Items, server_
         result["cells"][name] = {**timed_queries(search, qs, truth[name], args),
                                  "passing": int(len(buckets) if below is None else np.count_nonzero(buckets < below))}
         print("milvus", n, name, result["cells"][name], flush=True)
-    result["server_rss_mib"] = group_rss_mib(server_pgid) if server_pgid else None
+    result["server_rss_mib"] = tree_rss_mib(server_pid) if server_pid else None
     result["request_puts"] = _request_puts(store, items, n, args.request_puts)
     store.drop()
     return result

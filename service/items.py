@@ -199,11 +199,28 @@ class ItemStore:
 
     def _embed_audio(self, bundle: object, records: Sequence[ItemRecord], *, missing: list[str]) -> np.ndarray:
         """The records' audio embeddings; a record that cannot be embedded is quarantined and gets a
-        row of NaN (:data:`index.overlay.AudioEmbedder`: its row is added dead)."""
+        row of NaN (:data:`index.overlay.AudioEmbedder`: its row is added dead).
+
+        Decoded :data:`EMBED_BATCH` records at a time and encoded before the next are decoded: a replay
+        (replica start, a swap's re-embedding) passes every record of the log, and holding all their
+        waveforms at once would cost items × decoded size (~3 GiB at 10 k items of 5 s)."""
         rate, dim = int(bundle.sample_rate), int(bundle.embed_dim)  # type: ignore[attr-defined]
         out = np.full((len(records), dim), np.nan, np.float32)
+        for first in range(0, len(records), EMBED_BATCH):
+            rows = self._embed_batch(bundle, records, range(first, min(first + EMBED_BATCH, len(records))), out,
+                                     rate=rate, missing=missing)
+            with self._quarantine_lock:
+                for row in rows:
+                    if not np.isnan(out[row]).any():
+                        self.quarantine.pop(records[row].audio or "", None)
+        return out
+
+    def _embed_batch(self, bundle: object, records: Sequence[ItemRecord], batch: range, out: np.ndarray, *,
+                     rate: int, missing: list[str]) -> list[int]:
+        """Decode and encode ``records[batch]`` into ``out``; the rows that decoded."""
         waves, rows = [], []
-        for row, record in enumerate(records):
+        for row in batch:
+            record = records[row]
             try:
                 data = self.log.audio_path(record).read_bytes()
                 waves.append(decode_upload(data, sample_rate=rate, limits=self.limits).waveform)
@@ -218,18 +235,14 @@ class ItemStore:
                 self._quarantine(record, "unreadable", f"stored audio {record.audio}: {err.strerror or err}")
         encode = bundle.encode_audio  # type: ignore[attr-defined]
         try:
-            out[rows] = _batched(encode, waves, dim)
+            out[rows] = _batched(encode, waves, out.shape[1])
         except Exception:  # one input the encoder refuses: find it, keep the others
             for row, wave in zip(rows, waves, strict=True):
                 try:
-                    out[row] = _batched(encode, [wave], dim)[0]
+                    out[row] = _batched(encode, [wave], out.shape[1])[0]
                 except Exception as err:
                     self._quarantine(records[row], "embedding-failed", f"the encoder failed: {err}"[:300])
-        with self._quarantine_lock:
-            for row in rows:
-                if not np.isnan(out[row]).any():
-                    self.quarantine.pop(records[row].audio or "", None)
-        return out
+        return rows
 
     # ------------------------------------------------------------------ follower
 

@@ -18,6 +18,7 @@ import threading
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from index.item_log import AUDIO_DIR, LOG_NAME, ItemLog
@@ -309,3 +310,29 @@ def test_an_item_acknowledged_while_a_swap_re_embeds_is_searchable_the_moment_th
 def test_read_only_helper_really_refuses_writes(tmp_path):
     with read_only_dir(tmp_path) as ro, pytest.raises(OSError):
         (ro / "x").write_text("x")
+
+
+def test_a_replay_decodes_one_batch_at_a_time(tmp_path):
+    """A replay (replica start, a swap re-embedding every item) passes the whole log to the embedder:
+    it must decode ``EMBED_BATCH`` stored files, encode them, then read the next — never hold every
+    item's waveform at once (items × decoded size: ~3 GiB at 10 k items of 5 s). Observed on the real
+    store: the stored files read between two encoder calls."""
+    from service.items import EMBED_BATCH, ItemStore
+
+    store = ItemStore(tmp_path / "items", make_settings(items_dir=tmp_path / "items"))
+    n = 2 * EMBED_BATCH + 3
+    for i in range(n):
+        store.log.put(f"item-{i}", wav_bytes(tone(["bell"], 0.2 + 0.01 * i)), audio_format="wav")
+    history = store.log.history()
+    records = list(history.records[: history.length])
+    bundle = KeywordBundle(tmp_path / "bundle")
+    events: list[str] = []
+    read, encode = store.log.audio_path, bundle.encode_audio
+    store.log.audio_path = lambda record: (events.append("read"), read(record))[1]  # type: ignore[method-assign]
+    bundle.encode_audio = lambda waves: (events.append("encode"), encode(waves))[1]  # type: ignore[method-assign]
+
+    out = store._embed_audio(bundle, records, missing=[])
+
+    assert out.shape == (n, bundle.embed_dim) and not np.isnan(out).any()
+    runs = [len(run) for run in "".join("r" if e == "read" else "|" for e in events).split("|") if run]
+    assert sum(runs) == n and max(runs) <= EMBED_BATCH, runs

@@ -382,7 +382,7 @@ class Searcher:
 
         engine = hits.engine
         with index_calls():
-            found = self.visible(search, lambda rows: rows, bundle_allowed)
+            found = self.visible(search, lambda result: result[1], bundle_allowed)
             fields = self.catalogue_fields() if where is not None else None
             added = hits.rows_of(*engine.search(queries, k, where, fields, exclude=exclude))
         return merge_top_k(found, added, k)
@@ -400,8 +400,9 @@ class Searcher:
             found = search(mask)
             if engine is None:
                 return found
-            rows = np.asarray(clip_rows_of(found)).ravel()
-            ids = {str(self.bundle.audio_items[int(r)]["id"]) for r in rows if r >= 0}
+            rows = np.asarray(clip_rows_of(found)).ravel()  # a row the mask refuses (a padded -inf hit) is no news
+            ids = {str(self.bundle.audio_items[r]["id"]) for r in rows.astype(np.int64).tolist()
+                   if r >= 0 and (mask is None or mask[r])}
             hidden = engine.hidden_among(ids)
             if not hidden:
                 return found

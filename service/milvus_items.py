@@ -196,6 +196,11 @@ class BundleItems:
         record = Record(item_id, False, row.doc)
         return record.item, row.vector
 
+    def items(self, ids: Iterable[str]) -> dict[str, AddedItem]:
+        """The live added items among ``ids`` (one query)."""
+        rows = self.store.get(list(dict.fromkeys(ids)))
+        return {i: Record(i, False, row.doc).item for i, row in rows.items() if not row.takedown}
+
     def audio_of(self, item_id: str) -> tuple[bytes, str] | None:
         """The stored audio of the live added item ``item_id`` and its format, or None."""
         found = self.get(item_id)

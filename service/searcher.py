@@ -127,6 +127,8 @@ class EngineItems(Protocol):
 
     def get(self, item_id: str) -> tuple[AddedItem, np.ndarray] | None: ...
 
+    def items(self, ids: Collection[str]) -> dict[str, AddedItem]: ...
+
 
 class AddedHits:
     """The added items one request's engine searches found, numbered after the bundle's clips as an
@@ -163,10 +165,8 @@ class AddedHits:
         """Read the hits' records (captions, metadata): only where an answer shows them."""
         if self._resolved:
             return
-        for j, item in enumerate(self.items):
-            found = self.engine.get(item.id)
-            if found is not None:
-                self.items[j] = found[0]
+        found = self.engine.items({item.id for item in self.items})  # one query
+        self.items = [found.get(item.id, item) for item in self.items]
         self._resolved = True
 
 

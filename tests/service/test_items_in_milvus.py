@@ -288,7 +288,8 @@ def test_the_keyword_bundle_with_items_in_milvus_lite_equals_brute_force(lite_cl
     from tests.service.test_items import _post as post
 
     c = lite_client
-    assert post(c, "added-bell-rain", ["bell", "rain"], {"license": "cc0"}).status_code == 201
+    assert post(c, "added-bell-rain", ["bell", "rain"], {"license": "cc0"},
+                {"fra": ["une cloche et la pluie"]}).status_code == 201
     assert post(c, "clip-siren", ["bell"], {"license": "by"}).status_code == 201  # replaces the clip
     assert c.delete("/v1/items/clip-dog", headers=ADMIN).status_code == 200  # a takedown
     catalogue = _catalogue({"added-bell-rain": ("bell", "rain"), "clip-siren": ("bell",)})
@@ -299,6 +300,8 @@ def test_the_keyword_bundle_with_items_in_milvus_lite_equals_brute_force(lite_cl
         same(hits, _brute_force(text_vector(query), catalogue, 10))
         hits = c.post("/v1/search/text", json={"query": query, "k": 10, "filter": {"license": "cc0"}}).json()["hits"]
         same(hits, _brute_force(text_vector(query), {i: v for i, v in catalogue.items() if license_of[i] == "cc0"}, 10))
+    top = c.post("/v1/search/text", json={"query": "bell rain", "k": 1, "include_captions": True}).json()["hits"]
+    assert top[0]["id"] == "added-bell-rain" and top[0]["captions"] == {"fra": ["une cloche et la pluie"]}
     similar = c.get("/v1/search/similar/added-bell-rain", params={"k": 3}).json()["hits"]
     same(similar, _brute_force(catalogue["added-bell-rain"], catalogue, 3, exclude="added-bell-rain"))
     assert c.get("/v1/search/similar/clip-dog").status_code == 404

@@ -373,9 +373,15 @@ class MetadataTable:
 def merged_fields(tables: Sequence[MetadataTable]) -> dict[str, str]:
     """The fields of a catalogue made of several tables (name → kind); a field whose kind differs
     between tables is ``mixed``."""
+    return merged_kinds([table.fields() for table in tables])
+
+
+def merged_kinds(kinds: Sequence[Mapping[str, str]]) -> dict[str, str]:
+    """Field kinds of several parts of one catalogue (name → kind); a field whose kind differs between
+    parts is ``mixed``."""
     out: dict[str, str] = {}
-    for table in tables:
-        for name, kind in table.fields().items():
+    for part in kinds:
+        for name, kind in part.items():
             out[name] = kind if out.get(name, kind) == kind else "mixed"
     return dict(sorted(out.items()))
 

@@ -203,12 +203,14 @@ class MilvusItemStore:
             self.target.call("upsert", self.collection, list(rows.values()), bulk=True)
             self._flush()
 
-    def takedown(self, ids: Sequence[str]) -> None:
-        """Record takedowns of bundle clips ``ids`` (an added item of the same id is replaced)."""
+    def takedown(self, ids: Sequence[str], *, docs: Sequence[Mapping[str, Any]] | None = None) -> None:
+        """Record takedowns of bundle clips ``ids`` (an added item of the same id is replaced);
+        ``docs[i]``: a record kept beside takedown ``i`` (default ``{}``)."""
         if not ids:
             return
         now = int(time.time() * 1000)
-        rows = [{"id": i, ORDER_FIELD: now, "takedown": True, META_FIELD: {}, DOC_FIELD: {},
+        doc_of = {i: dict(docs[j]) if docs is not None else {} for j, i in enumerate(ids)}
+        rows = [{"id": i, ORDER_FIELD: now, "takedown": True, META_FIELD: {}, DOC_FIELD: doc_of[i],
                  "vector": [0.0] * self.dim} for i in dict.fromkeys(ids)]
         for i in ids:
             _literal_id(i)
@@ -252,6 +254,31 @@ class MilvusItemStore:
         return {str(r["id"]): StoredItem(id=str(r["id"]), vector=np.asarray(r["vector"], dtype=np.float32),
                                          metadata=dict(r[META_FIELD]), doc=dict(r[DOC_FIELD]), takedown=bool(r["takedown"]))
                 for r in rows}
+
+    def present(self, ids: Iterable[str]) -> set[str]:
+        """Which of ``ids`` have a row (an item or a takedown): one query by primary key."""
+        wanted = list(dict.fromkeys(ids))
+        if not wanted:
+            return set()
+        with _mapped(f"reading ids from {self.collection}", self.target):
+            rows = self.target.call("query", self.collection, filter=f"id in {_id_list(wanted)}",
+                                    output_fields=["id"], consistency_level=self.consistency)
+        return {str(r["id"]) for r in rows}
+
+    def rows(self, expression: str = 'id != ""', *, fields: Sequence[str] = ("id", "takedown", DOC_FIELD)) -> list[dict[str, Any]]:
+        """Every row passing ``expression`` with ``fields``, read :data:`QUERY_LIMIT` at a time with
+        Milvus's query iterator (bulk work: the bulk deadline); in no particular order."""
+        out: list[dict[str, Any]] = []
+        with _mapped(f"reading {self.collection}", self.target):
+            iterator = self.target.client().query_iterator(
+                self.collection, batch_size=QUERY_LIMIT, filter=expression, output_fields=list(fields),
+                timeout=self.target.bulk_timeout_s, consistency_level=self.consistency)
+            try:
+                while page := iterator.next():
+                    out.extend(dict(r) for r in page)
+            finally:
+                iterator.close()
+        return out
 
     def ids(self, *, takedown: bool | None = None) -> list[str]:
         """Every id (sorted), or only the items' (``takedown=False``) or the takedowns' (``True``), read

@@ -13,7 +13,7 @@ import errno
 import functools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -215,11 +215,32 @@ def _items_stale(state: AppState, reason: str | None) -> None:
     state.metrics.items_ready.set(0 if reason else 1)
 
 
-def _retry_items(state: AppState, items_dir: Path, stop: threading.Event) -> None:
-    """Background thread while the item log is unusable: try again every :data:`ITEMS_RETRY_S`; once it
-    opens, sync the active bundle, follow the log and become ready."""
+def open_milvus_items(state: AppState, audio_url: str) -> bool:
+    """Open the item store in Milvus (records collection, audio store) and hook it into the registry;
+    on failure record why on the state (``/readyz`` answers 503 with it). True when it is usable."""
+    from service.milvus_items import open_catalogue
+
+    try:
+        store = open_catalogue(state.settings, audio_url, metrics=state.metrics)
+    except Exception as err:  # Milvus unreachable, the object store refusing writes, bad credentials …
+        reason = (f"the item store in Milvus ({state.settings.milvus_uri}) with its audio at {audio_url} cannot be "
+                  f"opened: {err}; items are configured (TONEARM_ITEMS_STORE={state.settings.items_store}), so "
+                  "this replica is not ready until both answer")
+        if reason != state.items_error:
+            log.error("items: %s", reason)
+        state.items_error = reason
+        state.metrics.items_ready.set(0)
+        return False
+    state.registry.prepare = store.sync
+    state.items = store
+    return True
+
+
+def _retry_items(state: AppState, opener: Callable[[], bool], stop: threading.Event) -> None:
+    """Background thread while the item store is unusable: try again every :data:`ITEMS_RETRY_S`; once it
+    opens, sync the active bundle, follow the store and become ready."""
     while not stop.wait(ITEMS_RETRY_S):
-        if not open_items(state, items_dir):
+        if not opener():
             continue
         store = state.items
         try:
@@ -233,8 +254,36 @@ def _retry_items(state: AppState, items_dir: Path, stop: threading.Event) -> Non
         store.start(state.registry.active_searcher, on_stale=functools.partial(_items_stale, state))
         state.items_error = None
         state.metrics.items_ready.set(1)
-        log.info("items: the item log at %s is usable now; ready", items_dir)
+        log.info("items: the item store is usable now; ready")
         return
+
+
+def _configure_items(state: AppState) -> Callable[[], bool] | None:
+    """Open the configured item store (the file log, or Milvus: ``TONEARM_ITEMS_STORE``); returns how to
+    try again while it cannot be opened (None: items are off)."""
+    settings, registry = state.settings, state.registry
+    items_dir = items_dir_of(settings, registry.bundles_dir)
+    if settings.items_in_milvus and settings.items_enabled is not False:
+        audio_url = settings.items_audio_url or (str(items_dir / "audio") if items_dir is not None else None)
+        if audio_url is None:
+            if settings.items_enabled:
+                state.items_error = ("TONEARM_ITEMS_ENABLED=true but there is nowhere to store the items' audio: set "
+                                     "TONEARM_ITEMS_AUDIO_URL (e.g. s3://bucket/prefix)")
+                log.error("items: %s; not ready", state.items_error)
+            return None
+        state.items_dir = audio_url
+        opener: Callable[[], bool] = lambda: open_milvus_items(state, audio_url)  # noqa: E731
+    else:
+        state.items_dir = items_dir
+        if items_dir is None:
+            if settings.items_enabled:
+                state.items_error = ("TONEARM_ITEMS_ENABLED=true but there is no directory for the item log: "
+                                     "set TONEARM_ITEMS_DIR (a volume every replica mounts read-write)")
+                log.error("items: %s; not ready", state.items_error)
+            return None
+        opener = lambda: open_items(state, items_dir)  # noqa: E731
+    opener()
+    return opener
 
 
 def create_app(settings: Settings | None = None, *, opener: Opener | None = None) -> FastAPI:
@@ -259,14 +308,7 @@ def create_app(settings: Settings | None = None, *, opener: Opener | None = None
             backoff_max=settings.redis_backoff_max,
         )
         registry.publisher = state.bus.publish
-    items_dir = items_dir_of(settings, registry.bundles_dir)
-    state.items_dir = items_dir
-    if items_dir is not None:
-        open_items(state, items_dir)
-    elif settings.items_enabled:
-        state.items_error = ("TONEARM_ITEMS_ENABLED=true but there is no directory for the item log: "
-                             "set TONEARM_ITEMS_DIR (a volume every replica mounts read-write)")
-        log.error("items: %s; not ready", state.items_error)
+    state.items_opener = _configure_items(state)
 
     app = FastAPI(
         title="tonearm",
@@ -332,8 +374,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     if state.items is not None:
         state.metrics.items_ready.set(1)
         state.items.start(state.registry.active_searcher, on_stale=functools.partial(_items_stale, state))
-    elif state.items_error is not None and state.items_dir is not None:
-        threading.Thread(target=_retry_items, args=(state, state.items_dir, items_stop), name="tonearm-items-retry",
+    elif state.items_error is not None and state.items_opener is not None:
+        threading.Thread(target=_retry_items, args=(state, state.items_opener, items_stop), name="tonearm-items-retry",
                          daemon=True).start()
     trimmer = PeriodicTrim.start(state.settings.malloc_trim_interval_s)
     gc_pauses = GcPauses(state.metrics)

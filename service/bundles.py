@@ -187,9 +187,10 @@ def session_config(settings: Settings, *, threads: int | None = None) -> Any:
     )
 
 
-def milvus_target(settings: Settings) -> Any:
-    """The Milvus the bundles' vectors live in, or None for the FAISS backend."""
-    if settings.index_backend != "milvus" or not settings.milvus_uri:
+def milvus_target(settings: Settings, *, items: bool = False) -> Any:
+    """The Milvus the bundles' vectors live in, or None for the FAISS backend (``items``: the Milvus
+    the added items live in, whichever backend serves the bundles)."""
+    if not settings.milvus_uri or (settings.index_backend != "milvus" and not items):
         return None
     from index.milvus_index import MilvusTarget
 

@@ -55,9 +55,12 @@ class AppState:
     bus: ActivationBus | None = None
     batchers: Batchers | None = None
     items: Any = None
-    """The item log and overlay sync (service.items.ItemStore); None when items are off or unusable."""
+    """The item store: the file log and overlay sync (service.items.ItemStore) or the store in Milvus
+    (service.milvus_items.MilvusCatalogue); None when items are off or unusable."""
     items_dir: Any = None
-    """Where the item log is configured (a Path; None: items off)."""
+    """Where the item log is configured (a Path; the Milvus store: its audio URL; None: items off)."""
+    items_opener: Any = None
+    """Opens the configured item store (a callable → bool; tried again while it fails); None: items off."""
     items_error: str | None = None
     """Why the configured item log cannot be used (then the replica is not ready); None: usable or off."""
     """The encoder micro-batchers; running between the app's startup and shutdown."""

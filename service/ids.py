@@ -30,8 +30,8 @@ def id_schema(description: str) -> dict[str, Any]:
 
 def in_catalogue(searcher: Any, item_id: str) -> bool:
     """Whether ``item_id`` is an added item or a visible (not taken down) bundle clip of ``searcher``."""
-    items = searcher.items
-    return item_id in items.row_of or (item_id in searcher.clip_rows and item_id not in items.hidden_ids)
+    return searcher.added_item(item_id) is not None or (item_id in searcher.clip_rows
+                                                        and not searcher.clip_hidden(item_id))
 
 
 def addressed_id(item_id: str, searcher: Any, where: str = "path parameter 'item_id'") -> str:

@@ -9,6 +9,7 @@ it never mutates the bundle's index state.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -20,11 +21,18 @@ import numpy as np
 
 from index.audio import decode_audio
 from index.errors import IndexBackendError, IndexTimeout
-from index.filters import Filter, FilterError, MetadataTable, merged_fields, parse_filter
+from index.filters import (
+    Filter,
+    FilterError,
+    MetadataTable,
+    merged_fields,
+    merged_kinds,
+    parse_filter,
+)
 from index.languages import ENGLISH
 from index.metrics import dis, gap, mean_rank_std, mean_rank_variance, t2a_ranks_from_embeddings
 from index.moment_index import HOP_FRACTION, LONG_RECORDING_WINDOWS, WindowIndex, embed_windows
-from index.overlay import ItemOverlay, merge_top_k
+from index.overlay import AddedItem, ItemOverlay, merge_top_k
 from index.report import METRIC_CONVENTION
 from service.cache import (
     QueryCache,
@@ -104,6 +112,68 @@ class BundleLike(Protocol):
     def close(self) -> None: ...
 
 
+class EngineItems(Protocol):
+    """Added items kept by the index engine (:class:`service.milvus_items.BundleItems`, Milvus) for one
+    bundle: every replica reads the same rows, so nothing is held here."""
+
+    def fields(self) -> dict[str, str]: ...
+
+    def expression(self, flt: Filter, fields: Mapping[str, str]) -> str: ...
+
+    def hidden_among(self, ids: Collection[str]) -> set[str]: ...
+
+    def search(self, queries: np.ndarray, k: int, flt: Filter | None, fields: Mapping[str, str] | None,
+               exclude: str | None = None) -> tuple[np.ndarray, list[list[str]]]: ...
+
+    def get(self, item_id: str) -> tuple[AddedItem, np.ndarray] | None: ...
+
+    def items(self, ids: Collection[str]) -> dict[str, AddedItem]: ...
+
+
+class AddedHits:
+    """The added items one request's engine searches found, numbered after the bundle's clips as an
+    overlay's rows are (row ``n_clips + j`` is ``items[j]``): what :meth:`Searcher._audio_hits` reads.
+    One per request — its rows mean nothing to another — and never cached."""
+
+    _serial = itertools.count(1)
+
+    def __init__(self, n_clips: int, engine: EngineItems) -> None:
+        self.n_clips = n_clips
+        self.engine = engine
+        self.items: list[AddedItem] = []
+        self.version = -next(self._serial)
+        """Unique and negative (an overlay's versions are >= 0): micro-batches never group two requests' hits."""
+        self._resolved = False
+
+    @property
+    def size(self) -> int:
+        return len(self.items)
+
+    def rows_of(self, scores: np.ndarray, ids: Sequence[Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
+        """``(scores, rows)`` of an engine search's ids, as catalogue rows of this collection."""
+        rows = np.full(scores.shape, -1, dtype=np.int64)
+        for q, found in enumerate(ids):
+            for j, item_id in enumerate(found):
+                rows[q, j] = self.n_clips + len(self.items)
+                self.items.append(AddedItem(item_id, "", "", {}, {}))
+        return scores, rows
+
+    def item(self, row: int) -> AddedItem:
+        return self.items[row - self.n_clips]
+
+    def resolve(self) -> None:
+        """Read the hits' records (captions, metadata): only where an answer shows them."""
+        if self._resolved:
+            return
+        found = self.engine.items({item.id for item in self.items})  # one query
+        self.items = [found.get(item.id, item) for item in self.items]
+        self._resolved = True
+
+
+Catalogue = ItemOverlay | AddedHits
+"""What a search's rows refer to: the overlay of the file log, or one request's engine hits."""
+
+
 @dataclass(frozen=True)
 class ClipFilter:
     """A parsed filter and the clips it passes (a mask over ``audio_items``), and the added items it
@@ -128,7 +198,7 @@ class TextLookup:
     k: int
     results: list[tuple[np.ndarray, np.ndarray] | None]
     clip_filter: ClipFilter | None = None
-    items: ItemOverlay | None = None
+    items: Catalogue | None = None
     """The overlay of added items the results' rows refer to."""
 
     @property
@@ -219,6 +289,9 @@ class Searcher:
         self.catalogue_id = ""
         """The item log's id (:attr:`index.item_log.ItemLog.log_id`, set by service.items before this
         bundle goes live; "" without items): cached results name it beside the log's version."""
+        self.engine_items: EngineItems | None = None
+        """Added items in the index engine (service.milvus_items sets it before this bundle goes live);
+        then ``items`` stays empty, hidden clips are asked per search and results are never cached."""
         manifest_sha = str(getattr(getattr(bundle, "manifest", None), "manifest_sha256", "") or "")
         self.cache_bundle = f"{self.bundle_id}.{manifest_sha[:16]}" if manifest_sha else self.bundle_id
         """The bundle's part of every cache key: its id and its manifest's hash (two bundles that
@@ -238,6 +311,9 @@ class Searcher:
 
     def catalogue_fields(self, items: ItemOverlay | None = None) -> dict[str, str]:
         """Metadata fields (name → kind) of the bundle's clips and the added items together."""
+        if self.engine_items is not None:
+            with index_calls():
+                return merged_kinds([self.catalogue.fields(), self.engine_items.fields()])
         items = self.items if items is None else items
         if not items.size:
             return self.catalogue.fields()
@@ -253,6 +329,11 @@ class Searcher:
             flt = parse_filter(obj)
             if flt.matches_all:
                 return None
+            if self.engine_items is not None:  # checked here: a filter the engine cannot take is a 400 too
+                fields = self.catalogue_fields()
+                allowed = self.catalogue.mask(flt, fields=fields)
+                self.engine_items.expression(flt, fields)
+                return ClipFilter(flt, allowed)
             if not items.size:
                 return ClipFilter(flt, self.catalogue.mask(flt), items)
             fields = self.catalogue_fields(items)
@@ -262,15 +343,19 @@ class Searcher:
             raise ServiceError("invalid-filter", str(err), fields=self.catalogue_fields(items)) from None
 
     def search_clips(
-        self, queries: np.ndarray, k: int, items: ItemOverlay, clip_filter: ClipFilter | None = None,
+        self, queries: np.ndarray, k: int, items: Catalogue, clip_filter: ClipFilter | None = None,
         *, bundle_allowed: np.ndarray | None = None, added_allowed: np.ndarray | None = None,
+        exclude: str | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` catalogue rows (bundle clips, then added items: :mod:`index.overlay`): the
         bundle's index without its hidden rows, merged with the exact ranking of the added items.
-        ``bundle_allowed``/``added_allowed`` override the filter's masks."""
+        ``bundle_allowed``/``added_allowed`` override the filter's masks; ``exclude``: an added item's id
+        never returned (with the engine; the overlay takes ``added_allowed``)."""
         if clip_filter is not None:
             bundle_allowed = clip_filter.allowed if bundle_allowed is None else bundle_allowed
             added_allowed = clip_filter.added if added_allowed is None else added_allowed
+        if isinstance(items, AddedHits):
+            return self._search_engine(queries, k, items, clip_filter, bundle_allowed, exclude)
         mask = items.bundle_mask(bundle_allowed)
         with index_calls():
             if mask is None:
@@ -281,6 +366,71 @@ class Searcher:
         if not items.size:
             return found
         return merge_top_k(found, items.search_items(queries, k, added_allowed), k)
+
+    def _search_engine(
+        self, queries: np.ndarray, k: int, hits: AddedHits, clip_filter: ClipFilter | None,
+        bundle_allowed: np.ndarray | None, exclude: str | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`search_clips` with the added items in the engine: the bundle's top k without the clips
+        that have a record, merged with the engine's top k of the added items under the filter."""
+        where = clip_filter.filter if clip_filter is not None else None
+
+        def search(mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+            if mask is None:
+                return self.bundle.search_audio(queries, k)
+            return self.bundle.search_audio(queries, k, allowed=mask, where=where)
+
+        engine = hits.engine
+        with index_calls():
+            found = self.visible(search, lambda result: result[1], bundle_allowed)
+            fields = self.catalogue_fields() if where is not None else None
+            added = hits.rows_of(*engine.search(queries, k, where, fields, exclude=exclude))
+        return merge_top_k(found, added, k)
+
+    def visible(
+        self, search: Callable[[np.ndarray | None], Any], clip_rows_of: Callable[[Any], np.ndarray],
+        allowed: np.ndarray | None,
+    ) -> Any:
+        """``search(mask)`` again until none of the clips it returns has a record in the engine (an added
+        item replaced it, or it was deleted): each round masks the hidden clips it found. With the file
+        log the overlay's mask already hides them (one round). ``clip_rows_of``: a result's clip rows."""
+        mask = allowed
+        engine = self.engine_items
+        while True:
+            found = search(mask)
+            if engine is None:
+                return found
+            rows = np.asarray(clip_rows_of(found)).ravel()  # a row the mask refuses (a padded -inf hit) is no news
+            ids = {str(self.bundle.audio_items[r]["id"]) for r in rows.astype(np.int64).tolist()
+                   if r >= 0 and (mask is None or mask[r])}
+            hidden = engine.hidden_among(ids)
+            if not hidden:
+                return found
+            mask = np.ones(len(self.bundle.audio_items), dtype=bool) if mask is None else mask.copy()
+            mask[[self.clip_rows[i] for i in hidden]] = False
+
+    def catalogue_items(self) -> Catalogue:
+        """What a new request's rows will refer to: the current overlay, or a fresh engine hit list."""
+        if self.engine_items is not None:
+            return AddedHits(len(self.bundle.audio_items), self.engine_items)
+        return self.items
+
+    def added_item(self, item_id: str) -> AddedItem | None:
+        """The live added item ``item_id`` of the catalogue (None: not one)."""
+        if self.engine_items is not None:
+            with index_calls():
+                found = self.engine_items.get(item_id)
+            return found[0] if found is not None else None
+        items = self.items
+        row = items.row_of.get(item_id)
+        return items.items[row] if row is not None else None
+
+    def clip_hidden(self, item_id: str) -> bool:
+        """Whether the bundle clip ``item_id`` is hidden (deleted, or replaced by an added item)."""
+        if self.engine_items is not None:
+            with index_calls():
+                return bool(self.engine_items.hidden_among([item_id]))
+        return item_id in self.items.hidden_ids
 
     @property
     def bundle_id(self) -> str:
@@ -353,7 +503,7 @@ class Searcher:
         return self.hits_of(self.complete_text(lookup), min_score=min_score, include_captions=include_captions,
                             items=lookup.items)
 
-    def _results_kind(self, k: int, clip_filter: ClipFilter | None, items: ItemOverlay) -> str:
+    def _results_kind(self, k: int, clip_filter: ClipFilter | None, items: Catalogue) -> str:
         """Cached results are keyed by the filter and by the catalogue: the item log's id and version
         (rows of added items are the same in every replica at one version of one log; a replica on
         another log, or on none, never reads them)."""
@@ -371,9 +521,13 @@ class Searcher:
         loop and sends only misses to the thread pool (:meth:`complete_text`)."""
         self.check_language(lang)
         texts = [self.normalized(q) for q in queries]
-        items = clip_filter.items if clip_filter is not None and clip_filter.items is not None else self.items
+        items = (clip_filter.items if clip_filter is not None and clip_filter.items is not None
+                 else self.catalogue_items())
         results: list[tuple[np.ndarray, np.ndarray] | None] = []
         for text in texts:
+            if isinstance(items, AddedHits):  # the engine's catalogue has no version to key results by
+                results.append(None)
+                continue
             raw = self.cache.get(self._key(self._results_kind(k, clip_filter, items), text), kind="results")
             hit = decode_hits(raw) if raw is not None else None
             if hit is not None and int(hit[1].max(initial=-1)) >= items.n_clips + items.size:
@@ -407,15 +561,16 @@ class Searcher:
                 kind = self._results_kind(k, flt, items)
                 for j, (r, i) in enumerate(group):
                     results[r][i] = (scores[j], rows[j])
-                    self.cache.set(self._key(kind, lookups[r].texts[i]), encode_hits(scores[j], rows[j]))
+                    if not isinstance(items, AddedHits):
+                        self.cache.set(self._key(kind, lookups[r].texts[i]), encode_hits(scores[j], rows[j]))
         return [[hit for hit in found if hit is not None] for found in results]
 
-    def _lookup_items(self, lookup: TextLookup) -> ItemOverlay:
+    def _lookup_items(self, lookup: TextLookup) -> Catalogue:
         return lookup.items if lookup.items is not None else self.items
 
     def hits_of(
         self, results: list[tuple[np.ndarray, np.ndarray]], *, min_score: float | None, include_captions: bool,
-        items: ItemOverlay | None = None,
+        items: Catalogue | None = None,
     ) -> list[list[AudioHit]]:
         """Hits of searched rows; ``items``: the overlay the rows refer to (the lookup's)."""
         return [self._audio_hits(s, r, min_score=min_score, include_captions=include_captions, items=items)
@@ -423,9 +578,12 @@ class Searcher:
 
     def _audio_hits(
         self, scores: np.ndarray, rows: np.ndarray, *, min_score: float | None, include_captions: bool,
-        items: ItemOverlay | None = None,
+        items: Catalogue | None = None,
     ) -> list[AudioHit]:
         items = self.items if items is None else items
+        if include_captions and isinstance(items, AddedHits):
+            with index_calls():
+                items.resolve()
         n_clips = items.n_clips
         hits = []
         for score, row in zip(scores.tolist(), rows.tolist(), strict=True):
@@ -495,12 +653,16 @@ class Searcher:
             flt = queries[group[0]].clip_filter
             items = items_of(queries[group[0]])
             mask = items.bundle_mask(flt.allowed if flt is not None else None)
-            with index_calls():
+
+            def search(mask: np.ndarray | None, lang: str = lang, group: list[int] = group, k: int = k,
+                       flt: ClipFilter | None = flt) -> tuple[np.ndarray, np.ndarray]:
                 if mask is None:
-                    found = self.bundle.search_text(embeddings[group], k, languages=[lang])
-                else:
-                    found = self.bundle.search_text(embeddings[group], k, languages=[lang], allowed_clips=mask,
-                                                    where=flt.filter if flt is not None else None)
+                    return self.bundle.search_text(embeddings[group], k, languages=[lang])
+                return self.bundle.search_text(embeddings[group], k, languages=[lang], allowed_clips=mask,
+                                               where=flt.filter if flt is not None else None)
+
+            with index_calls():
+                found = self.visible(search, self._caption_clip_rows, mask)
             if items.caption_langs:
                 added = items.search_captions(embeddings[group], k, lang, flt.added if flt is not None else None)
                 found = merge_top_k(found, added, k)
@@ -509,6 +671,11 @@ class Searcher:
                 per_language[j, lang] = self._caption_hits(scores[g], rows[g], min_score=queries[j].min_score,
                                                            items=items)
         return [[hit for lang in langs for hit in per_language[j, lang]] for j, langs in enumerate(requested)]
+
+    def _caption_clip_rows(self, found: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """The clip rows of a caption search's rows (-1 past the end)."""
+        rows = found[1].ravel()
+        return np.array([int(self.bundle.text_items[int(r)]["clip_row"]) if r >= 0 else -1 for r in rows], np.int64)
 
     def _caption_hits(
         self, scores: np.ndarray, rows: np.ndarray, *, min_score: float | None, items: ItemOverlay
@@ -543,6 +710,8 @@ class Searcher:
     ) -> list[AudioHit]:
         """Top-``k`` catalogue items by audio–audio cosine to the catalogue's item ``item_id`` (an added
         item or a bundle clip; itself excluded)."""
+        if self.engine_items is not None:
+            return self._similar_in_engine(item_id, k=k, min_score=min_score, clip_filter=clip_filter)
         items = clip_filter.items if clip_filter is not None and clip_filter.items is not None else self.items
         n_clips = len(self.bundle.audio_items)
         bundle_allowed = (np.ones(n_clips, dtype=bool) if clip_filter is None else clip_filter.allowed.copy())
@@ -563,11 +732,34 @@ class Searcher:
                                          added_allowed=added_allowed)
         return self._audio_hits(scores[0], rows[0], min_score=min_score, include_captions=False, items=items)
 
+    def _similar_in_engine(
+        self, item_id: str, *, k: int, min_score: float | None, clip_filter: ClipFilter | None
+    ) -> list[AudioHit]:
+        """:meth:`similar_to_item` with the added items in the engine (its vector is the bundle's row)."""
+        hits = AddedHits(len(self.bundle.audio_items), self.engine_items)  # type: ignore[arg-type]
+        bundle_allowed = (np.ones(hits.n_clips, dtype=bool) if clip_filter is None else clip_filter.allowed.copy())
+        with index_calls():
+            added = self.engine_items.get(item_id)  # type: ignore[union-attr]
+        row = self.clip_rows.get(item_id)
+        exclude = None
+        if added is not None:
+            vector, exclude = added[1], item_id
+        elif row is not None and not self.clip_hidden(item_id):
+            with index_calls():
+                vector = self.clip_vector(row)
+            bundle_allowed[row] = False
+        else:
+            raise ServiceError("unknown-target", f"{item_id!r} is not in the catalogue of bundle {self.bundle_id}")
+        scores, rows = self.search_clips(vector[None, :], k, hits, clip_filter, bundle_allowed=bundle_allowed,
+                                         exclude=exclude)
+        return self._audio_hits(scores[0], rows[0], min_score=min_score, include_captions=False, items=hits)
+
     def similar_to_audio(
         self, waveform: np.ndarray, *, k: int, min_score: float | None = None, clip_filter: ClipFilter | None = None
     ) -> list[AudioHit]:
         """Top-``k`` catalogue items by audio–audio cosine to an uploaded (decoded) waveform."""
-        items = clip_filter.items if clip_filter is not None and clip_filter.items is not None else self.items
+        items = (clip_filter.items if clip_filter is not None and clip_filter.items is not None
+                 else self.catalogue_items())
         embedding = np.asarray(self.bundle.encode_audio([waveform]), dtype=np.float32)
         scores, rows = self.search_clips(embedding, k, items, clip_filter)
         return self._audio_hits(scores[0], rows[0], min_score=min_score, include_captions=False, items=items)
@@ -591,7 +783,9 @@ class Searcher:
                                "or add long recordings with POST /v1/items")
         mask = items.bundle_mask(clip_filter.allowed if clip_filter is not None else None)
         query = np.asarray(embedding, dtype=np.float32).reshape(-1)
-        hits = windows.search(query, k, allowed_rows=mask, min_score=min_score) if windows is not None else []
+        hits = (self.visible(lambda m: windows.search(query, k, allowed_rows=m, min_score=min_score),
+                             lambda found: np.array([h.row for h in found], np.int64), mask)
+                if windows is not None else [])
         results = []
         for hit in hits:
             item = self.bundle.audio_items[hit.row]

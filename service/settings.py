@@ -49,6 +49,15 @@ class Settings(BaseSettings):
     (`items_dir`, else `<bundles_dir>/.items`). When on, a replica that cannot open and write the log
     is not ready (`/readyz` 503 with the reason): it never serves without the takedowns. `false`:
     no item log at all (a read-only catalogue; `/v1/items` answers 503 `items-unavailable`)."""
+    items_store: Literal["auto", "log", "milvus"] = "auto"
+    """Where added items live: `log` (the write-ahead log in `items_dir` and a per-replica overlay),
+    `milvus` (collections in the Milvus of `milvus_uri`: replicas share them through the engine, no
+    shared volume), `auto`: `milvus` with `index_backend=milvus`, else `log` (docs/service.md, "Items")."""
+    items_audio_url: str | None = None
+    """Milvus item store: where the uploaded audio is kept (content-addressed), read through fsspec —
+    `s3://bucket/prefix` (credentials from the usual AWS_* variables), `gs://…`, or a local path; default
+    `<items_dir>/audio` (one replica, or a volume they share). Needed to re-embed items for a bundle of
+    another model."""
     items_poll_s: float = Field(default=0.2, gt=0, le=10)
     """How often a replica checks the item log for records other replicas appended (one `stat`)."""
     items_stale_s: float = Field(default=10.0, gt=0, le=600)
@@ -216,6 +225,8 @@ class Settings(BaseSettings):
             if self.admin_token is not None and self.items_token == self.admin_token:
                 raise SettingsError("TONEARM_ITEMS_TOKEN equals TONEARM_ADMIN_TOKEN: give the item writer its own "
                                     "token, or set only TONEARM_ADMIN_TOKEN")
+        if self.items_store == "milvus" and not self.milvus_uri:
+            raise SettingsError("TONEARM_ITEMS_STORE=milvus needs TONEARM_MILVUS_URI (e.g. http://milvus:19530)")
         if self.index_backend == "milvus" and not self.milvus_uri:
             raise SettingsError("TONEARM_INDEX_BACKEND=milvus needs TONEARM_MILVUS_URI (e.g. http://milvus:19530)")
         if self.workers > 1 and self.redis_url is None:
@@ -224,6 +235,11 @@ class Settings(BaseSettings):
                 "that learns activations over Redis pub/sub"
             )
         return self
+
+    @property
+    def items_in_milvus(self) -> bool:
+        """Whether added items live in Milvus (:attr:`items_store`, ``auto`` resolved)."""
+        return self.items_store == "milvus" or (self.items_store == "auto" and self.index_backend == "milvus")
 
     @property
     def items_on(self) -> bool:

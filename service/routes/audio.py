@@ -30,7 +30,7 @@ from index.item_log import ItemLog
 from service.deps import SearcherDep, SettingsDep, StateDep
 from service.errors import ServiceError
 from service.schemas import problem_responses
-from service.searcher import Searcher
+from service.searcher import Searcher, index_calls
 from service.settings import Settings
 
 router = APIRouter(prefix="/v1/audio", tags=["audio"])
@@ -70,10 +70,34 @@ def added_file(searcher: Searcher, item_log: ItemLog | None, clip_id: str) -> Pa
     return path
 
 
+def added_bytes(searcher: Searcher, clip_id: str) -> tuple[bytes, str] | None:
+    """The stored audio and format of the added item ``clip_id`` where the items live in the engine
+    (Milvus: the audio in its object store); None when it is not one, or items are in the file log."""
+    engine = searcher.engine_items
+    if engine is None:
+        return None
+    try:
+        with index_calls():
+            return engine.audio_of(clip_id)  # type: ignore[attr-defined, no-any-return]
+    except FileNotFoundError:
+        raise ServiceError("not-found", f"the stored audio of item {clip_id!r} is missing from the audio store") from None
+
+
+def _ranged(data: bytes, media_type: str, request: Request) -> Response:
+    """``data`` whole (200) or the requested byte range (206), never cached by clients."""
+    headers = {"Accept-Ranges": "bytes", "Cache-Control": "no-cache"}
+    span = parse_range(request.headers.get("range"), len(data))
+    if span is None:
+        return Response(data, media_type=media_type, headers=headers)
+    start, end = span
+    headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
+    return Response(data[start : end + 1], status_code=206, media_type=media_type, headers=headers)
+
+
 def clip_file(searcher: Searcher, settings: Settings, clip_id: str) -> Path:
     """The clip's audio file, confined to the audio root; ServiceError ``not-found`` otherwise
     (also for a clip taken down through ``DELETE /v1/items/{id}``)."""
-    row = searcher.clip_rows.get(clip_id) if clip_id not in searcher.items.hidden_ids else None
+    row = searcher.clip_rows.get(clip_id) if not searcher.clip_hidden(clip_id) else None
     uri = searcher.bundle.audio_items[row].get("uri") if row is not None else None
     if not uri:
         raise ServiceError("not-found", f"clip {clip_id!r} has no audio in bundle {searcher.bundle_id}")
@@ -131,7 +155,10 @@ def clip_audio(clip_id: str, request: Request, searcher: SearcherDep, settings: 
 
     Ids may contain `/` (`tonearm index` names clips by their relative path)."""
     store = state.items
-    path = added_file(searcher, store.log if store is not None else None, clip_id)
+    stored = added_bytes(searcher, clip_id)
+    if stored is not None:
+        return _ranged(stored[0], MEDIA_TYPES.get(f".{stored[1]}", "application/octet-stream"), request)
+    path = added_file(searcher, getattr(store, "log", None), clip_id)
     cache = "no-cache"
     if path is None:
         path = clip_file(searcher, settings, clip_id)

@@ -41,6 +41,7 @@ from service.errors import ServiceError
 from service.ids import PathId, addressed_id, id_schema
 from service.items import ItemStore
 from service.limits import QUERY_MAX_CHARS
+from service.milvus_items import MilvusCatalogue
 from service.routes.search import (
     AUDIO_MEDIA_TYPES,
     MULTIPART_OVERHEAD,
@@ -156,7 +157,7 @@ def _invalid(detail: str) -> ServiceError:
     return ServiceError("validation-error", detail)
 
 
-async def get_store(state: StateDep) -> ItemStore:
+async def get_store(state: StateDep) -> ItemStore | MilvusCatalogue:
     store = getattr(state, "items", None)
     if store is None:
         if state.items_error is not None:
@@ -166,7 +167,7 @@ async def get_store(state: StateDep) -> ItemStore:
     return store  # type: ignore[no-any-return]
 
 
-StoreDep = Annotated[ItemStore, Depends(get_store)]
+StoreDep = Annotated[ItemStore | MilvusCatalogue, Depends(get_store)]
 
 
 class _AudioPartsParser(MemoryMultiPartParser):
@@ -279,10 +280,18 @@ def _added_out(record: ItemRecord, bundle_id: str, duration: float | None = None
                    captions=record.captions or None, bundle_id=bundle_id, duration_seconds=duration)
 
 
-def _store_items(store: ItemStore, registry: Any, searcher: Searcher,
+def _store_items(store: ItemStore | MilvusCatalogue, registry: Any, searcher: Searcher,
                  entries: list[tuple[ItemSpec, bytes, DecodedAudio]]) -> list[ItemRecord]:
-    """Write-ahead records first (each fsync'd), then the overlays: searchable when this returns."""
+    """Write-ahead records first (each fsync'd), then the overlays: searchable when this returns. In
+    Milvus: audio, then records, then the serving bundle's rows (:meth:`MilvusCatalogue.add`)."""
     records = []
+    if isinstance(store, MilvusCatalogue):
+        try:
+            return store.add(registry, searcher, [
+                (spec.id, data, audio, {"duration": round(audio.duration_seconds, 3), **spec.metadata}, spec.captions)
+                for spec, data, audio in entries])
+        except ItemError as err:
+            raise _invalid(str(err)) from None
     for spec, data, audio in entries:
         meta = dict(spec.metadata)
         meta.setdefault("duration", round(audio.duration_seconds, 3))
@@ -358,6 +367,10 @@ async def list_items(
     _: ItemsWriterDep, searcher: SearcherDep, pool: PoolDep, store: StoreDep,
 ) -> ItemsStatusResponse:
     """Items the log holds that no search returns (quarantined), and log lines every reader skipped."""
+    if isinstance(store, MilvusCatalogue):
+        found = await pool.run(store.quarantined, searcher)
+        return ItemsStatusResponse(status=status, bundle_id=searcher.bundle_id, items=found,  # type: ignore[arg-type]
+                                   corrupt_lines=[])
     items = await pool.run(store.quarantined, searcher.items)
     return ItemsStatusResponse(status=status, bundle_id=searcher.bundle_id, items=items,  # type: ignore[arg-type]
                                corrupt_lines=store.corrupt_lines())  # type: ignore[arg-type]
@@ -365,22 +378,20 @@ async def list_items(
 
 def _visible_clip(searcher: Searcher, item_id: str) -> dict[str, Any] | None:
     row = searcher.clip_rows.get(item_id)
-    if row is None or item_id in searcher.items.hidden_ids:
+    if row is None or searcher.clip_hidden(item_id):
         return None
     return searcher.bundle.audio_items[row]  # type: ignore[no-any-return]
 
 
 @router.get("/{item_id:path}", responses=problem_responses(401, 404, 422, 503))
-async def get_item(item_id: PathId, _: ItemsWriterDep, searcher: SearcherDep) -> ItemOut:
+async def get_item(item_id: PathId, _: ItemsWriterDep, searcher: SearcherDep, pool: PoolDep) -> ItemOut:
     """An item's metadata, where it comes from, and when it was added."""
-    item_id = addressed_id(item_id, searcher)
-    items = searcher.items
-    row = items.row_of.get(item_id)
-    if row is not None:
-        added = items.items[row]
+    item_id = await pool.run(addressed_id, item_id, searcher)  # may ask the engine (Milvus): off the event loop
+    added = await pool.run(searcher.added_item, item_id)
+    if added is not None:
         return ItemOut(id=added.id, source="added", added_at=added.added_at, metadata=added.metadata,
                        captions=added.captions or None, bundle_id=searcher.bundle_id)
-    clip = _visible_clip(searcher, item_id)
+    clip = await pool.run(_visible_clip, searcher, item_id)
     if clip is None:
         raise ServiceError("not-found", f"no item {item_id!r} in the catalogue of bundle {searcher.bundle_id}")
     meta = {k: v for k, v in filterable_metadata(item_metadata(clip)).items() if k not in ("id", "uri")}
@@ -393,21 +404,28 @@ async def delete_item(
     item_id: PathId, _: ItemsWriterDep, searcher: SearcherDep, pool: PoolDep, store: StoreDep, registry: RegistryDep,
 ) -> ItemDeleted:
     """Remove an item from every search (a bundle clip: a takedown, without rebuilding the bundle)."""
-    item_id = addressed_id(item_id, searcher)
-    if item_id in searcher.items.row_of:
-        source = "added"
-    elif _visible_clip(searcher, item_id) is not None:
-        source = "bundle"
-    else:
-        raise ServiceError("not-found", f"no item {item_id!r} in the catalogue of bundle {searcher.bundle_id}")
+    item_id = await pool.run(addressed_id, item_id, searcher)  # may ask the engine (Milvus): off the event loop
 
-    def run() -> ItemRecord:
-        try:
-            record = store.log.delete(item_id)
-        except ItemError as err:
-            raise _invalid(str(err)) from None
-        _sync_serving(store, registry, searcher)
-        return record
+    def run() -> tuple[ItemRecord, str]:
+        if searcher.added_item(item_id) is not None:
+            source = "added"
+        elif _visible_clip(searcher, item_id) is not None:
+            source = "bundle"
+        else:
+            raise ServiceError("not-found", f"no item {item_id!r} in the catalogue of bundle {searcher.bundle_id}")
+        return _delete(store, registry, searcher, item_id), source
 
-    record = await pool.run(run)
+    record, source = await pool.run(run)
     return ItemDeleted(id=item_id, source=source, deleted_at=record.at)  # type: ignore[arg-type]
+
+
+def _delete(store: ItemStore | MilvusCatalogue, registry: Any, searcher: Searcher, item_id: str) -> ItemRecord:
+    """The delete record (fsync'd, or in Milvus), then the serving bundles: hidden when this returns."""
+    if isinstance(store, MilvusCatalogue):
+        return store.delete(registry, searcher, item_id)
+    try:
+        record = store.log.delete(item_id)
+    except ItemError as err:
+        raise _invalid(str(err)) from None
+    _sync_serving(store, registry, searcher)
+    return record

@@ -293,7 +293,7 @@ async def search_similar_item(
     min_score: Annotated[float | None, MIN_SCORE_QUERY] = None,
 ) -> SimilarResponse:
     """Sounds like a clip of the catalogue (the clip itself excluded), by audio–audio cosine."""
-    item_id = addressed_id(item_id, searcher)
+    item_id = await pool.run(addressed_id, item_id, searcher)  # may ask the engine (Milvus): off the event loop
 
     def run() -> list[AudioHit]:
         clip_filter = filter_param(request, searcher)
@@ -316,8 +316,8 @@ def _moments_response(searcher: Searcher, hits: list[MomentResult], **fields: An
 
 def _stored_audio(request: Request) -> Callable[[str], PathType | None] | None:
     """The item log's lookup of an added item's stored audio (None: no item store)."""
-    store = request.app.state.tonearm.items
-    return store.log.stored_audio if store is not None else None
+    log = getattr(request.app.state.tonearm.items, "log", None)  # the Milvus item store has none: clips only
+    return log.stored_audio if log is not None else None
 
 
 @router.post("/moments", responses=problem_responses(400, 409, 415, 422, 503, 504))

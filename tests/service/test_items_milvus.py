@@ -1,6 +1,7 @@
-"""Items on the Milvus backend (both engines): the same item log, held beside the Milvus collection
-in the overlay, answers every search as the FAISS backend does over the same log (two apps sharing
-one item directory, as two replicas would: one takes the writes, the other follows)."""
+"""Items of the file log on the Milvus backend (``TONEARM_ITEMS_STORE=log``; both engines): the same item
+log, held beside the Milvus collection in the overlay, answers every search as the FAISS backend does over
+the same log (two apps sharing one item directory, as two replicas would: one takes the writes, the other
+follows). The Milvus item store (the default on this backend) is tests/service/test_items_in_milvus.py."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_items_on_milvus_answer_as_on_faiss(real_bundles, milvus_uri, tmp_path):
     rate = read_manifest(real_bundles.a).sample_rate
     items_dir = tmp_path / "items"
     milvus_app = create_app(real_settings(real_bundles, items_dir=items_dir, index_backend="milvus",
-                                          milvus_uri=milvus_uri))
+                                          milvus_uri=milvus_uri, items_store="log"))
     faiss_app = create_app(real_settings(real_bundles, items_dir=items_dir))
     with running_client(milvus_app) as milvus, running_client(faiss_app) as faiss:
         sounds = {"m-dog": (["dog"], "cc0"), "m-bells": (["bell", "siren"], "by"), "m-rain": (["rain"], "cc0")}

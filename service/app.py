@@ -199,11 +199,21 @@ def open_items(state: AppState, items_dir: Path) -> bool:
                   f"{f' ({err.filename})' if err.filename else ''}; items are configured "
                   "(TONEARM_ITEMS_DIR, else <TONEARM_BUNDLES_DIR>/.items), so this replica is not ready: mount "
                   "that directory read-write on every replica, or set TONEARM_ITEMS_ENABLED=false")
-        if reason != state.items_error:
-            log.error("items: %s", reason)
-        state.items_error = reason
-        state.metrics.items_ready.set(0)
-        return False
+        return _items_unusable(state, reason)
+    return _items_usable(state, store)
+
+
+def _items_unusable(state: AppState, reason: str) -> bool:
+    """Not ready with ``reason`` (logged once per distinct reason); False, for the openers."""
+    if reason != state.items_error:
+        log.error("items: %s", reason)
+    state.items_error = reason
+    state.metrics.items_ready.set(0)
+    return False
+
+
+def _items_usable(state: AppState, store: Any) -> bool:
+    """Hook an opened item store (the file log's or Milvus's) into the registry; True, for the openers."""
     state.registry.prepare = store.sync
     state.items = store
     return True
@@ -226,14 +236,8 @@ def open_milvus_items(state: AppState, audio_url: str) -> bool:
         reason = (f"the item store in Milvus ({state.settings.milvus_uri}) with its audio at {audio_url} cannot be "
                   f"opened: {err}; items are configured (TONEARM_ITEMS_STORE={state.settings.items_store}), so "
                   "this replica is not ready until both answer")
-        if reason != state.items_error:
-            log.error("items: %s", reason)
-        state.items_error = reason
-        state.metrics.items_ready.set(0)
-        return False
-    state.registry.prepare = store.sync
-    state.items = store
-    return True
+        return _items_unusable(state, reason)
+    return _items_usable(state, store)
 
 
 def _retry_items(state: AppState, opener: Callable[[], bool], stop: threading.Event) -> None:

@@ -107,7 +107,8 @@ def test_a_service_started_while_milvus_is_down_becomes_ready_when_it_returns(mi
     # test here is the service's startup, not this publish).
     _publish_when_up(tiny_bundle, MilvusTarget(uri=milvus_server.uri, timeout_s=10.0))
     settings = make_settings(bundles_dir=tiny_bundle.parent, bundle=tiny_bundle.name, index_backend="milvus",
-                             milvus_uri=milvus_server.uri, milvus_timeout_s=DEADLINE_S)
+                             milvus_uri=milvus_server.uri, milvus_timeout_s=DEADLINE_S,
+                             items_store="log")  # item store in Milvus: see bench/milvus_outage.py
     milvus_server.kill()
     try:
         with UvicornServer(create_app(settings)) as server:
@@ -134,7 +135,8 @@ def test_a_service_started_before_its_bundle_is_published_becomes_ready_once_it_
 
     bundle = renamed_copy(tiny_bundle, tmp_path, f"unpublished-{os.getpid()}-{time.time_ns()}")
     settings = make_settings(bundles_dir=bundle.parent, bundle=bundle.name, index_backend="milvus",
-                             milvus_uri=milvus_server.uri, milvus_timeout_s=DEADLINE_S)
+                             milvus_uri=milvus_server.uri, milvus_timeout_s=DEADLINE_S,
+                             items_store="log")  # item store in Milvus: see bench/milvus_outage.py
     with UvicornServer(create_app(settings)) as server:
         time.sleep(2.0)  # the startup thread has found it unpublished at least once
         assert httpx.get(server.url + "/readyz", timeout=5).status_code == 503

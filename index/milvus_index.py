@@ -199,6 +199,7 @@ class MilvusTarget:
                 answered = _deadline(err) and self._answers(started)
                 if answered:
                     err.tonearm_slow = True  # type: ignore[attr-defined]
+                    err.tonearm_loading = self._not_loaded(method, args, kwargs)  # type: ignore[attr-defined]
                 else:
                     with _CLIENTS_LOCK:
                         _DOWN[key] = (time.monotonic() + self.hold_off_s, _reason(err))
@@ -210,6 +211,25 @@ class MilvusTarget:
             with _CLIENTS_LOCK:
                 _DOWN.pop(key, None)
         return result
+
+    def _not_loaded(self, method: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
+        """Why a search or query that ran past its deadline, while the proxy answers, could not have been
+        served: its collection is not loaded (yet) — a Milvus that restarted reloads its collections
+        for seconds to minutes, and a call on one still loading waits out its deadline. None when the
+        collection is loaded (the call was slow), for other calls, or when the state cannot be read."""
+        collection = args[0] if args else kwargs.get("collection_name")
+        if method not in ("search", "query") or not isinstance(collection, str):
+            return None
+        try:
+            state = self.client().get_load_state(collection, timeout=self.probe_timeout_s)
+        except Exception as err:  # noqa: BLE001 - no verdict: keep the slow-call reading
+            log.info("Milvus load state of %s unread: %s", collection, _reason(err))
+            return None
+        name = getattr(state.get("state"), "name", str(state.get("state")))
+        if name == "Loaded":
+            return None
+        progress = state.get("progress")
+        return f"collection {collection} is {name}" + (f" ({progress} %)" if progress is not None else "")
 
     def _answers(self, since: float) -> bool:
         """Whether Milvus answers a cheap call (``GetVersion``) within :attr:`probe_timeout_s`, in
@@ -363,6 +383,9 @@ def _mapped(what: str, target: MilvusTarget) -> Iterator[None]:
         raise
     except Exception as err:
         message = f"{what} (Milvus at {target.uri}): {_reason(err)}"
+        loading = getattr(err, "tonearm_loading", None)
+        if loading:  # Milvus is up but cannot serve this yet (reloading after a restart): retry, not a timeout
+            raise IndexUnavailable(f"{message}; {loading} (Milvus loads collections after a restart)") from None
         if getattr(err, "tonearm_slow", False):
             raise IndexTimeout(f"{message}; Milvus answers other calls: this one ran past its "
                                f"{target.timeout_s:g} s deadline") from None

@@ -196,10 +196,15 @@ class MilvusItemStore:
                              META_FIELD: milvus_metadata(meta, own),
                              DOC_FIELD: dict(docs[i]) if docs is not None else {}, "vector": vec.tolist()}
         with _mapped(f"writing items into {self.collection}", self.target):
-            if kinds:  # kinds first: an item is never searchable before its fields are filterable
+            new_kinds = sorted(set(kinds) - self._kind_keys()) if kinds else []
+            if new_kinds:  # kinds first: an item is never searchable before its fields are filterable
+                # Only pairs not yet written, and flushed: re-upserting known pairs on every put churned
+                # delete+insert on the same keys, and unflushed rows can be lost to a killed Milvus —
+                # together they once left a field unfilterable after a restart (a 422 for a known field).
                 self.target.call("upsert", self.fields_collection, [
-                    {"key": key, "field": name, "kind": kind, "vector": [0.0, 0.0]}
-                    for key, (name, kind) in sorted(kinds.items())], bulk=True)
+                    {"key": key, "field": kinds[key][0], "kind": kinds[key][1], "vector": [0.0, 0.0]}
+                    for key in new_kinds], bulk=True)
+                self.target.call("flush", self.fields_collection, bulk=True)
             self.target.call("upsert", self.collection, list(rows.values()), bulk=True)
             self._flush()
 
@@ -233,11 +238,18 @@ class MilvusItemStore:
 
     # ------------------------------------------------------------------ reads
 
+    def _kind_rows(self) -> list[dict[str, Any]]:
+        with _mapped(f"reading the fields of {self.collection}", self.target):
+            return list(self.target.call("query", self.fields_collection, filter='key != ""',
+                                         output_fields=["key", "field", "kind"], limit=QUERY_LIMIT,
+                                         consistency_level=self.consistency))
+
+    def _kind_keys(self) -> set[str]:
+        return {str(row["key"]) for row in self._kind_rows()}
+
     def fields(self) -> dict[str, str]:
         """Field → kind of every field any item was written with (``mixed``: several kinds)."""
-        with _mapped(f"reading the fields of {self.collection}", self.target):
-            rows = self.target.call("query", self.fields_collection, filter='key != ""', output_fields=["field", "kind"],
-                                    limit=QUERY_LIMIT, consistency_level=self.consistency)
+        rows = self._kind_rows()
         seen: dict[str, set[str]] = {}
         for row in rows:
             seen.setdefault(str(row["field"]), set()).add(str(row["kind"]))

@@ -18,6 +18,7 @@ One server per test session (``milvus_server`` fixture in tests/conftest.py); it
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import socket
@@ -207,3 +208,24 @@ def milvus_uri(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     if request.param == "server":
         return str(request.getfixturevalue("milvus_server").uri)
     return str(tmp_path_factory.mktemp("milvus-lite") / "tonearm.db")
+
+
+def unpublish(uri: str, *bundle_ids: str) -> None:
+    """Remove bundles from a Milvus the session shares (its two collections and its registry row), for a
+    test that needs a bundle *not* published: other tests publish the same session bundles to the
+    session's server (tests/service/test_items_in_milvus.py publishes ``real_bundles`` a and b)."""
+    from index.milvus_index import KINDS, MilvusTarget, alias_target
+
+    target = MilvusTarget(uri=uri)
+    client = target.client()
+    doomed = {target.collection(bundle_id, kind) for bundle_id in bundle_ids for kind in KINDS}
+    for kind in KINDS:  # Milvus refuses to drop a collection an alias names
+        if alias_target(target, kind) in doomed:
+            client.drop_alias(target.alias(kind))
+    for bundle_id in bundle_ids:
+        for kind in KINDS:
+            if client.has_collection(target.collection(bundle_id, kind)):
+                client.drop_collection(target.collection(bundle_id, kind))
+        if client.has_collection(target.registry):
+            client.delete(target.registry, filter=f"key == {json.dumps(bundle_id)}")
+            client.flush(target.registry)

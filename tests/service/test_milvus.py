@@ -6,7 +6,7 @@ The backend's own defects are covered in tests/index/test_milvus_backend.py."""
 from __future__ import annotations
 
 from index.loader import LoadedBundle
-from tests.milvus_server import require_milvus
+from tests.milvus_server import require_milvus, unpublish
 from tests.service.conftest import ADMIN, running_client
 from tests.service.test_real_bundles import real_settings
 from tests.service.test_routes import assert_problem
@@ -20,11 +20,10 @@ from index.milvus_index import MilvusTarget, active_bundle  # noqa: E402
 def test_publish_activate_gate_rollback_through_milvus(real_bundles, milvus_uri, monkeypatch):
     uri = milvus_uri
     a, b, worse = (real_bundles.id(name) for name in ("a", "b", "worse"))
+    unpublish(uri, b, worse)  # the session's server may hold them (other tests publish the same bundles)
     assert tonearm_main(["bundle", "publish", str(real_bundles.a), "--milvus-uri", uri]) == 0
     target = MilvusTarget(uri=uri)
-    # the bundle's collections; items in Milvus have their own tests (test_items_in_milvus.py) — with the
-    # Milvus item store on, this test failed in a full suite run and passed alone (issue 47 notes)
-    settings = real_settings(real_bundles, index_backend="milvus", milvus_uri=uri, items_store="log")
+    settings = real_settings(real_bundles, index_backend="milvus", milvus_uri=uri)
     from service.app import create_app
 
     with running_client(create_app(settings)) as client:

@@ -44,9 +44,9 @@ def test_searches_answer_503_while_milvus_is_down_and_recover_when_it_returns(mi
                      before_s=1.5, freeze_s=2.5, down_s=2.0, after_s=2.0)
     s = run.summary()
     assert s["hung"] == 0, s
-    odd = [(r.status, r.problem, round(r.sent - run.killed, 3)) for r in run.requests
+    odd = [(r.status, r.problem, round(r.sent - run.killed, 3), r.detail) for r in run.requests
            if r.status not in (200, None) and not (r.status == 503 and r.problem == "index-unavailable")]
-    assert s["other_5xx"] == 0 and s["other_errors"] == 0, (s, odd[:10])  # (status, problem, sent after the kill)
+    assert s["other_5xx"] == 0 and s["other_errors"] == 0, (s, odd[:10])  # (status, problem, sent after the kill, detail)
     assert s["index_unavailable"] > 0 and s["without_retry_after"] == 0, s
     assert s["frozen_503"] > 0 and s["503_latency_max_s"] <= DEADLINE_S + SLACK_S, s  # frozen: the deadline bounds it
     assert run.service_ok is not None, f"the service never answered again after Milvus came back: {s}"
@@ -107,8 +107,7 @@ def test_a_service_started_while_milvus_is_down_becomes_ready_when_it_returns(mi
     # test here is the service's startup, not this publish).
     _publish_when_up(tiny_bundle, MilvusTarget(uri=milvus_server.uri, timeout_s=10.0))
     settings = make_settings(bundles_dir=tiny_bundle.parent, bundle=tiny_bundle.name, index_backend="milvus",
-                             milvus_uri=milvus_server.uri, milvus_timeout_s=DEADLINE_S,
-                             items_store="log")  # item store in Milvus: see bench/milvus_outage.py
+                             milvus_uri=milvus_server.uri, milvus_timeout_s=DEADLINE_S)
     milvus_server.kill()
     try:
         with UvicornServer(create_app(settings)) as server:
@@ -135,8 +134,7 @@ def test_a_service_started_before_its_bundle_is_published_becomes_ready_once_it_
 
     bundle = renamed_copy(tiny_bundle, tmp_path, f"unpublished-{os.getpid()}-{time.time_ns()}")
     settings = make_settings(bundles_dir=bundle.parent, bundle=bundle.name, index_backend="milvus",
-                             milvus_uri=milvus_server.uri, milvus_timeout_s=DEADLINE_S,
-                             items_store="log")  # item store in Milvus: see bench/milvus_outage.py
+                             milvus_uri=milvus_server.uri, milvus_timeout_s=DEADLINE_S)
     with UvicornServer(create_app(settings)) as server:
         time.sleep(2.0)  # the startup thread has found it unpublished at least once
         assert httpx.get(server.url + "/readyz", timeout=5).status_code == 503

@@ -361,3 +361,31 @@ def test_unreachable_milvus_is_index_unavailable_within_the_deadline(tiny_bundle
 def test_an_unpublished_bundle_says_how_to_publish(tiny_bundle, engine):
     with pytest.raises(BundleNotPublished, match="tonearm bundle publish"):
         LoadedBundle.open(tiny_bundle, milvus=fresh(engine), verify=False)
+
+
+def test_a_call_past_its_deadline_on_a_collection_not_loaded_is_unavailable_not_slow(milvus_server):
+    """After a restart Milvus answers the probe at once but reloads its collections; a search on one
+    still loading waits out its deadline and was answered 504 `index-timeout` ("this one was slow")
+    in the outage test. Now a missed deadline, an answered probe and a collection that is not
+    `Loaded` is IndexUnavailable (503, retry) naming the collection; a loaded one stays IndexTimeout.
+    A 1-ms deadline makes every call miss it (the gRPC client's own deadline)."""
+    from index.errors import IndexTimeout
+
+    target = fresh(milvus_server.uri)
+    name = f"{target.prefix}_loading"
+    target.call("create_collection", name, schema=_schema(4, text=False),
+                index_params=_index_params(target.client(), "FLAT", {}), bulk=True)
+    try:
+        target.call("release_collection", name, bulk=True)
+        hurried = fresh(milvus_server.uri, timeout_s=0.001)
+        with pytest.raises(IndexUnavailable, match=f"collection {name} is NotLoad") as raised:
+            with milvus_index._mapped("querying", hurried):
+                hurried.call("query", name, filter="row >= 0", output_fields=["row"])
+        assert not isinstance(raised.value, IndexTimeout)
+        assert not milvus_index._DOWN, "Milvus answered: the circuit stays closed"
+        target.call("load_collection", name, bulk=True)
+        with pytest.raises(IndexTimeout, match="answers other calls"):
+            with milvus_index._mapped("querying", hurried):
+                hurried.call("query", name, filter="row >= 0", output_fields=["row"])
+    finally:
+        target.call("drop_collection", name, bulk=True)

@@ -20,7 +20,7 @@ from index.milvus_index import MilvusTarget, active_bundle  # noqa: E402
 def test_publish_activate_gate_rollback_through_milvus(real_bundles, milvus_uri, monkeypatch):
     uri = milvus_uri
     a, b, worse = (real_bundles.id(name) for name in ("a", "b", "worse"))
-    unpublish(uri, b, worse)  # the session's server may hold them (other tests publish the same bundles)
+    unpublish(uri, worse)  # the session's server may hold it (b it may too: tests/service/test_items_in_milvus.py)
     assert tonearm_main(["bundle", "publish", str(real_bundles.a), "--milvus-uri", uri]) == 0
     target = MilvusTarget(uri=uri)
     settings = real_settings(real_bundles, index_backend="milvus", milvus_uri=uri)
@@ -29,7 +29,7 @@ def test_publish_activate_gate_rollback_through_milvus(real_bundles, milvus_uri,
     with running_client(create_app(settings)) as client:
         assert active_bundle(target) == a  # startup marked it
         problem = assert_problem(
-            client.post("/v1/bundles/activate", json={"bundle_id": b, "force": True}, headers=ADMIN),
+            client.post("/v1/bundles/activate", json={"bundle_id": worse, "force": True}, headers=ADMIN),
             409, "bundle-not-published",
         )
         assert "tonearm bundle publish" in problem["detail"]

@@ -25,7 +25,8 @@ errors as :meth:`index.filters.MetadataTable.mask`: unknown field, several kinds
 and written as a Milvus expression by :func:`index.filters.milvus_expr` over ``meta``. The kinds
 are kept in a small side collection ``<prefix>_items_<name>_fields`` with one row per (field,
 kind) ever written — a row per pair, so concurrent writers on several replicas never overwrite
-each other's; a field written with two kinds is ``mixed`` (not filterable) from then on, even after
+each other's; a put writes only the pairs not there yet and flushes them (a field row re-upserted on
+every put and left unflushed once went missing after a Milvus restart: a 422 for a known field); a field written with two kinds is ``mixed`` (not filterable) from then on, even after
 the items that made it so are deleted (kinds are never forgotten: a deliberate simplification).
 
 **Reads** are ``Strong`` by default (``consistency``): a write acknowledged by one replica is seen by

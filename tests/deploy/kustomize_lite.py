@@ -5,7 +5,8 @@ newcomer's machine); where ``kubectl`` is present a test checks that this render
 ``kubectl kustomize`` give the same objects. Supported: ``resources`` (files and
 directories holding a kustomization), ``namespace``, ``images`` (newName/newTag) and
 ``patches`` given by ``path`` (strategic-merge patches: maps merge, lists of named maps
-merge by ``name``, other lists are replaced). Anything else is refused by name, so a new
+merge by ``name`` with new elements first, other lists are replaced; the deletions ``key: null`` in a map, ``$patch: delete``
+on an element of a named list, and a patch document that is ``$patch: delete`` of a whole object). Anything else is refused by name, so a new
 kustomize feature in k8s/ fails loudly here instead of rendering something different.
 """
 
@@ -48,6 +49,9 @@ def render(directory: Path) -> list[dict[str, Any]]:
             raise UnsupportedKustomization(f"{directory}: only `patches: - path: FILE` is supported, not {patch_entry}")
         patch = yaml.safe_load((directory / patch_entry["path"]).read_text())
         target = _find(objects, patch["kind"], patch["metadata"]["name"], directory)
+        if patch.get("$patch") == "delete":
+            objects.remove(target)
+            continue
         objects[objects.index(target)] = merge(target, patch)
     for image in kustomization.get("images", []):
         for obj in objects:
@@ -65,17 +69,25 @@ def merge(base: Any, patch: Any) -> Any:
     if isinstance(base, dict) and isinstance(patch, dict):
         merged = copy.deepcopy(base)
         for key, value in patch.items():
+            if value is None:
+                merged.pop(key, None)
+                continue
             merged[key] = merge(base[key], value) if key in base else copy.deepcopy(value)
         return merged
     if isinstance(base, list) and isinstance(patch, list) and _named(base) and _named(patch):
         merged_list = copy.deepcopy(base)
+        added = []  # kubectl puts a patch's new elements first, in the patch's order
         for item in patch:
             existing = next((i for i, old in enumerate(merged_list) if old["name"] == item["name"]), None)
+            if item.get("$patch") == "delete":
+                if existing is not None:
+                    del merged_list[existing]
+                continue
             if existing is None:
-                merged_list.append(copy.deepcopy(item))
+                added.append(copy.deepcopy(item))
             else:
                 merged_list[existing] = merge(merged_list[existing], item)
-        return merged_list
+        return added + merged_list
     return copy.deepcopy(patch)
 
 

@@ -25,8 +25,11 @@ from tests.conftest import ROOT
 from tests.deploy.kustomize_lite import render, render_with_kubectl
 
 KUBERNETES_VERSION = "1.30.0"  # the oldest Kubernetes release these manifests target
-KUSTOMIZATIONS = {"base": ROOT / "k8s/base", "production": ROOT / "k8s/overlays/production", "train": ROOT / "k8s/train",
+KUSTOMIZATIONS = {"base": ROOT / "k8s/base", "production": ROOT / "k8s/overlays/production",
+                  "milvus": ROOT / "k8s/overlays/milvus", "train": ROOT / "k8s/train",
                   "train-multinode": ROOT / "k8s/train-multinode"}
+SERVICE = ["base", "production", "milvus"]
+"""The kustomizations that render the search service."""
 ADMIN_SECRET = "tonearm-admin"
 
 
@@ -102,7 +105,7 @@ def test_every_pod_meets_the_restricted_pod_security_profile(name):
             assert quantity(resources["limits"]["memory"]) >= quantity(resources["requests"]["memory"]), where
 
 
-@pytest.mark.parametrize("name", ["base", "production"])
+@pytest.mark.parametrize("name", SERVICE)
 def test_service_deployment_probes_rollout_secret_and_bundles(name):
     objects = rendered(name)
     deployment = by_kind(objects, "Deployment", "tonearm")
@@ -154,7 +157,7 @@ def test_production_overlay_changes_what_it_says():
     )["spec"]["minReplicas"]
 
 
-@pytest.mark.parametrize("name", ["base", "production"])
+@pytest.mark.parametrize("name", SERVICE)
 def test_redis_is_bounded_by_maxmemory_with_an_eviction_policy(name):
     redis_pod = by_kind(rendered(name), "Deployment", "tonearm-redis")["spec"]["template"]["spec"]
     (container,) = redis_pod["containers"]
@@ -359,15 +362,18 @@ def test_lite_renderer_refuses_what_it_does_not_implement(tmp_path):
         render(tmp_path)
 
 
-def test_configmap_sets_only_real_settings_and_the_milvus_deadlines():
+@pytest.mark.parametrize("name", SERVICE)
+def test_configmap_sets_only_real_settings_and_the_milvus_deadlines(name):
     """Every ConfigMap key is a service setting (a typo would be ignored silently by the pod), each value
     parses as that setting, and the Milvus deadlines ops tune are spelled out with the code's defaults."""
     from service.settings import Settings
 
-    config = by_kind(rendered("base"), "ConfigMap", "tonearm-config")["data"]
+    config = by_kind(rendered(name), "ConfigMap", "tonearm-config")["data"]
     fields = Settings.model_fields
     unknown = [k for k in config if not k.startswith("TONEARM_") or k[len("TONEARM_"):].lower() not in fields]
     assert not unknown, f"ConfigMap keys that are no TONEARM_* setting: {unknown}"
+    values = {k[len("TONEARM_"):].lower(): v for k, v in config.items()}
+    Settings.model_validate({**values, "admin_token": "x" * 32})  # each value parses (the token: a Secret)
     deadlines = ("timeout_s", "bulk_timeout_s", "probe_timeout_s", "probe_attempts", "hold_off_s")
     for name in deadlines:
         key = f"TONEARM_MILVUS_{name.upper()}"
@@ -389,12 +395,18 @@ def item_problems(objects: list[dict[str, Any]]) -> list[str]:
     config = by_kind(objects, "ConfigMap", "tonearm-config")["data"]
     pod = by_kind(objects, "Deployment", "tonearm")["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    items_dir = config.get("TONEARM_ITEMS_DIR")
-    if not items_dir:
-        problems.append("TONEARM_ITEMS_DIR is not set")
     if config.get("TONEARM_ITEMS_ENABLED") != "true":
         problems.append("TONEARM_ITEMS_ENABLED is not 'true' (a replica without the log would be ready)")
     problems += [f"{key} is not in the ConfigMap" for key in ITEM_LIMITS if key not in config]
+    env = {e["name"]: e for e in container.get("env", [])}
+    ref = env.get("TONEARM_ADMIN_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef", {})
+    if ref.get("name") != ADMIN_SECRET or ref.get("optional"):
+        problems.append("TONEARM_ADMIN_TOKEN does not come from the tonearm-admin Secret (required)")
+    if items_in_milvus(config):
+        return problems + _milvus_item_problems(config)
+    items_dir = config.get("TONEARM_ITEMS_DIR")
+    if not items_dir:
+        problems.append("TONEARM_ITEMS_DIR is not set")
     mounts = [m for m in container.get("volumeMounts", [])
               if items_dir and (items_dir == m["mountPath"] or items_dir.startswith(m["mountPath"].rstrip("/") + "/"))]
     if not mounts:
@@ -412,18 +424,52 @@ def item_problems(objects: list[dict[str, Any]]) -> list[str]:
         pvc = [o for o in objects if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == claim["claimName"]]
         if not pvc or "ReadWriteMany" not in pvc[0]["spec"].get("accessModes", []):
             problems.append(f"the item claim {claim['claimName']!r} is not ReadWriteMany")
-    env = {e["name"]: e for e in container.get("env", [])}
-    ref = env.get("TONEARM_ADMIN_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef", {})
-    if ref.get("name") != ADMIN_SECRET or ref.get("optional"):
-        problems.append("TONEARM_ADMIN_TOKEN does not come from the tonearm-admin Secret (required)")
     if pod.get("securityContext", {}).get("fsGroup") != pod.get("securityContext", {}).get("runAsGroup"):
         problems.append("no fsGroup = runAsGroup: a fresh item claim is not writable by the service user")
+    return problems
+
+
+def items_in_milvus(config: dict[str, str]) -> bool:
+    """Whether the service keeps its items in Milvus (service.settings: ``TONEARM_ITEMS_STORE``, auto =
+    milvus on the Milvus backend)."""
+    store = config.get("TONEARM_ITEMS_STORE", "auto")
+    return store == "milvus" or (store == "auto" and config.get("TONEARM_INDEX_BACKEND") == "milvus")
+
+
+def _milvus_item_problems(config: dict[str, str]) -> list[str]:
+    """The Milvus item store's needs: a Milvus URI and an object-store URL the replicas share (a local
+    path would be each pod's own disk: items whose audio other replicas cannot read)."""
+    problems = []
+    if not config.get("TONEARM_MILVUS_URI"):
+        problems.append("TONEARM_MILVUS_URI is not set (the items live in Milvus)")
+    url = config.get("TONEARM_ITEMS_AUDIO_URL", "")
+    if "://" not in url or url.startswith("file://"):
+        problems.append(f"TONEARM_ITEMS_AUDIO_URL {url!r} is not an object store every replica shares (s3://bucket/prefix)")
     return problems
 
 
 @pytest.mark.parametrize("name", ["base", "production"])
 def test_the_service_deployment_runs_items_on_a_shared_read_write_claim(name):
     assert item_problems(rendered(name)) == []
+
+
+def test_the_milvus_overlay_keeps_items_in_milvus_with_no_item_volume():
+    objects, production = rendered("milvus"), rendered("production")
+    assert item_problems(objects) == []
+    config = by_kind(objects, "ConfigMap", "tonearm-config")["data"]
+    assert config["TONEARM_INDEX_BACKEND"] == "milvus" and items_in_milvus(config)
+    assert "TONEARM_ITEMS_DIR" not in config, "no item log on this backend"
+    pod = by_kind(objects, "Deployment", "tonearm")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert "items" not in {v["name"] for v in pod["volumes"]} | {m["name"] for m in container["volumeMounts"]}
+    assert not [o for o in objects if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == "tonearm-items"]
+    env = {e["name"]: e for e in container["env"]}
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "tonearm-items-s3", name
+    # everything else is the production overlay's
+    same = by_kind(production, "Deployment", "tonearm")["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"] == same["resources"] and container["image"] == same["image"]
+    assert by_kind(objects, "Deployment", "tonearm")["metadata"]["namespace"] == "tonearm"
 
 
 @functools.cache
@@ -462,4 +508,24 @@ def _container(objects):
 ])
 def test_the_items_check_fails_on_a_broken_manifest(what, change, expected):
     problems = item_problems(_mutated("production", change))
+    assert any(expected in p for p in problems), (what, problems)
+
+
+def _config(objects):
+    return by_kind(objects, "ConfigMap", "tonearm-config")["data"]
+
+
+@pytest.mark.parametrize(("what", "change", "expected"), [
+    ("no Milvus URI", lambda o: _config(o).pop("TONEARM_MILVUS_URI"), "TONEARM_MILVUS_URI"),
+    ("audio on a pod's own disk", lambda o: _config(o).update(TONEARM_ITEMS_AUDIO_URL="/var/lib/tonearm/audio"),
+     "not an object store"),
+    ("no audio URL", lambda o: _config(o).pop("TONEARM_ITEMS_AUDIO_URL"), "not an object store"),
+    ("items off", lambda o: _config(o).update(TONEARM_ITEMS_ENABLED="false"), "TONEARM_ITEMS_ENABLED"),
+    ("token dropped", lambda o: _container(o).update(env=[e for e in _container(o)["env"]
+                                                          if e["name"] != "TONEARM_ADMIN_TOKEN"]), "tonearm-admin"),
+    ("back on the file log without a volume", lambda o: _config(o).update(TONEARM_ITEMS_STORE="log",
+                                                                          TONEARM_ITEMS_DIR="/items"), "nothing is mounted"),
+])
+def test_the_milvus_items_check_fails_on_a_broken_manifest(what, change, expected):
+    problems = item_problems(_mutated("milvus", change))
     assert any(expected in p for p in problems), (what, problems)

@@ -270,24 +270,28 @@ def _configure_items(state: AppState) -> Callable[[], bool] | None:
     if settings.items_in_milvus and settings.items_enabled is not False:
         audio_url = settings.items_audio_url or (str(items_dir / "audio") if items_dir is not None else None)
         if audio_url is None:
-            if settings.items_enabled:
-                state.items_error = ("TONEARM_ITEMS_ENABLED=true but there is nowhere to store the items' audio: set "
-                                     "TONEARM_ITEMS_AUDIO_URL (e.g. s3://bucket/prefix)")
-                log.error("items: %s; not ready", state.items_error)
+            _items_off(state, "there is nowhere to store the items' audio: set TONEARM_ITEMS_AUDIO_URL "
+                              "(e.g. s3://bucket/prefix)")
             return None
         state.items_dir = audio_url
         opener: Callable[[], bool] = lambda: open_milvus_items(state, audio_url)  # noqa: E731
     else:
         state.items_dir = items_dir
         if items_dir is None:
-            if settings.items_enabled:
-                state.items_error = ("TONEARM_ITEMS_ENABLED=true but there is no directory for the item log: "
-                                     "set TONEARM_ITEMS_DIR (a volume every replica mounts read-write)")
-                log.error("items: %s; not ready", state.items_error)
+            _items_off(state, "there is no directory for the item log: set TONEARM_ITEMS_DIR (a volume every "
+                              "replica mounts read-write)")
             return None
         opener = lambda: open_items(state, items_dir)  # noqa: E731
     opener()
     return opener
+
+
+def _items_off(state: AppState, missing: str) -> None:
+    """No item store can be configured: items are off, and with TONEARM_ITEMS_ENABLED=true the replica
+    is not ready (``missing`` says what to set)."""
+    if state.settings.items_enabled:
+        state.items_error = f"TONEARM_ITEMS_ENABLED=true but {missing}"
+        log.error("items: %s; not ready", state.items_error)
 
 
 def create_app(settings: Settings | None = None, *, opener: Opener | None = None) -> FastAPI:

@@ -25,9 +25,11 @@ errors as :meth:`index.filters.MetadataTable.mask`: unknown field, several kinds
 and written as a Milvus expression by :func:`index.filters.milvus_expr` over ``meta``. The kinds
 are kept in a small side collection ``<prefix>_items_<name>_fields`` with one row per (field,
 kind) ever written — a row per pair, so concurrent writers on several replicas never overwrite
-each other's; a put writes only the pairs not there yet and flushes them (a field row re-upserted on
-every put and left unflushed once went missing after a Milvus restart: a 422 for a known field); a field written with two kinds is ``mixed`` (not filterable) from then on, even after
-the items that made it so are deleted (kinds are never forgotten: a deliberate simplification).
+each other's; a put writes only the pairs not there yet (those this process has not seen are
+looked up once) and flushes them — a field row re-upserted on every put and left unflushed once went
+missing after a Milvus restart (a 422 for a known field); a field written with two kinds is ``mixed``
+(not filterable) from then on, even after the items that made it so are deleted (kinds are never
+forgotten: a deliberate simplification).
 
 **Reads** are ``Strong`` by default (``consistency``): a write acknowledged by one replica is seen by
 the next search of any other. **Ties** are ordered by score, then id (fetch ``k`` + margin and widen
@@ -123,6 +125,8 @@ class MilvusItemStore:
         self.consistency = consistency
         self.flush = flush
         self._in_operator = not is_lite(target.uri)
+        self._known_kinds: set[str] = set()
+        """(field, kind) keys known to be in the side collection: a put looks up only the others."""
 
     # ------------------------------------------------------------------ collections
 
@@ -172,6 +176,7 @@ class MilvusItemStore:
             for name in (self.collection, self.fields_collection):
                 if self.target.call("has_collection", name, bulk=True):
                     self.target.call("drop_collection", name, bulk=True)
+        self._known_kinds.clear()
 
     # ------------------------------------------------------------------ writes
 
@@ -197,7 +202,9 @@ class MilvusItemStore:
                              META_FIELD: milvus_metadata(meta, own),
                              DOC_FIELD: dict(docs[i]) if docs is not None else {}, "vector": vec.tolist()}
         with _mapped(f"writing items into {self.collection}", self.target):
-            new_kinds = sorted(set(kinds) - self._kind_keys()) if kinds else []
+            new_kinds = sorted(set(kinds) - self._known_kinds)
+            if new_kinds:  # not seen by this process: look them up once (another replica may have written them)
+                new_kinds = sorted(set(new_kinds) - self._kind_keys())
             if new_kinds:  # kinds first: an item is never searchable before its fields are filterable
                 # Only pairs not yet written, and flushed: re-upserting known pairs on every put churned
                 # delete+insert on the same keys, and unflushed rows can be lost to a killed Milvus —
@@ -206,6 +213,7 @@ class MilvusItemStore:
                     {"key": key, "field": kinds[key][0], "kind": kinds[key][1], "vector": [0.0, 0.0]}
                     for key in new_kinds], bulk=True)
                 self.target.call("flush", self.fields_collection, bulk=True)
+                self._known_kinds.update(new_kinds)
             self.target.call("upsert", self.collection, list(rows.values()), bulk=True)
             self._flush()
 
@@ -241,9 +249,11 @@ class MilvusItemStore:
 
     def _kind_rows(self) -> list[dict[str, Any]]:
         with _mapped(f"reading the fields of {self.collection}", self.target):
-            return list(self.target.call("query", self.fields_collection, filter='key != ""',
+            rows = list(self.target.call("query", self.fields_collection, filter='key != ""',
                                          output_fields=["key", "field", "kind"], limit=QUERY_LIMIT,
                                          consistency_level=self.consistency))
+        self._known_kinds.update(str(row["key"]) for row in rows)
+        return rows
 
     def _kind_keys(self) -> set[str]:
         return {str(row["key"]) for row in self._kind_rows()}

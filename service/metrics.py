@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import time
 from typing import Any
@@ -84,12 +85,24 @@ class GcPauses:
     def __init__(self, metrics: ServiceMetrics) -> None:
         self._histogram = metrics.gc_pause
         self._started = 0.0
+        self._unrecorded: collections.deque[tuple[int, float]] = collections.deque(maxlen=1024)
 
     def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        # A collection runs inside whatever allocated, possibly code at the recursion limit (a parser
+        # refusing ~1,000 nested levels): here only C calls, and the histogram — a few Python frames —
+        # behind a RecursionError guard; a pause it could not record waits for the next collection.
+        now = time.perf_counter()
         if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self._histogram.labels(generation=str(info["generation"])).observe(time.perf_counter() - self._started)
+            self._started = now
+            return
+        self._unrecorded.append((info["generation"], now - self._started))
+        try:
+            while self._unrecorded:
+                generation, seconds = self._unrecorded[0]
+                self._histogram.labels(generation=str(generation)).observe(seconds)
+                self._unrecorded.popleft()
+        except RecursionError:
+            pass
 
     def install(self) -> None:
         gc.callbacks.append(self._callback)

@@ -29,11 +29,12 @@ from fastapi.responses import Response, StreamingResponse
 from index.item_log import ItemLog
 from service.deps import SearcherDep, SettingsDep, StateDep
 from service.errors import ServiceError
+from service.routes import ShallowJsonRoute
 from service.schemas import problem_responses
 from service.searcher import Searcher, index_calls
 from service.settings import Settings
 
-router = APIRouter(prefix="/v1/audio", tags=["audio"])
+router = APIRouter(prefix="/v1/audio", tags=["audio"], route_class=ShallowJsonRoute)
 
 CHUNK_BYTES = 64 * 1024
 MEDIA_TYPES = {".wav": "audio/wav", ".flac": "audio/flac", ".mp3": "audio/mpeg", ".ogg": "audio/ogg",

@@ -8,6 +8,7 @@ from fastapi import APIRouter
 
 from service.bundles import ActivationResult
 from service.deps import AdminDep, PoolDep, RegistryDep
+from service.routes import ShallowJsonRoute
 from service.schemas import (
     ActivateRequest,
     ActivationResponse,
@@ -17,7 +18,7 @@ from service.schemas import (
     problem_responses,
 )
 
-router = APIRouter(prefix="/v1/bundles", tags=["bundles (admin)"])
+router = APIRouter(prefix="/v1/bundles", tags=["bundles (admin)"], route_class=ShallowJsonRoute)
 
 
 def _activation_out(result: ActivationResult) -> ActivationResponse:

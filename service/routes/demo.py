@@ -13,11 +13,12 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
 from service.errors import ServiceError
+from service.routes import ShallowJsonRoute
 
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 ASSETS = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, route_class=ShallowJsonRoute)
 
 
 @router.get("/")

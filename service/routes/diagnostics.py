@@ -8,6 +8,7 @@ from fastapi import APIRouter
 
 from index.metrics import RETRIEVAL_METRICS
 from service.deps import PoolDep, SearcherDep
+from service.routes import ShallowJsonRoute
 from service.schemas import (
     AudioHitOut,
     ConsistencyRequest,
@@ -19,7 +20,7 @@ from service.schemas import (
 )
 from service.searcher import Searcher
 
-router = APIRouter(prefix="/v1/diagnostics", tags=["diagnostics"])
+router = APIRouter(prefix="/v1/diagnostics", tags=["diagnostics"], route_class=ShallowJsonRoute)
 
 
 @router.post("/consistency", responses=problem_responses(400, 404, 415, 422, 503, 504))

@@ -6,9 +6,10 @@ from fastapi import APIRouter, Response
 
 from service.deps import StateDep
 from service.errors import ServiceError
+from service.routes import ShallowJsonRoute
 from service.schemas import HealthResponse, problem_responses
 
-router = APIRouter(tags=["operations"])
+router = APIRouter(tags=["operations"], route_class=ShallowJsonRoute)
 
 
 @router.get("/healthz")

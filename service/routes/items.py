@@ -9,7 +9,6 @@ active bundle's overlay → 201.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -40,8 +39,9 @@ from service.deps import ItemsWriterDep, PoolDep, RegistryDep, SearcherDep, Sett
 from service.errors import ServiceError
 from service.ids import PathId, addressed_id, id_schema
 from service.items import ItemStore
-from service.limits import QUERY_MAX_CHARS
+from service.limits import QUERY_MAX_CHARS, loads_json
 from service.milvus_items import MilvusCatalogue
+from service.routes import ShallowJsonRoute
 from service.routes.search import (
     AUDIO_MEDIA_TYPES,
     MULTIPART_OVERHEAD,
@@ -59,7 +59,7 @@ from service.schemas import (
 )
 from service.searcher import Searcher
 
-router = APIRouter(prefix="/v1/items", tags=["items (admin)"])
+router = APIRouter(prefix="/v1/items", tags=["items (admin)"], route_class=ShallowJsonRoute)
 
 ITEMS_BATCH_MAX = 32
 """Most items in one ``POST /v1/items:batch``."""
@@ -233,11 +233,9 @@ def _json(text: str | None, name: str) -> Any:
     if text is None:
         return None
     try:
-        return json.loads(text)
+        return loads_json(text)  # refused past JSON_DEPTH_MAX before json.loads recurses
     except ValueError as err:
         raise _invalid(f"form field `{name}` is not JSON: {err}") from None
-    except RecursionError:  # ~1,000 nested levels: json.loads recurses
-        raise _invalid(f"form field `{name}` is nested too deeply") from None
 
 
 def _spec(searcher: Searcher, item_id: Any, metadata: Any, captions: Any, where: str) -> ItemSpec:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import asdict
 from pathlib import Path as PathType
@@ -21,7 +20,8 @@ from service.deps import BatchersDep, Pool, PoolDep, SearcherDep, SettingsDep
 from service.encoder_queues import Batchers
 from service.errors import ServiceError
 from service.ids import PathId, addressed_id
-from service.limits import CAPTIONS_MAX, K_MAX
+from service.limits import CAPTIONS_MAX, K_MAX, loads_json
+from service.routes import ShallowJsonRoute
 from service.schemas import (
     FILTER_PLACEHOLDER,
     AudioHitOut,
@@ -41,7 +41,7 @@ from service.schemas import (
 from service.searcher import AudioHit, AudioQuery, ClipFilter, MomentResult, Searcher, TextLookup
 from service.settings import Settings
 
-router = APIRouter(prefix="/v1/search", tags=["search"])
+router = APIRouter(prefix="/v1/search", tags=["search"], route_class=ShallowJsonRoute)
 
 MULTIPART_MAX_FIELDS = 8
 """Form fields (parts without a file name) a multipart upload may carry beside its one file part."""
@@ -201,12 +201,10 @@ def filter_param(request: Request, searcher: Searcher) -> ClipFilter | None:
     if raw is None:
         return None
     try:
-        obj: Any = json.loads(raw)
+        obj: Any = loads_json(raw)  # refused past JSON_DEPTH_MAX before json.loads recurses
         parse_filter(obj)
     except (ValueError, FilterError) as err:
         raise ServiceError("validation-error", f"query parameter 'filter': {err}") from None
-    except RecursionError:  # json.loads of ~1,000 nested levels; the filter language allows MAX_DEPTH
-        raise ServiceError("validation-error", "query parameter 'filter': nested too deeply") from None
     return searcher.clip_filter(obj)
 
 

@@ -18,7 +18,9 @@ One row per id (primary key ``id``, VARCHAR):
 takedown), ``delete`` removes the rows (an item, or a takedown: the clip comes back), ``takedown``
 writes takedown rows. Writes are flushed before they return (``flush=True``): Milvus keeps unflushed
 rows only in its WAL, and a Milvus killed before a segment seals can come back without them (the
-reason :func:`index.milvus_index._register` flushes).
+reason :func:`index.milvus_index._register` flushes). Writes inside :func:`flushed_together` defer their
+flushes to the end of the block and flush every collection they wrote at once (one wait, not one per
+collection: a service write touches two or three collections).
 
 **Filters** are evaluated by Milvus: a filter is checked against the store's field kinds (the same
 errors as :meth:`index.filters.MetadataTable.mask`: unknown field, several kinds, wrong operand)
@@ -42,14 +44,19 @@ pymilvus is imported lazily (through :class:`index.milvus_index.MilvusTarget`).
 
 from __future__ import annotations
 
+import logging
+import re
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from index.errors import TonearmError
+from index.errors import IndexBackendError, TonearmError
 from index.filters import (
     Filter,
     FilterError,
@@ -65,12 +72,16 @@ from index.milvus_index import (
     MAX_LIMIT,
     TIE_MARGIN,
     MilvusTarget,
+    _code,
     _index_params,
     _mapped,
+    _reason,
     build_params,
     is_lite,
     search_params,
 )
+
+log = logging.getLogger(__name__)
 
 ID_MAX = 512
 """Longest id (bytes, Milvus VARCHAR ``max_length``)."""
@@ -92,6 +103,103 @@ class StoredItem:
     """The filterable metadata as stored in ``meta`` (with ``id``)."""
     doc: dict[str, Any] = field(default_factory=dict)
     takedown: bool = False
+
+
+_DEFERRED = threading.local()
+"""This thread's open :func:`flushed_together` block: ``.pending``, the collections to flush at its end
+(keyed by name, with the target that wrote them)."""
+
+
+@contextmanager
+def flushed_together() -> Iterator[None]:
+    """Item-store writes in this block (this thread) flush once, at its end, every collection they
+    wrote concurrently: a flush waits for Milvus to seal and persist the segment (pymilvus polls
+    every 0.5 s), and a service write — the record, the field kinds, the serving bundle's row —
+    waited for two to three of them in a row. The block returns only once all are flushed, as each
+    write did on its own. When the block fails, what it wrote is still flushed (best effort: a
+    flush error is logged, the block's own error is raised). Nested blocks join the outermost."""
+    if getattr(_DEFERRED, "pending", None) is not None:
+        yield
+        return
+    pending: dict[str, MilvusTarget] = {}
+    _DEFERRED.pending = pending
+    try:
+        yield
+    except BaseException:
+        _DEFERRED.pending = None
+        try:
+            _flush_now(pending)
+        except Exception as err:  # noqa: BLE001 - the block's own error is the one to report
+            log.warning("flushing %s after a failed write: %s", sorted(pending), err)
+        raise
+    _DEFERRED.pending = None
+    _flush_now(pending)
+
+
+def _flush(target: MilvusTarget, collection: str) -> None:
+    pending = getattr(_DEFERRED, "pending", None)
+    if pending is not None:
+        pending[collection] = target
+    else:
+        _flush_now({collection: target})
+
+
+def _flush_now(collections: Mapping[str, MilvusTarget]) -> None:
+    """Flush ``collections`` concurrently (each a bulk call under its target's deadline); raises the
+    first failure, mapped."""
+    if not collections:
+        return
+    what = f"flushing {', '.join(sorted(collections))}"
+    with _mapped(what, next(iter(collections.values()))):
+        try:
+            if len(collections) == 1:
+                ((name, target),) = collections.items()
+                target.call("flush", name, bulk=True)
+                return
+            with ThreadPoolExecutor(max_workers=len(collections), thread_name_prefix="milvus-flush") as pool:
+                for done in [pool.submit(target.call, "flush", name, bulk=True) for name, target in collections.items()]:
+                    done.result()
+        except Exception as err:
+            if _code(err) == RATE_LIMIT or "rate limit" in _reason(err).lower():
+                raise IndexBackendError(
+                    f"{what}: Milvus refused the flush ({_reason(err)}) — Milvus 2.4 and later limit flushes "
+                    "per collection (quotaAndLimits.flushRate); let item writes rely on Milvus's write-ahead "
+                    "log instead: TONEARM_MILVUS_ITEMS_FLUSH=off (or auto)") from None
+            raise
+
+
+FLUSH_MODES = ("auto", "write", "off")
+RATE_LIMIT = 8
+"""pymilvus's error code of a request refused by a rate limit (``ErrorCode.RATE_LIMIT``)."""
+RATE_LIMITED_FLUSH_FROM = (2, 4)
+"""Milvus 2.4 turned on a collection-level flush rate limit (``quotaAndLimits.flushRate``, 0.1 per
+second per collection by default): a flush per write would refuse most uploads there."""
+
+
+def flush_each_write(target: MilvusTarget, mode: str) -> bool:
+    """Whether item writes flush before they return (``TONEARM_MILVUS_ITEMS_FLUSH``): ``write`` yes,
+    ``off`` no (a write is acknowledged once Milvus holds it in its write-ahead log; refused before
+    2.4 and on Milvus Lite, whose listings miss unflushed rows), ``auto`` yes on Milvus Lite and
+    servers before :data:`RATE_LIMITED_FLUSH_FROM`, no from there (a version Milvus does not report
+    as ``[v]MAJOR.MINOR…`` counts as new)."""
+    if mode not in FLUSH_MODES:
+        raise ValueError(f"flush mode {mode!r}: expected one of {', '.join(FLUSH_MODES)}")
+    if mode == "write":
+        return True
+    if is_lite(target.uri):
+        version = "Milvus Lite"
+        rate_limited = False
+    else:
+        with _mapped("reading the Milvus version", target):
+            version = str(target.call("get_server_version", bulk=True))
+        found = re.match(r"v?(\d+)\.(\d+)", version.strip())
+        rate_limited = found is None or (int(found[1]), int(found[2])) >= RATE_LIMITED_FLUSH_FROM
+    if mode == "off" and not rate_limited:
+        # Measured on 2.3.5 with pymilvus 2.5: the query iterator (every listing: ids(), rows(), a sync's
+        # records) reads at a client-side timestamp there ("failed to get mvccTs") and missed unflushed rows.
+        raise TonearmError(f"item writes unflushed (flush mode 'off') need Milvus 2.4 or later; {version} lists "
+                           "only flushed rows reliably — use 'write' or 'auto'")
+    return not rate_limited
 
 
 def _literal_id(item_id: str) -> str:
@@ -212,7 +320,8 @@ class MilvusItemStore:
                 self.target.call("upsert", self.fields_collection, [
                     {"key": key, "field": kinds[key][0], "kind": kinds[key][1], "vector": [0.0, 0.0]}
                     for key in new_kinds], bulk=True)
-                self.target.call("flush", self.fields_collection, bulk=True)
+                # flushed now, even in a flushed_together block: only flushed pairs count as known
+                _flush_now({self.fields_collection: self.target})
                 self._known_kinds.update(new_kinds)
             self.target.call("upsert", self.collection, list(rows.values()), bulk=True)
             self._flush()
@@ -243,7 +352,7 @@ class MilvusItemStore:
 
     def _flush(self) -> None:
         if self.flush:
-            self.target.call("flush", self.collection, bulk=True)
+            _flush(self.target, self.collection)
 
     # ------------------------------------------------------------------ reads
 
@@ -311,7 +420,7 @@ class MilvusItemStore:
         with _mapped(f"listing {self.collection}", self.target):
             iterator = self.target.client().query_iterator(
                 self.collection, batch_size=QUERY_LIMIT, filter=expression, output_fields=["id"],
-                timeout=self.target.bulk_timeout_s)
+                timeout=self.target.bulk_timeout_s, consistency_level=self.consistency)
             try:
                 while page := iterator.next():
                     out.extend(str(r["id"]) for r in page)

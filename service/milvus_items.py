@@ -49,7 +49,13 @@ import numpy as np
 from index.filters import Filter
 from index.item_log import RECORD_MAX_FIELDS, ItemRecord, _now, check_metadata
 from index.milvus_index import MilvusTarget
-from index.milvus_items import DOC_FIELD, ORDER_FIELD, MilvusItemStore
+from index.milvus_items import (
+    DOC_FIELD,
+    ORDER_FIELD,
+    MilvusItemStore,
+    flush_each_write,
+    flushed_together,
+)
 from index.overlay import AddedItem
 from service.audio_input import DecodedAudio, decode_upload, limits_of
 from service.errors import ServiceError
@@ -224,12 +230,18 @@ class MilvusCatalogue:
         self._stores_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.flush = True
+        """Item writes flush before they return (:func:`index.milvus_items.flush_each_write`; set by :meth:`open`)."""
 
     def open(self) -> MilvusCatalogue:
         """Create (or find) the records collection and check the audio store takes writes; raises
         IndexBackendError (Milvus) or OSError / another error of the object store."""
+        self.flush = flush_each_write(self.target, self.settings.milvus_items_flush)
+        self.records.flush = self.flush
         self.records.open()
         self.audio.check()
+        log.info("items: in Milvus at %s (%s), writes %s", self.target.uri, self.records.collection,
+                 "flushed before they return" if self.flush else "acknowledged from Milvus's write-ahead log")
         return self
 
     # ------------------------------------------------------------------ bundles' collections
@@ -240,14 +252,15 @@ class MilvusCatalogue:
         with self._stores_lock:
             store = self._stores.get(name)
             if store is None:
-                store = MilvusItemStore(self.target, dim=int(searcher.bundle.embed_dim), name=name).open()
+                store = MilvusItemStore(self.target, dim=int(searcher.bundle.embed_dim), name=name,
+                                        flush=self.flush).open()
                 self._stores[name] = store
         return store
 
     def sync(self, searcher: Any) -> BundleItems:
         """Bring ``searcher``'s bundle collection up to every record (re-embedding stale rows and retrying
         quarantined ones) and hook it into the searcher; index problems as ServiceErrors (503/504)."""
-        with index_calls():
+        with index_calls(), flushed_together():
             store = self.bundle_store(searcher)
             records = [Record.of(r) for r in self.records.rows()]
             held = {str(r["id"]): dict(r.get(DOC_FIELD) or {}) for r in store.rows()}
@@ -266,7 +279,8 @@ class MilvusCatalogue:
         if not records:
             return
         held = {i: dict(row.doc) for i, row in store.get([r.id for r in records]).items()}
-        self._apply(searcher, store, records, held, retry_quarantined=False)
+        with flushed_together():
+            self._apply(searcher, store, records, held, retry_quarantined=False)
 
     def _apply(self, searcher: Any, store: MilvusItemStore, records: Sequence[Record],
                held: Mapping[str, Mapping[str, Any]], *, retry_quarantined: bool) -> None:
@@ -343,7 +357,7 @@ class MilvusCatalogue:
             records.append(Record(item_id, False, doc))
             waves.append(audio.waveform)
             out.append(ItemRecord("put", item_id, at, key, meta, captions))
-        with index_calls():
+        with index_calls(), flushed_together():  # the record and the rows flushed at once, before the answer
             self.records.put([(r.id, np.ones(RECORD_DIM, np.float32), {}) for r in records], docs=[r.doc for r in records])
             self._embed_into(searcher, self.bundle_store(searcher), records, waves)
             self._sync_serving(registry, searcher, records)
@@ -352,7 +366,7 @@ class MilvusCatalogue:
     def delete(self, registry: Any, searcher: Any, item_id: str) -> ItemRecord:
         """Record the delete (a takedown of the id everywhere) and apply it to the serving bundle."""
         record = Record(item_id, True, {"at": _now(), "digest": "takedown"})
-        with index_calls():
+        with index_calls(), flushed_together():
             self.records.takedown([item_id], docs=[record.doc])
             self.bundle_store(searcher).takedown([item_id], docs=[{"digest": "takedown"}])
             self._sync_serving(registry, searcher, [record])

@@ -139,6 +139,11 @@ class Settings(BaseSettings):
     """Queries per search call of the recall@10 check of `tonearm bundle publish` (bulk work)."""
     milvus_release_closed: bool = True
     """Release a bundle's collections from Milvus memory once it is neither active nor the rollback target."""
+    milvus_items_flush: Literal["auto", "write", "off"] = "auto"
+    """Whether the Milvus item store flushes an item write before acknowledging it: `write` (what a
+    write needs to survive a killed Milvus 2.3 standalone), `off` (acknowledged once Milvus holds it in
+    its write-ahead log), `auto` (`write` before Milvus 2.4 and on Milvus Lite; `off` from 2.4, which
+    limits flushes to 0.1 per second per collection by default). docs/service.md, "Milvus item store"."""
 
     # --- server ---
     host: str = "127.0.0.1"

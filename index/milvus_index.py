@@ -199,17 +199,16 @@ class MilvusTarget:
                 answered = _deadline(err) and self._answers(started)
                 if answered:
                     err.tonearm_slow = True  # type: ignore[attr-defined]
-                    err.tonearm_loading = self._not_loaded(method, args, kwargs)  # type: ignore[attr-defined]
+                    err.tonearm_loading = (  # type: ignore[attr-defined]
+                        self._not_loaded(method, args, kwargs) or _recovering(key, trial=down is not None))
                 else:
                     with _CLIENTS_LOCK:
                         _DOWN[key] = (time.monotonic() + self.hold_off_s, _reason(err))
             if answered and down is not None:  # the trial call was answered (or slow): close the circuit
-                with _CLIENTS_LOCK:
-                    _DOWN.pop(key, None)
+                _close_circuit(key)
             raise
         if down is not None:
-            with _CLIENTS_LOCK:
-                _DOWN.pop(key, None)
+            _close_circuit(key)
         return result
 
     def _not_loaded(self, method: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
@@ -258,6 +257,33 @@ _CLIENTS: dict[tuple[str, str | None], Any] = {}
 _CLIENTS_LOCK = threading.Lock()
 _DOWN: dict[tuple[str, str | None], tuple[float, str]] = {}
 """(uri, token) -> (monotonic time until which calls fail at once, the failure's reason)."""
+_RECOVERED: dict[tuple[str, str | None], float] = {}
+"""When each Milvus last came back after its circuit was open (monotonic seconds)."""
+RECOVERY_GRACE_S = 30.0
+"""For this long after Milvus came back from an outage, a serving call past its deadline is 503
+``index-unavailable`` (retry), not 504: a restarted Milvus answers the probe at once but its query
+nodes still recover collections whose load state already reads ``Loaded`` (the outage test saw 504s
+~6 s after the restart although every collection said ``Loaded``)."""
+
+
+def _close_circuit(key: tuple[str, str | None]) -> None:
+    with _CLIENTS_LOCK:
+        if _DOWN.pop(key, None) is not None:
+            _RECOVERED[key] = time.monotonic()
+
+
+def _recovering(key: tuple[str, str | None], *, trial: bool) -> str | None:
+    """Why a call past its deadline is not "slow": Milvus is back from an outage only just now."""
+    if trial:
+        return "Milvus is answering again after an outage and may still be recovering its collections"
+    with _CLIENTS_LOCK:
+        since = _RECOVERED.get(key)
+    if since is None or time.monotonic() - since > RECOVERY_GRACE_S:
+        return None
+    return (f"Milvus came back from an outage {time.monotonic() - since:.0f} s ago and may still be "
+            "recovering its collections")
+
+
 _PROBE_LOCKS: dict[tuple[str, str | None], threading.Lock] = {}
 _PROBES: dict[tuple[str, str | None], tuple[float, bool]] = {}
 """(uri, token) -> (monotonic time the last probe began, whether Milvus answered it)."""

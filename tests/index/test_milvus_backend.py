@@ -49,6 +49,7 @@ def _no_hold_off():
     """A test that injects an outage leaves no hold-off (1 s of failing at once) to the next one."""
     yield
     milvus_index._DOWN.clear()
+    milvus_index._RECOVERED.clear()
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -397,5 +398,22 @@ def test_a_call_past_its_deadline_on_a_collection_not_loaded_is_unavailable_not_
                 hurried.call(query[0], *query[1], **query[2])
         except IndexTimeout as slow:
             assert "answers other calls" in str(slow)
+
+        # Just back from an outage (the circuit was open, its hold-off over: the next serving call is
+        # the trial, and it answers): for RECOVERY_GRACE_S a missed deadline is 503 even on a collection
+        # reading Loaded — a restarted Milvus's query nodes recover after the state says Loaded.
+        key = (target.uri, target.token)
+        milvus_index._DOWN[key] = (time.monotonic() - 1.0, "an outage")
+        target.call(query[0], *query[1], **query[2])
+        assert key not in milvus_index._DOWN and key in milvus_index._RECOVERED
+        assert "came back from an outage 0 s ago" in (milvus_index._recovering(key, trial=False) or "")
+        assert "answering again after an outage" in (milvus_index._recovering(key, trial=True) or "")
+        try:
+            with milvus_index._mapped("querying", hurried):
+                hurried.call(query[0], *query[1], **query[2])
+        except IndexUnavailable as recovering:
+            assert not isinstance(recovering, IndexTimeout) and "came back from an outage" in str(recovering)
+        milvus_index._RECOVERED[key] -= milvus_index.RECOVERY_GRACE_S + 1
+        assert milvus_index._recovering(key, trial=False) is None, "past the grace: a slow call is slow again"
     finally:
         target.call("drop_collection", name, bulk=True)

@@ -47,6 +47,7 @@ SERVING_DEADLINE_S = 0.5
 def _no_hold_off():
     yield
     milvus_index._DOWN.clear()
+    milvus_index._RECOVERED.clear()
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,7 @@ def large_published(milvus_server, large_bundle: Path):
     # Earlier modules' tests leave other (unreachable) URIs in the hold-off table; only this
     # server's entry matters here, and it must start clear.
     milvus_index._DOWN.clear()
+    milvus_index._RECOVERED.clear()
     with pytest.MonkeyPatch.context() as env:
         # the service default (2 s): the deadline under which the demo publish failed every time
         env.setenv("TONEARM_MILVUS_TIMEOUT_S", "2.0")

@@ -8,26 +8,24 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from service.limits import loads_json
-
-
-class ShallowJsonRequest(Request):
-    """A request whose JSON body is refused past :data:`service.limits.JSON_DEPTH_MAX` levels before
-    ``json.loads`` recurses into it (a ``JSONDecodeError``: FastAPI answers 422 ``validation-error``)."""
-
-    async def json(self) -> Any:
-        if not hasattr(self, "_json"):
-            self._json = loads_json(await self.body())
-        return self._json
+from service.errors import ServiceError
+from service.limits import JSON_DEPTH_MAX, json_depth
 
 
 class ShallowJsonRoute(APIRoute):
-    """Every route of the API reads its JSON body through :class:`ShallowJsonRequest`."""
+    """Every route of the API refuses a JSON body nested past :data:`service.limits.JSON_DEPTH_MAX`
+    levels before FastAPI's ``json.loads`` recurses into it: 422 ``validation-error``, as a filter
+    nested too deeply always was (the body is read once; FastAPI reuses it)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def shallow(request: Request) -> Response:
-            return await handler(ShallowJsonRequest(request.scope, request.receive))
+            if "json" in request.headers.get("content-type", "").lower():
+                text = (await request.body()).decode("utf-8", errors="replace")
+                if json_depth(text) > JSON_DEPTH_MAX:
+                    raise ServiceError("validation-error", f"the body's JSON is nested more than {JSON_DEPTH_MAX} "
+                                       "levels deep")
+            return await handler(request)
 
         return shallow

@@ -51,17 +51,16 @@ def test_at_the_limit_parses_one_past_it_is_refused_before_parsing():
     assert loads_json('"' + "[" * 5000 + '"') == "[" * 5000  # brackets in a string are text
 
 
-def test_a_body_one_level_past_the_limit_is_malformed_and_says_why(fake_client):
+def test_a_body_one_level_past_the_limit_is_a_422_naming_it(fake_client):
     """The body's own object is one level: a filter of JSON_DEPTH_MAX - 1 levels is parsed (and refused
-    by the filter's schema: 422), one more is refused unparsed as any invalid JSON body is (400
-    `malformed-body`, naming the limit)."""
+    by the filter's schema), one more is refused unparsed naming the limit — both 422
+    `validation-error`, as a filter nested too deeply always was."""
     for inner in (JSON_DEPTH_MAX - 1, JSON_DEPTH_MAX):
         deep = "[" * inner + "]" * inner
         r = fake_client.post("/v1/search/text", content='{"query": "dog", "filter": ' + deep + "}",
                              headers={"content-type": "application/json"})
         refused_unparsed = inner + 1 > JSON_DEPTH_MAX
-        assert (r.status_code, r.json()["type"].rsplit(":", 1)[1]) == (
-            (400, "malformed-body") if refused_unparsed else (422, "validation-error")), r.text
+        assert (r.status_code, r.json()["type"].rsplit(":", 1)[1]) == (422, "validation-error"), r.text
         assert (f"nested more than {JSON_DEPTH_MAX} levels" in r.text) == refused_unparsed, r.text[:300]
 
 

@@ -4,8 +4,8 @@ pass's clips/s against decode worker count with an encoder of known cost (docs/B
 
 1. **Decode, one core.** 44.1-kHz stereo FLAC, 44.1-kHz stereo MP3 (libsndfile's encoder, 192 kbit/s VBR-ish
    default) and 48-kHz mono WAV, 10 s and 30 s, decoded and resampled to 48 kHz mono by the pass's own decode
-   function (:func:`index.own_audio.decode_file`, what `tonearm index` runs); ms per clip and clips/s per core.
-2. **The pass.** :func:`index.catalogue_pass.clip_embedder` over N FLAC clips with an "encoder" that sleeps
+   function (:func:`index.catalogue.own_audio.decode_file`, what `tonearm index` runs); ms per clip and clips/s per core.
+2. **The pass.** :func:`index.catalogue.embed_pass.clip_embedder` over N FLAC clips with an "encoder" that sleeps
    ``--encoder-ms`` per clip (a GPU's cost per clip: the CPU is free while it waits, as it is while a GPU
    runs), for 0, 1, 2, … decode workers: clips/s, the decode wait and the encoder's busy fraction.
 
@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from index.catalogue_pass import DecodeCall, Decoder, PassClock, PassOptions, clip_embedder
-from index.own_audio import decode_file
+from index.catalogue.embed_pass import DecodeCall, Decoder, PassClock, PassOptions, clip_embedder
+from index.catalogue.own_audio import decode_file
 
 RATE = 48_000
 

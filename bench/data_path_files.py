@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from index.audio import decode_audio, decode_window, fit_length
+from index.audio.decode import decode_audio, decode_window, fit_length
 
 from benchlib import cpu_model, publish_section
 
@@ -128,7 +128,7 @@ def markdown(rows: list[dict[str, object]], *, load: tuple[float, float], args: 
         "",
         "A 10-s random crop of 44.1 kHz PCM-16 sources (page-cached), decoded to float32 mono at the front "
         "end's rate: *whole* = decode the file, downmix, resample, crop (the path before crop-before-decode); "
-        "*window* = `index.audio.decode_window` (seek, read the crop + 50 ms each side, downmix, resample).",
+        "*window* = `index.audio.decode.decode_window` (seek, read the crop + 50 ms each side, downmix, resample).",
         "",
         "| input | whole → 48 kHz | window → 48 kHz | × | whole → 16 kHz | window → 16 kHz | × |",
         "|---|---:|---:|---:|---:|---:|---:|",

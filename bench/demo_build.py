@@ -34,7 +34,7 @@ class StageClock(logging.Handler):
 
 
 def main() -> None:
-    from index.bundle import read_manifest
+    from index.bundle.format import read_manifest
     from index.languages import DEFAULT_LANGUAGES
     from tonearm.demo import DEMO_CONFIG, _build
 

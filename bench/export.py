@@ -9,7 +9,7 @@ OpenMP spin-waits); median of ``--repeats`` runs after one warm-up. The int8 row
 quantized text encoder (``tonearm export --quantize-text``).
 
 Indices: ``--n`` synthetic unit vectors of dim ``--dim`` clustered around 1000
-centres; build = train + add with ``index.faiss_index.build_index`` (the export
+centres; build = train + add with ``index.engines.faiss_index.build_index`` (the export
 code path, search parameters fixed as in bundles; IVF/PQ trained on a
 ``--max-train`` sample); recall@10 against exact
 search on 1000 perturbed database vectors, tie-tolerant.
@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from index.faiss_index import build_index  # noqa: E402
+from index.engines.faiss_index import build_index  # noqa: E402
 from training.bundle.onnx_export import export_audio_encoder, export_text_encoder  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 from training.models.dual_encoder import build_dual_encoder  # noqa: E402

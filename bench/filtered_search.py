@@ -6,15 +6,15 @@
   ``license`` (``cc0``/``by`` alternating: ``{"license": "cc0"}`` passes 50 %), ``duration``
   (uniform 0–20 s: ``{"duration": {"lt": 0.2}}`` passes 1 %) and ``owner`` on 0.001 % of the items
   (at least one: ``{"owner": "rare"}``); queries are perturbed items.
-* **FAISS** through :class:`index.vector_index.FaissVectorIndex` as the service calls it: the
-  mask (:meth:`index.filters.MetadataTable.mask`, timed with the search: the service builds it per
+* **FAISS** through :class:`index.engines.vector_index.FaissVectorIndex` as the service calls it: the
+  mask (:meth:`index.engines.filters.MetadataTable.mask`, timed with the search: the service builds it per
   request) then an ID-selector pre-filter (selective filters) or an over-fetch (broad ones).
   ``faiss-flat``: exact ``IndexFlatIP`` in memory; ``faiss-ondisk``: ``IVF…,SQfp16`` built by
-  :func:`index.faiss_ondisk.build_sharded` with its inverted lists in a ``.ivfdata`` file, memory-mapped.
+  :func:`index.engines.faiss_ondisk.build_sharded` with its inverted lists in a ``.ivfdata`` file, memory-mapped.
 * **Milvus**: a Milvus 2.3.5 standalone server (tests/milvus_server.py) on a fresh data directory;
   the items written as `tonearm bundle publish` writes them (vectors + the JSON ``meta`` field),
   index ``--milvus-index`` (FLAT: exact); the filter evaluated by Milvus from the expression
-  :func:`index.filters.milvus_expr` writes (translation timed with the search). Serving deadline
+  :func:`index.engines.filters.milvus_expr` writes (translation timed with the search). Serving deadline
   60 s here (the service's default is 2 s).
 * **Recall@10**: against numpy brute force over the items that pass (ties by row); 1.0 is required
   of the exact backends and recorded for the ANN ones.
@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.benchlib import cpu_model, publish_section, synthetic_vectors  # noqa: E402
-from index.filters import MetadataTable, parse_filter  # noqa: E402
+from index.engines.filters import MetadataTable, parse_filter  # noqa: E402
 
 START, END = "<!-- bench:filtered_search:start -->", "<!-- bench:filtered_search:end -->"
 K = 10
@@ -98,7 +98,7 @@ def measure(search: Search, queries: np.ndarray, flt: dict | None, exact: np.nda
 
 
 def faiss_search(index, table: MetadataTable) -> Search:
-    from index.vector_index import FaissVectorIndex
+    from index.engines.vector_index import FaissVectorIndex
 
     def run(query: np.ndarray, flt: dict | None) -> np.ndarray:
         allowed = None if flt is None else table.mask(parse_filter(flt))
@@ -109,9 +109,9 @@ def faiss_search(index, table: MetadataTable) -> Search:
 
 
 def ondisk_index(vectors: np.ndarray, work: Path):
-    from index.faiss_index import choose_factory, load_index, parse_factory
-    from index.faiss_ondisk import build_sharded
-    from index.vector_index import FaissVectorIndex
+    from index.engines.faiss_index import choose_factory, load_index, parse_factory
+    from index.engines.faiss_ondisk import build_sharded
+    from index.engines.vector_index import FaissVectorIndex
 
     n, dim = vectors.shape
     factory = choose_factory(n, dim)
@@ -126,8 +126,13 @@ def ondisk_index(vectors: np.ndarray, work: Path):
 
 
 def milvus_search(uri: str, vectors: np.ndarray, items: list[dict], index_type: str) -> tuple[Search, float]:
-    from index.filters import milvus_metadata
-    from index.milvus_index import MilvusTarget, MilvusVectorIndex, create_collection, write_rows
+    from index.engines.filters import milvus_metadata
+    from index.engines.milvus_index import (
+        MilvusTarget,
+        MilvusVectorIndex,
+        create_collection,
+        write_rows,
+    )
 
     target = MilvusTarget(uri=uri, prefix=f"b{uuid.uuid4().hex[:8]}", timeout_s=60.0, bulk_timeout_s=600.0)
     fields = {k: v for k, v in MetadataTable.from_items(items).fields().items() if v != "mixed"}
@@ -163,7 +168,7 @@ def main() -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     import faiss
 
-    from index.vector_index import FaissVectorIndex
+    from index.engines.vector_index import FaissVectorIndex
 
     load_before = os.getloadavg()
     vectors, queries = synthetic_vectors(args.items, args.dim, args.seed, queries=args.queries)

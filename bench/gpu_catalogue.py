@@ -12,7 +12,7 @@ One prepared command on the GPU machine (``device`` tool), each step timed and r
      model's rate: clips/s from the pass's own progress line, wall time;
   3. the same first ``--parity-files`` clips embedded on the CPU provider (the reference): min
      cosine CUDA vs CPU, and the CPU pass's clips/s on this machine's cores for comparison;
-  4. fp16 (issue 41, :mod:`index.half_precision`): ``tonearm index --device cuda --precision fp16``
+  4. fp16 (issue 41, :mod:`index.catalogue.half_precision`): ``tonearm index --device cuda --precision fp16``
      runs the same clips as step 2: clips/s, its parity gate's centred cosine, and fp16 vs fp32 (CUDA)
      over every clip: min cosine, min and mean centred cosine. For the families in ``--fp16-export``
      (default CLAP only: PE-Audio's export is 100 s, twice that if its gate refused) the export in step 1
@@ -124,7 +124,7 @@ def catalogue(family: str, work: Path, corpus: Path, device: str, files: int, pa
               fp16: bool = False, fp16_export: bool = False) -> dict[str, Any]:
     from real_size_models import real_model_dir
 
-    from index.loader import LoadedBundle, device_providers
+    from index.runtime.loader import LoadedBundle, device_providers
 
     result: dict[str, Any] = {}
     began = time.monotonic()
@@ -194,7 +194,7 @@ def catalogue(family: str, work: Path, corpus: Path, device: str, files: int, pa
 
 
 def half_gate(text: str) -> dict[str, float]:
-    """The fp16 parity gate's min centred cosine per encoder, from a command's log (index.half_precision)."""
+    """The fp16 parity gate's min centred cosine per encoder, from a command's log (index.catalogue.half_precision)."""
     found = re.findall(r"fp16 (\w+) encoder vs fp32 on \d+ probe items: min centred cosine ([0-9.]+)", text)
     return {name: float(value) for name, value in found}
 
@@ -204,8 +204,8 @@ def index_fp16(work: Path, family: str, audio: Path, bundle: Path, device: str, 
     """`tonearm index --precision fp16` over the same clips; its vectors vs the fp32 pass's (CUDA), every clip."""
     import shutil
 
-    from index.half_precision import centred_cosines
-    from index.loader import LoadedBundle
+    from index.catalogue.half_precision import centred_cosines
+    from index.runtime.loader import LoadedBundle
 
     indexed = work / f"indexed-{family}-{device}-fp16"
     if indexed.exists():
@@ -421,7 +421,7 @@ def record(paths: list[Path]) -> int:
         "PE-Audio's 2.0× the fp32 rate with every clip's fp16 vector at centred cosine ≥ 0.99988 to its fp32 one; "
         "CLAP's RoBERTa text encoder fails the gate (0.990), so `export --pretrained --precision fp16` of CLAP stops "
         "and says so (the index pass embeds audio only). The failed PE-Audio row is onnxruntime-gpu 1.31's "
-        "converter naming two casts alike, fixed since (index/half_precision.py drop_duplicate_casts); the row "
+        "converter naming two casts alike, fixed since (index/catalogue/half_precision.py drop_duplicate_casts); the row "
         "after it is the rerun.",
         END,
     ]
@@ -430,7 +430,7 @@ def record(paths: list[Path]) -> int:
 
 
 def fp16_rows(runs: list[tuple[Path, dict[str, Any]]]) -> list[str]:
-    """The fp16 table (`--precision fp16`, index.half_precision), when a run measured it."""
+    """The fp16 table (`--precision fp16`, index.catalogue.half_precision), when a run measured it."""
     rows = [(f"{family} · {found['environment']['gpu']}", row) for _, found in runs for name, row in found.items()
             if name.startswith("catalogue_") and (family := name.removeprefix("catalogue_"))
             and isinstance(row, dict) and ("fp16_index_exit" in row or "export_fp16_exit" in row)]
@@ -502,7 +502,7 @@ def preflight(args: argparse.Namespace, fp16: bool) -> None:
             problems.append(f"torch {torch.__version__} sees no CUDA device (training steps)")
     if fp16:
         try:
-            import onnx  # noqa: F401  (index.half_precision converts with onnxruntime.transformers.float16)
+            import onnx  # noqa: F401  (index.catalogue.half_precision converts with onnxruntime.transformers.float16)
             from onnxruntime.transformers.float16 import convert_float_to_float16  # noqa: F401
         except ImportError as err:
             problems.append(f"--precision fp16 needs onnx and onnxruntime.transformers ({err})")

@@ -88,7 +88,7 @@ def environment() -> dict[str, Any]:
     try:
         import faiss
 
-        from index.faiss_index import faiss_gpu_count
+        from index.engines.faiss_index import faiss_gpu_count
 
         info["faiss"] = faiss.__version__
         info["faiss_gpus"] = faiss_gpu_count()
@@ -242,7 +242,7 @@ def kb_build(pairs: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from index.faiss_index import faiss_gpu_count
+    from index.engines.faiss_index import faiss_gpu_count
     from training.knowledge import build_coarse_kb, build_fine_kb
 
     device = torch.device(DEVICE)

@@ -1,11 +1,11 @@
 """Benchmark: FAISS at 10 M × 256 on two cores — sharded IVF build with on-disk inverted lists.
 
 The path `tonearm index` / `tonearm export` take when a collection's IVF codes exceed 2 GiB
-(``index.faiss_ondisk``). Resumable steps, state in ``--work``:
+(``index.engines.faiss_ondisk``). Resumable steps, state in ``--work``:
 
 1. **vectors**: ``--n`` unit vectors of benchlib's mixture (1000 centres, noise 0.5; the same
    rows as ``benchlib.synthetic_vectors``) written to ``WORK/vectors.npy`` in 100 k slices;
-2. **build**: :func:`index.faiss_ondisk.build_sharded` — train on 100 k rows, add 1 M-row
+2. **build**: :func:`index.engines.faiss_ondisk.build_sharded` — train on 100 k rows, add 1 M-row
    shards, merge the lists into ``WORK/index/audio.ivfdata``, tune ``nprobe`` to recall@10 ≥ 0.97
    on 1000 perturbed rows ("near");
 3. **measure** (the call after the build, so a fresh process opens the index; the OS page
@@ -44,8 +44,14 @@ sys.path.insert(0, str(ROOT))
 
 from index_scale import fresh_queries  # noqa: E402
 
-from index.faiss_index import available_cores, faiss_threads, load_index, parse_factory, search  # noqa: E402
-from index.faiss_ondisk import build_sharded, exact_top_k_streamed, recall_streamed  # noqa: E402
+from index.engines.faiss_index import (  # noqa: E402
+    available_cores,
+    faiss_threads,
+    load_index,
+    parse_factory,
+    search,
+)
+from index.engines.faiss_ondisk import build_sharded, exact_top_k_streamed, recall_streamed  # noqa: E402
 
 from benchlib import cpu_model, publish_section  # noqa: E402
 

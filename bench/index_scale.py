@@ -2,7 +2,7 @@
 
 ``--n`` synthetic unit vectors (default 1 M × 256, clustered around 1000 centres, the
 generator of bench/export.py) are indexed with the export code path
-(``index.faiss_index.build_index``: the factory chosen by size unless ``--factory`` is
+(``index.engines.faiss_index.build_index``: the factory chosen by size unless ``--factory`` is
 given, every core, IVF ``nprobe`` tuned to the recall target). Recall@10 is measured
 against exact search (tie-tolerant) on two query sets: perturbed database rows
 ("near", what ``build_index`` tunes on) and fresh draws from the same mixture
@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from index.faiss_index import (  # noqa: E402
+from index.engines.faiss_index import (  # noqa: E402
     ann_recall_at_k,
     available_cores,
     build_index,

@@ -19,7 +19,7 @@ the time from a 201 to the item being found by a search, on this replica and on 
   answer that holds it. Time to 201 (upload + decode + fsync'd record + embedding + overlay) is
   reported beside it. Target (issue 40): p99 ≤ 1 s from 201 to searchable.
 * **Per-write cost at N added items**: one write through the real code (``ItemLog.put``: stored
-  audio and record fsync'd, then :func:`index.overlay.build_overlay` from the previous overlay) with
+  audio and record fsync'd, then :func:`index.items.overlay.build_overlay` from the previous overlay) with
   ``--write-sizes`` items already in the log, measured in this process on synthetic records
   (vectors from a stand-in embedder: the encoder's time is the same at every size and is in the
   table above); the overlay part alone beside it. A write appends to the overlay, so both should be
@@ -154,8 +154,8 @@ def write_costs(n: int, dim: int, writes: int = 40) -> dict[str, float]:
     """Per-write milliseconds (median and p99) with ``n`` added items already in the log: ``ItemLog.put``
     then :func:`build_overlay` (``total``), the overlay part alone (``overlay``), and one compaction of
     ``n`` live + ``n`` replaced records (``compact``)."""
-    from index.item_log import ItemLog, ItemRecord
-    from index.overlay import ItemOverlay, build_overlay
+    from index.items.log import ItemLog, ItemRecord
+    from index.items.overlay import ItemOverlay, build_overlay
 
     rng = np.random.default_rng(n)
 
@@ -283,7 +283,7 @@ def main() -> int:
         "on the follower; on the replica that answered the item is searchable at the 201 by construction "
         "(the overlay is updated before the answer), so its number is one search round trip.",
         "",
-        "Each write appends to the overlay (`index.overlay.build_overlay`: the new row, its captions and its "
+        "Each write appends to the overlay (`index.items.overlay.build_overlay`: the new row, its captions and its "
         "metadata; replaced rows are tombstones until a compaction), so its cost does not grow with the number "
         "of added items; the follower B embeds every item with its own encoder too (each replica embeds for "
         "itself), on the same two cores as A and the client — most of the load after the run is the run's own.",

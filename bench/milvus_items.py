@@ -1,6 +1,6 @@
 """Benchmark: where each design of added items stops (issue 47 part 5) — the items in Milvus
-(:class:`index.milvus_items.MilvusItemStore`, the Milvus backend) beside the file log and in-memory
-overlay of the FAISS backend (:mod:`index.item_log` + :mod:`index.overlay`), on the same items,
+(:class:`index.items.milvus_store.MilvusItemStore`, the Milvus backend) beside the file log and in-memory
+overlay of the FAISS backend (:mod:`index.items.log` + :mod:`index.items.overlay`), on the same items,
 metadata and queries.
 
 * **Items**: item ``i`` is the same in both designs and at every size: a random unit vector
@@ -19,7 +19,7 @@ metadata and queries.
   expression); the server's RSS (its process group) after the queries.
 * **Overlay** (``--overlay-sizes``, one log grown through the sizes): ``ItemLog.put`` of every item
   (stored audio and record fsync'd, as ``POST /v1/items:batch`` does) in batches of the route's
-  ``ITEMS_BATCH_MAX``, each batch then applied with :func:`index.overlay.build_overlay` — the
+  ``ITEMS_BATCH_MAX``, each batch then applied with :func:`index.items.overlay.build_overlay` — the
   writer's path of ``service/items.py`` with the embedding replaced by the precomputed vectors (the
   ``embed_audio`` callable the service passes runs the bundle's encoder there). Stored audio is a
   32-byte placeholder per item: the write of a real upload (~160 KiB for 5 s of 16 kHz WAV) and its
@@ -199,9 +199,9 @@ def tree_rss_mib(pid: int) -> float:
 
 
 def milvus_run(n: int, args: argparse.Namespace, uri: str, items: Items, server_pid: int | None) -> dict[str, Any]:
-    from index.filters import parse_filter
-    from index.milvus_index import MilvusTarget
-    from index.milvus_items import MilvusItemStore
+    from index.engines.filters import parse_filter
+    from index.engines.milvus_index import MilvusTarget
+    from index.items.milvus_store import MilvusItemStore
 
     buckets = Items.buckets(n)
     qs = queries(args.queries, args.dim)
@@ -304,7 +304,7 @@ def milvus_runs(sizes: Sequence[int], args: argparse.Namespace, items: Items) ->
 
 
 class PrecomputedVectors:
-    """The ``embed_audio`` of :func:`index.overlay.build_overlay`: the vector of each record's item,
+    """The ``embed_audio`` of :func:`index.items.overlay.build_overlay`: the vector of each record's item,
     from the bench's items or from a raw float32 file (the replay), in place of the encoder."""
 
     def __init__(self, dim: int, items: Items | None = None, path: Path | None = None) -> None:
@@ -338,7 +338,7 @@ def _no_text(texts: Sequence[str]) -> np.ndarray:
 
 def overlay_search(overlay: Any, flt: Any) -> Callable[[np.ndarray], list[int]]:
     """One search of the added items as ``Searcher.clip_filter`` + ``search_clips`` do it per request."""
-    from index.filters import merged_fields
+    from index.engines.filters import merged_fields
 
     def search(q: np.ndarray) -> list[int]:
         allowed = None
@@ -352,9 +352,9 @@ def overlay_search(overlay: Any, flt: Any) -> Callable[[np.ndarray], list[int]]:
 
 
 def overlay_runs(sizes: Sequence[int], args: argparse.Namespace, items: Items) -> Iterator[dict[str, Any]]:
-    from index.filters import parse_filter
-    from index.item_log import ItemLog
-    from index.overlay import ItemOverlay, build_overlay
+    from index.engines.filters import parse_filter
+    from index.items.log import ItemLog
+    from index.items.overlay import ItemOverlay, build_overlay
     from service.routes.items import ITEMS_BATCH_MAX
 
     filters = {name: None if below is None else parse_filter({"bucket": {"lt": below}})
@@ -413,9 +413,9 @@ def _replay_in_fresh_process(log_dir: Path, vector_file: Path, dim: int) -> dict
 def replay(log_dir: Path, vector_file: Path, dim: int) -> dict[str, float]:
     """A replica's start: open the log, replay it into an overlay (vectors from ``vector_file`` in place
     of the encoder), answer one filtered search (the first builds the metadata columns)."""
-    from index.filters import parse_filter
-    from index.item_log import ItemLog
-    from index.overlay import ItemOverlay, build_overlay
+    from index.engines.filters import parse_filter
+    from index.items.log import ItemLog
+    from index.items.overlay import ItemOverlay, build_overlay
 
     base = rss_mib()
     embed = PrecomputedVectors(dim, path=vector_file)

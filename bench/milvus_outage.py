@@ -156,8 +156,8 @@ def run_outage(
     answers, the case only deadlines bound), then kill it, restart it, and record every request."""
     import httpx
 
-    from index.bundle import read_manifest
-    from index.milvus_index import MilvusTarget, publish
+    from index.bundle.format import read_manifest
+    from index.engines.milvus_index import MilvusTarget, publish
     from service.app import create_app
     from service.settings import Settings
 
@@ -286,7 +286,7 @@ def main() -> int:
             run = run_outage(server, args.bundle.resolve(), clients=args.clients, deadline_s=args.deadline)
         finally:
             server.kill()
-    from index.bundle import read_manifest
+    from index.bundle.format import read_manifest
 
     clips = read_manifest(args.bundle).audio_index.ntotal
     command = (f"quiet-run python bench/milvus_outage.py --bundle BUNDLE --clients {args.clients} "

@@ -57,7 +57,7 @@ def main() -> int:
     parser.add_argument("--index", default="FLAT", choices=("FLAT", "IVF_FLAT", "HNSW"))
     parser.add_argument("--no-write", action="store_true", help="print only; do not update docs/BENCHMARKS.md")
     args = parser.parse_args()
-    from index.bundle import read_manifest
+    from index.bundle.format import read_manifest
     from tests.large_bundle import N_AUDIO, build_large_bundle
     from tests.milvus_server import MilvusStandalone
 

@@ -1,7 +1,7 @@
 """Cost of moment search against recording length (docs/BENCHMARKS.md, "Moments: cost").
 
 One long recording of 10 min … 10 h indexed as windows of ``--window`` s every half window
-(index/moment_index.py), random unit vectors of ``--dim`` (the scan's cost does not depend on the
+(index/moments/windows.py), random unit vectors of ``--dim`` (the scan's cost does not depend on the
 values), a planted event of 30 s so the post-processing has a moment to merge and refine. Reports
 the bundle files' size (windows + spans) and the latency of one moment search (exact scan + merge,
 refine, NMS), p50/p95 over ``--repeats`` queries. The scan is the same on either clip backend
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from index.moment_index import WindowIndex, write_windows
-from index.moments import window_spans
+from index.moments.postprocess import window_spans
+from index.moments.windows import WindowIndex, write_windows
 
 HOURS = (1 / 6, 1.0, 3.0, 10.0)
 

@@ -6,10 +6,10 @@
    the head, the ``test`` split is the held-out set — other recordings, other scenes);
 2. embeds every recording's windows and every moment caption once with the bundle's frozen ONNX
    encoders (default: the demo bundle), exactly as `tonearm evaluate --moments` does;
-3. scores the baseline (window scores → merge, refine, NMS: :func:`index.moments.moments_from_scores`)
+3. scores the baseline (window scores → merge, refine, NMS: :func:`index.moments.postprocess.moments_from_scores`)
    and, for each seed, a head trained by `tonearm train-moments`' code, exported to ONNX and run
-   through onnxruntime (:mod:`index.moment_head`);
-4. reports Recall1@0.5, Recall1@0.7 and mAP@[0.5:0.95] per language (index/moment_metrics.py) with
+   through onnxruntime (:mod:`index.moments.head`);
+4. reports Recall1@0.5, Recall1@0.7 and mAP@[0.5:0.95] per language (index/metrics/moments.py) with
    docs/results' verdict rule: *inconclusive* when the mean ± std intervals overlap or a side has one
    seed, else *reproduced* (head better) or *not reproduced*; writes the `moments_head` section of
    docs/BENCHMARKS.md (``--no-write`` prints it only).
@@ -54,10 +54,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from index.languages import DEFAULT_LANGUAGES
-    from index.loader import LoadedBundle
-    from index.moment_head import MomentHeadModel
-    from index.moment_metrics import MomentQuery, moment_report
-    from index.moments import moments_from_scores
+    from index.metrics.moments import MomentQuery, moment_report
+    from index.moments.head import MomentHeadModel
+    from index.moments.postprocess import moments_from_scores
+    from index.runtime.loader import LoadedBundle
     from training.data.manifest import load_manifest
     from training.data.synth_moments import generate_moment_corpus
     from training.moment_head import bundle_examples, export_head, train_head

@@ -5,8 +5,8 @@ Builds a random-weight PE-Audio folder (``--codec small``: tests/small_pe_audio.
 ``--codec real``: PE-Audio's full-size codec — 64 channels at 48 kHz, 1,024 at the hop — under the small
 transformer and text tower, the part that dominates PE-Audio's audio cost), exports its audio encoder twice
 — the one-input graph bundles held before (one clip length a call) and the graph with ``padding_mask``
-(length buckets) — and embeds one catalogue of mixed lengths with each, through ``index.loader.encode_clips``
-in the clip groups the catalogue pass hands it (``index.catalogue_pass``: windows of ``PREFETCH`` clips or
+(length buckets) — and embeds one catalogue of mixed lengths with each, through ``index.runtime.loader.encode_clips``
+in the clip groups the catalogue pass hands it (``index.catalogue.embed_pass``: windows of ``PREFETCH`` clips or
 ``BATCH_SAMPLES`` samples, cut by ``length_batches``). Prints calls, padded samples, seconds and clips/s
 of each, and the largest difference between their embeddings.
 
@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from index import bundle as fmt
-from index.audio_frontend import prepare_whole_clip
-from index.catalogue_pass import BATCH_SAMPLES, PREFETCH, length_batches
-from index.half_precision import probe_waves
-from index.loader import AUDIO_INPUTS, OnnxEncoder, encode_clips
+from index.audio.frontend import prepare_whole_clip
+from index.bundle import format as fmt
+from index.catalogue.embed_pass import BATCH_SAMPLES, PREFETCH, length_batches
+from index.catalogue.half_precision import probe_waves
+from index.runtime.loader import AUDIO_INPUTS, OnnxEncoder, encode_clips
 from tests.small_pe_audio import REAL_CODEC, RecordedEncoder, save_small_pe_audio
 
 RATE, HOP = 48_000, 1920
@@ -52,7 +52,7 @@ def catalogue(n: int, low: float, high: float) -> list[np.ndarray]:
 
 
 def pass_groups(clips: list[np.ndarray]) -> list[list[int]]:
-    """The clip groups the catalogue pass hands its encode function (index.catalogue_pass.clip_embedder)."""
+    """The clip groups the catalogue pass hands its encode function (index.catalogue.embed_pass.clip_embedder)."""
     groups: list[list[int]] = []
     window: list[int] = []
     for i in range(len(clips)):
@@ -89,7 +89,7 @@ def parity(path: Path) -> dict[str, dict[str, float]]:
     import torch
     import transformers
 
-    from index.half_precision import centred_cosines
+    from index.catalogue.half_precision import centred_cosines
     from training.models.pretrained_pe_audio import masked_pooled
 
     model = transformers.PeAudioModel.from_pretrained(path).eval()

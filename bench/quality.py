@@ -336,7 +336,7 @@ def evaluate_best(checkpoint: Path, manifest: Path, *, split: str) -> dict[str, 
     import torch
 
     from bench.quality_diagnostics import embedding_diagnostics
-    from index.metrics import retrieval_report
+    from index.metrics.retrieval import retrieval_report
     from training.checkpoint import load_checkpoint
     from training.evaluate import embed_clips, embed_texts, load_split, prepare_eval_set
 

@@ -2,7 +2,7 @@
 
 A Ray head is started on this machine (loopback, ``--num-cpus`` = the cores, its own temp
 dir) and the demo bundle's audio encoder embeds the demo corpus's clips (``--files`` of
-them, 5 s WAV) through :func:`index.ray_embed.embed_audio_files` — the pass
+them, 5 s WAV) through :func:`index.catalogue.ray_embed.embed_audio_files` — the pass
 `tonearm index --ray` runs — once with a pool of 1 actor and once with 2 (one CPU and one
 ONNX Runtime thread each). The single-process path (`tonearm index` without ``--ray``, one
 ONNX thread) is measured too, as the baseline a worker competes with.
@@ -45,11 +45,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # one-machine cluster on loopback
 
-from index.bundle import read_manifest  # noqa: E402
-from index.faiss_index import available_cores  # noqa: E402
-from index.loader import AUDIO_INPUTS, OnnxEncoder, encode_waveforms  # noqa: E402
-from index.own_audio import decode_file  # noqa: E402
-from index.ray_embed import RayOptions, embed_audio_files  # noqa: E402
+from index.bundle.format import read_manifest  # noqa: E402
+from index.catalogue.own_audio import decode_file  # noqa: E402
+from index.catalogue.ray_embed import RayOptions, embed_audio_files  # noqa: E402
+from index.engines.faiss_index import available_cores  # noqa: E402
+from index.runtime.loader import AUDIO_INPUTS, OnnxEncoder, encode_waveforms  # noqa: E402
 
 from benchlib import cpu_model, publish_section  # noqa: E402
 

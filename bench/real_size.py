@@ -251,9 +251,15 @@ def _rate(run: Any, seconds: float) -> tuple[float, np.ndarray]:
 
 def cmd_encoders(args: argparse.Namespace) -> None:
     """ONNX Runtime encoder throughput, fp32 vs dynamic int8, and their per-item agreement."""
-    from index.audio import eval_chunks
-    from index.loader import AUDIO_INPUTS, TEXT_INPUTS, OnnxEncoder, SessionConfig, audio_feeds
-    from index.tokenizer import TextTokenizer
+    from index.audio.decode import eval_chunks
+    from index.bundle.tokenizer import TextTokenizer
+    from index.runtime.loader import (
+        AUDIO_INPUTS,
+        TEXT_INPUTS,
+        OnnxEncoder,
+        SessionConfig,
+        audio_feeds,
+    )
     from training.bundle.quantize import cosines, quantize_model
 
     work = work_dir(args)
@@ -309,7 +315,7 @@ def served_mix_ceiling(path: Path, tokenizer: Any, *, dim: int, batch: int, seco
 
     from service_load import QUERIES
 
-    from index.loader import TEXT_INPUTS, OnnxEncoder, SessionConfig, encode_texts
+    from index.runtime.loader import TEXT_INPUTS, OnnxEncoder, SessionConfig, encode_texts
 
     rng = np.random.default_rng(0)
     batches = [[f"{QUERIES[q]} {i}-{q}-{time.perf_counter_ns()}" for q in rng.integers(0, len(QUERIES), batch)]

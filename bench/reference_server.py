@@ -32,9 +32,9 @@ from pydantic import BaseModel
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from index.audio import eval_chunks  # noqa: E402
-from index.bundle import read_manifest  # noqa: E402
-from index.evalset import read_jsonl  # noqa: E402
+from index.audio.decode import eval_chunks  # noqa: E402
+from index.bundle.evalset import read_jsonl  # noqa: E402
+from index.bundle.format import read_manifest  # noqa: E402
 from training.checkpoint import load_checkpoint  # noqa: E402
 
 

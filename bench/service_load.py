@@ -9,7 +9,7 @@ clients (asyncio, a minimal keep-alive HTTP/1.1 client each):
   never cached), at 1, 8, 16 and 32 concurrent clients;
 * against a bundle (``--bundle``, default the demo bundle) and against the same
   bundle with its clip index grown to synthetic 100 k and 1 M clips (unit vectors
-  scattered around the real clips, index chosen by size through ``index.faiss_index``; ``--synthetic-clips``);
+  scattered around the real clips, index chosen by size through ``index.engines.faiss_index``; ``--synthetic-clips``);
 * with ``--milvus``, the bundle once more through the Milvus backend (Milvus Lite:
   published by ``tonearm bundle publish`` to a local file first);
 * beside each tonearm server, the **reference peer** (bench/reference_server.py:
@@ -150,8 +150,8 @@ def synthetic_bundle(source: Path, parent: Path, clips: int, *, factory: str | N
     caption index still points at valid rows), then unit vectors scattered around them (ids ``syn-000000``…)."""
     import faiss
 
-    from index import bundle as fmt
-    from index.faiss_index import build_index, choose_factory, save_index
+    from index.bundle import format as fmt
+    from index.engines.faiss_index import build_index, choose_factory, save_index
 
     manifest = fmt.read_manifest(source)
     real = faiss.read_index(str(source / manifest.audio_index.file))

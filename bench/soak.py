@@ -306,7 +306,7 @@ class SoakResult:
 
 def _bundle_copy(src: Path, parent: Path, bundle_id: str) -> Path:
     """``src`` republished under another id (same encoders and indices: the gate passes it)."""
-    from index import bundle as fmt
+    from index.bundle import format as fmt
 
     manifest = fmt.read_manifest(src)
     with fmt.staged_bundle(parent, bundle_id) as staging:
@@ -319,7 +319,7 @@ def _bundle_copy(src: Path, parent: Path, bundle_id: str) -> Path:
 def run_soak(cfg: Config, work: Path) -> SoakResult:
     import httpx
 
-    from index.bundle import read_manifest
+    from index.bundle.format import read_manifest
 
     binary = shutil.which("redis-server")
     if binary is None:
@@ -335,7 +335,7 @@ def run_soak(cfg: Config, work: Path) -> SoakResult:
     milvus = None
     env_extra: dict[str, str] = {}
     if cfg.backend == "milvus":
-        from index.milvus_index import MilvusTarget, publish
+        from index.engines.milvus_index import MilvusTarget, publish
         from tests.milvus_server import MilvusStandalone
 
         milvus = MilvusStandalone(work / "milvus")

@@ -4,7 +4,7 @@ The CLI prints their message (no traceback) and exits with status 2; the service
 problems. ``tonearm.errors`` re-exports these names for code written against it. Anything that
 is not a :class:`TonearmError` is a bug and keeps its traceback.
 
-Index-backend errors live here too (not in :mod:`index.milvus_index`), so the loader and the
+Index-backend errors live here too (not in :mod:`index.engines.milvus_index`), so the loader and the
 service can tell them apart without importing pymilvus:
 
 * :class:`IndexUnavailable` — the backend cannot be reached (connection refused, UNAVAILABLE,

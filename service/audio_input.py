@@ -1,14 +1,14 @@
 """Uploaded audio: content sniffing, header probe against the limits, decoding.
 
 The declared ``Content-Type`` and file name are ignored; the container is
-recognised from its magic bytes (:mod:`index.audio_formats`, the one list that
+recognised from its magic bytes (:mod:`index.audio.formats`, the one list that
 ``tonearm index`` uses too), then soundfile reads the header so sample rate,
 channels and duration are checked *before* the samples are decoded, and the whole
 stream is decoded (a truncated file is refused, not searched with what is left).
 
 Decoding is bounded before it starts (docs/service.md, "Limits"): the header's frames × channels
 against ``TONEARM_MAX_DECODE_SAMPLES`` (the CPU a decode costs) and
-:func:`index.audio.decode_estimate` against ``TONEARM_MAX_DECODED_BYTES`` (its memory: one block of
+:func:`index.audio.decode.decode_estimate` against ``TONEARM_MAX_DECODED_BYTES`` (its memory: one block of
 every channel and the mono output; the decoder never holds every channel of the clip). Every decode
 of the process then holds its estimate in one :class:`DecodeBudget` (``TONEARM_DECODE_MEMORY_BYTES``)
 while it runs: concurrent decodes are bounded by memory, not only by the thread pool.
@@ -28,14 +28,14 @@ from typing import Any
 import numpy as np
 import soundfile as sf
 
-from index.audio import (
+from index.audio.decode import (
     AudioLimitError,
     check_decode_header,
     decode_audio,
     decode_estimate,
     libsndfile_message,
 )
-from index.audio_formats import SUPPORTED, sniff_format
+from index.audio.formats import SUPPORTED, sniff_format
 from index.errors import AudioDecodeError
 from service.errors import ServiceError
 

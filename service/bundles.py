@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from index.bundle import read_manifest
+from index.bundle.format import read_manifest
 from index.errors import BundleError, BundleNotPublished, IndexBackendError
 from service.allocator import freeze_long_lived, trim
 from service.cache import QueryCache
@@ -92,7 +92,7 @@ def default_opener(settings: Settings) -> Opener:
         import faiss
 
         from index.cpus import available_cores
-        from index.loader import LoadedBundle
+        from index.runtime.loader import LoadedBundle
 
         faiss.omp_set_num_threads(settings.faiss_threads)  # process-wide; set before the first search
         providers = [name.strip() for name in settings.onnx_providers.split(",") if name.strip()]
@@ -176,9 +176,9 @@ class GatedBundle:
 
 
 def session_config(settings: Settings, *, threads: int | None = None) -> Any:
-    """The encoders' ONNX Runtime options from the settings (:class:`index.loader.SessionConfig`);
+    """The encoders' ONNX Runtime options from the settings (:class:`index.runtime.loader.SessionConfig`);
     ``threads`` overrides ``onnx_threads`` (the resolved value when that is 0, auto)."""
-    from index.loader import SessionConfig
+    from index.runtime.loader import SessionConfig
 
     return SessionConfig(
         threads=threads if threads is not None else settings.onnx_threads or None,
@@ -192,7 +192,7 @@ def milvus_target(settings: Settings, *, items: bool = False) -> Any:
     the added items live in, whichever backend serves the bundles)."""
     if not settings.milvus_uri or (settings.index_backend != "milvus" and not items):
         return None
-    from index.milvus_index import MilvusTarget
+    from index.engines.milvus_index import MilvusTarget
 
     token = settings.milvus_token.get_secret_value() if settings.milvus_token else None
     return MilvusTarget(

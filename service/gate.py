@@ -13,7 +13,7 @@ Like with like (decided here, docs/service.md "Quality gate"):
   100: chance t2a R@10 is then ≤ 10 %) is refused without ``--force``.
 - **A margin that accounts for the sample.** The per-query differences of the gate metric
   (``gate_metric``, default ``t2a_R@10_mean``) give a seeded paired bootstrap interval over
-  clips (:mod:`index.paired`); the candidate passes when the interval's lower end is at
+  clips (:mod:`index.metrics.paired`); the candidate passes when the interval's lower end is at
   least ``−gate_max_recall_drop`` — it must be shown *not worse than allowed*, a
   non-inferiority test, so a noisy set cannot wave a bad model through.
 - text→audio MRV must not rise above ``active × gate_max_mrv_ratio + gate_mrv_slack``
@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from index.metrics import retrieval_report
-from index.paired import PairedInterval, QueryTable, paired_bootstrap, query_table
+from index.metrics.paired import PairedInterval, QueryTable, paired_bootstrap, query_table
+from index.metrics.retrieval import retrieval_report
 
 MRV_KEY = "mrv_t2a"
 SHOWN = ("t2a_R@1_mean", "t2a_R@10_mean", "a2t_R@10_mean", "t2a_mAP@10_mean", MRV_KEY)
@@ -122,8 +122,8 @@ def eval_data(bundle: Any) -> EvalData:
 
 def configured_set(path: Path) -> GateSet:
     """``TONEARM_GATE_SET``: a bundle directory whose held-out set (``eval/``) is the gate set."""
-    from index.bundle import EVAL_DIR, read_manifest
-    from index.evalset import read_eval_set
+    from index.bundle.evalset import read_eval_set
+    from index.bundle.format import EVAL_DIR, read_manifest
 
     manifest = read_manifest(path)
     if manifest.eval_set is None:

@@ -1,8 +1,8 @@
 """Items added through the API, for the service: the shared write-ahead log and each bundle's overlay.
 
-Storage is :mod:`index.item_log` (a JSONL log + content-addressed audio on the bundles volume,
+Storage is :mod:`index.items.log` (a JSONL log + content-addressed audio on the bundles volume,
 ``<bundles_dir>/.items`` unless ``TONEARM_ITEMS_DIR`` says otherwise) and search is
-:mod:`index.overlay`; this module embeds (decodes the stored audio and runs the bundle's own
+:mod:`index.items.overlay`; this module embeds (decodes the stored audio and runs the bundle's own
 encoders) and keeps every loaded bundle's overlay in step with the log:
 
 * a ``POST``/``DELETE`` appends to the log (fsync'd) and then brings the active bundle's overlay
@@ -14,7 +14,7 @@ encoders) and keeps every loaded bundle's overlay in step with the log:
   its overlay is synced: a bundle of another model re-embeds the added items from their stored
   audio then, after its quality gate judged the bundle alone;
 * the follower also compacts the log when most of it is records of replaced or deleted items
-  (``TONEARM_ITEMS_COMPACT_MIN``, :meth:`index.item_log.ItemLog.compact`), off the request path;
+  (``TONEARM_ITEMS_COMPACT_MIN``, :meth:`index.items.log.ItemLog.compact`), off the request path;
 * a record whose stored audio cannot be embedded (missing, over a limit lowered since, undecodable)
   is *quarantined*: its row is dead (no search returns it; it still replaces the id's earlier item
   or clip), it is counted on ``/metrics`` and listed by ``GET /v1/items?status=quarantined`` — one
@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from index.item_log import AUDIO_DIR, ItemLog, ItemRecord
-from index.overlay import ItemOverlay, build_overlay
+from index.items.log import AUDIO_DIR, ItemLog, ItemRecord
+from index.items.overlay import ItemOverlay, build_overlay
 from service.audio_input import decode_upload, limits_of
 from service.errors import ServiceError
 from service.settings import Settings
@@ -199,7 +199,7 @@ class ItemStore:
 
     def _embed_audio(self, bundle: object, records: Sequence[ItemRecord], *, missing: list[str]) -> np.ndarray:
         """The records' audio embeddings; a record that cannot be embedded is quarantined and gets a
-        row of NaN (:data:`index.overlay.AudioEmbedder`: its row is added dead).
+        row of NaN (:data:`index.items.overlay.AudioEmbedder`: its row is added dead).
 
         Decoded :data:`EMBED_BATCH` records at a time and encoded before the next are decoded: a replay
         (replica start, a swap's re-embedding) passes every record of the log, and holding all their

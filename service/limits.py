@@ -20,7 +20,7 @@ CAPTIONS_MAX = 16
 """Most languages in one consistency diagnosis."""
 JSON_DEPTH_MAX = 64
 """Deepest nesting of arrays and objects in any JSON the API reads (bodies, the ``filter`` query
-parameter, form fields): far above what it takes (a filter nests 8 levels, ``index.filters.MAX_DEPTH``)
+parameter, form fields): far above what it takes (a filter nests 8 levels, ``index.engines.filters.MAX_DEPTH``)
 and far below ``json.loads``'s recursion, which reaches Python's recursion limit at ~1,000 levels —
 there, whatever else runs in the thread at that moment (a garbage collection's callback: the GC pause
 metric) fails with ``RecursionError`` too. Deeper JSON is refused before it is parsed."""

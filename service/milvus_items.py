@@ -5,7 +5,7 @@ the engine every replica already talks to, not in a file log on a shared volume 
 is that design, kept for FAISS): replicas share them through Milvus, none keeps a copy, and a write
 acknowledged by one replica is seen by the next search of any other (``Strong`` reads).
 
-* **Records** — ``<prefix>_items_records`` (a :class:`index.milvus_items.MilvusItemStore` with a
+* **Records** — ``<prefix>_items_records`` (a :class:`index.items.milvus_store.MilvusItemStore` with a
   2-d dummy vector: Milvus 2.3 needs a vector field) holds one row per id, independent of any model:
   an added item's record (``doc``: its audio's key in the audio store, metadata, captions, time and
   a *digest* of all three) or a delete (a takedown row). A delete is kept as a takedown: it hides the
@@ -46,17 +46,17 @@ from typing import Any
 
 import numpy as np
 
-from index.filters import Filter
-from index.item_log import RECORD_MAX_FIELDS, ItemRecord, _now, check_metadata
-from index.milvus_index import MilvusTarget
-from index.milvus_items import (
+from index.engines.filters import Filter
+from index.engines.milvus_index import MilvusTarget
+from index.items.log import RECORD_MAX_FIELDS, ItemRecord, _now, check_metadata
+from index.items.milvus_store import (
     DOC_FIELD,
     ORDER_FIELD,
     MilvusItemStore,
     flush_each_write,
     flushed_together,
 )
-from index.overlay import AddedItem
+from index.items.overlay import AddedItem
 from service.audio_input import DecodedAudio, decode_upload, limits_of
 from service.errors import ServiceError
 from service.searcher import index_calls
@@ -231,7 +231,7 @@ class MilvusCatalogue:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.flush = True
-        """Item writes flush before they return (:func:`index.milvus_items.flush_each_write`; set by :meth:`open`)."""
+        """Item writes flush before they return (:func:`index.items.milvus_store.flush_each_write`; set by :meth:`open`)."""
 
     def open(self) -> MilvusCatalogue:
         """Create (or find) the records collection and check the audio store takes writes; raises

@@ -17,8 +17,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from index.filters import filter_json_schema_name as filter_schema_name
-from index.filters import filter_json_schemas
+from index.engines.filters import filter_json_schema_name as filter_schema_name
+from index.engines.filters import filter_json_schemas
 
 TEXT_REQUESTS = ("TextSearchRequest", "TextBatchRequest", "MomentSearchRequest")
 

@@ -14,7 +14,7 @@ from pydantic import (
     WithJsonSchema,
 )
 
-from index.filters import FilterError, parse_filter
+from index.engines.filters import FilterError, parse_filter
 from service.limits import BATCH_MAX, CAPTIONS_MAX, K_MAX, QUERY_MAX_CHARS
 
 LANG_FIELD = Field(
@@ -48,7 +48,7 @@ Score = Annotated[float, Field(ge=-1.0, le=1.0), BeforeValidator(_json_number)]
 
 
 def _filter_form(value: Any) -> Any:
-    """A filter's form and limits (index.filters.parse_filter); fields are checked against the catalogue
+    """A filter's form and limits (index.engines.filters.parse_filter); fields are checked against the catalogue
     when the search runs (``invalid-filter``)."""
     try:
         parse_filter(value)
@@ -235,7 +235,7 @@ class HeldoutReportResponse(BaseModel):
     per_language: dict[str, LanguageMetrics]
     mrv_t2a: float | None = None
     mrv_a2t: float | None = None
-    report: dict[str, float] = Field(description="Every key of index.metrics.retrieval_report.")
+    report: dict[str, float] = Field(description="Every key of index.metrics.retrieval.retrieval_report.")
 
 
 class IndexOut(BaseModel):

@@ -19,9 +19,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from index.audio import decode_audio
-from index.errors import IndexBackendError, IndexTimeout
-from index.filters import (
+from index.audio.decode import decode_audio
+from index.engines.filters import (
     Filter,
     FilterError,
     MetadataTable,
@@ -29,11 +28,18 @@ from index.filters import (
     merged_kinds,
     parse_filter,
 )
+from index.errors import IndexBackendError, IndexTimeout
+from index.items.overlay import AddedItem, ItemOverlay, merge_top_k
 from index.languages import ENGLISH
-from index.metrics import dis, gap, mean_rank_std, mean_rank_variance, t2a_ranks_from_embeddings
-from index.moment_index import HOP_FRACTION, LONG_RECORDING_WINDOWS, WindowIndex, embed_windows
-from index.overlay import AddedItem, ItemOverlay, merge_top_k
-from index.report import METRIC_CONVENTION
+from index.metrics.report import METRIC_CONVENTION
+from index.metrics.retrieval import (
+    dis,
+    gap,
+    mean_rank_std,
+    mean_rank_variance,
+    t2a_ranks_from_embeddings,
+)
+from index.moments.windows import HOP_FRACTION, LONG_RECORDING_WINDOWS, WindowIndex, embed_windows
 from service.cache import (
     QueryCache,
     cache_key,
@@ -79,7 +85,7 @@ def index_calls() -> Iterator[None]:
 
 
 class BundleLike(Protocol):
-    """The part of :class:`index.loader.LoadedBundle` the service uses."""
+    """The part of :class:`index.runtime.loader.LoadedBundle` the service uses."""
 
     path: Path
     bundle_id: str
@@ -287,7 +293,7 @@ class Searcher:
         """Items added through the API (service.items keeps it in step with the log); replaced whole."""
         self.items_lock = threading.Lock()
         self.catalogue_id = ""
-        """The item log's id (:attr:`index.item_log.ItemLog.log_id`, set by service.items before this
+        """The item log's id (:attr:`index.items.log.ItemLog.log_id`, set by service.items before this
         bundle goes live; "" without items): cached results name it beside the log's version."""
         self.engine_items: EngineItems | None = None
         """Added items in the index engine (service.milvus_items sets it before this bundle goes live);
@@ -303,7 +309,7 @@ class Searcher:
 
     @property
     def catalogue(self) -> MetadataTable:
-        """The clips' metadata as columns (:mod:`index.filters`), built once on first use."""
+        """The clips' metadata as columns (:mod:`index.engines.filters`), built once on first use."""
         with self._gallery_lock:
             if self._catalogue is None:
                 self._catalogue = MetadataTable.from_items(self.bundle.audio_items)
@@ -347,7 +353,7 @@ class Searcher:
         *, bundle_allowed: np.ndarray | None = None, added_allowed: np.ndarray | None = None,
         exclude: str | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Top-``k`` catalogue rows (bundle clips, then added items: :mod:`index.overlay`): the
+        """Top-``k`` catalogue rows (bundle clips, then added items: :mod:`index.items.overlay`): the
         bundle's index without its hidden rows, merged with the exact ranking of the added items.
         ``bundle_allowed``/``added_allowed`` override the filter's masks; ``exclude``: an added item's id
         never returned (with the engine; the overlay takes ``added_allowed``)."""
@@ -771,7 +777,7 @@ class Searcher:
         stored_audio: Callable[[str], Path | None] | None = None,
     ) -> list[MomentResult]:
         """Top-``k`` moments of the bundle's long recordings for one query vector (text or audio),
-        best first (:mod:`index.moment_index`); ``no-moment-index`` when the bundle has none.
+        best first (:mod:`index.moments.windows`); ``no-moment-index`` when the bundle has none.
         ``stored_audio``: the item log's file of an added item's audio (its long recordings join in)."""
         opener = getattr(self.bundle, "moment_windows", None)
         windows = opener() if callable(opener) else None
@@ -902,7 +908,7 @@ class Searcher:
             return self._heldout
 
     def _target_ranks(self, embeddings: np.ndarray, target_id: str | None) -> np.ndarray | None:
-        """1-based rank of the target among all clips, pessimistic ties (as :mod:`index.metrics`).
+        """1-based rank of the target among all clips, pessimistic ties (as :mod:`index.metrics.retrieval`).
 
         Exact from the clip embeddings when available; otherwise from a search over every
         clip (exact for the Flat indices of collections up to 100 k clips)."""

@@ -188,7 +188,7 @@ class Settings(BaseSettings):
     decoding): what its decoding costs in CPU. Default: a minute of 192-kHz stereo; a minute of
     192-kHz 8-channel audio (a 93-KB FLAC when silent) is refused (docs/service.md, "Limits")."""
     max_decoded_bytes: int = Field(default=32 * 1024 * 1024, ge=1 << 20)
-    """Most memory one decode may allocate (index.audio.decode_estimate: one block of every channel
+    """Most memory one decode may allocate (index.audio.decode.decode_estimate: one block of every channel
     and the mono output at the model's rate), checked from the header."""
     decode_memory_bytes: int = Field(default=128 * 1024 * 1024, ge=1 << 20)
     """Memory budget of the decodes a process runs at once (uploads and item embedding): a decode
@@ -198,7 +198,7 @@ class Settings(BaseSettings):
 
     # --- quality gate ---
     gate_metric: str = Field(default="t2a_R@10_mean", pattern=r"^(t2a|a2t)_(R@\d+|mAP@10)_mean$")
-    """Recall metric compared by the gate (a per-query key of index.metrics.retrieval_report)."""
+    """Recall metric compared by the gate (a per-query key of index.metrics.retrieval.retrieval_report)."""
     gate_max_recall_drop: float = Field(default=0.02, ge=0, le=1)
     """Reject when the lower end of the bootstrap interval of (candidate − active) recall is below −this."""
     gate_set: Path | None = None

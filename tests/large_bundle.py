@@ -41,7 +41,7 @@ def build_large_bundle(tiny_bundle: Path, parent: Path, *, n_audio: int = N_AUDI
     only published (bench/milvus_publish.py): its encoders no longer match, so it cannot be served."""
     import faiss
 
-    from index import bundle as fmt
+    from index.bundle import format as fmt
 
     manifest = fmt.read_manifest(tiny_bundle)
     assert manifest.text_index is not None

@@ -228,7 +228,7 @@ def unpublish(uri: str, *bundle_ids: str) -> None:
     """Remove bundles from a Milvus the session shares (its two collections and its registry row), for a
     test that needs a bundle *not* published: other tests publish the same session bundles to the
     session's server (tests/service/test_items_in_milvus.py publishes ``real_bundles`` a and b)."""
-    from index.milvus_index import KINDS, MilvusTarget, alias_target
+    from index.engines.milvus_index import KINDS, MilvusTarget, alias_target
 
     target = MilvusTarget(uri=uri)
     client = target.client()

@@ -84,7 +84,7 @@ def save_small_pe_audio_video(directory: Path, pe_audio_dir: Path) -> Path:
 
 
 class RecordedEncoder:
-    """A real :class:`index.loader.OnnxEncoder` that records the ``waveform`` shape of each call (and
+    """A real :class:`index.runtime.loader.OnnxEncoder` that records the ``waveform`` shape of each call (and
     whether a ``padding_mask`` came with it): how many calls a pass makes, and of which shapes."""
 
     def __init__(self, encoder: Any) -> None:

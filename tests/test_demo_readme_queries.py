@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from index.languages import DEFAULT_LANGUAGES
-from index.loader import LoadedBundle
+from index.runtime.loader import LoadedBundle
 from tests.conftest import ROOT
 from tonearm.demo import cached_demo_bundle, demo_root
 

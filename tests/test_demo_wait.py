@@ -75,14 +75,14 @@ def test_the_cache_key_follows_the_config_and_the_build_code_and_the_corpus_only
     tmp_path, monkeypatch
 ):
     for rel in ("configs/demo.yaml", "configs/default.yaml", "training/loop.py", "training/data/synth.py",
-                "index/languages.py", "index/bundle.py"):
+                "index/languages.py", "index/bundle/format.py"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(f"# {rel}\n")
     monkeypatch.setattr(demo, "ROOT", tmp_path)
     monkeypatch.setattr(demo, "DEMO_CONFIG", tmp_path / "configs" / "demo.yaml")
     recipe, corpus = demo.config_fingerprint(), demo.corpus_fingerprint("small")
     keys = []
-    for rel in ("configs/demo.yaml", "training/loop.py", "index/bundle.py", "training/data/synth.py"):
+    for rel in ("configs/demo.yaml", "training/loop.py", "index/bundle/format.py", "training/data/synth.py"):
         (tmp_path / rel).write_text((tmp_path / rel).read_text() + "# changed\n")
         keys.append((demo.config_fingerprint(), demo.corpus_fingerprint("small")))
     assert len({recipe, *(k[0] for k in keys)}) == 5  # every change → a new build

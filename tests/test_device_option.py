@@ -3,7 +3,7 @@ provider, and where this onnxruntime has none the command stops before any work 
 (exit status 2) — it never runs on the CPU when a GPU was asked for. On a machine with the CUDA
 provider the refusal cannot happen; the CUDA pass itself is checked where a GPU is lent.
 
-`--precision fp16` (index.half_precision) runs only with `--device cuda`: elsewhere it is refused in one
+`--precision fp16` (index.catalogue.half_precision) runs only with `--device cuda`: elsewhere it is refused in one
 line before any work (the fp16 copies and their gate are tested on the CPU provider in
 tests/training/test_half_precision.py).
 
@@ -21,7 +21,7 @@ import onnxruntime as ort
 import pytest
 
 from index.errors import TonearmError
-from index.loader import device_providers
+from index.runtime.loader import device_providers
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
 
@@ -73,7 +73,7 @@ def test_a_gpu_session_that_falls_back_to_the_cpu_is_refused(tmp_path: Path) -> 
     import onnx
     from onnx import TensorProto, helper
 
-    from index.loader import OnnxEncoder
+    from index.runtime.loader import OnnxEncoder
 
     graph = helper.make_graph([helper.make_node("Identity", ["x"], ["embedding"])], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],

@@ -206,7 +206,7 @@ def _add_index(sub: argparse._SubParsersAction) -> None:
     milvus.add_argument("--milvus-token-env", metavar="VAR", help="environment variable holding the Milvus token")
     milvus.add_argument("--milvus-index", choices=("FLAT", "IVF_FLAT", "HNSW", "AUTOINDEX"), default=None,
                         help="Milvus index type of the collection (default FLAT = exact)")
-    p.set_defaults(handler=_lazy("index.own_audio:cli_index", "service"))
+    p.set_defaults(handler=_lazy("index.catalogue.own_audio:cli_index", "service"))
 
 
 def _add_device_option(p: argparse.ArgumentParser) -> None:
@@ -274,10 +274,10 @@ def _add_bundle(sub: argparse._SubParsersAction) -> None:
     bsub = p.add_subparsers(dest="bundle_command", required=True)
     verify = bsub.add_parser("verify", help="checksums, dimensions, ONNX shapes, index sizes")
     verify.add_argument("dir")
-    verify.set_defaults(handler=_lazy("index.bundle_cli:cli_verify", "service"))
+    verify.set_defaults(handler=_lazy("index.runtime.cli:cli_verify", "service"))
     evaluate = bsub.add_parser("eval", help="metrics (docs/metrics.md) from the ONNX encoders and FAISS indices only")
     evaluate.add_argument("dir")
-    evaluate.set_defaults(handler=_lazy("index.bundle_cli:cli_eval", "service"))
+    evaluate.set_defaults(handler=_lazy("index.runtime.cli:cli_eval", "service"))
     publish = bsub.add_parser(
         "publish", help="write a bundle's vectors to Milvus collections named by its id (docs/service.md)"
     )
@@ -286,7 +286,7 @@ def _add_bundle(sub: argparse._SubParsersAction) -> None:
     publish.add_argument("--milvus-token-env", metavar="VAR", help="environment variable holding the Milvus token")
     publish.add_argument("--milvus-index", default="FLAT", choices=("FLAT", "IVF_FLAT", "HNSW", "AUTOINDEX"),
                          help="Milvus index type of the collections (FLAT = exact)")
-    publish.set_defaults(handler=_lazy("index.milvus_index:cli_publish", "milvus"))
+    publish.set_defaults(handler=_lazy("index.engines.milvus_index:cli_publish", "milvus"))
     for name, help_text in (
         ("list", "bundles known to a running service"),
         ("activate", "activate a bundle on a running service (runs the quality gate)"),
@@ -350,14 +350,14 @@ def _add_items(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--items-dir", metavar="DIR", help="the item log's directory (TONEARM_ITEMS_DIR)")
     where.add_argument("--bundles-dir", metavar="DIR", help="the bundles directory (its log is DIR/.items)")
     export.add_argument("--out", required=True, help="new folder (must not exist)")
-    export.set_defaults(handler=_lazy("index.item_export:cli_export", "service"))
+    export.set_defaults(handler=_lazy("index.items.export:cli_export", "service"))
     compact = isub.add_parser(
         "compact", help="rewrite the log as its live items and deletes and remove the audio no live item uses "
         "(safe while replicas serve it; docs/service.md, Items, Compaction)")
     where = compact.add_mutually_exclusive_group(required=True)
     where.add_argument("--items-dir", metavar="DIR", help="the item log's directory (TONEARM_ITEMS_DIR)")
     where.add_argument("--bundles-dir", metavar="DIR", help="the bundles directory (its log is DIR/.items)")
-    compact.set_defaults(handler=_lazy("index.item_log:cli_compact", "service"))
+    compact.set_defaults(handler=_lazy("index.items.log:cli_compact", "service"))
 
 
 def _add_train_moments(sub: argparse._SubParsersAction) -> None:

@@ -30,9 +30,9 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from index.bundle import fsync_path
+from index.bundle.format import fsync_path
+from index.bundle.tokenizer import TextTokenizer
 from index.errors import TonearmError
-from index.tokenizer import TextTokenizer
 from training.config import TrainConfig
 from training.models.dual_encoder import DualEncoder, build_dual_encoder
 

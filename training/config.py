@@ -40,7 +40,7 @@ class FrontendConfig(_Strict):
     f_max: float = 8_000.0
     short_clip_padding: Literal["auto", "pad", "repeatpad", "repeat", "frames", "reflect"] = "auto"
     """How clips shorter than ``data.clip_seconds`` reach the audio tower, in training, evaluation and
-    the exported bundle alike (:mod:`index.audio_frontend`): ``pad`` = zeros after the clip;
+    the exported bundle alike (:mod:`index.audio.frontend`): ``pad`` = zeros after the clip;
     ``repeatpad`` / ``repeat`` = tiled as CLAP's feature extractor does. ``auto`` = the model's own:
     an `hf_clap` tower's extractor setting (``preprocessor_config.json``, else CLAP's default
     ``repeatpad``), ``reflect`` for an `hf_pe_audio` tower (the clip at its own length, reflect-padded to
@@ -301,7 +301,7 @@ class TrainConfig(_Strict):
 
 def model_short_clip_padding(audio: AudioTowerConfig) -> Literal["pad", "repeatpad", "repeat", "frames", "reflect"]:
     """The padding a tower's own feature extractor applies to short clips (see ``short_clip_padding``):
-    AST's extractor pads fbank frames (``frames``, :mod:`index.audio_frontend`), CLAP's reads its
+    AST's extractor pads fbank frames (``frames``, :mod:`index.audio.frontend`), CLAP's reads its
     ``padding``; every other tower zero-pads the waveform."""
     if audio.kind == "hf_ast":
         return "frames"

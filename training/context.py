@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from index.tokenizer import TextTokenizer
+from index.bundle.tokenizer import TextTokenizer
 from training import distributed
 from training.config import ConfigError, DataConfig, FrontendConfig
 from training.data.dataset import eval_captions

@@ -3,7 +3,7 @@
 The evaluator only embeds and delegates: captions through the tokenizer and text
 tower; audio through ``eval_audio_chunks`` (center crop or chunk-and-average, SPEC §2)
 and the audio tower, chunk embeddings averaged and re-normalized per clip; the
-numbers come from :func:`index.metrics.retrieval_report`.
+numbers come from :func:`index.metrics.retrieval.retrieval_report`.
 
 ``tonearm evaluate CHECKPOINT --data MANIFEST --split test [--out DIR]`` writes
 ``report.json``, ``report.md`` and ``languages.png`` and prints a table.
@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from index.bundle.tokenizer import TextTokenizer
 from index.errors import AudioDecodeError, DataError
-from index.tokenizer import TextTokenizer
 from training.config import DataConfig, FrontendConfig, short_clip_padding
 from training.data.dataset import EvalCaptions, eval_audio_chunks, eval_captions
 from training.data.manifest import ClipRecord
@@ -240,7 +240,7 @@ def embed_texts(
 def stack_windows(chunks: Sequence[np.ndarray]) -> np.ndarray:
     """Every clip's windows as one (W, n) array. Windows of different lengths (a PE-Audio clip longer than
     the window is one window of its own length) are right-padded with NaN, the marker the ``hf_pe_audio``
-    tower reads as "no audio here" (:mod:`index.audio_frontend`), so each runs at its own length."""
+    tower reads as "no audio here" (:mod:`index.audio.frontend`), so each runs at its own length."""
     if not chunks:
         return np.zeros((0, 1), np.float32)
     width = max(c.shape[1] for c in chunks)
@@ -288,7 +288,7 @@ def evaluate_prepared(
     num_workers: int = 0,
 ) -> dict[str, float]:
     """SPEC §5 report of `model` on a prepared split (`progress`: bars on stderr)."""
-    from index.metrics import retrieval_report
+    from index.metrics.retrieval import retrieval_report
 
     captions = eval_set.captions
     audio = embed_clips(
@@ -312,7 +312,7 @@ def evaluate_prepared(
 def report_keys(languages: Sequence[str]) -> list[str]:
     """Names of the metrics a report over `languages` can contain (for `eval.select_metric`)."""
     from index.languages import ENGLISH
-    from index.metrics import DIRECTIONS, RETRIEVAL_METRICS
+    from index.metrics.retrieval import DIRECTIONS, RETRIEVAL_METRICS
 
     keys = [
         f"{direction}_{metric}_{group}"
@@ -378,7 +378,7 @@ def write_report(
     report: dict[str, float], *, languages: Sequence[str], out_dir: Path, meta: dict[str, Any]
 ) -> None:
     """`report.json` (metrics + provenance), `report.md` and `languages.png` in `out_dir`."""
-    from index.report import METRIC_CONVENTION, format_report_markdown
+    from index.metrics.report import METRIC_CONVENTION, format_report_markdown
     from training.plots import plot_language_report
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -410,7 +410,7 @@ def cli_evaluate(args: argparse.Namespace) -> int:
     """`tonearm evaluate CHECKPOINT --data MANIFEST --split SPLIT [--out DIR]`."""
     from rich.console import Console
 
-    from index.report import format_report_rich
+    from index.metrics.report import format_report_rich
     from training.checkpoint import load_checkpoint
     from training.runtime import resolve_device
 

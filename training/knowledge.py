@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from index.faiss_index import faiss_gpu_count
+from index.engines.faiss_index import faiss_gpu_count
 from training import distributed
 
 log = logging.getLogger(__name__)

@@ -450,7 +450,7 @@ def build_model(
 
 def build_tokenizer_once(cfg: TrainConfig, texts: Iterable[str], runtime: Runtime) -> Any:
     """Rank 0 trains the tokenizer and the other ranks load its file, so every rank has the same vocabulary."""
-    from index.tokenizer import TextTokenizer
+    from index.bundle.tokenizer import TextTokenizer
     from training.models.tokenizer import build_tokenizer
 
     if not runtime.distributed:

@@ -122,7 +122,7 @@ def hf_configs_for(model_cfg: ModelConfig, notes: list[str]) -> dict[str, dict[s
 
 def _checkpoint_model(folder: Path, key: str) -> tuple[ModelConfig, Any, dict[str, dict[str, Any]], int]:
     """(model config, frontend config, hf_configs, vocabulary) of a checkpoint directory, no weights read."""
-    from index.tokenizer import TextTokenizer
+    from index.bundle.tokenizer import TextTokenizer
 
     try:
         saved = TrainConfig.model_validate(json.loads((folder / "config.json").read_text(encoding="utf-8")))

@@ -1,4 +1,4 @@
-"""`tonearm evaluate BUNDLE --data M --moments`: the moment report of a bundle (index/moment_eval.py)."""
+"""`tonearm evaluate BUNDLE --data M --moments`: the moment report of a bundle (index/moments/evaluate.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 from rich.console import Console
 
 from index.errors import TonearmError
-from index.loader import LoadedBundle
-from index.moment_eval import evaluate_moments, format_moment_report
+from index.moments.evaluate import evaluate_moments, format_moment_report
+from index.runtime.loader import LoadedBundle
 from training.data.manifest import load_manifest
 
 log = logging.getLogger(__name__)

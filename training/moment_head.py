@@ -1,12 +1,12 @@
 """`tonearm train-moments`: train the temporal moment head on a bundle's frozen window embeddings.
 
 Features come from the bundle's own ONNX encoders and the windows of the sliding-window baseline
-(:func:`index.moment_index.embed_windows`, window = the bundle's clip, hop = the evaluator's), so
+(:func:`index.moments.windows.embed_windows`, window = the bundle's clip, hop = the evaluator's), so
 the head sees exactly what the index stores. Each (recording, language, caption) of the manifest's
 moments (docs/corpus.md, "Moments") is one training example; the objective is built by the
 registry (``moment_span``, training/objectives/moment_span.py). The head is exported to
 ``OUT/moment_head.onnx`` (checked against torch with onnxruntime at export) and
-``OUT/moment_head.json``; :mod:`index.moment_head` runs it without torch.
+``OUT/moment_head.json``; :mod:`index.moments.head` runs it without torch.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from index.moment_head import HEAD_INFO, HEAD_ONNX
+from index.moments.head import HEAD_INFO, HEAD_ONNX
 from training.models.moment_head import MomentHead
 from training.objectives.registry import build_moment_loss
 
@@ -44,9 +44,9 @@ class MomentExample:
 
 def bundle_examples(bundle: Any, records: Sequence[Any], languages: Sequence[str]) -> list[MomentExample]:
     """One example per (recording, language, caption text) of ``records``' moments."""
-    from index.audio import decode_audio
-    from index.moment_eval import moment_queries
-    from index.moment_index import HOP_FRACTION, embed_windows
+    from index.audio.decode import decode_audio
+    from index.moments.evaluate import moment_queries
+    from index.moments.windows import HOP_FRACTION, embed_windows
 
     window = int(bundle.clip_samples)
     hop = max(1, int(round(window * HOP_FRACTION)))
@@ -123,7 +123,7 @@ def train_head(examples: Sequence[MomentExample], *, seed: int = 0, steps: int =
 def export_head(head: MomentHead, out_dir: Path, *, window_seconds: float, hop_seconds: float,
                 extra: dict[str, Any] | None = None) -> Path:
     """Write ``moment_head.onnx`` + ``moment_head.json``; checks onnxruntime against torch (atol 1e-4)."""
-    from index.moment_head import MomentHeadModel
+    from index.moments.head import MomentHeadModel
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +150,7 @@ def export_head(head: MomentHead, out_dir: Path, *, window_seconds: float, hop_s
 def cli_train_moments(args: argparse.Namespace) -> int:
     """``tonearm train-moments --bundle DIR --manifest M --out DIR [--split train] [--seed N] [--steps N]``."""
     from index.languages import DEFAULT_LANGUAGES
-    from index.loader import LoadedBundle
+    from index.runtime.loader import LoadedBundle
     from training.data.manifest import load_manifest
 
     records = load_manifest(Path(args.manifest), languages=DEFAULT_LANGUAGES, split=args.split)

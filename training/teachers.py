@@ -304,7 +304,7 @@ def crop_covers_clips(records: Sequence[_Record], *, clip_seconds: float) -> boo
 
 NAN_TAIL_PADDINGS = ("frames", "reflect")
 """Short-clip paddings whose training batches carry a NaN tail (AST's ``frames``, PE-Audio's ``reflect``:
-index/audio_frontend.py), read only by the towers that asked for them."""
+index/audio/frontend.py), read only by the towers that asked for them."""
 
 
 def _load_teacher(directory: Any, *, device: torch.device, frontend: FrontendConfig) -> Teacher:

@@ -59,7 +59,7 @@ def evaluate_shared(
         with autocast():
             return evaluate_prepared(model, tokenizer, eval_set, batch_size=batch_size, device=device,
                                      progress=progress, num_workers=num_workers)
-    from index.metrics import retrieval_report
+    from index.metrics.retrieval import retrieval_report
 
     records, texts = eval_set.records, eval_set.captions.texts
     costs = clip_costs(eval_set)

@@ -10,7 +10,7 @@ an unsatisfiable range gets 416; anything else the full file (200). Browsers' ``
 elements seek with exactly these requests.
 
 Items added through ``POST /v1/items`` are served too: their audio as uploaded, from the item
-log's content-addressed store (``audio/<sha256>.<format>``, :mod:`index.item_log`), with the
+log's content-addressed store (``audio/<sha256>.<format>``, :mod:`index.items.log`), with the
 media type of the format the upload was recognised as. The catalogue a search sees decides what
 is served: an added item wins over a bundle clip of its id (an upsert replaces the clip), and a
 deleted item or a taken-down clip is 404 like an unknown id. Their answers are not cached by
@@ -26,7 +26,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from index.item_log import ItemLog
+from index.items.log import ItemLog
 from service.deps import SearcherDep, SettingsDep, StateDep
 from service.errors import ServiceError
 from service.routes import ShallowJsonRoute

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from fastapi import APIRouter
 
-from index.metrics import RETRIEVAL_METRICS
+from index.metrics.retrieval import RETRIEVAL_METRICS
 from service.deps import PoolDep, SearcherDep
 from service.routes import ShallowJsonRoute
 from service.schemas import (

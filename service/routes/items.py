@@ -1,6 +1,6 @@
 """Item routes (admin): add, replace, delete and read the catalogue's items (docs/service.md, Items).
 
-Storage and search of items live in the index layer (:mod:`index.item_log`, :mod:`index.overlay`);
+Storage and search of items live in the index layer (:mod:`index.items.log`, :mod:`index.items.overlay`);
 :mod:`service.items` embeds them and keeps the loaded bundles in step; this module is HTTP only:
 multipart parsing, validation into problem documents, and the order that makes a 201 mean
 "durable and searchable": decode (refuse bad audio) → write-ahead record (fsync) → sync the
@@ -19,14 +19,14 @@ from fastapi import APIRouter, Depends, Query, Request
 from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException
 
-from index.filters import (
+from index.engines.filters import (
     MAX_FIELD_CHARS,
     MAX_STRING_CHARS,
     MAX_VALUES,
     filterable_metadata,
     item_metadata,
 )
-from index.item_log import (
+from index.items.log import (
     MAX_METADATA_FIELDS,
     ItemError,
     ItemRecord,

@@ -12,8 +12,8 @@ from fastapi import APIRouter, Query, Request
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from index.audio_formats import MEDIA_TYPES
-from index.filters import FilterError, parse_filter
+from index.audio.formats import MEDIA_TYPES
+from index.engines.filters import FilterError, parse_filter
 from service.audio_input import DecodedAudio, decode_upload, limits_of
 from service.batching import wait_for_disconnect
 from service.deps import BatchersDep, Pool, PoolDep, SearcherDep, SettingsDep
@@ -156,7 +156,7 @@ def _decode(searcher: Searcher, data: bytes, settings: Settings) -> DecodedAudio
 
 
 AUDIO_MEDIA_TYPES = MEDIA_TYPES
-"""What an upload must be (index.audio_formats, the list `tonearm index` uses too). The server recognises the container from the content (magic bytes)
+"""What an upload must be (index.audio.formats, the list `tonearm index` uses too). The server recognises the container from the content (magic bytes)
 and ignores the declared type, so a raw body sent as e.g. application/octet-stream works too;
 anything that is not WAV/FLAC/OGG/MP3 audio is a 415 whatever its declared type."""
 BINARY = {"type": "string", "format": "binary"}

@@ -1,7 +1,7 @@
 """The filter language of docs/service.md ("Filters"), evaluated in plain Python on one item's metadata.
 
-The reference the filter tests (tests/index/test_filters.py, test_overlay.py) compare index.filters and
-the overlay with: written from the documentation, not from index/filters.py. A field the item does not
+The reference the filter tests (tests/index/test_filters.py, test_overlay.py) compare index.engines.filters and
+the overlay with: written from the documentation, not from index/engines/filters.py. A field the item does not
 hold fails every comparison on it (``ne`` too; an empty list holds no value)."""
 
 from __future__ import annotations

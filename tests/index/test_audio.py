@@ -8,7 +8,7 @@ import pytest
 import soundfile as sf
 import soxr
 
-from index.audio import AudioTooLongError, decode_audio, eval_chunks, fit_length
+from index.audio.decode import AudioTooLongError, decode_audio, eval_chunks, fit_length
 from tonearm.errors import AudioDecodeError
 
 
@@ -133,7 +133,7 @@ def test_eval_chunks_by_hand() -> None:
 def test_block_wise_decoding_equals_decoding_the_whole_clip(rate: int, channels: int, fmt: str) -> None:
     """Blocks mixed down one by one and streamed through soxr are bit-identical to the reference of the
     whole clip: soundfile's own read of every channel, their mean, soxr's one-shot resampling, clipped."""
-    from index.audio import DECODE_BLOCK_FRAMES
+    from index.audio.decode import DECODE_BLOCK_FRAMES
 
     frames = 2 * DECODE_BLOCK_FRAMES + 12_345  # several blocks and a partial one
     data = (0.4 * np.random.default_rng(rate).standard_normal((frames, channels))).astype(np.float32)
@@ -147,7 +147,7 @@ def test_block_wise_decoding_equals_decoding_the_whole_clip(rate: int, channels:
 
 
 def test_decoding_limits_are_checked_from_the_header_and_exact_at_the_limit() -> None:
-    from index.audio import AudioTooLargeError, decode_estimate
+    from index.audio.decode import AudioTooLargeError, decode_estimate
 
     rate, channels, frames = 48000, 4, 48000 * 3
     buf = io.BytesIO()

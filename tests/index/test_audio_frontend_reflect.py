@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from index import bundle as fmt
-from index.audio_frontend import keeps_short_clips, pad_short_clip
+from index.audio.frontend import keeps_short_clips, pad_short_clip
+from index.bundle import format as fmt
 
 
 @pytest.mark.parametrize("length", [1, 5, 1919, 1920, 1921, 24_000, 100_003])
@@ -29,7 +29,7 @@ def test_long_clips_whole_are_the_extractors_input(length: int) -> None:
     pads it (a NaN tail from the training data path is dropped first)."""
     from transformers import PeAudioFeatureExtractor
 
-    from index.audio_frontend import prepare_whole_clip
+    from index.audio.frontend import prepare_whole_clip
 
     wave = np.random.default_rng(length).standard_normal(length).astype(np.float32)
     expected = PeAudioFeatureExtractor()(wave, sampling_rate=48_000)["input_values"][0][0]

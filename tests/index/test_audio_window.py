@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from index.audio import decode_audio, decode_window, fit_length, resampled_length
+from index.audio.decode import decode_audio, decode_window, fit_length, resampled_length
 from index.errors import AudioDecodeError
 
 
@@ -119,17 +119,17 @@ def test_a_file_shorter_than_its_header_says_is_refused(clips: dict[str, Path], 
 
 @pytest.mark.parametrize("channels", [1, 2, 3, 6])
 def test_downmix_is_the_channel_mean_bit_for_bit(channels: int) -> None:
-    from index.audio import downmix
+    from index.audio.decode import downmix
 
     data = (0.3 * np.random.default_rng(channels).standard_normal((40_001, channels))).astype(np.float32)
     np.testing.assert_array_equal(downmix(data), data.mean(axis=1, dtype=np.float32))
 
 
 def test_short_clips_are_padded_as_the_model_asks(tmp_path: Path) -> None:
-    """A clip shorter than the window reaches the tower as its extractor pads it (index.audio_frontend),
+    """A clip shorter than the window reaches the tower as its extractor pads it (index.audio.frontend),
     in the training crop (decode_window), evaluation windows (eval_chunks) and fit_length alike."""
-    from index.audio import eval_chunks
-    from index.audio_frontend import pad_short_clip
+    from index.audio.decode import eval_chunks
+    from index.audio.frontend import pad_short_clip
 
     wave = (0.3 * np.sin(np.arange(700) / 7.0)).astype(np.float32)
     sf.write(tmp_path / "short.wav", wave, 16000, subtype="FLOAT")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from index import bundle as fmt
-from index.bundle import (
+from index.bundle import format as fmt
+from index.bundle.format import (
     BundleManifest,
     manifest_bytes,
     publish,
@@ -17,8 +17,8 @@ from index.bundle import (
     staged_bundle,
     verify_files,
 )
-from index.loader import LoadedBundle
-from index.verify import verify_bundle
+from index.runtime.loader import LoadedBundle
+from index.runtime.verify import verify_bundle
 from tests.index.conftest import copy_bundle
 from tonearm.errors import BundleError
 

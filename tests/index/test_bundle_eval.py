@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from index.bundle_eval import (
+from index.bundle.evalset import EvalSet
+from index.runtime.evaluate import (
     evaluate_bundle,
     evaluate_eval_set,
     max_report_difference,
     retrieval_delta,
 )
-from index.evalset import EvalSet
-from index.loader import LoadedBundle
+from index.runtime.loader import LoadedBundle
 from tests.index.conftest import copy_bundle
 from tonearm.cli import main
 

@@ -1,4 +1,4 @@
-"""The catalogue pass (issue 49, :mod:`index.catalogue_pass`): decode workers beside the encoder, length-
+"""The catalogue pass (issue 49, :mod:`index.catalogue.embed_pass`): decode workers beside the encoder, length-
 sorted calls under a sample budget, and the catalogue split over several devices, one process each, merged
 into the bundle one device writes. The "devices" here are CPU processes (``--devices`` on a GPU node runs the
 same code with the CUDA provider and a ``device_id`` each).
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from index.bundle import read_manifest
-from index.catalogue_pass import (
+from index.bundle.format import read_manifest
+from index.catalogue.embed_pass import (
     DecodeCall,
     Decoder,
     PassClock,
@@ -24,9 +24,9 @@ from index.catalogue_pass import (
     length_batches,
     parse_devices,
 )
+from index.catalogue.own_audio import decode_file, index_folder
+from index.engines.faiss_index import all_vectors, load_index, parse_factory
 from index.errors import TonearmError
-from index.faiss_index import all_vectors, load_index, parse_factory
-from index.own_audio import decode_file, index_folder
 
 
 def _vectors(bundle: Path) -> np.ndarray:

@@ -8,7 +8,7 @@ import faiss
 import numpy as np
 import pytest
 
-from index.faiss_index import (
+from index.engines.faiss_index import (
     IndexConfigError,
     ann_recall_at_k,
     available_cores,

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index.faiss_index import (
+from index.engines.faiss_index import (
     all_vectors,
     apply_search_params,
     build_index,
@@ -19,7 +19,7 @@ from index.faiss_index import (
     parse_factory,
     search,
 )
-from index.faiss_ondisk import (
+from index.engines.faiss_ondisk import (
     IVFDATA_SUFFIX,
     build_and_save,
     build_sharded,

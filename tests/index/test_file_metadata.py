@@ -1,4 +1,4 @@
-"""`tonearm index AUDIO_DIR`'s per-file metadata (index.file_metadata): read, checked, carried into
+"""`tonearm index AUDIO_DIR`'s per-file metadata (index.items.file_metadata): read, checked, carried into
 the bundle's clips, and filterable. The expected passing clips are written here by hand."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index.file_metadata import MetadataFileError, find_metadata_file, read_file_metadata
+from index.items.file_metadata import MetadataFileError, find_metadata_file, read_file_metadata
 
 FILES = ["a.wav", "b.wav", "sub/c.wav"]
 
@@ -67,10 +67,10 @@ def test_index_carries_the_metadata_into_the_bundle_and_filters_use_it(tiny_bund
     passes exactly the clips the table says."""
     import soundfile as sf
 
-    from index.bundle import read_manifest
-    from index.filters import MetadataTable, parse_filter
-    from index.loader import LoadedBundle
-    from index.own_audio import index_folder
+    from index.bundle.format import read_manifest
+    from index.catalogue.own_audio import index_folder
+    from index.engines.filters import MetadataTable, parse_filter
+    from index.runtime.loader import LoadedBundle
 
     rate = read_manifest(tiny_bundle).sample_rate
     folder = tmp_path / "sounds"

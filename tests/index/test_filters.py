@@ -1,4 +1,4 @@
-"""The filter language (index.filters) and filtered FAISS search (index.vector_index).
+"""The filter language (index.engines.filters) and filtered FAISS search (index.engines.vector_index).
 
 References are written here: the passing rows are picked with plain Python over the items'
 dicts, and the top-k over them by numpy brute force — never the code under test called twice.
@@ -10,7 +10,7 @@ import faiss
 import numpy as np
 import pytest
 
-from index.filters import (
+from index.engines.filters import (
     MAX_CLAUSES,
     MAX_DEPTH,
     MAX_VALUES,
@@ -18,7 +18,7 @@ from index.filters import (
     MetadataTable,
     parse_filter,
 )
-from index.vector_index import EXACT_SUBSET_ROWS, PREFILTER_ROWS, FaissVectorIndex
+from index.engines.vector_index import EXACT_SUBSET_ROWS, PREFILTER_ROWS, FaissVectorIndex
 from tests.index.filter_reference import passes
 
 N, D = 6000, 16
@@ -205,8 +205,8 @@ def test_ivf_prefilter_finds_every_passing_row_whether_read_back_or_scanned(pass
 
 
 def test_an_on_disk_ivf_reads_few_passing_rows_back_from_its_lists(tmp_path):
-    from index.faiss_index import load_index, parse_factory
-    from index.faiss_ondisk import build_sharded
+    from index.engines.faiss_index import load_index, parse_factory
+    from index.engines.faiss_ondisk import build_sharded
 
     rng = np.random.default_rng(3)
     n = 4_000

@@ -1,5 +1,5 @@
 """`tonearm index` resumes an interrupted pass (issue 41): the pass checkpoints its vectors in chunks
-(``<out>.partial/``, :mod:`index.embed_checkpoint`); a run interrupted after some chunks, then run
+(``<out>.partial/``, :mod:`index.catalogue.checkpoint`); a run interrupted after some chunks, then run
 again, embeds only the files of the chunks not yet written and publishes the bundle its
 uninterrupted twin publishes — same ids row by row, same skipped files, same vectors.
 
@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from index import own_audio
-from index.bundle import read_manifest
-from index.faiss_index import all_vectors, load_index, parse_factory
-from index.own_audio import index_folder
+from index.bundle.format import read_manifest
+from index.catalogue import own_audio
+from index.catalogue.own_audio import index_folder
+from index.engines.faiss_index import all_vectors, load_index, parse_factory
 
 CHUNK = 4
 REAL_DECODE = own_audio.decode_file
@@ -112,7 +112,7 @@ def test_a_changed_folder_reuses_what_did_not_change(folder: Path, tiny_bundle: 
     rate = read_manifest(tiny_bundle).sample_rate
     sf.write(folder / "a-new.wav", np.sin(np.arange(rate) * 0.05).astype(np.float32), rate)  # one added
     calls = _counting(monkeypatch)
-    with caplog.at_level("INFO", logger="index.embed_checkpoint"):
+    with caplog.at_level("INFO", logger="index.catalogue.checkpoint"):
         result = index_folder(folder, tiny_bundle, out, chunk_files=CHUNK)
     # 14 files: 8 reused (chunk 0's c00-c03 touched, chunk 1's c04, c05, c05b, c06), c07 (decoded before the
     # interruption, in no saved chunk) removed, 6 embedded: the added file and c08-c12
@@ -135,7 +135,7 @@ def test_another_encoder_starts_over_and_says_why(folder: Path, tiny_bundle: Pat
     body["digest"], body["describe"]["encoder"] = "0" * 64, "another"  # as if another bundle's encoder ran
     plan.write_text(json.dumps(body))
     calls = _counting(monkeypatch)
-    with caplog.at_level("INFO", logger="index.embed_checkpoint"):
+    with caplog.at_level("INFO", logger="index.catalogue.checkpoint"):
         index_folder(folder, tiny_bundle, out, chunk_files=CHUNK)
     assert len(calls) == 14
     assert "not reused: another pass (encoder changed)" in caplog.text

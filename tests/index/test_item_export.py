@@ -1,4 +1,4 @@
-"""`tonearm items export` (index/item_export.py): the log's current items as a folder `tonearm index`
+"""`tonearm items export` (index/items/export.py): the log's current items as a folder `tonearm index`
 folds into a bundle — the same ids, the same metadata, and the vectors the service's overlay gives
 the same uploads (the reference: the service's own decoding and the bundle's audio encoder).
 """
@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index.bundle import read_manifest
-from index.item_export import ExportError, export_items
-from index.item_log import LOG_NAME, ItemLog
-from index.loader import LoadedBundle
-from index.own_audio import index_folder
+from index.bundle.format import read_manifest
+from index.catalogue.own_audio import index_folder
+from index.items.export import ExportError, export_items
+from index.items.log import LOG_NAME, ItemLog
+from index.runtime.loader import LoadedBundle
 from tests.service.fakes import tone, wav_bytes
 from tonearm.cli import main
 
@@ -69,7 +69,7 @@ def test_ids_that_cannot_be_files_are_refused_before_anything_is_written(tmp_pat
     for item_id, meta in (("ok", {}), ("legacy-up", {}), (".hidden/a", {}), ("a", {}), ("a/b", {}), (" pad", {}),
                           ("metadata.jsonl", {}), ("legacy-xy", {}), ("has-uri", {"uri": "elsewhere"})):
         log.put(item_id, audio, audio_format="wav", metadata=meta)
-    # ids the API refuses since issue 47 (index/item_ids.py), in a log written before: export refuses them too
+    # ids the API refuses since issue 47 (index/items/ids.py), in a log written before: export refuses them too
     records = tmp_path / "items" / LOG_NAME
     records.write_text(records.read_text().replace('"legacy-up"', '"../up"').replace('"legacy-xy"', '"x//y"'))
     with pytest.raises(ExportError) as err:

@@ -1,4 +1,4 @@
-"""The items' write-ahead record (index.item_log): round trip, crash durability, torn lines, two writers.
+"""The items' write-ahead record (index.items.log): round trip, crash durability, torn lines, two writers.
 
 Crash and concurrency are real: a child process is killed with SIGKILL right after put() returned,
 and two processes append at once; the checks read the files back with a fresh ItemLog.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from index.item_log import LOG_NAME, ItemError, ItemLog
+from index.items.log import LOG_NAME, ItemError, ItemLog
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def test_bad_items_are_refused_and_nothing_is_written(tmp_path, kwargs, message)
 
 CHILD = textwrap.dedent("""
     import sys
-    from index.item_log import ItemLog
+    from index.items.log import ItemLog
     log = ItemLog(sys.argv[1])
     log.put("acked", b"audio-bytes", audio_format="wav", metadata={"license": "cc0"})
     print("acknowledged", flush=True)
@@ -100,7 +100,7 @@ def test_a_torn_last_line_is_ignored_then_cut_by_the_next_writer(tmp_path):
 
 WRITER = textwrap.dedent("""
     import sys
-    from index.item_log import ItemLog
+    from index.items.log import ItemLog
     log = ItemLog(sys.argv[1])
     for i in range(200):
         log.put(f"{sys.argv[2]}-{i}", f"{sys.argv[2]}-{i}".encode(), audio_format="wav", metadata={"i": i})
@@ -184,7 +184,7 @@ def test_audio_removed_by_a_compaction_is_stored_again_by_a_later_put(tmp_path):
 
 COMPACT_WRITER = textwrap.dedent("""
     import sys
-    from index.item_log import ItemLog
+    from index.items.log import ItemLog
     log = ItemLog(sys.argv[1])
     i = 0
     while True:
@@ -206,7 +206,7 @@ COMPACT_WRITER = textwrap.dedent("""
 
 COMPACTOR = textwrap.dedent("""
     import sys
-    from index.item_log import ItemLog
+    from index.items.log import ItemLog
     log = ItemLog(sys.argv[1])
     print("started", flush=True)
     while True:
@@ -217,7 +217,7 @@ COMPACTOR = textwrap.dedent("""
 
 def _preload(root: Path, n: int) -> None:
     """A log with ``n`` live items and as many replaced records (written as the log writes them)."""
-    from index.item_log import ItemRecord
+    from index.items.log import ItemRecord
 
     log = ItemLog(root)
     record = log.put("seed", b"seed-audio", audio_format="wav")

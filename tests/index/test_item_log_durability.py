@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import index.item_log as item_log
-from index.item_log import ID_NAME, LOG_NAME, ItemLog
+import index.items.log as item_log
+from index.items.log import ID_NAME, LOG_NAME, ItemLog
 
 WAV = b"RIFF" + bytes(40)
 

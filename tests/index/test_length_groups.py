@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from index.length_groups import length_groups, padded_cost
-from index.loader import LoadedBundle, encode_texts
+from index.runtime.length_groups import length_groups, padded_cost
+from index.runtime.loader import LoadedBundle, encode_texts
 
 
 def _brute_force(lengths: list[int], max_group: int, overhead: int) -> int:

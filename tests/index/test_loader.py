@@ -8,8 +8,8 @@ import faiss
 import numpy as np
 import pytest
 
-from index.audio import eval_chunks
-from index.loader import LoadedBundle
+from index.audio.decode import eval_chunks
+from index.runtime.loader import LoadedBundle
 from tonearm.errors import BundleError
 
 
@@ -41,7 +41,7 @@ def test_attributes_follow_the_manifest(bundle, tiny_bundle):
 def test_clips_carry_their_manifest_metadata_and_filtered_search_is_exact(bundle):
     """The export writes each clip's split and filterable metadata; a filtered search over the
     bundle's Flat index equals numpy over the passing clips (picked here in plain Python)."""
-    from index.filters import MetadataTable, parse_filter
+    from index.engines.filters import MetadataTable, parse_filter
 
     item = bundle.audio_items[0]
     assert item["split"] in ("train", "val", "test") and isinstance(item["metadata"]["duration"], float)
@@ -175,7 +175,7 @@ def test_inconsistent_ids_are_refused_even_with_valid_checksums(tiny_bundle, tmp
     import json
     import shutil
 
-    from index import bundle as fmt
+    from index.bundle import format as fmt
 
     manifest = fmt.read_manifest(tiny_bundle)
     with fmt.staged_bundle(tmp_path, "bad-ids") as staging:
@@ -203,8 +203,8 @@ def test_audio_embeddings_are_the_indexed_clip_vectors(bundle):
 
 
 def test_audio_embeddings_read_back_from_an_ivf_index_without_touching_it():
-    from index.faiss_index import build_index
-    from index.loader import FaissVectorIndex
+    from index.engines.faiss_index import build_index
+    from index.runtime.loader import FaissVectorIndex
 
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((400, 16)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""`index.loader` serves a bundle with neither torch nor training importable (SPEC §1)."""
+"""`index.runtime.loader` serves a bundle with neither torch nor training importable (SPEC §1)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from index.loader import LoadedBundle
+from index.runtime.loader import LoadedBundle
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,9 +25,9 @@ class Block(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Block())
 import numpy as np
-from index.verify import verify_bundle
-from index.bundle_eval import evaluate_bundle
-from index.loader import LoadedBundle
+from index.runtime.verify import verify_bundle
+from index.runtime.evaluate import evaluate_bundle
+from index.runtime.loader import LoadedBundle
 
 verify_bundle(sys.argv[1])
 bundle = LoadedBundle.open(sys.argv[1], intra_op_threads=1)

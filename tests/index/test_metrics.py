@@ -1,4 +1,4 @@
-"""Hand-computed checks of index.metrics (SPEC §5)."""
+"""Hand-computed checks of index.metrics.retrieval (SPEC §5)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from index.metrics import (
+from index.metrics.retrieval import (
     a2t_ranks,
     a2t_ranks_from_embeddings,
     dis,

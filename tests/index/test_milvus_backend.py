@@ -17,14 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index import milvus_index
+from index.engines import milvus_index
 from index.errors import BundleNotPublished, IndexBackendError, IndexUnavailable
-from index.loader import LoadedBundle
+from index.runtime.loader import LoadedBundle
 from tests.milvus_server import ENGINES, free_ports, require_milvus
 
 require_milvus()
 
-from index.milvus_index import (  # noqa: E402
+from index.engines.milvus_index import (  # noqa: E402
     KINDS,
     MilvusTarget,
     MilvusVectorIndex,
@@ -125,7 +125,7 @@ def test_filtered_search_on_milvus_gives_the_faiss_answers(tiny_bundle, publishe
     """Metadata filters on the Milvus backend answer as FAISS does, and as numpy over the passing
     clips: evaluated by Milvus (``where``: publish wrote the clips' metadata and the registry its
     fields), and on our side without it (over-fetch when many clips pass, exact when few do)."""
-    from index.filters import MetadataTable, parse_filter
+    from index.engines.filters import MetadataTable, parse_filter
 
     local = LoadedBundle.open(tiny_bundle)
     remote = LoadedBundle.open(tiny_bundle, milvus=published)
@@ -187,9 +187,9 @@ def test_index_only_bundles_publish_and_serve_text_to_audio(tiny_bundle, engine,
     collection, an empty caption one (the aliases name both), recall measured with clips as queries."""
     import soundfile as sf
 
-    from index.bundle import read_manifest
-    from index.loader import NoCaptionIndex
-    from index.own_audio import index_folder
+    from index.bundle.format import read_manifest
+    from index.catalogue.own_audio import index_folder
+    from index.runtime.loader import NoCaptionIndex
 
     rate = read_manifest(tiny_bundle).sample_rate
     rng = np.random.default_rng(3)

@@ -14,15 +14,15 @@ import faiss
 import numpy as np
 import pytest
 
-from index.filters import MetadataTable, milvus_expr, milvus_string, parse_filter
-from index.loader import filtered_search
-from index.vector_index import FaissVectorIndex
+from index.engines.filters import MetadataTable, milvus_expr, milvus_string, parse_filter
+from index.engines.vector_index import FaissVectorIndex
+from index.runtime.loader import filtered_search
 from tests.index.test_filters import FILTERS, ITEMS, _assert_same_top_k, _brute_force, _passes
 from tests.milvus_server import ENGINES, require_milvus
 
 require_milvus()
 
-from index.milvus_index import (  # noqa: E402
+from index.engines.milvus_index import (  # noqa: E402
     META_FIELD,
     MilvusTarget,
     MilvusVectorIndex,
@@ -80,7 +80,7 @@ def data() -> tuple[np.ndarray, np.ndarray]:
 @pytest.fixture(scope="module", params=ENGINES)
 def collection(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, data) -> MilvusVectorIndex:
     """The items' vectors and metadata in a FLAT collection of each engine, written as publish writes them."""
-    from index.filters import milvus_metadata
+    from index.engines.filters import milvus_metadata
 
     if request.param == "server":
         uri = str(request.getfixturevalue("milvus_server").uri)

@@ -1,8 +1,8 @@
-"""Added items kept in Milvus (issue 47, part 5): :class:`index.milvus_items.MilvusItemStore` on the real
+"""Added items kept in Milvus (issue 47, part 5): :class:`index.items.milvus_store.MilvusItemStore` on the real
 Milvus standalone server of the test session (tests/milvus_server.py).
 
 The brute-force parity also runs on milvus-lite 3.x. The reference is independent of Milvus and of
-the expression writer: exact inner products in numpy over the live items, filtered by :meth:`index.filters.MetadataTable.mask` (the evaluator the FAISS
+the expression writer: exact inner products in numpy over the live items, filtered by :meth:`index.engines.filters.MetadataTable.mask` (the evaluator the FAISS
 backend uses). A second replica is a second process with its own client; a reconnect drops the
 process's client and opens a new one.
 """
@@ -23,10 +23,10 @@ from tests.milvus_server import require_milvus
 
 require_milvus()
 
-from index import milvus_index  # noqa: E402
-from index.filters import FilterError, MetadataTable, parse_filter  # noqa: E402
-from index.milvus_index import MilvusTarget  # noqa: E402
-from index.milvus_items import MilvusItemStore, row_metadata  # noqa: E402
+from index.engines import milvus_index  # noqa: E402
+from index.engines.filters import FilterError, MetadataTable, parse_filter  # noqa: E402
+from index.engines.milvus_index import MilvusTarget  # noqa: E402
+from index.items.milvus_store import MilvusItemStore, row_metadata  # noqa: E402
 
 DIM = 16
 N = 600
@@ -184,8 +184,8 @@ def test_upsert_delete_takedown_and_a_second_replica(store, tmp_path: Path):
     script = tmp_path / "replica.py"
     script.write_text(
         "import json, sys\nimport numpy as np\n"
-        "from index.filters import parse_filter\nfrom index.milvus_index import MilvusTarget\n"
-        "from index.milvus_items import MilvusItemStore\n"
+        "from index.engines.filters import parse_filter\nfrom index.engines.milvus_index import MilvusTarget\n"
+        "from index.items.milvus_store import MilvusItemStore\n"
         "uri, prefix, q = sys.argv[1], sys.argv[2], np.array(json.loads(sys.argv[3]), np.float32)\n"
         f"s = MilvusItemStore(MilvusTarget(uri=uri, prefix=prefix), dim={DIM}).open()\n"
         "out = {f: s.search(q, 10, parse_filter(json.loads(f)))[1] for f in sys.argv[4:]}\n"
@@ -268,7 +268,7 @@ def test_writes_in_a_block_are_flushed_together_and_the_flush_mode_follows_the_v
     (PyPI's `milvus` is 2.3.5). Two fresh stores (the module's has deletes, which a compaction could
     apply to the counts meanwhile); each store costs seconds to create, each flush ~1 s."""
     from index.errors import TonearmError
-    from index.milvus_items import flush_each_write, flushed_together
+    from index.items.milvus_store import flush_each_write, flushed_together
 
     target = MilvusTarget(uri=milvus_server.uri, prefix=f"t{uuid.uuid4().hex[:10]}")
     assert str(target.call("get_server_version", bulk=True)).lstrip("v").startswith("2.3.")

@@ -23,17 +23,17 @@ from tests.milvus_server import require_milvus
 
 require_milvus()
 
-from index import milvus_index  # noqa: E402
-from index.bundle import read_manifest  # noqa: E402
-from index.errors import IndexTimeout, IndexUnavailable, TonearmError  # noqa: E402
-from index.loader import LoadedBundle  # noqa: E402
-from index.milvus_index import (  # noqa: E402
+from index.engines import milvus_index  # noqa: E402
+from index.bundle.format import read_manifest  # noqa: E402
+from index.engines.milvus_index import (  # noqa: E402
     MilvusTarget,
     MilvusVectorIndex,
     active_bundle,
     published_info,
     set_active,
 )
+from index.errors import IndexTimeout, IndexUnavailable, TonearmError  # noqa: E402
+from index.runtime.loader import LoadedBundle  # noqa: E402
 from tests.large_bundle import N_TEXT, unit_vectors  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -121,7 +121,7 @@ def test_a_demo_size_bundle_serves_audio_to_text_and_text_to_audio_like_faiss(la
 
 
 def test_a_demo_size_bundle_activates_and_rolls_back_on_the_server(large_published, large_bundle, tiny_bundle):
-    from index.milvus_index import publish
+    from index.engines.milvus_index import publish
 
     target, _ = large_published
     large_id, tiny_id = read_manifest(large_bundle).bundle_id, read_manifest(tiny_bundle).bundle_id
@@ -213,7 +213,7 @@ def test_a_frozen_server_is_unreachable_once_its_probes_fail_too(large_published
 
 
 def test_the_cli_reads_the_milvus_deadlines_from_the_service_settings(monkeypatch):
-    from index.milvus_index import ENV, target_from_args
+    from index.engines.milvus_index import ENV, target_from_args
     from service.settings import Settings
 
     for option, name in ENV.items():  # the service has the same settings under the same names

@@ -18,8 +18,8 @@ require_milvus()
 
 import grpc  # noqa: E402 - after the extra's check
 
+from index.engines.milvus_index import MilvusTarget, _mapped, _reason  # noqa: E402
 from index.errors import IndexUnavailable  # noqa: E402
-from index.milvus_index import MilvusTarget, _mapped, _reason  # noqa: E402
 
 
 def _failed_call() -> grpc.RpcError:
@@ -57,7 +57,7 @@ def test_a_deadline_the_proxy_saw_pass_first_counts_as_a_deadline():
     both are a missed deadline (probe, then 504 or 503), not a Milvus error."""
     from pymilvus.exceptions import MilvusException
 
-    from index.milvus_index import _deadline, _transient
+    from index.engines.milvus_index import _deadline, _transient
 
     proxy = MilvusException(code=65535, message="[search] Retry run out of 0 retry times, "
                                                 "message=proxy TaskCondition context Done")

@@ -1,11 +1,11 @@
-"""Moment metrics against hand-computed cases (index/moment_metrics.py, docs/metrics.md "Moments")."""
+"""Moment metrics against hand-computed cases (index/metrics/moments.py, docs/metrics.md "Moments")."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from index.moment_metrics import (
+from index.metrics.moments import (
     MAP_IOU_THRESHOLDS,
     MomentQuery,
     average_precision,

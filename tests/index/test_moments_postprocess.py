@@ -1,11 +1,11 @@
-"""Window scores → moments on constructed score curves (index/moments.py)."""
+"""Window scores → moments on constructed score curves (index/moments/postprocess.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from index.moments import (
+from index.moments.postprocess import (
     Moment,
     MomentParams,
     moments_from_scores,

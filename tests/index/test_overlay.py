@@ -1,4 +1,4 @@
-"""The overlay of added items (index/overlay.py) against numpy brute force, and what it re-embeds."""
+"""The overlay of added items (index/items/overlay.py) against numpy brute force, and what it re-embeds."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import faiss
 import numpy as np
 import pytest
 
-from index.item_log import ItemLog
-from index.overlay import AddedItem, ItemOverlay, build_overlay, merge_top_k
-from index.vector_index import FaissVectorIndex
+from index.engines.vector_index import FaissVectorIndex
+from index.items.log import ItemLog
+from index.items.overlay import AddedItem, ItemOverlay, build_overlay, merge_top_k
 from tests.index.filter_reference import passes
 
 
@@ -149,7 +149,7 @@ def _random_metadata(rng: np.random.Generator) -> dict:
 def _check_against_brute_force(overlay, clips, clip_meta, live, rng) -> None:
     """The bundle (Flat) merged with the overlay, for every filter and k, against numpy over the live
     catalogue: clips not hidden by a put or delete of their id, and the latest put of each added id."""
-    from index.filters import FilterError, MetadataTable, merged_fields, parse_filter
+    from index.engines.filters import FilterError, MetadataTable, merged_fields, parse_filter
 
     index = faiss.IndexFlatIP(DIM)
     index.add(clips)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from index.metrics import retrieval_report
-from index.paired import paired_bootstrap, query_table, supported
+from index.metrics.paired import paired_bootstrap, query_table, supported
+from index.metrics.retrieval import retrieval_report
 
 LANGS = ["eng", "fra", "jpn"]
 

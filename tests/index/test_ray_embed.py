@@ -11,7 +11,7 @@ then every Ray server listens on all interfaces), so no second node is started: 
 sharding of blocks and the object-store transfer of the encoder are those of a multi-node cluster,
 one node wide.
 
-Reaching a cluster (issues 41, 49; :mod:`index.ray_connect`): the shared cluster runs without token
+Reaching a cluster (issues 41, 49; :mod:`index.catalogue.ray_connect`): the shared cluster runs without token
 authentication while the CLI's HOME holds a stale ``~/.ray/auth_token``, so every test on it checks an
 explicit address with a leftover token; the driver also finds it with no address and with ``auto``
 (through its ``RAY_TMPDIR``, so no other cluster on the machine is found). A second cluster started
@@ -38,10 +38,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from index.bundle import read_manifest
-from index.faiss_index import all_vectors, load_index, parse_factory
-from index.own_audio import index_folder
-from index.verify import verify_bundle
+from index.bundle.format import read_manifest
+from index.catalogue.own_audio import index_folder
+from index.engines.faiss_index import all_vectors, load_index, parse_factory
+from index.runtime.verify import verify_bundle
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -344,8 +344,8 @@ def test_a_cluster_with_token_authentication_takes_its_token(
 
 ACTOR_OPTIONS = """
 import json, sys
-from index.ray_connect import connect
-from index.ray_embed import AudioEmbedder, RayOptions, build_dataset, pool_size
+from index.catalogue.ray_connect import connect
+from index.catalogue.ray_embed import AudioEmbedder, RayOptions, build_dataset, pool_size
 from index.errors import TonearmError
 
 address = sys.argv[1]

@@ -27,16 +27,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index.bundle import AUDIO_IDS, read_manifest
+from index.bundle.format import AUDIO_IDS, read_manifest
+from index.catalogue.own_audio import index_folder
 from index.errors import BundleError
-from index.loader import LoadedBundle
-from index.own_audio import index_folder
+from index.runtime.loader import LoadedBundle
 from tests.index.test_ray_embed import N_FILES, sound_folder, tonearm  # noqa: F401 (fixtures)
 from tests.milvus_server import require_milvus
 
 require_milvus()
 
-from index.milvus_index import MilvusTarget, active_bundle, publish, published_info  # noqa: E402
+from index.engines.milvus_index import MilvusTarget, active_bundle, publish, published_info  # noqa: E402
 
 pytestmark = pytest.mark.slow
 QUERIES = ["a short noise burst", "white noise", "a quiet hiss", "static"]
@@ -126,7 +126,7 @@ def test_ray_workers_publish_what_index_and_bundle_publish_give(
 def _assert_same_metadata(target: MilvusTarget, ray_id: str, local_id: str, clips: list[dict]) -> None:
     """Each clip's ``meta`` JSON in the Ray-written collection is the one `bundle publish` wrote (less
     the field only the corrupt file made two-typed); the empty text collections carry the column too."""
-    from index.milvus_index import META_FIELD
+    from index.engines.milvus_index import META_FIELD
 
     def metas(bundle_id: str, kind: str = "audio") -> list[dict]:
         rows = target.call("query", target.collection(bundle_id, kind), filter="row >= 0",
@@ -146,7 +146,7 @@ def _assert_filters_are_brute_force(on_ray: LoadedBundle, single: LoadedBundle, 
                                     queries: np.ndarray, vectors: np.ndarray) -> None:
     """Filtered top-k on the Ray-published collection = numpy over the clips whose table row passes;
     evaluated by Milvus alone (no mask given) wherever the registry lists the filter's fields."""
-    from index.filters import parse_filter
+    from index.engines.filters import parse_filter
 
     for raw, passes in FILTERS:
         flt = parse_filter(raw)

@@ -6,8 +6,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from index.metrics import retrieval_report
-from index.report import METRIC_CONVENTION, format_report_markdown, format_report_rich
+from index.metrics.report import METRIC_CONVENTION, format_report_markdown, format_report_rich
+from index.metrics.retrieval import retrieval_report
 
 # The worked example of test_metrics (audio = identity, text rows = scores).
 SCORES = np.array(

@@ -6,7 +6,7 @@ import faiss
 import numpy as np
 import pytest
 
-from index.loader import LoadedBundle, SessionConfig, encode_texts
+from index.runtime.loader import LoadedBundle, SessionConfig, encode_texts
 from service.bundles import default_opener, session_config
 from service.settings import Settings
 

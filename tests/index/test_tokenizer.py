@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index.tokenizer import TextTokenizer
+from index.bundle.tokenizer import TextTokenizer
 from tonearm.errors import TonearmError
 from training.config import ModelConfig, TextTowerConfig
 from training.models.tokenizer import build_tokenizer, train_bpe_tokenizer
@@ -108,7 +108,7 @@ def test_loading_does_not_import_torch(tokenizer: TextTokenizer, tmp_path: Path)
     path = tmp_path / "tokenizer.json"
     tokenizer.save(path)
     code = (
-        "import sys; from index.tokenizer import TextTokenizer; "
+        "import sys; from index.bundle.tokenizer import TextTokenizer; "
         f"ids, _ = TextTokenizer.from_file({str(path)!r}).encode(['a dog']); "
         "assert 'torch' not in sys.modules; print(ids.shape)"
     )

@@ -75,7 +75,7 @@ def collapsed_copy(src: Path, parent: Path, bundle_id: str) -> Path:
     With pessimistic ties every text→audio rank is the worst one, so recall and mAP
     collapse on any held-out set — a regression the gate must refuse.
     """
-    from index import bundle as fmt
+    from index.bundle import format as fmt
 
     manifest = fmt.read_manifest(src)
     with fmt.staged_bundle(parent, bundle_id) as staging:
@@ -121,7 +121,7 @@ def build_real_bundles(*, tiny_corpus: Path, tiny_bundle: Path, work: Path) -> R
 def renamed_copy(src: Path, parent: Path, bundle_id: str) -> Path:
     """``src`` republished under another bundle id: the same encoders, indices and held-out set
     (a candidate exactly as good as ``src``)."""
-    from index import bundle as fmt
+    from index.bundle import format as fmt
 
     manifest = fmt.read_manifest(src)
     with fmt.staged_bundle(parent, bundle_id) as staging:

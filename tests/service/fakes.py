@@ -18,7 +18,7 @@ import faiss
 import numpy as np
 import soundfile as sf
 
-from index.vector_index import FaissVectorIndex
+from index.engines.vector_index import FaissVectorIndex
 
 SAMPLE_RATE = 16_000
 CONCEPTS = ("dog", "siren", "bell", "rain")
@@ -86,7 +86,7 @@ class EvalSet:
 
 
 class KeywordBundle:
-    """Implements the part of ``index.loader.LoadedBundle`` the service uses."""
+    """Implements the part of ``index.runtime.loader.LoadedBundle`` the service uses."""
 
     def __init__(self, path: Path, *, bundle_id: str = "fake-a", languages=("eng", "fra", "jpn"), degrade=False):
         self.path = Path(path)
@@ -128,7 +128,7 @@ class KeywordBundle:
         return out
 
     def search_audio(self, queries: np.ndarray, k: int, *, allowed: np.ndarray | None = None, where: Any = None):
-        if allowed is not None:  # the real filtered search of index.vector_index over a Flat index
+        if allowed is not None:  # the real filtered search of index.engines.vector_index over a Flat index
             return FaissVectorIndex(self.audio_index, {}).search(queries, k, allowed=allowed)
         return self.audio_index.search(np.ascontiguousarray(queries, dtype=np.float32), k)
 

@@ -205,7 +205,7 @@ def test_a_full_queue_refuses_at_once():
 
 
 def test_batched_text_and_audio_search_equal_one_by_one_on_a_real_bundle(tiny_bundle):
-    from index.loader import LoadedBundle
+    from index.runtime.loader import LoadedBundle
 
     bundle = LoadedBundle.open(tiny_bundle)
 

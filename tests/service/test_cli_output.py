@@ -14,7 +14,7 @@ import sys
 import pytest
 from rich.console import Console
 
-from index.report import format_report_rich
+from index.metrics.report import format_report_rich
 from service.settings import Settings
 from tests.conftest import ROOT
 from tests.service.conftest import fake_bundles_server
@@ -78,7 +78,7 @@ def test_library_info_lines_are_dropped_and_ours_kept():
     assert not keep(_record("httpx", logging.INFO))
     assert not keep(_record("faiss.loader", logging.INFO))
     assert keep(_record("httpx", logging.WARNING))
-    for own in ("tonearm.demo", "training.loop", "index.own_audio", "service.app", "__main__"):
+    for own in ("tonearm.demo", "training.loop", "index.catalogue.own_audio", "service.app", "__main__"):
         assert keep(_record(own, logging.INFO))
     assert keep(_record("quality_diagnostics", logging.INFO, str(ROOT / "bench" / "quality_diagnostics.py")))
 

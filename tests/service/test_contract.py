@@ -3,7 +3,7 @@
 Invalid JSON is 400 ``malformed-body`` naming the position; a body not sent as JSON is 415 with
 a hint; truncated or corrupt audio is 422 ``audio-decode-failed`` (the whole stream is decoded,
 not only the header); no problem detail shows a Python repr; a busy port is one line and exit
-status 2; uploads and ``tonearm index`` accept the same formats (index.audio_formats).
+status 2; uploads and ``tonearm index`` accept the same formats (index.audio.formats).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from index.audio_formats import FORMATS
-from index.own_audio import decode_file
+from index.audio.formats import FORMATS
+from index.catalogue.own_audio import decode_file
 from service.audio_input import AudioLimits, decode_upload
 from service.errors import PYTHON_REPR, TYPE_PREFIX, ServiceError, problem_body
 from tests.conftest import ROOT

@@ -6,7 +6,7 @@ channel to float32 before mixing cost 406 MiB and 3.5 s of CPU; four at once on
 (the peak resident set, ``VmHWM``, reset before the decode) of a child process, never estimated by our code:
 
 * the decoder alone (a child process decoding the bomb with no limits) stays within
-  :func:`index.audio.decode_estimate` of its output plus slack — one block of every channel;
+  :func:`index.audio.decode.decode_estimate` of its output plus slack — one block of every channel;
 * a real uvicorn server (a child process) answers the bomb 422 ``audio-limits`` from its header,
   and four concurrent uploads at the samples limit add at most :data:`SERVER_BOUND_MIB` to its peak.
 """
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from index.audio import AudioTooLongError, decode_audio, decode_estimate
+from index.audio.decode import AudioTooLongError, decode_audio, decode_estimate
 from service.settings import Settings
 from tests.service.conftest import wait_until
 from tests.service.test_routes import assert_problem
@@ -65,7 +65,7 @@ def _child(code: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
 DECODE_CHILD = """
     import io, json, sys
     import numpy as np, soundfile as sf
-    from index.audio import decode_audio
+    from index.audio.decode import decode_audio
     def status(key):
         for line in open("/proc/self/status"):
             if line.startswith(key + ":"):

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index.filters import MAX_CLAUSES, MAX_DEPTH, MAX_VALUES
+from index.engines.filters import MAX_CLAUSES, MAX_DEPTH, MAX_VALUES
 from tests.service.fakes import CLIPS, KeywordBundle, text_vector, tone, wav_bytes
 from tests.service.test_routes import assert_problem
 

@@ -1,5 +1,5 @@
 """Hostile requests on every public route: malformed input is a 4xx problem document, never a 500
-(issue 47, SPEC §17), ids follow one grammar (index.item_ids) on every route that takes one, and
+(issue 47, SPEC §17), ids follow one grammar (index.items.ids) on every route that takes one, and
 item writes and bundle activation may be separate tokens. The in-process ASGI app with the keyword
 bundle; uploads are real audio.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from index.item_ids import ItemIdError, check_id
-from index.item_log import MAX_METADATA_FIELDS
+from index.items.ids import ItemIdError, check_id
+from index.items.log import MAX_METADATA_FIELDS
 from service.app import create_app
 from tests.service.conftest import ADMIN, fake_opener, make_settings, running_client
 from tests.service.fakes import tone, wav_bytes

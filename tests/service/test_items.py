@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index.item_log import LOG_NAME
+from index.items.log import LOG_NAME
 from tests.service.conftest import ADMIN
 from tests.service.fakes import CLIPS, KeywordBundle, text_vector, tone, wav_bytes
 from tests.service.test_routes import assert_problem

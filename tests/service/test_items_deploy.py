@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index.item_log import AUDIO_DIR, LOG_NAME, ItemLog
+from index.items.log import AUDIO_DIR, LOG_NAME, ItemLog
 from tests.service.conftest import ADMIN, fake_opener, make_settings, running_client, wait_until
 from tests.service.fakes import KeywordBundle, tone, wav_bytes
 from tests.service.test_routes import assert_problem

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from index.filters import item_metadata
+from index.engines.filters import item_metadata
 from tests.index.filter_reference import passes
 from tests.milvus_server import require_milvus
 from tests.s3_server import s3_endpoint  # noqa: F401  (pytest fixture, used by name)
@@ -51,7 +51,7 @@ QUERIES = ["a dog barks", "rain on a roof", "a siren in the city"]
 
 
 def _drop_items(uri: str) -> None:
-    from index.milvus_index import MilvusTarget
+    from index.engines.milvus_index import MilvusTarget
 
     target = MilvusTarget(uri=uri)
     for name in target.client().list_collections():
@@ -93,7 +93,7 @@ class Reference:
     embedded by its encoder, minus the hidden clips; filters by the independent evaluator."""
 
     def __init__(self, bundle_dir, added: dict[str, tuple[bytes, dict]], hidden: set[str]) -> None:
-        from index.loader import LoadedBundle
+        from index.runtime.loader import LoadedBundle
         from service.audio_input import decode_upload, limits_of
         from service.settings import Settings
 
@@ -147,7 +147,7 @@ def _assert_catalogue(client, reference: Reference, k: int = 8, *, again: bool =
 
 
 def test_items_in_milvus_equal_brute_force_from_a_second_replica_and_survive_a_restart(deployment, milvus_server):
-    from index.bundle import read_manifest
+    from index.bundle.format import read_manifest
     from service.app import create_app
     from service.milvus_items import MilvusCatalogue
 
@@ -204,7 +204,7 @@ def test_items_in_milvus_equal_brute_force_from_a_second_replica_and_survive_a_r
 def test_a_swap_re_embeds_items_quarantines_a_broken_one_and_rollback_keeps_every_item(deployment):
     import s3fs
 
-    from index.bundle import read_manifest
+    from index.bundle.format import read_manifest
     from service.app import create_app
 
     ids = {name: deployment.bundles.id(name) for name in ("a", "b")}

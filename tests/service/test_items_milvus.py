@@ -19,7 +19,7 @@ require_milvus()
 
 
 def test_items_on_milvus_answer_as_on_faiss(real_bundles, milvus_uri, tmp_path):
-    from index.bundle import read_manifest
+    from index.bundle.format import read_manifest
     from service.app import create_app
 
     assert tonearm_main(["bundle", "publish", str(real_bundles.a), "--milvus-uri", milvus_uri]) == 0

@@ -69,7 +69,7 @@ def _seconds_until(predicate, what: str, timeout: float = 30) -> float:
 
 def _reference(bundle_dir: Path, audio: dict[str, bytes], item_id: str, k: int) -> list[tuple[float, str]]:
     """Brute force over the new model's vectors: the bundle's clips and the added items' audio."""
-    from index.loader import LoadedBundle
+    from index.runtime.loader import LoadedBundle
 
     bundle = LoadedBundle.open(bundle_dir, device="cpu")
     try:
@@ -98,7 +98,7 @@ def _assert_neighbours(hits: list[dict], expected: list[tuple[float, str]]) -> N
 def test_items_reach_the_other_replica_survive_kill_9_and_are_re_embedded_by_a_swap(
     real_bundles, redis_server, key_prefix, tmp_path
 ):
-    from index.bundle import read_manifest
+    from index.bundle.format import read_manifest
 
     a, b = real_bundles.id("a"), real_bundles.id("b")
     rate = read_manifest(real_bundles.a).sample_rate

@@ -5,7 +5,7 @@ The backend's own defects are covered in tests/index/test_milvus_backend.py."""
 
 from __future__ import annotations
 
-from index.loader import LoadedBundle
+from index.runtime.loader import LoadedBundle
 from tests.milvus_server import require_milvus, unpublish
 from tests.service.conftest import ADMIN, running_client
 from tests.service.test_real_bundles import real_settings
@@ -14,7 +14,7 @@ from tonearm.cli import main as tonearm_main
 
 require_milvus()
 
-from index.milvus_index import MilvusTarget, active_bundle  # noqa: E402
+from index.engines.milvus_index import MilvusTarget, active_bundle  # noqa: E402
 
 
 def test_publish_activate_gate_rollback_through_milvus(real_bundles, milvus_uri, monkeypatch):

@@ -69,7 +69,7 @@ def _when_up(call: Callable[[], T]) -> T:
 
 
 def _publish_when_up(bundle, target) -> bool:
-    from index.milvus_index import publish
+    from index.engines.milvus_index import publish
 
     return _when_up(lambda: publish(bundle, target))
 
@@ -77,8 +77,8 @@ def _publish_when_up(bundle, target) -> bool:
 def test_a_publish_survives_the_server_killed_right_after_it(milvus_server, tiny_bundle):
     """A publish is durable once it returns: Milvus SIGKILLed at once comes back with the registry
     record (a service starting then must not find the bundle "not published")."""
-    from index.bundle import read_manifest
-    from index.milvus_index import MilvusTarget, published_info
+    from index.bundle.format import read_manifest
+    from index.engines.milvus_index import MilvusTarget, published_info
 
     target = MilvusTarget(uri=milvus_server.uri, prefix=f"durable{os.getpid()}", timeout_s=10.0)
     assert _publish_when_up(tiny_bundle, target), "a fresh prefix: the bundle must not be published there yet"
@@ -98,7 +98,7 @@ def test_a_service_started_while_milvus_is_down_becomes_ready_when_it_returns(mi
     """Startup used to give up on the first failure (log line, never ready): now it retries."""
     import httpx
 
-    from index.milvus_index import MilvusTarget
+    from index.engines.milvus_index import MilvusTarget
     from service.app import create_app
     from tests.service.conftest import UvicornServer, make_settings
 
@@ -127,7 +127,7 @@ def test_a_service_started_before_its_bundle_is_published_becomes_ready_once_it_
     instead of giving up."""
     import httpx
 
-    from index.milvus_index import MilvusTarget
+    from index.engines.milvus_index import MilvusTarget
     from service.app import create_app
     from tests.service.bundle_factory import renamed_copy
     from tests.service.conftest import UvicornServer, make_settings

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from index.audio import decode_audio
-from index.bundle import read_manifest
+from index.audio.decode import decode_audio
+from index.bundle.format import read_manifest
 from service.app import create_app
 from tests.service.conftest import ADMIN, make_settings, running_client
 from tests.service.test_demo_page import browser  # noqa: F401 - the demo page's fixture (fails under CI=true without chromium)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from index.audio import decode_audio
-from index.loader import LoadedBundle, NoCaptionIndex
-from index.verify import verify_bundle
+from index.audio.decode import decode_audio
+from index.runtime.loader import LoadedBundle, NoCaptionIndex
+from index.runtime.verify import verify_bundle
 from service.app import create_app
 from tests.service.bundle_factory import copy_bundle
 from tests.service.conftest import ADMIN, make_settings, running_client

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from index.loader import LoadedBundle
+from index.runtime.loader import LoadedBundle
 from service.app import create_app
 from tests.service.bundle_factory import copy_bundle, tamper
 from tests.service.conftest import ADMIN, make_settings, running_client, wait_until

@@ -89,7 +89,7 @@ def test_demo_rebuilds_when_the_cached_bundle_vanished(tmp_path, monkeypatch):
 
 def test_real_demo_build_on_the_tiny_corpus_gives_a_servable_bundle(tmp_path):
     """The same synth → train → export path `tonearm serve` runs, with the tiny corpus and config."""
-    from index.loader import LoadedBundle
+    from index.runtime.loader import LoadedBundle
     from tonearm.build_server import _collecting
     from tonearm.demo_progress import BuildProgress
 

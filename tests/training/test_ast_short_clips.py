@@ -27,7 +27,7 @@ import soundfile as sf
 import torch
 from transformers import ASTConfig, ASTFeatureExtractor, ASTModel
 
-from index.audio import decode_window, eval_chunks
+from index.audio.decode import decode_window, eval_chunks
 from tests.real_size_models import PRESETS
 from training.config import load_train_config, short_clip_padding
 from training.evaluate import clip_samples
@@ -122,7 +122,7 @@ def test_exported_ast_encoder_pads_frames_as_the_tower(small_ast: Path, tmp_path
     for a bundle whose ``audio_frontend.padding`` is ``frames``, equals the torch tower."""
     import onnxruntime as ort
 
-    from index.audio_frontend import pad_short_clip
+    from index.audio.frontend import pad_short_clip
     from training.bundle.onnx_export import export_audio_encoder
 
     cfg = load_train_config(PRESETS / "ast_xlmr.yaml", [f"model.audio.path={small_ast}"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from index.tokenizer import TextTokenizer
+from index.bundle.tokenizer import TextTokenizer
 from tonearm.errors import TonearmError
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import AudioTowerConfig, ModelConfig, TextTowerConfig, TrainConfig

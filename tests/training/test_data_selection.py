@@ -76,7 +76,7 @@ def test_english_only_run_on_a_train_only_multilingual_manifest(
 
 
 def test_export_indexes_only_the_requested_split(tiny_checkpoint: Path, tiny_corpus: Path, tmp_path: Path) -> None:
-    from index.verify import verify_bundle
+    from index.runtime.verify import verify_bundle
     from training.bundle.export import export_bundle
 
     assert main(["export", str(tiny_checkpoint), "--data", str(tiny_corpus), "--out", str(tmp_path), "--split", "test"]) == 0

@@ -13,12 +13,12 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from index.audio import decode_audio
-from index.bundle import read_manifest
-from index.evalset import MAX_EVAL_CLIPS
-from index.faiss_index import IndexConfigError
-from index.loader import OnnxEncoder
-from index.verify import verify_bundle
+from index.audio.decode import decode_audio
+from index.bundle.evalset import MAX_EVAL_CLIPS
+from index.bundle.format import read_manifest
+from index.engines.faiss_index import IndexConfigError
+from index.runtime.loader import OnnxEncoder
+from index.runtime.verify import verify_bundle
 from tonearm.cli import main
 from tonearm.errors import BundleError, TonearmError
 from training.bundle.export import (

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from index.audio import decode_audio
-from index.bundle import read_manifest
+from index.audio.decode import decode_audio
+from index.bundle.format import read_manifest
 from index.languages import DEFAULT_LANGUAGES
-from index.loader import LoadedBundle
+from index.runtime.loader import LoadedBundle
 from tonearm.cli import main as tonearm_main
 from training.data.manifest import ClipRecord, MomentRecord, load_manifest, write_manifest
 

@@ -1,6 +1,6 @@
 """`tonearm export` and `export --pretrained` resume an interrupted clips pass (issue 41), as `tonearm index`
 does (tests/index/test_index_resume.py): the pass checkpoints its vectors in chunks in
-``OUT/.<name>-<8 hex>.partial/`` (:mod:`index.embed_checkpoint`, :func:`training.bundle.parts.embed_clips`).
+``OUT/.<name>-<8 hex>.partial/`` (:mod:`index.catalogue.checkpoint`, :func:`training.bundle.parts.embed_clips`).
 
 For `tonearm export` the interruption is a real one: the export runs in a child process that is
 killed with SIGKILL once its second chunk is on disk (the child's only change is that it waits there,
@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from index import bundle as fmt
-from index.embed_checkpoint import Chunk, EmbedCheckpoint, content_key
-from index.faiss_index import all_vectors, load_index, parse_factory
+from index.bundle import format as fmt
+from index.catalogue.checkpoint import Chunk, EmbedCheckpoint, content_key
+from index.engines.faiss_index import all_vectors, load_index, parse_factory
 from index.languages import DEFAULT_LANGUAGES
 from training.bundle import export, pretrained
 from training.bundle.parts import catalogue_checkpoint
@@ -45,7 +45,7 @@ CHILD = """
 import sys
 from pathlib import Path
 
-from index import embed_checkpoint
+from index.catalogue import checkpoint as embed_checkpoint
 
 save = embed_checkpoint.EmbedCheckpoint.save
 

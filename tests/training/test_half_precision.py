@@ -1,4 +1,4 @@
-"""`--precision fp16` (issue 41, index.half_precision): the fp16 copy of an encoder and its parity gate,
+"""`--precision fp16` (issue 41, index.catalogue.half_precision): the fp16 copy of an encoder and its parity gate,
 run here on ONNX Runtime's CPU provider (it executes the fp16 graphs, casting the kernels it lacks back to
 fp32), and the fp16 catalogue pass of `tonearm export --pretrained` and `tonearm index` end to end.
 
@@ -21,8 +21,8 @@ import onnxruntime as ort
 import pytest
 import soundfile as sf
 
-from index import bundle as fmt
-from index.half_precision import (
+from index.bundle import format as fmt
+from index.catalogue.half_precision import (
     MIN_CENTRED_COSINE,
     HalfPrecisionParityError,
     centred_cosines,
@@ -30,8 +30,8 @@ from index.half_precision import (
     parity_gate,
     probe_waves,
 )
-from index.loader import AUDIO_INPUTS, PADDING_MASK, TEXT_INPUTS, LoadedBundle, OnnxEncoder
-from index.own_audio import index_folder
+from index.catalogue.own_audio import index_folder
+from index.runtime.loader import AUDIO_INPUTS, PADDING_MASK, TEXT_INPUTS, LoadedBundle, OnnxEncoder
 from tests.small_pe_audio import save_small_pe_audio
 from tests.training.test_pretrained_quantize import write_small_clap
 from training.bundle.pretrained import (
@@ -167,7 +167,7 @@ def test_a_cast_the_converter_added_twice_is_kept_once_and_the_copy_loads(tmp_pa
     what it wrote for ``y = x * alpha + 1 / alpha`` with Mul and Reciprocal kept fp32."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from index.half_precision import drop_duplicate_casts
+    from index.catalogue.half_precision import drop_duplicate_casts
 
     alpha = numpy_helper.from_array(np.array([2.0, 4.0], dtype=np.float16), "alpha")
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from index.moment_head import MomentHeadModel
-from index.moment_metrics import MomentQuery, moment_report
-from index.moments import moments_from_scores, window_spans
+from index.metrics.moments import MomentQuery, moment_report
+from index.moments.head import MomentHeadModel
+from index.moments.postprocess import moments_from_scores, window_spans
 from training.config import ConfigError
 from training.moment_head import MomentExample, export_head, train_head
 from training.objectives.moment_span import MomentSpanLoss, generalized_iou_1d
@@ -110,10 +110,10 @@ def test_train_moments_cli_on_a_bundle(tiny_bundle, tmp_path) -> None:
     that runs without torch on the bundle's own window embeddings (~10 s beside the shared bundle)."""
     import json
 
-    from index.audio import decode_audio
+    from index.audio.decode import decode_audio
     from index.languages import DEFAULT_LANGUAGES
-    from index.loader import LoadedBundle
-    from index.moment_index import HOP_FRACTION, embed_windows
+    from index.moments.windows import HOP_FRACTION, embed_windows
+    from index.runtime.loader import LoadedBundle
     from tonearm.cli import main
     from training.data.manifest import load_manifest
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from index.tokenizer import TextTokenizer
+from index.bundle.tokenizer import TextTokenizer
 from tests.index.test_tokenizer import ALL_CAPTIONS, CAPTIONS, corpus
 from training.bundle.onnx_export import (
     ExportError,

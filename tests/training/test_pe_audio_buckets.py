@@ -2,8 +2,8 @@
 length buckets").
 
 A PE-Audio bundle embeds every clip whole. Its audio encoder now takes a ``padding_mask``
-(:func:`training.models.pretrained_pe_audio.masked_pooled`), so :func:`index.loader.encode_clips` runs clips
-of different lengths in one call, each zero-padded to its :func:`index.audio_frontend.bucket_length`. The
+(:func:`training.models.pretrained_pe_audio.masked_pooled`), so :func:`index.runtime.loader.encode_clips` runs clips
+of different lengths in one call, each zero-padded to its :func:`index.audio.frontend.bucket_length`. The
 reference is independent of that path: transformers' ``PeAudioFeatureExtractor`` + ``PeAudioModel.get_audio_embeds``
 of each clip alone (the model loaded afresh from the folder). The small random-weight model keeps PE-Audio's
 hop (1,920 samples), so every length rule is the real one.
@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from index import bundle as fmt
-from index.audio_frontend import bucket_length, prepare_whole_clip
-from index.half_precision import centred_cosines, probe_waves
-from index.loader import AUDIO_INPUTS, CODEC_CALL_SAMPLES, OnnxEncoder, encode_clips
+from index.audio.frontend import bucket_length, prepare_whole_clip
+from index.bundle import format as fmt
+from index.catalogue.half_precision import centred_cosines, probe_waves
+from index.runtime.loader import AUDIO_INPUTS, CODEC_CALL_SAMPLES, OnnxEncoder, encode_clips
 from tests.small_pe_audio import RecordedEncoder, save_small_pe_audio
 from training.bundle.onnx_export import MIN_COSINE, export_audio_encoder
 from training.bundle.pretrained import MIN_CENTRED_COSINE
@@ -93,7 +93,7 @@ def passes_parity(got: np.ndarray, want: np.ndarray) -> bool:
 
 
 HOPS = [9, 19, 20, 37, 38, 40, 66, 70, 71]
-"""0.36–2.8 s, in the buckets of 9, 20, 40 and 72 hops (index.audio_frontend.bucket_length)."""
+"""0.36–2.8 s, in the buckets of 9, 20, 40 and 72 hops (index.audio.frontend.bucket_length)."""
 
 
 @pytest.fixture(scope="module")

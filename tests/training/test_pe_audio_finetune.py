@@ -20,7 +20,7 @@ import pytest
 import torch
 import transformers
 
-from index.audio import eval_chunks
+from index.audio.decode import eval_chunks
 from tests.real_size_models import PRESETS, mini_manifest
 from tests.small_pe_audio import RecordedEncoder, save_small_pe_audio, save_small_pe_audio_video
 from training.config import ConfigError, load_train_config
@@ -276,8 +276,8 @@ def test_a_fine_tuned_pe_audio_exports_a_bundle_the_service_embeds_as_training_d
 ) -> None:
     """The checkpoint's bundle records PE-Audio's rules (reflect to the hop, long clips whole) and the
     service's path (``LoadedBundle.encode_audio``) gives the checkpoint's own evaluation embeddings."""
-    from index import bundle as fmt
-    from index.loader import LoadedBundle
+    from index.bundle import format as fmt
+    from index.runtime.loader import LoadedBundle
     from training.bundle.export import export_bundle
     from training.checkpoint import load_checkpoint
     from training.loop import train
@@ -308,8 +308,8 @@ def test_export_pretrained_of_a_pe_av_folder_serves_its_audio_branch_with_long_c
 ) -> None:
     """`tonearm export --pretrained` of the ``pe_audio_video`` layout; the reference is the ``PeAudioModel``
     the weights came from, fed by its own extractor over the whole clip (0.5, 3 and 14 s)."""
-    from index import bundle as fmt
-    from index.loader import LoadedBundle
+    from index.bundle import format as fmt
+    from index.runtime.loader import LoadedBundle
     from tonearm.cli import main
 
     assert main(["export", "--pretrained", str(small_pe_av), "--data", str(pe_manifest), "--out",
@@ -321,9 +321,9 @@ def test_export_pretrained_of_a_pe_av_folder_serves_its_audio_branch_with_long_c
     waves = [w for w in clips() if w.shape[0] != WINDOW]
     bundle = LoadedBundle.open(bundle_dir)
     got = torch.from_numpy(bundle.encode_audio(waves))
-    # the codec's activation memory is bounded per call (index.loader.CODEC_CALL_SAMPLES): five 10-s clips
+    # the codec's activation memory is bounded per call (index.runtime.loader.CODEC_CALL_SAMPLES): five 10-s clips
     # run two at a time, with the embeddings each clip gets alone
-    from index.loader import CODEC_CALL_SAMPLES, encode_clips
+    from index.runtime.loader import CODEC_CALL_SAMPLES, encode_clips
 
     recorded = RecordedEncoder(bundle._need(bundle._audio_encoder))
     tens = [clips()[4 + i % 2] * (1 + i) for i in range(5)]

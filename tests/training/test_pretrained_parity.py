@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index.audio_frontend import pad_short_clip
+from index.audio.frontend import pad_short_clip
 from training.bundle import pretrained
 from training.bundle.onnx_export import ExportError
 

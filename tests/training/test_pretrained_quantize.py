@@ -12,8 +12,8 @@ from pathlib import Path
 import onnx
 import pytest
 
-from index import bundle as fmt
-from index.loader import LoadedBundle
+from index.bundle import format as fmt
+from index.runtime.loader import LoadedBundle
 from tests.real_size_models import bpe_tokenizer
 from tonearm.cli import main
 

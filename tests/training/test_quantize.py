@@ -8,8 +8,8 @@ import numpy as np
 import onnx
 import pytest
 
-from index.bundle import read_manifest
-from index.loader import LoadedBundle
+from index.bundle.format import read_manifest
+from index.runtime.loader import LoadedBundle
 from tonearm.cli import main
 from tonearm.errors import TonearmError
 from training.bundle.quantize import QuantizeConfig

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index.loader import LoadedBundle
-from index.verify import verify_bundle
+from index.runtime.loader import LoadedBundle
+from index.runtime.verify import verify_bundle
 from training.bundle import onnx_export
 
 

@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index import bundle as fmt
-from index.loader import LoadedBundle
+from index.bundle import format as fmt
+from index.runtime.loader import LoadedBundle
 from tests.real_size_models import mini_manifest, real_model_dir
 from tonearm.cli import main
 
@@ -118,7 +118,7 @@ def test_pe_audio_finetune_step0_at_full_size_is_the_model(real_pe_audio_dir: Pa
     import torch
     import transformers
 
-    from index.audio import eval_chunks
+    from index.audio.decode import eval_chunks
     from tests.real_size_models import PRESETS
     from training.config import load_train_config
     from training.evaluate import embed_chunks

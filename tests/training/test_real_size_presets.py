@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from index.verify import verify_bundle
+from index.runtime.verify import verify_bundle
 from tests.real_size_models import PresetRun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the first test builds the session fixtures
@@ -96,7 +96,7 @@ def test_the_service_answers_text_and_audio(preset: PresetRun) -> None:
 
     import soundfile as sf
 
-    from index.bundle import read_manifest
+    from index.bundle.format import read_manifest
     from service.app import create_app
     from tests.service.conftest import make_settings, running_client
 

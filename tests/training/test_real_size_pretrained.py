@@ -17,8 +17,8 @@ import pytest
 import soundfile as sf
 import soxr
 
-from index.loader import LoadedBundle
-from index.verify import verify_bundle
+from index.runtime.loader import LoadedBundle
+from index.runtime.verify import verify_bundle
 from tonearm.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the first test builds the session fixtures
@@ -183,8 +183,8 @@ def test_the_ray_actor_embeds_short_clips_as_the_bundle_does(real_clap_pretraine
     """`tonearm index --ray` embeds a collection with ``AudioEmbedder`` actors; a short clip must get the
     bundle's own padding there (CLAP's repeatpad) exactly as the service's ``encode_audio`` gives it.
     The actor runs in-process here (the Ray Data plumbing is tests/index/test_ray_embed.py's)."""
-    from index.own_audio import decode_file
-    from index.ray_embed import AudioEmbedder
+    from index.catalogue.own_audio import decode_file
+    from index.catalogue.ray_embed import AudioEmbedder
 
     manifest = bundle.manifest
     path = tmp_path / "short.wav"

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 
-from index import bundle as fmt
-from index.catalogue_pass import pass_options_from_args
+from index.bundle import format as fmt
+from index.catalogue.embed_pass import pass_options_from_args
+from index.catalogue.half_precision import check_precision_options
+from index.catalogue.ray_embed import ray_options_from_args
 from index.errors import BundleError
-from index.half_precision import check_precision_options
-from index.loader import device_providers
-from index.ray_embed import ray_options_from_args
+from index.runtime.loader import device_providers
 from training.bundle.parts import quantize_config
 
 
@@ -20,7 +20,7 @@ def cli_export(args: argparse.Namespace) -> int:
     or `tonearm export --pretrained MODEL_DIR ...` (training.bundle.pretrained)."""
     from rich.console import Console
 
-    from index.report import format_report_rich
+    from index.metrics.report import format_report_rich
 
     if (args.checkpoint is None) == (getattr(args, "pretrained", None) is None):
         raise BundleError("tonearm export: give a CHECKPOINT directory or --pretrained MODEL_DIR (one of them)")

@@ -13,9 +13,9 @@ Steps (SPEC §6), all inside a staging directory published atomically at the end
    asked for (``tonearm export --split test``) — with
    the *ONNX* encoders (what the service will compute), build ``audio.faiss``
    and ``text.faiss`` (captions grouped by language) and measure ANN recall@10
-   (``--ray``: both embedding passes run as Ray Data jobs, :mod:`index.ray_embed`);
+   (``--ray``: both embedding passes run as Ray Data jobs, :mod:`index.catalogue.ray_embed`);
 4. store the held-out set (``test`` split, else ``val``; at most
-   :data:`index.evalset.MAX_EVAL_CLIPS` clips) and its SPEC §5 report;
+   :data:`index.bundle.evalset.MAX_EVAL_CLIPS` clips) and its SPEC §5 report;
 5. write ``manifest.json`` with checksums; fsync; rename into ``out_dir``.
 
 It lives in ``training`` because it needs torch and the checkpoint; what it
@@ -36,11 +36,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from index import bundle as fmt
-from index.audio import decode_audio
-from index.bundle_eval import evaluate_eval_set
-from index.catalogue_pass import DecodeCall, PassClock, PassOptions
-from index.embed_checkpoint import (
+from index.audio.decode import decode_audio
+from index.bundle import format as fmt
+from index.bundle.evalset import (
+    MAX_EVAL_CLIPS,
+    EvalSet,
+    load_eval_waveform,
+    read_eval_set,
+    write_eval_set,
+)
+from index.bundle.tokenizer import TextTokenizer
+from index.catalogue.checkpoint import (
     CHUNK_FILES,
     CHUNK_TEXTS,
     Advance,
@@ -48,11 +54,20 @@ from index.embed_checkpoint import (
     PassResult,
     resumable,
 )
+from index.catalogue.embed_pass import DecodeCall, PassClock, PassOptions
+from index.catalogue.half_precision import (
+    PROBE_CLIPS,
+    Precision,
+    check_precision_options,
+    probe_waves,
+)
+from index.catalogue.moment_windows import export_windows
+from index.catalogue.ray_embed import RayOptions, decode_whole, embed_audio_files, embed_captions
+from index.engines.faiss_index import parse_factory
 from index.errors import BundleError
-from index.evalset import MAX_EVAL_CLIPS, EvalSet, load_eval_waveform, read_eval_set, write_eval_set
-from index.faiss_index import parse_factory
-from index.half_precision import PROBE_CLIPS, Precision, check_precision_options, probe_waves
-from index.loader import (
+from index.metrics.report import METRIC_CONVENTION
+from index.runtime.evaluate import evaluate_eval_set
+from index.runtime.loader import (
     AUDIO_INPUTS,
     OUTPUTS,
     TEXT_INPUTS,
@@ -61,10 +76,6 @@ from index.loader import (
     encode_texts,
     encode_waveforms,
 )
-from index.moment_export import export_windows
-from index.ray_embed import RayOptions, decode_whole, embed_audio_files, embed_captions
-from index.report import METRIC_CONVENTION
-from index.tokenizer import TextTokenizer
 from training.bundle.onnx_export import (
     MIN_COSINE,
     ExportError,
@@ -236,7 +247,7 @@ def export_encoders(
 def encode_bundle_audio(encoder: OnnxEncoder, waves: Sequence[np.ndarray], cfg: TrainConfig,
                         frontend: fmt.AudioFrontendInfo | None) -> np.ndarray:
     """What the service does to these clips with this bundle: a PE-Audio bundle (``reflect``) through its
-    ``audio_frontend`` (:func:`index.loader.encode_clips`), every other one zero/tile-padded and chunked."""
+    ``audio_frontend`` (:func:`index.runtime.loader.encode_clips`), every other one zero/tile-padded and chunked."""
     if frontend is not None and frontend.padding == "reflect":
         return encode_clips(encoder, waves, clip_samples=clip_samples_of(cfg), embed_dim=cfg.model.embed_dim,
                             frontend=frontend)
@@ -388,12 +399,12 @@ def export_bundle(
     given); returns ``out_dir/<bundle_id>``. The held-out set is chosen from every clip.
     ``ray``: the catalogue's embedding pass runs on a Ray cluster (same bundle); ``providers``:
     the ONNX Runtime providers of the checks and the in-process pass (``--device cuda``); ``precision``
-    ``fp16``: the in-process pass runs fp16 copies of the encoders (:mod:`index.half_precision`).
+    ``fp16``: the in-process pass runs fp16 copies of the encoders (:mod:`index.catalogue.half_precision`).
     The in-process clips pass is checkpointed every ``chunk_files`` clips in
     ``out_dir/.<run name>-<8 hex>.partial/`` (:func:`training.bundle.parts.partial_base`) and the same
     call resumes it after an interruption, reusing every clip whose content is unchanged; the folder is removed
     once the bundle is published. ``pass_options``: decode workers, prefetch and the samples of one encoder
-    call (:class:`index.catalogue_pass.PassOptions`; default: decode in this process). A clip that cannot be
+    call (:class:`index.catalogue.embed_pass.PassOptions`; default: decode in this process). A clip that cannot be
     decoded is skipped and listed in the manifest's ``skipped_clips``."""
     checkpoint_dir, manifest, out_dir = Path(checkpoint_dir), Path(manifest), Path(out_dir)
     quantize = quantize or QuantizeConfig.from_choice(None, quantize_text=quantize_text)  # quantize_text: old alias

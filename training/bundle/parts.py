@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from index import bundle as fmt
-from index.catalogue_pass import EncoderSpec, PassClock, PassOptions, pass_embedder
-from index.embed_checkpoint import (
+from index.bundle import format as fmt
+from index.bundle.evalset import MAX_EVAL_CLIPS
+from index.catalogue.checkpoint import (
     CHUNK_FILES,
     CHUNK_TEXTS,
     Advance,
@@ -42,12 +42,17 @@ from index.embed_checkpoint import (
     pass_digest,
     text_key,
 )
+from index.catalogue.embed_pass import EncoderSpec, PassClock, PassOptions, pass_embedder
+from index.catalogue.half_precision import (
+    PROBE_TEXTS,
+    catalogue_pass_info,
+    gate,
+    half_precision_copy,
+)
+from index.engines.faiss_index import BuiltIndex
 from index.errors import BundleError
-from index.evalset import MAX_EVAL_CLIPS
-from index.faiss_index import BuiltIndex
-from index.half_precision import PROBE_TEXTS, catalogue_pass_info, gate, half_precision_copy
-from index.loader import OnnxEncoder
-from index.report import METRIC_CONVENTION
+from index.metrics.report import METRIC_CONVENTION
+from index.runtime.loader import OnnxEncoder
 from training.bundle.onnx_export import external_data_file
 from training.bundle.quantize import QuantizeConfig, check_loss
 from training.data.manifest import ClipRecord
@@ -118,8 +123,8 @@ def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
 def progress_bar(enabled: bool) -> Iterator[Callable[..., Advance]]:
     """``task(description, total, clock=None)`` → ``advance(n, resumed=False)``; a no-op when disabled. Each
     task shows (bar and log, every 10 %) this run's clips/s and the time left at that rate, and with a
-    ``clock`` (:class:`index.catalogue_pass.PassClock`) the decode wait and the encoder's busy fraction
-    (:class:`index.embed_checkpoint.PassRate`; ``resumed``: items loaded from a checkpoint, not counted)."""
+    ``clock`` (:class:`index.catalogue.embed_pass.PassClock`) the decode wait and the encoder's busy fraction
+    (:class:`index.catalogue.checkpoint.PassRate`; ``resumed``: items loaded from a checkpoint, not counted)."""
     if not enabled:
         def no_op(_n: int, /, *, resumed: bool = False) -> None:
             return None
@@ -174,7 +179,7 @@ CPU = ("CPUExecutionProvider",)
 
 def load_session(path: Path, inputs: Sequence[str], dim: int, providers: Sequence[str] = CPU) -> OnnxEncoder:
     """An encoder session for the export's checks and catalogue pass (``providers``: ``--device``,
-    :func:`index.loader.device_providers`)."""
+    :func:`index.runtime.loader.device_providers`)."""
     return OnnxEncoder.load(path, inputs=inputs, embed_dim=dim, providers=list(providers), threads=None)
 
 
@@ -231,7 +236,7 @@ def quantization_records(found: Any, quantize: QuantizeConfig) -> tuple[fmt.Eval
 
 def partial_base(out_dir: Path, name: str, fingerprint: str) -> Path:
     """Where an export's checkpointed catalogue pass lives: ``OUT/.<name>-<8 hex>.partial/`` — hidden, named
-    by the bundle id without its timestamp, so the same command finds it again (:mod:`index.embed_checkpoint`)."""
+    by the bundle id without its timestamp, so the same command finds it again (:mod:`index.catalogue.checkpoint`)."""
     return out_dir / f".{name}-{fingerprint[:8]}"
 
 
@@ -240,7 +245,7 @@ def catalogue_checkpoint(base: Path, encoder: Path, *, providers: Sequence[str],
     """The checkpoint of a catalogue pass (``name`` ``""``: the clips, ``captions``: the captions): its pass
     digest is the encoder's sha256 (and its external data file's, if any), the ONNX Runtime providers, the
     audio preparation (``frontend``) and ``precision`` when not fp32 (`--precision fp16` embeds with fp16
-    copies); an item is reused when its content key (:func:`index.embed_checkpoint.content_key`) is in a
+    copies); an item is reused when its content key (:func:`index.catalogue.checkpoint.content_key`) is in a
     chunk saved under the same digest (a pass with another digest starts over and says what changed)."""
     checksums = [fmt.sha256_file(p) for p in (encoder, external_data_file(encoder)) if p.is_file()]
     describe = {"encoder": checksums, "providers": list(providers), "frontend": frontend,
@@ -252,12 +257,12 @@ def embed_clips(records: Sequence[ClipRecord], decode: Callable[[Any], np.ndarra
                 *, dim: int, advance: Advance, checkpoint: EmbedCheckpoint | None, chunk_files: int = CHUNK_FILES,
                 options: PassOptions | None = None, clock: PassClock | None = None,
                 spec: EncoderSpec | None = None) -> PassResult:
-    """The clips pass over ``records`` (:mod:`index.catalogue_pass`): each clip's audio decoded by
-    ``decode`` (a picklable :class:`~index.catalogue_pass.DecodeCall` when ``options.decode_workers`` > 0)
+    """The clips pass over ``records`` (:mod:`index.catalogue.embed_pass`): each clip's audio decoded by
+    ``decode`` (a picklable :class:`~index.catalogue.embed_pass.DecodeCall` when ``options.decode_workers`` > 0)
     beside the encoder ``encode`` (waves → (n, d)), in chunks checkpointed in ``checkpoint``
-    (:func:`index.embed_checkpoint.embed_in_chunks`: a clip whose content a saved chunk holds is reused).
+    (:func:`index.catalogue.checkpoint.embed_in_chunks`: a clip whose content a saved chunk holds is reused).
     A clip that cannot be decoded is skipped and listed in the result. With ``options.devices`` the clips
-    are split over one process per device, each running ``spec`` (:class:`index.catalogue_pass.DevicePool`)."""
+    are split over one process per device, each running ``spec`` (:class:`index.catalogue.embed_pass.DevicePool`)."""
     ids, paths = [r.id for r in records], [Path(r.audio) for r in records]
     items = file_items(ids, paths)
     with ExitStack() as stack:
@@ -269,7 +274,7 @@ def embed_clips(records: Sequence[ClipRecord], decode: Callable[[Any], np.ndarra
 def embed_clips_on_ray(records: Sequence[ClipRecord], run: Callable[[list[Path]], Any], *, dim: int,
                        checkpoint: EmbedCheckpoint | None, chunk_files: int = CHUNK_FILES,
                        advance: Advance | None = None) -> PassResult:
-    """The clips pass as Ray jobs (``run(paths)`` → :class:`index.ray_embed.RayEmbedded`), one job a chunk,
+    """The clips pass as Ray jobs (``run(paths)`` → :class:`index.catalogue.ray_embed.RayEmbedded`), one job a chunk,
     checkpointed as the in-process pass is; a clip a worker could not decode is skipped and listed."""
     ids, paths = [r.id for r in records], [Path(r.audio) for r in records]
 
@@ -381,11 +386,11 @@ def write_catalogue(staging: Path, audio_emb: np.ndarray, text_emb: np.ndarray, 
                     index_factory: str | None, source_manifest: Path) -> dict[str, fmt.IndexInfo]:
     """The one assembly from a catalogue's embeddings to a bundle's indices and id files, trained or
     pretrained (issue 49): the audio index by the catalogue's size (FAISS lists on disk above the
-    threshold, :func:`index.faiss_ondisk.build_and_save`), the caption index grouped by language, both
+    threshold, :func:`index.engines.faiss_ondisk.build_and_save`), the caption index grouped by language, both
     id files; the manifest's ``audio_index`` and ``text_index``."""
-    from index.faiss_index import build_index, save_index
-    from index.faiss_ondisk import build_and_save
-    from index.filters import filterable_metadata
+    from index.engines.faiss_index import build_index, save_index
+    from index.engines.faiss_ondisk import build_and_save
+    from index.engines.filters import filterable_metadata
 
     audio_built = build_and_save(audio_emb, staging / fmt.AUDIO_INDEX, index_factory, queries=text_emb)
     text_built = build_index(text_emb, index_factory, queries=audio_emb, language_ranges=ranges)
@@ -409,7 +414,7 @@ Encode = Callable[[list[Any]], np.ndarray]
 
 
 def half_copies(audio: Path, text: Path, scratch: Path) -> tuple[Path, Path]:
-    """fp16 copies of both encoder files for the catalogue pass (`--precision fp16`, :mod:`index.half_precision`)."""
+    """fp16 copies of both encoder files for the catalogue pass (`--precision fp16`, :mod:`index.catalogue.half_precision`)."""
     return (half_precision_copy(audio, scratch / f"{audio.stem}.fp16.onnx"),
             half_precision_copy(text, scratch / f"{text.stem}.fp16.onnx"))
 
@@ -422,7 +427,7 @@ def probe_texts(records: Sequence[ClipRecord], languages: Sequence[str], catalog
 def half_precision_gate(audio: tuple[Encode, Encode, Sequence[Any]], text: tuple[Encode, Encode, Sequence[Any]],
                         providers: Sequence[str]) -> fmt.CataloguePassInfo:
     """Both encoders' fp16 copies held to fp32 on their probe sets, ``(fp32, fp16, items)`` each
-    (:func:`index.half_precision.gate`: one line below the gate); the manifest's ``catalogue_pass``."""
+    (:func:`index.catalogue.half_precision.gate`: one line below the gate); the manifest's ``catalogue_pass``."""
     found = {"audio": gate("audio", *audio), "text": gate("text", *text)}
     return catalogue_pass_info(found, "cuda" if "CUDAExecutionProvider" in providers else "cpu")
 

@@ -32,12 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from index import bundle as fmt
-from index.audio import decode_audio, eval_chunks
-from index.audio_frontend import keeps_short_clips, pad_short_clip
-from index.bundle_eval import evaluate_eval_set
-from index.catalogue_pass import DecodeCall, PassClock, PassOptions, pass_options_from_args
-from index.embed_checkpoint import (
+from index.audio.decode import decode_audio, eval_chunks
+from index.audio.frontend import keeps_short_clips, pad_short_clip
+from index.bundle import format as fmt
+from index.bundle.evalset import MAX_EVAL_CLIPS, EvalSet, write_eval_set
+from index.catalogue.checkpoint import (
     CHUNK_FILES,
     CHUNK_TEXTS,
     Advance,
@@ -45,18 +44,28 @@ from index.embed_checkpoint import (
     PassResult,
     resumable,
 )
-from index.errors import BundleError
-from index.evalset import MAX_EVAL_CLIPS, EvalSet, write_eval_set
-from index.faiss_index import parse_factory
-from index.half_precision import (
+from index.catalogue.embed_pass import DecodeCall, PassClock, PassOptions, pass_options_from_args
+from index.catalogue.half_precision import (
     PROBE_CLIPS,
     Precision,
     centred_cosines,
     check_precision_options,
     probe_waves,
 )
+from index.catalogue.moment_windows import export_windows
+from index.catalogue.ray_embed import (
+    RayOptions,
+    decode_whole,
+    embed_audio_files,
+    embed_captions,
+    ray_options_from_args,
+)
+from index.engines.faiss_index import parse_factory
+from index.errors import BundleError
 from index.languages import DEFAULT_LANGUAGES
-from index.loader import (
+from index.metrics.report import METRIC_CONVENTION
+from index.runtime.evaluate import evaluate_eval_set
+from index.runtime.loader import (
     AUDIO_INPUTS,
     OUTPUTS,
     TEXT_INPUTS,
@@ -65,15 +74,6 @@ from index.loader import (
     encode_texts,
     encode_waveforms,
 )
-from index.moment_export import export_windows
-from index.ray_embed import (
-    RayOptions,
-    decode_whole,
-    embed_audio_files,
-    embed_captions,
-    ray_options_from_args,
-)
-from index.report import METRIC_CONVENTION
 from training.bundle.onnx_export import (
     MIN_COSINE,
     ExportError,
@@ -153,7 +153,7 @@ def frontend_info(model: Pretrained) -> fmt.AudioFrontendInfo:
 
 class PretrainedEncoders:
     """The staged ONNX encoders with the bundle's audio preparation (padding, then chunking) —
-    the steps of :meth:`index.loader.LoadedBundle.encode_audio`, on the staged files."""
+    the steps of :meth:`index.runtime.loader.LoadedBundle.encode_audio`, on the staged files."""
 
     def __init__(self, clap: Pretrained, audio: Path, text: Path, providers: Sequence[str] = CPU) -> None:
         dim = embed_dim(clap)
@@ -208,10 +208,10 @@ def parity_clips(wave: np.ndarray, n: int, *, reflect: bool = False) -> list[np.
     a twentieth of the window plus 7 samples (not a hop multiple, so the reflection runs), one of
     exactly the window and one of 10.5 s + 7 samples (embedded whole, ``long_clips = "whole"``) — 21 s of
     audio, not 43 s. Chunk-and-average of longer clips (CLAP) is the loader's mean over such windows, the
-    same code for every family (``index.loader.encode_waveforms``).
+    same code for every family (``index.runtime.loader.encode_waveforms``).
 
     Two more short clips of unrelated synthetic signals (white noise, a pulsed tone;
-    :func:`index.half_precision.probe_waves`) give the centred cosine of :func:`check_parity` its power:
+    :func:`index.catalogue.half_precision.probe_waves`) give the centred cosine of :func:`check_parity` its power:
     a short-clip padding error moves the short clips away from the others."""
     tiled = np.resize(np.asarray(wave, dtype=np.float32), 3 * n)
     short = n // 20 + 7 if reflect else n // 3
@@ -247,7 +247,7 @@ def check_parity(encoders: PretrainedEncoders, waves: Sequence[np.ndarray], text
                  expected: Expected) -> tuple[float, float]:
     """Minimum per-item cosine of the bundle's encoders to the model's own audio / text embeddings;
     :class:`ExportError` below :data:`MIN_COSINE`, or when the lowest **centred** cosine (each set's mean
-    row removed, :func:`index.half_precision.centred_cosines`; :mod:`training.bundle.step0`) is below
+    row removed, :func:`index.catalogue.half_precision.centred_cosines`; :mod:`training.bundle.step0`) is below
     :data:`MIN_CENTRED_COSINE`: with random or weakly trained weights unrelated inputs embed at plain
     cosines near 1, so zero padding of short clips passes a plain 0.999 (0.99946) but not the centred check."""
     found = parity(encoders, waves, texts, expected)
@@ -367,7 +367,7 @@ def export_pretrained_bundle(
     """Bundle of the model folder ``model_dir`` (CLAP or PE-Audio) over the clips of ``manifest``; returns its path.
     ``providers``: ONNX Runtime providers of the checks and the catalogue pass (``--device cuda``); ``ray``: the
     catalogue pass (clips and captions) runs as two Ray Data jobs instead (same bundle, vectors to float tolerance);
-    ``precision`` ``fp16``: the in-process pass runs fp16 copies of the encoders (:mod:`index.half_precision`).
+    ``precision`` ``fp16``: the in-process pass runs fp16 copies of the encoders (:mod:`index.catalogue.half_precision`).
     The in-process clips pass is checkpointed every ``chunk_files`` clips in ``out_dir/.<name>-<8 hex>.partial/``
     (:func:`training.bundle.parts.partial_base`) and the same call resumes it after an interruption; the folder
     is removed once the bundle is published."""
@@ -538,7 +538,7 @@ def cli_export_pretrained(args: argparse.Namespace) -> int:
     """`tonearm export --pretrained MODEL_DIR --data MANIFEST --out BUNDLES_DIR [--languages L ...]`."""
     from rich.console import Console
 
-    from index.report import format_report_rich
+    from index.metrics.report import format_report_rich
 
     ray = None
     if getattr(args, "ray", None) is not None:

@@ -6,7 +6,7 @@ from their observed range (``DynamicQuantizeLinear``) and the products run as
 ``MatMulInteger``. Convolutions stay fp32 — the audio towers' frontend computes its
 STFT as a convolution whose precision the mel features need — so the gain comes
 from the transformer layers, where real-size towers (RoBERTa/XLM-R, AST, HTS-AT)
-spend their time. fp16 (:func:`index.half_precision.half_precision_copy`: float inputs and
+spend their time. fp16 (:func:`index.catalogue.half_precision.half_precision_copy`: float inputs and
 outputs, normalisations, reductions, Softmax and the mel front end kept fp32) is for GPU
 providers; it is not measured on a GPU here.
 
@@ -36,9 +36,9 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from index.bundle_eval import evaluate_eval_set, retrieval_delta
+from index.bundle.evalset import EvalSet
 from index.errors import TonearmError
-from index.evalset import EvalSet
+from index.runtime.evaluate import evaluate_eval_set, retrieval_delta
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def quantize_model(src: Path | str, dst: Path | str, *, precision: Precision = "
         quantize_dynamic(src, dst, weight_type=QuantType.QInt8, op_types_to_quantize=QUANTIZED_OPS,
                          use_external_data_format=external)
     else:  # the same fp16 copy as the fp16 catalogue pass: fragile ops and the mel front end stay fp32
-        from index.half_precision import half_precision_copy
+        from index.catalogue.half_precision import half_precision_copy
 
         half_precision_copy(src, dst)
     log.info("%s: %s copy written to %s (%.1f MB -> %.1f MB)", src.name, precision, dst,

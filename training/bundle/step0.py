@@ -6,7 +6,7 @@ A run that loads a pretrained folder into a tower (``hf_clap`` / ``hf_ast`` / ``
 * through the **training model** as the data path feeds it: four synthetic clips of 0.05, 0.3, 1
   and 1.4 windows (0.5, 3, 10 and 14 s for a 10-s window; a chirp with noise, white noise, a pulsed
   tone, a high tone over faint noise), each brought to the tower as evaluation does
-  (:func:`index.audio.eval_chunks` with the run's ``frontend.short_clip_padding``, its first window;
+  (:func:`index.audio.decode.eval_chunks` with the run's ``frontend.short_clip_padding``, its first window;
   :func:`training.evaluate.stack_windows`): padded to the window, the long clip's first window — or,
   for ``hf_pe_audio`` (``reflect``), each clip at its own length (a short clip behind the NaN marker
   the tower reads, the long clip whole: PE-Audio's long-clip rule) — and four captions in four
@@ -116,10 +116,10 @@ class Probe:
     """The audio of each clip the data path gives the tower, unpadded — what the folder's extractor is
     given, so the check judges the front end, not the crop length: a clip up to the window whole; a
     longer one its first window (``data.clip_seconds``), or the whole clip where the tower's long-clip
-    rule is the model's own forward over it (``hf_pe_audio``, :func:`index.audio.eval_chunks`)."""
+    rule is the model's own forward over it (``hf_pe_audio``, :func:`index.audio.decode.eval_chunks`)."""
     windows: np.ndarray
     """(4, width) float32: the clips as the run's data path brings them to the tower — the first window
-    :func:`index.audio.eval_chunks` makes of each with the run's ``frontend.short_clip_padding``, stacked as
+    :func:`index.audio.decode.eval_chunks` makes of each with the run's ``frontend.short_clip_padding``, stacked as
     evaluation stacks them (:func:`training.evaluate.stack_windows`: windows of different widths, a
     PE-Audio clip kept whole, are right-padded with the NaN marker)."""
     window: int
@@ -303,7 +303,7 @@ def full_precision(device: torch.device) -> Iterator[None]:
 
 
 def make_probe(cfg: TrainConfig, device: torch.device) -> Probe:
-    from index.audio import eval_chunks
+    from index.audio.decode import eval_chunks
     from training.evaluate import clip_samples, stack_windows
 
     rate, n = cfg.frontend.sample_rate, clip_samples(cfg.data, cfg.frontend)

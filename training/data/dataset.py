@@ -31,15 +31,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from index.audio import decode_audio, decode_window, eval_chunks
-from index.audio_frontend import Padding
+from index.audio.decode import decode_audio, decode_window, eval_chunks
+from index.audio.frontend import Padding
 from index.errors import AudioDecodeError, DataError
 from training.data.manifest import ClipRecord
 from training.objectives.base import Strategy
 
 
 class Tokenizer(Protocol):
-    """What the collate needs from :class:`index.tokenizer.TextTokenizer`."""
+    """What the collate needs from :class:`index.bundle.tokenizer.TextTokenizer`."""
 
     def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]: ...
 

@@ -4,8 +4,8 @@ A pass over a manifest opens each clip's file by position (:class:`training.eval
 shards give no random access, so here each rank takes a share of the train *shards* (balanced by
 evaluation windows, from the ``seconds`` of records.jsonl: :func:`training.distributed.balanced_assignment`),
 its loader workers read those shards in order (worker ``w`` of ``W`` reads every ``W``-th one), decode
-each sample's evaluation windows (``data.eval_crop``, the same :func:`index.audio.decode_window` /
-:func:`index.audio.eval_chunks` as the file path, on the in-memory FLAC/WAV) and hand them back with
+each sample's evaluation windows (``data.eval_crop``, the same :func:`index.audio.decode.decode_window` /
+:func:`index.audio.decode.eval_chunks` as the file path, on the in-memory FLAC/WAV) and hand them back with
 the clip's **id**. The id is mapped to the clip's row of the run's training records (records.jsonl
 order, the row the training stream gives as ``clip_index``), never to its position in a shard, so the
 rows of a pass line up with the batches' clip indices whatever the shard layout.
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from index.audio import decode_audio, decode_window, eval_chunks
+from index.audio.decode import decode_audio, decode_window, eval_chunks
 from index.errors import AudioDecodeError
 from training.config import DataConfig, FrontendConfig, short_clip_padding
 from training.data.stream import ShardCorpus, _join, tar_samples

@@ -10,7 +10,7 @@ Layout of ``--out DIR``::
                                                               sha256, skipped files with reasons
 
 Each sample of a shard is ``KEY.flac`` (or ``KEY.wav`` for ``--codec pcm16``): the whole clip
-decoded, downmixed and resampled once here with :func:`index.audio.decode_audio`, and ``KEY.json``:
+decoded, downmixed and resampled once here with :func:`index.audio.decode.decode_audio`, and ``KEY.json``:
 ``{"id", "split", "captions": {lang: [...]}, "seconds", "sample_rate", "source", "meta"}``. Keys are
 ``{split}-{position:09d}`` (webdataset keys may not contain dots, ids may). Clips are shuffled once
 (``--seed``) before being cut into shards, so a shard mixes the corpus' sources.
@@ -122,7 +122,7 @@ def write_shard(task: ShardTask, *, out: Path, sample_rate: int, codec: Codec) -
     """Decode every clip of ``task`` and write its tar (atomically); returns the shard's index entry."""
     import webdataset as wds
 
-    from index.audio import decode_audio
+    from index.audio.decode import decode_audio
 
     final = out / task.name
     partial = out / f".{task.name}.partial"

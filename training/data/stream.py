@@ -19,7 +19,7 @@ contiguous chunk; an epoch serves every usable clip at most once and all but few
 ``2 × world size`` of them. A clip without a caption in ``data.languages`` is left out of the
 sequence (counted and named at start, from ``records.jsonl``); each worker reads only its
 chunk's samples (several shards at once: the sequence interleaves 8 shards, epoch_plan), draws them
-through its shuffle buffer and decodes the random crop of each (:func:`index.audio.decode_window`
+through its shuffle buffer and decodes the random crop of each (:func:`index.audio.decode.decode_window`
 on the in-memory FLAC/WAV, seeded by ``(seed, epoch, clip row)`` like the file path). Items are
 the same :class:`TrainItem` the manifest path gives, so every objective's strategy (views,
 KCL's languages, clip indices) is unchanged.
@@ -56,8 +56,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from index.audio import decode_window
-from index.audio_frontend import Padding
+from index.audio.decode import decode_window
+from index.audio.frontend import Padding
 from index.errors import AudioDecodeError, DataError
 from training.config import ConfigError, TrainConfig, short_clip_padding
 from training.data.dataset import TrainBatch, TrainCollate, TrainItem, _rng_seed

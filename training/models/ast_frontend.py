@@ -14,7 +14,7 @@ and traces to ONNX):
   floored at float32's epsilon, natural log;
 * frames zero-padded (value 0 before normalisation) or cropped to ``max_length`` (the first
   ``max_length`` frames: deterministic); a batch brings a short clip to the batch's length with a
-  NaN tail (padding ``frames``, :mod:`index.audio_frontend`) and every frame touching it becomes
+  NaN tail (padding ``frames``, :mod:`index.audio.frontend`) and every frame touching it becomes
   such a padding frame, so the clip's features are the extractor's own;
 * normalised ``(x − mean) / (2 · std)`` with the extractor's AudioSet statistics.
 """

@@ -9,7 +9,7 @@ linear layer to ``(p_t, l_t, r_t)``: relevance logit and softplus distances (sec
 window's centre to the moment's start and end, scaled by the window length.
 
 Exported to ONNX (``moment_head.onnx``: inputs ``windows`` (1, T, d), ``text`` (1, d); outputs
-``logits`` (1, T), ``distances`` (1, T, 2)); the torch-free path is :mod:`index.moment_head`.
+``logits`` (1, T), ``distances`` (1, T, 2)); the torch-free path is :mod:`index.moments.head`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ What the encoders see per clip (docs/models.md, "A pretrained CLAP as a bundle")
 
 * shorter than ``max_length_s``: the extractor's ``padding`` (``repeatpad``: tiled
   ``⌊N / len⌋`` times, then zero-padded to N samples; ``repeat``; ``pad``), applied to the
-  waveform before the encoder by the loader (``index.audio_frontend``) — identical to the
+  waveform before the encoder by the loader (``index.audio.frontend``) — identical to the
   extractor;
 * exactly ``max_length_s``: as the extractor;
 * longer: the extractor's ``rand_trunc`` keeps one *random* window, which no bundle can
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from index.tokenizer import TextTokenizer
+from index.bundle.tokenizer import TextTokenizer
 from training.config import ConfigError
 from training.models.clap_frontend import ClapWaveFrontend, check_clap_settings
 from training.models.hf import check_model_folder, first_line, load_model_and_tokenizer

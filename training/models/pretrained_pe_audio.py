@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from index.tokenizer import TextTokenizer
+from index.bundle.tokenizer import TextTokenizer
 from training.config import ConfigError
 from training.models.hf import check_model_folder, first_line
 from training.models.tokenizer import load_hf_tokenizer
@@ -98,7 +98,7 @@ def masked_pooled(encoder: Any, waveform: Tensor, padding_mask: Tensor) -> Tenso
     rest is ``PeAudioEncoder.forward`` with the frame mask (:mod:`transformers.models.pe_audio`), whose
     rotary positions start at each clip's start. Equal to the clip's own forward up to float rounding
     (tests/training/test_pe_audio_buckets.py); the loader pads clips into length buckets with it
-    (:func:`index.audio_frontend.bucket_length`)."""
+    (:func:`index.audio.frontend.bucket_length`)."""
     from transformers.masking_utils import create_bidirectional_mask
 
     embedder = encoder.embedder
@@ -352,7 +352,7 @@ class PeAudioAudioTower(nn.Module):
       when eager and its width is not a multiple of it (a long clip that evaluation keeps whole,
       alone in its batch; before, only a batch holding a short clip padded it);
     * a row with a NaN tail (the training/evaluation data path's marker of a clip shorter than the
-      window, ``frontend.short_clip_padding: reflect``, :mod:`index.audio_frontend`) runs at the
+      window, ``frontend.short_clip_padding: reflect``, :mod:`index.audio.frontend`) runs at the
       clip's own length, reflect-padded to a multiple of the hop as ``_reflect_pad`` does; such rows
       run one length at a time (eager only: the exported graph never receives NaN).
 

@@ -8,7 +8,7 @@
 * ``hf_*`` text towers: the model directory's fast tokenizer (``tokenizer.json``),
   unchanged except for fixed padding/truncation to ``model.text.max_length``.
 
-Either way the result is an :class:`index.tokenizer.TextTokenizer` whose
+Either way the result is an :class:`index.bundle.tokenizer.TextTokenizer` whose
 ``tokenizer.json`` reproduces training tokenization in the torch-free service.
 """
 
@@ -27,7 +27,7 @@ from tokenizers import (
     trainers,
 )
 
-from index.tokenizer import TextTokenizer
+from index.bundle.tokenizer import TextTokenizer
 from training.config import ConfigError, ModelConfig
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"

@@ -1,0 +1,174 @@
+"""The held-out multilingual evaluation set stored in a bundle (``eval/``; docs/bundle.md).
+
+Files (no pickle; ``np.load(allow_pickle=False)``):
+
+* ``eval/waveforms.npy`` — int16 (N, T_max): each clip's decoded waveform at the
+  bundle's sample rate, prepared by the training config's evaluation policy
+  (:func:`prepare_waveform`: whole clip for ``chunk``, center crop for
+  ``center``), zero-padded on the right (16-bit PCM sources are stored
+  losslessly: ``round(x * 32768)``). ``LoadedBundle.encode_audio`` on these
+  waveforms reproduces the manifest's evaluation;
+* ``eval/clips.jsonl`` — one line per clip: ``{"id", "num_samples"}``;
+* ``eval/captions.jsonl`` — one line per caption query:
+  ``{"text", "clip" (row in clips), "lang", "group"}``; captions of one
+  ``group`` are translations of each other (a query group for MRV, docs/metrics.md).
+
+The service's consistency diagnostics and quality gate, and `tonearm bundle
+eval`, read it through :func:`read_eval_set`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from index.audio.decode import decode_audio, decode_window, fit_length
+from index.audio.frontend import Padding
+from index.errors import BundleError
+
+WAVEFORMS = "waveforms.npy"
+CLIPS = "clips.jsonl"
+CAPTIONS = "captions.jsonl"
+MAX_EVAL_CLIPS = 300
+"""At most this many clips (the first ones of the held-out split) are stored."""
+_SCALE = 32768.0
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """Held-out clips and their multilingual caption queries.
+
+    Shapes: ``waveforms`` N float32 arrays (each clip's full length);
+    ``captions`` Q strings with ``clip`` (Q,) int64 rows into ``clip_ids``,
+    ``lang`` (Q,) str, ``group`` (Q,) int64.
+    """
+
+    clip_ids: list[str]
+    waveforms: list[np.ndarray]
+    captions: list[str]
+    clip: np.ndarray
+    lang: np.ndarray
+    group: np.ndarray
+
+    def __post_init__(self) -> None:
+        n, q = len(self.clip_ids), len(self.captions)
+        if len(self.waveforms) != n:
+            raise ValueError(f"{len(self.waveforms)} waveforms for {n} clip ids")
+        for name in ("clip", "lang", "group"):
+            if len(getattr(self, name)) != q:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {q} captions")
+        if q and (self.clip.min() < 0 or self.clip.max() >= n):
+            raise ValueError("caption clip rows out of range")
+
+
+def prepare_waveform(
+    wave: np.ndarray, *, clip_samples: int, policy: Literal["center", "chunk"], padding: Padding = "pad"
+) -> np.ndarray:
+    """The waveform the bundle embeds for a clip under the evaluation policy (docs/corpus.md).
+
+    ``chunk``: the whole clip (``encode_audio`` chunks and averages it);
+    ``center``: the center crop, or the clip padded to ``clip_samples`` with ``padding``
+    (the bundle's ``audio_frontend`` policy; zeros by default).
+    """
+    if policy == "center":
+        return fit_length(wave, clip_samples, mode="center", padding=padding)
+    return np.asarray(wave, dtype=np.float32)
+
+
+def load_eval_waveform(
+    source: Path | str, *, sample_rate: int, clip_samples: int, policy: Literal["center", "chunk"],
+    padding: Padding = "pad",
+) -> np.ndarray:
+    """``prepare_waveform(decode_audio(source))``, decoding only the center window for ``center``."""
+    if policy == "center":
+        return decode_window(source, sample_rate=sample_rate, n=clip_samples, mode="center", padding=padding)
+    return decode_audio(source, sample_rate=sample_rate)
+
+
+def to_int16(wave: np.ndarray) -> np.ndarray:
+    """float32 in [-1, 1] → int16 (lossless for 16-bit PCM sources)."""
+    return np.clip(np.round(np.asarray(wave, dtype=np.float64) * _SCALE), -32768, 32767).astype(np.int16)
+
+
+def write_eval_set(directory: Path, eval_set: EvalSet) -> None:
+    """Write ``eval_set`` into ``directory`` (created)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lengths = [len(w) for w in eval_set.waveforms]
+    matrix = np.zeros((len(lengths), max(lengths, default=0)), dtype=np.int16)
+    for row, wave in enumerate(eval_set.waveforms):
+        matrix[row, : len(wave)] = to_int16(wave)
+    np.save(directory / WAVEFORMS, matrix, allow_pickle=False)
+    _write_jsonl(
+        directory / CLIPS,
+        ({"id": cid, "num_samples": n} for cid, n in zip(eval_set.clip_ids, lengths, strict=True)),
+    )
+    _write_jsonl(
+        directory / CAPTIONS,
+        (
+            {"text": text, "clip": int(c), "lang": str(lang), "group": int(g)}
+            for text, c, lang, g in zip(
+                eval_set.captions, eval_set.clip, eval_set.lang, eval_set.group, strict=True
+            )
+        ),
+    )
+
+
+def _write_jsonl(path: Path, rows: Iterable[dict]) -> None:
+    with path.open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def read_jsonl(path: Path, *, required: Sequence[str]) -> list[dict]:
+    """Parse a JSONL file of objects that must carry the ``required`` keys; errors name the line."""
+    rows: list[dict] = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise BundleError(f"{path}: cannot read ({err})") from None
+    for number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise BundleError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+        if not isinstance(row, dict) or any(key not in row for key in required):
+            raise BundleError(f"{path}:{number}: expected an object with keys {list(required)}")
+        rows.append(row)
+    return rows
+
+
+def read_eval_set(directory: Path) -> EvalSet:
+    """Load and check the held-out set written by :func:`write_eval_set`."""
+    path = directory / WAVEFORMS
+    try:
+        matrix = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise BundleError(f"{path}: cannot read ({err})") from None
+    clips = read_jsonl(directory / CLIPS, required=("id", "num_samples"))
+    captions = read_jsonl(directory / CAPTIONS, required=("text", "clip", "lang", "group"))
+    if matrix.dtype != np.int16 or matrix.ndim != 2 or len(matrix) != len(clips):
+        raise BundleError(f"{path}: expected int16 ({len(clips)}, T), got {matrix.dtype} {matrix.shape}")
+    if any(not 0 < int(c["num_samples"]) <= matrix.shape[1] for c in clips):
+        raise BundleError(f"{directory / CLIPS}: num_samples out of range for {path}")
+    # One float32 matrix, scaled in place, and a view per clip: two large allocations (memory-mapped
+    # by malloc and returned whole when the set is dropped) instead of two per clip, which the
+    # service's gate made at every activation and left as holes in the heap (docs/service.md, "Memory").
+    scaled = matrix.astype(np.float32)
+    scaled /= _SCALE
+    waveforms = [scaled[row, : int(c["num_samples"])] for row, c in enumerate(clips)]
+    try:
+        return EvalSet(
+            clip_ids=[str(c["id"]) for c in clips],
+            waveforms=waveforms,
+            captions=[str(c["text"]) for c in captions],
+            clip=np.array([int(c["clip"]) for c in captions], dtype=np.int64),
+            lang=np.array([str(c["lang"]) for c in captions], dtype=str),
+            group=np.array([int(c["group"]) for c in captions], dtype=np.int64),
+        )
+    except ValueError as err:
+        raise BundleError(f"{directory / CAPTIONS}: inconsistent eval set ({err})") from None

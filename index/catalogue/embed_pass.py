@@ -1,0 +1,383 @@
+"""The catalogue pass: decode beside the encoder (issue 49).
+
+Every in-process catalogue pass — `tonearm export`, `export --pretrained`, `tonearm index` — embeds its
+clips through :func:`clip_embedder`: the clips of a chunk (:mod:`index.catalogue.checkpoint`) are decoded by
+``decode_workers`` worker processes (a ``spawn`` process pool: the parent's ONNX Runtime and torch
+threads are never forked) while this process runs the encoder on the clips decoded before. At most
+``prefetch`` clips are decoded ahead (bounded memory); decoded clips are gathered into a window,
+sorted by length and cut into encoder calls of at most ``batch_samples`` samples
+(:func:`length_batches`: the memory budget of one call) so clips of similar length share a call.
+
+One implementation for the torch and the torch-free paths (a torch ``DataLoader`` would add nothing
+here: the encoder is ONNX Runtime and reads numpy arrays; its pinned host buffers are ONNX Runtime's,
+:func:`index.runtime.gpu_io.cuda_provider_options`). ``decode_workers`` 0 decodes in this process (the
+library default, and what a one-core machine should use); `tonearm export|index` default to the cores
+left after the encoder's own (:func:`default_decode_workers`).
+
+:class:`PassClock` measures the time the encoder waited for decoded clips and the time it was busy;
+the progress line shows both (``decode wait``, ``encoder busy``): an encoder busy < 90 % of the time
+is starved by decoding — give the pass more decode workers (docs/models.md, "Throughput").
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from index.catalogue.checkpoint import Chunk, EmbedChunk
+from index.errors import AudioDecodeError
+
+BATCH_SAMPLES = 16 * 480_000
+"""Samples of one encoder call's clips (a memory budget: 16 clips of 10 s at 48 kHz, 30 MB of float32)."""
+PREFETCH = 64
+"""Clips decoded ahead of the encoder (and the window sorted by length)."""
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """``fn(path, *args, **kwargs)``: a picklable decode function of one path (``fn`` at module level)."""
+
+    fn: Callable[..., np.ndarray]
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, path: Any) -> np.ndarray:
+        return self.fn(path, *self.args, **self.kwargs)
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    """How the pass decodes: worker processes (0: in this process), clips decoded ahead, the samples
+    of one encoder call; ``devices``: the devices the catalogue is split over, one process each
+    (:class:`DevicePool`; None: this process's encoder only)."""
+
+    decode_workers: int = 0
+    prefetch: int = PREFETCH
+    batch_samples: int = BATCH_SAMPLES
+    devices: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.decode_workers < 0 or self.prefetch < 1 or self.batch_samples < 1:
+            raise ValueError(f"bad pass options {self}")
+
+
+def default_decode_workers(encoder_threads: int = 1) -> int:
+    """The cores left after the encoder's threads (at least one worker; 0 on a single core)."""
+    from index.cpus import available_cores
+
+    cores = available_cores()
+    return 0 if cores <= 1 else max(1, cores - encoder_threads)
+
+
+class PassClock:
+    """Wall time of a pass, the time it waited for decoded clips and the time its encoder ran."""
+
+    def __init__(self) -> None:
+        self.began = time.monotonic()
+        self.decode_wait = 0.0
+        self.encode_busy = 0.0
+        self.clips = 0
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.began
+
+    def busy_fraction(self) -> float:
+        return self.encode_busy / max(self.elapsed(), 1e-9)
+
+    def describe(self) -> str:
+        elapsed = max(self.elapsed(), 1e-9)
+        return f"decode wait {100 * self.decode_wait / elapsed:.0f} %, encoder busy {100 * self.busy_fraction():.0f} %"
+
+
+def _decode_one(decode: Callable[[Any], np.ndarray], path: Any) -> tuple[np.ndarray | None, str]:
+    """In a worker: the waveform, or None and why it cannot be decoded."""
+    try:
+        return np.ascontiguousarray(decode(path), dtype=np.float32), ""
+    except AudioDecodeError as err:
+        return None, str(err).removeprefix(f"{path}: ")
+
+
+class Decoder:
+    """Decodes paths in order, ``workers`` processes at a time, at most ``prefetch`` ahead."""
+
+    def __init__(self, decode: Callable[[Any], np.ndarray], options: PassOptions, clock: PassClock, *,
+                 threads: bool = False) -> None:
+        self.decode, self.options, self.clock, self.threads = decode, options, clock, threads
+        self.pool: Executor | None = None
+
+    def __enter__(self) -> Decoder:
+        if self.options.decode_workers > 0 and self.threads:  # in a device process (DevicePool)
+            self.pool = ThreadPoolExecutor(self.options.decode_workers)
+        elif self.options.decode_workers > 0:
+            self.pool = ProcessPoolExecutor(self.options.decode_workers,
+                                            mp_context=multiprocessing.get_context("spawn"))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+    def imap(self, paths: Sequence[Any]) -> Iterator[tuple[np.ndarray | None, str]]:
+        """``(waveform or None, reason)`` per path, in order."""
+        if self.pool is None:
+            for path in paths:
+                began = time.monotonic()
+                found = _decode_one(self.decode, path)
+                self.clock.decode_wait += time.monotonic() - began  # decoding here: the encoder waits
+                yield found
+            return
+        pending: deque[Future[tuple[np.ndarray | None, str]]] = deque()
+        queue = iter(paths)
+        for path in queue:
+            pending.append(self.pool.submit(_decode_one, self.decode, path))
+            if len(pending) >= self.options.prefetch:
+                break
+        while pending:
+            began = time.monotonic()
+            found = pending.popleft().result()
+            self.clock.decode_wait += time.monotonic() - began
+            nxt = next(queue, None)
+            if nxt is not None:
+                pending.append(self.pool.submit(_decode_one, self.decode, nxt))
+            yield found
+
+
+def length_batches(lengths: Sequence[int], batch_samples: int) -> list[list[int]]:
+    """Indices into ``lengths`` sorted by length and cut into calls of at most ``batch_samples``
+    samples each (padded to the call's longest clip; one clip a call when it alone exceeds the budget)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = max(lengths[i], 1)
+        if current and (len(current) + 1) * longest > batch_samples:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+Encode = Callable[[list[np.ndarray]], np.ndarray]
+
+
+def clip_embedder(ids: Sequence[str], sources: Sequence[Any], decode: Callable[[Any], np.ndarray], encode: Encode, *,
+                  dim: int, decoder: Decoder) -> EmbedChunk:
+    """The :data:`~index.catalogue.checkpoint.EmbedChunk` of a clips pass: the chunk's ``sources`` decoded by
+    ``decoder`` and encoded by ``encode`` (waves → (n, d)) in length-sorted calls of the pass's budget;
+    a clip that cannot be decoded is skipped with its reason."""
+    clock, options = decoder.clock, decoder.options
+
+    def embed(indices: Sequence[int], advance: Callable[[int], None]) -> Chunk:
+        kept: list[int] = []
+        vectors: dict[int, np.ndarray] = {}
+        skipped: list[tuple[str, str]] = []
+        window: list[tuple[int, np.ndarray]] = []
+
+        def flush() -> None:
+            lengths = [len(w) for _, w in window]
+            for batch in length_batches(lengths, options.batch_samples):
+                began = time.monotonic()
+                out = encode([window[b][1] for b in batch])
+                clock.encode_busy += time.monotonic() - began
+                for b, row in zip(batch, out, strict=True):
+                    vectors[window[b][0]] = row
+            clock.clips += len(window)
+            advance(len(window))
+            window.clear()
+
+        for i, (wave, reason) in zip(indices, decoder.imap([sources[i] for i in indices]), strict=True):
+            if wave is None:
+                skipped.append((ids[i], reason))
+                advance(1)
+                continue
+            kept.append(i)
+            window.append((i, wave))
+            if len(window) >= options.prefetch or sum(len(w) for _, w in window) >= options.batch_samples:
+                flush()  # one call's worth: encode it while the workers decode the next
+        if window:
+            flush()
+        embeddings = np.stack([vectors[i] for i in kept]).astype(np.float32) if kept else np.zeros((0, dim), np.float32)
+        return Chunk([ids[i] for i in kept], embeddings, skipped)
+
+    return embed
+
+
+# ----------------------------------------------------------------------------- every device of a node
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """What a device process needs to embed clips as the pass's own encoder does: the ONNX file, the
+    providers, and the bundle's audio preparation — ``frontend`` (a manifest ``audio_frontend``:
+    :func:`index.runtime.loader.encode_clips`, the service's path) or, with ``frontend`` None, ``padding``
+    (:func:`index.runtime.loader.encode_waveforms`, a trained checkpoint's zero/tile padding)."""
+
+    path: str
+    embed_dim: int
+    clip_samples: int
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)
+    frontend: dict[str, Any] | None = None
+    padding: str = "pad"
+    threads: int | None = 1
+
+    def load(self, device_id: int | None) -> Encode:
+        from index.bundle.format import AudioFrontendInfo
+        from index.runtime.loader import AUDIO_INPUTS, OnnxEncoder, encode_clips, encode_waveforms
+
+        encoder = OnnxEncoder.load(Path(self.path), inputs=AUDIO_INPUTS, embed_dim=self.embed_dim,
+                                   providers=list(self.providers), threads=self.threads,
+                                   device_id=device_id)
+        frontend = AudioFrontendInfo.model_validate(self.frontend) if self.frontend is not None else None
+        if frontend is not None:
+            return lambda waves: encode_clips(encoder, waves, clip_samples=self.clip_samples,
+                                              embed_dim=self.embed_dim, frontend=frontend)
+        return lambda waves: encode_waveforms(encoder, waves, clip_samples=self.clip_samples,
+                                              embed_dim=self.embed_dim, padding=self.padding)  # type: ignore[arg-type]
+
+
+def parse_devices(text: str | None, device: str) -> list[int] | None:
+    """``--devices 0,1,…|all`` → device ids (None: one device, the default); ``all``: every CUDA device
+    ONNX Runtime can see (``CUDA_VISIBLE_DEVICES`` applies)."""
+    from index.errors import TonearmError
+
+    if text is None:
+        return None
+    if device != "cuda":
+        raise TonearmError("--devices needs --device cuda (the catalogue split over GPUs)")
+    if text == "all":
+        count = cuda_device_count()
+        if count < 1:
+            raise TonearmError("--devices all: no CUDA device visible")
+        return list(range(count))
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise TonearmError(f"--devices {text!r}: expected all or a comma-separated list of GPU numbers") from None
+    if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
+        raise TonearmError(f"--devices {text!r}: expected distinct GPU numbers >= 0")
+    return ids
+
+
+def cuda_device_count() -> int:  # pragma: no cover - a GPU only
+    """CUDA devices visible to this process (``nvidia-smi -L``; 0 without one)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    found = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+    visible = [line for line in found.stdout.splitlines() if line.startswith("GPU ")]
+    limit = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return min(len(visible), len([v for v in limit.split(",") if v.strip()])) if limit else len(visible)
+
+
+_DEVICE: dict[str, Any] = {}
+"""In a device process: its encode function and its decoder (set once by :func:`_start_device`)."""
+
+
+def _start_device(spec: EncoderSpec, decode: Callable[[Any], np.ndarray], options: PassOptions,
+                  devices: Any) -> None:
+    device_id = devices.get()
+    clock = PassClock()
+    # threads, not processes: a pool worker's own process pool is never shut down (it leaves through
+    # os._exit after joining its children, which then wait forever)
+    decoder = Decoder(decode, options, clock, threads=True).__enter__()
+    _DEVICE.update(encode=spec.load(device_id), decoder=decoder, device=device_id, dim=spec.embed_dim)
+
+
+def _embed_on_device(ids: Sequence[str], sources: Sequence[Any], indices: Sequence[int]) -> tuple[Chunk, float, float]:
+    """In a device process: its share of a chunk, and its encoder-busy and decode-wait seconds."""
+    decoder: Decoder = _DEVICE["decoder"]
+    before_busy, before_wait = decoder.clock.encode_busy, decoder.clock.decode_wait
+    embed = clip_embedder(ids, sources, decoder.decode, _DEVICE["encode"], dim=_DEVICE["dim"], decoder=decoder)
+    chunk = embed(list(indices), lambda _n: None)
+    return chunk, decoder.clock.encode_busy - before_busy, decoder.clock.decode_wait - before_wait
+
+
+class DevicePool:
+    """One process per device (``spawn``), each with its own encoder session and decode workers; a chunk
+    is split into one contiguous share per device and the shares concatenated back in item order, so the
+    pass's result (ids, order, skips) is the one-device pass's and the vectors match it to float tolerance."""
+
+    def __init__(self, spec: EncoderSpec, devices: Sequence[int], decode: Callable[[Any], np.ndarray],
+                 options: PassOptions, clock: PassClock) -> None:
+        self.spec, self.devices, self.decode, self.clock = spec, list(devices), decode, clock
+        share = max(0, options.decode_workers // max(1, len(self.devices)))
+        self.options = PassOptions(decode_workers=share, prefetch=options.prefetch, batch_samples=options.batch_samples)
+        self.manager: Any = None
+        self.pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> DevicePool:
+        context = multiprocessing.get_context("spawn")
+        self.manager = context.Manager()
+        queue = self.manager.Queue()
+        for device in self.devices:
+            queue.put(device)
+        self.pool = ProcessPoolExecutor(len(self.devices), mp_context=context, initializer=_start_device,
+                                        initargs=(self.spec, self.decode, self.options, queue))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+        if self.manager is not None:
+            self.manager.shutdown()
+            self.manager = None
+
+    def embedder(self, ids: Sequence[str], sources: Sequence[Any]) -> EmbedChunk:
+        assert self.pool is not None, "use DevicePool as a context manager"
+        pool, n = self.pool, len(self.devices)
+
+        def embed(indices: Sequence[int], advance: Callable[[int], None]) -> Chunk:
+            indices = list(indices)
+            size = -(-len(indices) // n)
+            shares = [indices[k : k + size] for k in range(0, len(indices), size)]
+            began = time.monotonic()
+            futures = [pool.submit(_embed_on_device, [ids[i] for i in share], [sources[i] for i in share],
+                                   list(range(len(share)))) for share in shares]
+            parts = [f.result() for f in futures]
+            wall = time.monotonic() - began
+            self.clock.encode_busy += wall * (sum(p[1] for p in parts) / max(wall * len(parts), 1e-9))
+            self.clock.decode_wait += wall * (sum(p[2] for p in parts) / max(wall * len(parts), 1e-9))
+            advance(len(indices))
+            chunks = [p[0] for p in parts]
+            dim = self.spec.embed_dim
+            embeddings = (np.concatenate([c.embeddings for c in chunks]) if chunks else np.zeros((0, dim), np.float32))
+            return Chunk([c for ch in chunks for c in ch.clip_ids], embeddings, [s for ch in chunks for s in ch.skipped])
+
+        return embed
+
+
+def pass_embedder(ids: Sequence[str], sources: Sequence[Any], decode: Callable[[Any], np.ndarray], encode: Encode, *,
+                  dim: int, options: PassOptions, clock: PassClock, spec: EncoderSpec | None,
+                  stack: Any) -> EmbedChunk:
+    """The pass's :data:`~index.catalogue.checkpoint.EmbedChunk`: on ``options.devices`` (one process each,
+    ``spec`` their encoder) or in this process (``encode``); its pools entered on ``stack`` (an ExitStack)."""
+    if options.devices:
+        if spec is None:
+            raise ValueError("a pass over several devices needs the encoder's EncoderSpec")
+        pool = stack.enter_context(DevicePool(spec, options.devices, decode, options, clock))
+        return pool.embedder(ids, sources)
+    decoder = stack.enter_context(Decoder(decode, options, clock))
+    return clip_embedder(ids, sources, decode, encode, dim=dim, decoder=decoder)
+
+
+def pass_options_from_args(args: Any) -> PassOptions:
+    """`--decode-workers N` and `--devices LIST` (with `--device`) as :class:`PassOptions`."""
+    workers = getattr(args, "decode_workers", None)
+    devices = parse_devices(getattr(args, "devices", None), getattr(args, "device", "cpu"))
+    return PassOptions(decode_workers=default_decode_workers() if workers is None else workers,
+                       devices=tuple(devices) if devices else None)

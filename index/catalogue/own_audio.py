@@ -1,0 +1,420 @@
+"""`tonearm index AUDIO_DIR --bundle BUNDLE --out NEW_BUNDLE`: an index-only bundle of your own audio files.
+
+The new bundle reuses the source bundle's ONNX encoders and tokenizer (copied and
+re-checksummed) and indexes every file under ``AUDIO_DIR`` (recursively) in one of the
+formats the service accepts as uploads (index.audio.formats: WAV, FLAC, OGG, MP3, recognised
+by content) whose whole stream decodes; other files are reported once and skipped. It has no captions,
+so it has no caption index and no held-out set (docs/bundle.md, "Index-only
+bundles"): text→audio search works, audio→text search does not. Clip ids and
+uris are the files' POSIX paths relative to ``AUDIO_DIR``, which the manifest
+records as the audio root. Torch-free: needs only the service extra.
+
+Per-file metadata (:mod:`index.items.file_metadata`): ``AUDIO_DIR/metadata.jsonl`` or ``metadata.csv``
+(or ``--metadata PATH``) is read and checked before anything is embedded, is not itself indexed,
+and each clip's row becomes its ``metadata`` in ``audio_ids.jsonl`` (the filters' fields).
+
+With ``ray`` (`tonearm index --ray [ADDRESS]`) the decoding and embedding run as a Ray
+Data job (:mod:`index.catalogue.ray_embed`); the bundle written is the same.
+
+With ``milvus`` as well (`tonearm index --ray --milvus-uri URI`) each Ray actor writes its own
+vectors into the bundle's Milvus collection and the driver never holds them: the collection
+is then indexed, its recall measured and the bundle registered exactly as `tonearm bundle
+publish` does (:mod:`index.engines.milvus_index`), and the bundle written locally has the ids,
+encoders and tokenizer but no FAISS file (``manifest.milvus_only``): it is served with
+``TONEARM_INDEX_BACKEND=milvus`` only (docs/deploy.md, "Publishing straight to Milvus").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from index.audio.decode import decode_audio
+from index.audio.formats import SNIFF_BYTES, SUPPORTED, sniff_format
+from index.bundle import format as fmt
+from index.catalogue.checkpoint import (
+    CHUNK_FILES,
+    EmbedCheckpoint,
+    PassRate,
+    embed_in_chunks,
+    file_items,
+    pass_digest,
+)
+from index.catalogue.embed_pass import (
+    DecodeCall,
+    EncoderSpec,
+    PassClock,
+    PassOptions,
+    pass_embedder,
+    pass_options_from_args,
+)
+from index.catalogue.half_precision import (
+    PROBE_CLIPS,
+    Precision,
+    check_precision_options,
+    probe_waves,
+)
+from index.catalogue.ray_embed import RayOptions, ray_options_from_args
+from index.engines.faiss_ondisk import build_and_save
+from index.errors import AudioDecodeError, BundleError, TonearmError
+from index.items.file_metadata import find_metadata_file, read_file_metadata
+from index.moments.windows import index_recordings, write_bundle_windows
+from index.runtime.loader import AUDIO_INPUTS, LoadedBundle, device_providers, encode_clips
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class IndexedFolder:
+    """What `tonearm index` did: the published bundle, the indexed clip ids and the skipped files."""
+
+    path: Path
+    clip_ids: list[str]
+    skipped: list[tuple[str, str]]
+    """(relative path, reason) of every file that could not be decoded."""
+    published: dict[str, Any] | None = None
+    """With ``milvus``: what the Milvus registry recorded (sizes, index type, recall@10)."""
+
+
+@dataclass(frozen=True)
+class MilvusPublish:
+    """`--milvus-uri`: the Ray workers publish the vectors straight to this Milvus."""
+
+    target: Any
+    """An :class:`index.engines.milvus_index.MilvusTarget` (a Milvus server: workers in other processes write to it)."""
+    index_type: str = "FLAT"
+
+
+def audio_files(audio_dir: Path, metadata: Path | None = None) -> list[Path]:
+    """Every regular file under ``audio_dir`` (recursive, sorted by relative path); hidden ones and
+    the per-file metadata table (``metadata``) skipped."""
+    skip = metadata.resolve() if metadata is not None else None
+    return sorted(
+        p for p in audio_dir.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(audio_dir).parts)
+        and (skip is None or p.resolve() != skip)
+    )
+
+
+def index_folder(
+    audio_dir: Path, source: Path, out: Path, *, progress: bool = False, ray: RayOptions | None = None,
+    milvus: MilvusPublish | None = None, providers: Sequence[str] | None = None, chunk_files: int = CHUNK_FILES,
+    metadata: Path | None = None, precision: Precision = "fp32", pass_options: PassOptions | None = None,
+) -> IndexedFolder:
+    """Embed every decodable file under ``audio_dir`` with ``source``'s audio encoder; publish ``out`` atomically.
+
+    In this process the pass is checkpointed every ``chunk_files`` files in ``<out>.partial/`` and
+    the same command resumes it after an interruption, reusing every file whose content is unchanged
+    (:mod:`index.catalogue.checkpoint`); the files are decoded beside the encoder as ``pass_options`` says
+    (:mod:`index.catalogue.embed_pass`; default: in this process).
+
+    ``ray``: embed on a Ray cluster instead of in this process (same vectors to float tolerance).
+    ``milvus`` (with ``ray``): the workers write the vectors into Milvus; ``out`` gets no FAISS file.
+    ``metadata``: the per-file metadata table (default: :data:`index.items.file_metadata.NAMES` in ``audio_dir``).
+    ``precision`` ``fp16``: the pass runs an fp16 copy of the audio encoder, held to the fp32 one on a
+    probe set first (:mod:`index.catalogue.half_precision`); the new bundle keeps the fp32 encoder and records the pass."""
+    audio_dir, out = Path(audio_dir).resolve(), Path(out)
+    if not audio_dir.is_dir():
+        raise TonearmError(f"{audio_dir}: audio directory not found")
+    if milvus is not None and ray is None:
+        raise TonearmError("--milvus-uri needs --ray: without Ray, build the bundle and run `tonearm bundle publish`")
+    table = find_metadata_file(audio_dir, Path(metadata) if metadata is not None else None)
+    files = audio_files(audio_dir, table)
+    metas = read_file_metadata(table, [p.relative_to(audio_dir).as_posix() for p in files]) if table else {}
+    if milvus is not None and ray is not None:
+        return _index_into_milvus(audio_dir, source, out, files, ray, milvus, metas)
+    if precision != "fp32" and ray is not None:
+        check_precision_options(precision, None, ray=True)
+    bundle = LoadedBundle.open(source, verify=True, providers=providers)
+    checkpoint = None
+    catalogue_pass = None
+    try:
+        if ray is None:
+            manifest = bundle.manifest
+            frontend = (manifest.audio_frontend.model_dump(mode="json") if manifest.audio_frontend is not None
+                        else None)
+            describe = {"encoder": manifest.files[manifest.audio_encoder.file].sha256,
+                        "sample_rate": bundle.sample_rate, "clip_samples": bundle.clip_samples,
+                        "audio_frontend": frontend,
+                        **({"precision": precision} if precision != "fp32" else {})}
+            with tempfile.TemporaryDirectory() as scratch:
+                encode: Callable[[Sequence[np.ndarray]], np.ndarray] = bundle.encode_audio
+                encoder_path = source / manifest.audio_encoder.file
+                if precision == "fp16":
+                    encode, catalogue_pass, encoder_path = _half_encoder(bundle, source, audio_dir, files,
+                                                                         Path(scratch), providers)
+                checkpoint = EmbedCheckpoint(out, pass_digest(**describe), describe=describe)
+                spec = EncoderSpec(
+                    path=str(encoder_path), embed_dim=bundle.embed_dim, clip_samples=bundle.clip_samples,
+                    providers=tuple(providers or bundle.onnx_providers), frontend=frontend)
+                clip_ids, embeddings, skipped = _embed(bundle, audio_dir, files, progress=progress,
+                                                       checkpoint=checkpoint, chunk_files=chunk_files, encode=encode,
+                                                       options=pass_options, spec=spec)
+                windows = index_recordings([audio_dir / c for c in clip_ids], sample_rate=bundle.sample_rate,
+                                           window_samples=bundle.clip_samples, decode=decode_file, encode=encode)
+        else:
+            clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, audio_dir, files, ray)
+            windows = []  # long recordings' windows: in-process passes only (docs/bundle.md, "Moments")
+    finally:
+        bundle.close()
+    if not clip_ids:
+        raise TonearmError(f"{audio_dir}: no decodable audio file among {len(files)} files")
+    manifest = bundle.manifest
+    with fmt.staged_bundle(out.parent, out.name) as staging:
+        built = build_and_save(embeddings, staging / fmt.AUDIO_INDEX)  # lists on disk when large
+        audio_index = fmt.IndexInfo(
+            file=fmt.AUDIO_INDEX, ids_file=fmt.AUDIO_IDS, factory=built.spec.factory, dim=built.index.d,
+            ntotal=built.index.ntotal, search_params=built.search_params, ann_recall_at_10=built.ann_recall_at_10,
+        )
+        moments = (write_bundle_windows(staging, windows, sample_rate=manifest.sample_rate,
+                                        window_samples=manifest.clip_samples) if windows else None)
+        path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index, metas=metas,
+                             catalogue_pass=catalogue_pass, skipped=skipped, moments=moments)
+    if checkpoint is not None:
+        checkpoint.remove()
+    return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped)
+
+
+def _write_bundle(
+    staging: Path, source: Path, manifest: fmt.BundleManifest, audio_dir: Path, bundle_id: str,
+    clip_ids: list[str], audio_index: fmt.IndexInfo, milvus_only: fmt.MilvusOnlyInfo | None = None,
+    *, metas: dict[str, dict[str, Any]] | None = None, catalogue_pass: fmt.CataloguePassInfo | None = None,
+    skipped: Sequence[tuple[str, str]] = (), moments: fmt.MomentsInfo | None = None,
+) -> Path:
+    """Encoders, tokenizer, ids (with each clip's ``metas`` row as its ``metadata``) and manifest of the
+    index-only bundle into ``staging``; publish it."""
+    for name in {manifest.audio_encoder.file, manifest.text_encoder.file, manifest.tokenizer.file}:
+        shutil.copyfile(source / name, staging / name)
+    with (staging / fmt.AUDIO_IDS).open("w", encoding="utf-8") as handle:
+        for clip_id in clip_ids:
+            handle.write(json.dumps(clip_item(clip_id, metas), ensure_ascii=False) + "\n")
+    new = manifest.model_copy(update={
+        "bundle_id": bundle_id,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "source": manifest.source.model_copy(update={"data_manifest": str(audio_dir), "audio_root": str(audio_dir)}),
+        "audio_index": audio_index,
+        "text_index": None,
+        "eval_set": None,
+        "evaluation": None,
+        "milvus_only": milvus_only,
+        "catalogue_pass": catalogue_pass,  # this pass's, never the source bundle's
+        "skipped_clips": [fmt.SkippedClip(id=rel, reason=reason) for rel, reason in skipped] or None,
+        "moments": moments,
+    })
+    return fmt.publish(staging, fmt.BundleManifest.model_validate(new.model_dump()))
+
+
+def clip_item(clip_id: str, metas: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
+    """A clip's row of ``audio_ids.jsonl`` (uri = id: both are the path relative to the audio root),
+    with its ``metas`` row as its ``metadata``; what filters and the Milvus layout read."""
+    row: dict[str, Any] = {"id": clip_id, "uri": clip_id, "captions": {}}
+    if metas and clip_id in metas:
+        row["metadata"] = metas[clip_id]
+    return row
+
+
+def _half_encoder(
+    bundle: LoadedBundle, source: Path, audio_dir: Path, files: list[Path], scratch: Path,
+    providers: Sequence[str] | None,
+) -> tuple[Callable[[Sequence[np.ndarray]], np.ndarray], fmt.CataloguePassInfo, Path]:
+    """The fp16 copy of ``bundle``'s audio encoder as an encode function, after the parity gate on the
+    first :data:`index.catalogue.half_precision.PROBE_CLIPS` decodable files and four synthetic signals."""
+    from index.catalogue.half_precision import catalogue_pass_info, gate, load_half
+
+    manifest = bundle.manifest
+    if manifest.audio_encoder.quantization != "none":
+        check_precision_options("fp16", None, quantized=["audio"])
+    half = load_half(source / manifest.audio_encoder.file, scratch, inputs=AUDIO_INPUTS, embed_dim=bundle.embed_dim,
+                     providers=providers or bundle.onnx_providers)
+    probe: list[np.ndarray] = []
+    for path in files:
+        if len(probe) == PROBE_CLIPS:
+            break
+        try:
+            probe.append(decode_file(path, bundle.sample_rate))
+        except AudioDecodeError:
+            continue  # listed by the pass itself
+    probe += probe_waves(bundle.sample_rate, bundle.clip_samples)
+
+    def encode(waves: Sequence[np.ndarray]) -> np.ndarray:
+        return encode_clips(half, waves, clip_samples=bundle.clip_samples, embed_dim=bundle.embed_dim,
+                            frontend=manifest.audio_frontend)
+
+    found = gate("audio", bundle.encode_audio, encode, probe)
+    device = "cuda" if "CUDAExecutionProvider" in half.session.get_providers() else "cpu"
+    return encode, catalogue_pass_info({"audio": found}, device), half.path
+
+
+def _index_into_milvus(
+    audio_dir: Path, source: Path, out: Path, files: list[Path], ray: RayOptions, milvus: MilvusPublish,
+    metas: dict[str, dict[str, Any]],
+) -> IndexedFolder:
+    """The Ray pass with each actor writing its vectors into Milvus (module docstring).
+
+    The format check runs here first, so a file it refuses takes no collection key; a file that
+    passes it but fails to decode on a worker leaves a gap (``manifest.milvus_only.gaps``). Each row's
+    metadata is laid out here, before the pass, by the publish's own :func:`catalogue_metas` over the
+    clips the bundle holds if every candidate decodes."""
+    from index.catalogue.ray_connect import connect
+    from index.catalogue.ray_embed import embed_audio_files
+    from index.engines import milvus_index
+
+    milvus_index.check_new_bundle(milvus.target, out.name, milvus.index_type)
+    candidates: list[Path] = []
+    skipped: list[tuple[str, str]] = []
+    for path in files:
+        try:
+            check_format(path)
+            candidates.append(path)
+        except AudioDecodeError as err:
+            skipped.append((path.relative_to(audio_dir).as_posix(), str(err).removeprefix(f"{path}: ")))
+    if not candidates:
+        raise TonearmError(f"{audio_dir}: no decodable audio file among {len(files)} files")
+    manifest = fmt.verify_files(source)
+    LoadedBundle.open(source, verify=False).close()  # the encoders load here before any worker starts
+    connect(ray.address)  # the cluster is reachable before anything is created in Milvus
+    target, index_type, dim = milvus.target, milvus.index_type, manifest.embed_dim
+    rels = [path.relative_to(audio_dir).as_posix() for path in candidates]
+    items = [clip_item(rel, metas) for rel in rels]
+    written_fields, row_metas = milvus_index.catalogue_metas(items)
+    sink = milvus_index.begin_audio_publish(target, out.name, dim=dim, index_type=index_type, n=len(candidates))
+    done = embed_audio_files(
+        candidates, (source / manifest.audio_encoder.file).read_bytes(), decode=decode_file, embed_dim=dim,
+        sample_rate=manifest.sample_rate, clip_samples=manifest.clip_samples, policy="chunk", options=ray, sink=sink,
+        metas=row_metas, frontend=manifest.audio_frontend,
+    )
+    gaps = [i for i, error in enumerate(done.errors) if error]
+    position = {path.relative_to(audio_dir).as_posix(): i for i, path in enumerate(files)}
+    skipped = sorted(skipped + [(rels[i], done.errors[i].removeprefix(f"{candidates[i]}: ")) for i in gaps],
+                     key=lambda item: position[item[0]])  # in file order, as the single-process path lists them
+    clip_ids = [rel for rel, error in zip(rels, done.errors, strict=True) if not error]
+    if not clip_ids:
+        raise TonearmError(f"{audio_dir}: no decodable audio file among {len(files)} files")
+    with fmt.staged_bundle(out.parent, out.name) as staging:
+        kept = milvus_index.kept_fields(written_fields, [item for item, error in zip(items, done.errors, strict=True)
+                                                         if not error])
+        info = milvus_index.finish_audio_publish(target, out.name, dim=dim, index_type=index_type,
+                                                 n_max=len(candidates), n=len(clip_ids), gaps=gaps, meta_fields=kept)
+        audio_index = fmt.IndexInfo(
+            file="", ids_file=fmt.AUDIO_IDS, factory=f"milvus:{index_type}", dim=dim, ntotal=len(clip_ids),
+            ann_recall_at_10=float(info["recall_at_10"]["audio"]),
+        )
+        only = fmt.MilvusOnlyInfo(uri=target.uri, index_type=index_type, gaps=gaps)
+        path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index, only, metas=metas)
+    return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped, published=info)
+
+
+def check_format(path: Path) -> None:
+    """AudioDecodeError unless the file's first bytes are one of the formats the service takes as uploads."""
+    with path.open("rb") as handle:
+        head = handle.read(SNIFF_BYTES)
+    if sniff_format(head) is None:
+        raise AudioDecodeError(f"{path}: not {SUPPORTED} audio (the formats the service takes as uploads)")
+
+
+def decode_file(path: Path, sample_rate: int) -> np.ndarray:
+    """A file's waveform when it is in an accepted format and decodes whole; AudioDecodeError otherwise."""
+    check_format(path)
+    return decode_audio(path, sample_rate=sample_rate, complete=True)
+
+
+def _embed(
+    bundle: LoadedBundle, audio_dir: Path, files: list[Path], *, progress: bool,
+    checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
+    encode: Callable[[Sequence[np.ndarray]], np.ndarray] | None = None, options: PassOptions | None = None,
+    spec: EncoderSpec | None = None,
+) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
+    """The pass in chunks of ``chunk_files`` files (:func:`index.catalogue.checkpoint.embed_in_chunks`); a file
+    whose content a chunk in ``checkpoint`` holds is reused, not embedded; the files decoded beside the
+    encoder (:func:`index.catalogue.embed_pass.clip_embedder`). Progress: files done, clips/s of this run, the
+    time left at that rate, the decode wait and the encoder's busy fraction (bar and log). ``encode``: the
+    waveforms' vectors (default: the bundle's own audio encoder)."""
+    encode = encode or bundle.encode_audio
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[speed]}"))
+    rels = [p.relative_to(audio_dir).as_posix() for p in files]
+    clock = PassClock()
+    with Progress(*columns, disable=not progress) as bar:
+        task = bar.add_task("embedding audio", total=len(files), speed="")
+        rate, logged = PassRate(len(files), clock), 0
+
+        def advance(n: int, /, *, resumed: bool = False) -> None:
+            nonlocal logged
+            rate.add(n, resumed=resumed)
+            bar.update(task, advance=n, speed=rate.describe())
+            if rate.done - logged >= 100 or rate.done == len(files):
+                log.info("index progress: %d/%d files, %s", rate.done, len(files), rate.describe())
+                logged = rate.done
+
+        decode = DecodeCall(decode_file, args=(bundle.sample_rate,))
+        with ExitStack() as stack:
+            embed = pass_embedder(rels, files, decode, lambda waves: encode(waves), dim=bundle.embed_dim,
+                                  options=options or PassOptions(), clock=clock, spec=spec, stack=stack)
+            done = embed_in_chunks(file_items(rels, files), embed, dim=bundle.embed_dim, checkpoint=checkpoint,
+                                   chunk_files=chunk_files, advance=advance, what="files")
+    return done.clip_ids, done.embeddings, done.skipped
+
+
+def _embed_on_ray(
+    bundle: LoadedBundle, source: Path, audio_dir: Path, files: list[Path], options: RayOptions
+) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
+    from index.catalogue.ray_embed import embed_audio_files
+
+    model = (source / bundle.manifest.audio_encoder.file).read_bytes()
+    done = embed_audio_files(files, model, decode=decode_file, embed_dim=bundle.embed_dim,
+                             sample_rate=bundle.sample_rate, clip_samples=bundle.clip_samples, policy="chunk",
+                             options=options, frontend=bundle.manifest.audio_frontend)
+    rels = [path.relative_to(audio_dir).as_posix() for path in files]
+    kept = [i for i, error in enumerate(done.errors) if not error]
+    skipped = [(rels[i], error) for i, error in enumerate(done.errors) if error]
+    return [rels[i] for i in kept], done.embeddings[kept], skipped
+
+
+def cli_index(args: argparse.Namespace) -> int:
+    """`tonearm index AUDIO_DIR --bundle BUNDLE --out NEW_BUNDLE`; exit 2 when nothing could be indexed."""
+    out = Path(args.out)
+    if out.exists():
+        raise BundleError(f"{out}: already exists; bundles are never overwritten")
+    ray = None
+    if args.ray is not None:
+        ray = ray_options_from_args(args)
+    milvus = None
+    if getattr(args, "milvus_uri", None):
+        from index.engines.milvus_index import target_from_args
+
+        milvus = MilvusPublish(target_from_args(args.milvus_uri, args.milvus_token_env),
+                               index_type=args.milvus_index or "FLAT")
+    device, precision = args.device, args.precision
+    providers = device_providers(device)
+    check_precision_options(precision, device, ray=ray is not None)
+    metadata = getattr(args, "metadata", None)
+    result = index_folder(Path(args.audio_dir), Path(args.bundle), out, progress=True, ray=ray, milvus=milvus,
+                          providers=providers, metadata=Path(metadata) if metadata else None, precision=precision,
+                          pass_options=pass_options_from_args(args))
+    console = Console()
+    for rel, reason in result.skipped:
+        console.print(f"[yellow]skipped[/yellow] {rel}: {reason}", highlight=False, soft_wrap=True)
+    console.print(
+        f"[green]OK[/green] {result.path}: {len(result.clip_ids)} files indexed, {len(result.skipped)} skipped "
+        "(no captions: text→audio search only)", highlight=False, soft_wrap=True,
+    )
+    if milvus is not None and result.published is not None:
+        console.print(
+            f"vectors published to {milvus.target.uri} as {milvus.target.collection(result.path.name, 'audio')} "
+            f"({result.published['index_type']}, recall@10 {result.published['recall_at_10']['audio']}); the bundle "
+            "holds no FAISS file: serve it with TONEARM_INDEX_BACKEND=milvus", highlight=False, soft_wrap=True,
+        )
+    return 0

@@ -1,0 +1,6 @@
+"""Moments in long recordings (SPEC §19, rank 3): window spans and their embeddings (``windows``), window
+scores to moments (``postprocess``), the trained moment head's ONNX inference (``head``) and the
+`tonearm evaluate --moments` measurement (``evaluate``).
+
+May import: ground modules, index.audio, index.metrics, index.bundle.
+"""

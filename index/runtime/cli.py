@@ -1,0 +1,55 @@
+"""`tonearm bundle verify DIR` and `tonearm bundle eval DIR` (no torch, no training)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from rich.console import Console
+
+from index.errors import BundleError
+from index.metrics.report import format_report_rich
+from index.runtime.evaluate import evaluate_bundle, max_report_difference
+from index.runtime.loader import LoadedBundle
+from index.runtime.verify import verify_bundle
+
+log = logging.getLogger(__name__)
+
+
+def cli_verify(args: argparse.Namespace) -> int:
+    """Checksums, schema, ONNX interfaces, dimensions, index sizes, held-out set; exit 2 on failure."""
+    manifest = verify_bundle(Path(args.dir))
+    console = Console()
+    console.print(f"[green]OK[/green] {manifest.bundle_id}: {len(manifest.files) + 1} files verified")
+    for name, info in (("audio", manifest.audio_index), ("text", manifest.text_index)):
+        if info is None:
+            console.print(f"  {name}.faiss: absent (index-only bundle: no captions, no audio→text search)")
+            continue
+        console.print(
+            f"  {name}.faiss: {info.factory}, {info.ntotal} x {info.dim}, "
+            f"ANN recall@10 {info.ann_recall_at_10:.4f}, params {info.search_params or '-'}"
+        )
+    if manifest.eval_set is None:
+        console.print("  held-out set: absent (index-only bundle: the quality gate cannot compare it)")
+    else:
+        console.print(f"  held-out set: {manifest.eval_set.n_clips} clips, {manifest.eval_set.n_captions} captions "
+                      f"({manifest.eval_set.split})")
+    return 0
+
+
+def cli_eval(args: argparse.Namespace) -> int:
+    """Recompute the metrics table (docs/metrics.md) from the bundle's ONNX encoders and print it."""
+    bundle = LoadedBundle.open(Path(args.dir), verify=True)
+    if bundle.manifest.evaluation is None:
+        bundle.close()
+        raise BundleError(f"{args.dir}: index-only bundle (no held-out set); nothing to evaluate")
+    try:
+        report = evaluate_bundle(bundle)
+    finally:
+        bundle.close()
+    Console().print(format_report_rich(report, bundle.languages))
+    evaluation = bundle.manifest.evaluation
+    difference = max_report_difference(report, evaluation.report) if evaluation is not None else 0.0
+    log.info("largest difference to the manifest's recorded evaluation: %.4f points", 100 * difference)
+    return 0

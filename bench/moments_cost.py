@@ -1,4 +1,4 @@
-"""Cost of moment search against recording length (docs/BENCHMARKS.md, "Moments: cost").
+"""Cost of moment search against recording length (docs/BENCHMARKS.md, "moments_cost").
 
 One long recording of 10 min … 10 h indexed as windows of ``--window`` s every half window
 (index/moments/windows.py), random unit vectors of ``--dim`` (the scan's cost does not depend on the

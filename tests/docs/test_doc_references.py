@@ -114,3 +114,15 @@ def test_the_reference_checker_fails_on_a_lost_section() -> None:
     text = ('see docs/BENCHMARKS.md, "GPU check" and BENCHMARKS.md `moments_head`; BENCHMARKS.md (moments_cost); '
             'BENCHMARKS.md#gpu-check-benchgpu_checkpy; BENCHMARKS.md#gone')
     assert broken_references(text, heads) == ["moments_head", "#gone"]
+
+
+def test_the_readme_set_up_section_stays_short() -> None:
+    """A newcomer reads what to run and what it needs, not the suite's history (issue 56: ≤ 300 words;
+    history lives in docs/BENCHMARKS.md, "Test suite time")."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = re.search(r"^## Set-up.*?(?=^##)", text, re.S | re.M)
+    assert section is not None, "README.md has no '## Set-up' section"
+    body = section.group(0)
+    assert "make serve" in body and "make test" in body
+    words = len(re.findall(r"\S+", body))
+    assert words <= 300, f"the set-up section has {words} words (at most 300)"

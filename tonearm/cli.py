@@ -71,7 +71,7 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
                    help="long recordings with captioned moments and exact boundaries (docs/corpus.md, Moments)")
     p.add_argument("--bed-seconds", type=float, nargs=2, metavar=("MIN", "MAX"), default=None,
                    help="with --moments: recording lengths in seconds (default: the size's; 1-10 min: 60 600)")
-    p.set_defaults(handler=_lazy("training.data.synth:cli_synth", "train"))
+    p.set_defaults(handler=_lazy("training.data.synth_moments:cli_synth", "train"))
 
 
 def _noise_fraction(text: str) -> float:

@@ -23,7 +23,6 @@ documented in docs/corpus.md.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -719,18 +718,3 @@ def generate_corpus(*, size: Size, seed: int, out_dir: Path, workers: int | None
         log.info("noise %.2f: %d training caption slots replaced (meta.%s)", noise, noisy, NOISY_META_KEY)
     return manifest
 
-
-def cli_synth(args: argparse.Namespace) -> int:
-    """``tonearm synth --size tiny|small --seed N --out DIR [--noise P] [--moments [--bed-seconds MIN MAX]]``."""
-    if getattr(args, "moments", False):
-        if args.noise:
-            raise SystemExit("tonearm synth: --noise applies to the clip corpus, not to --moments")
-        from training.data.synth_moments import generate_moment_corpus
-
-        seconds = tuple(args.bed_seconds) if args.bed_seconds else None
-        generate_moment_corpus(size=args.size, seed=args.seed, out_dir=Path(args.out), seconds=seconds)  # type: ignore[arg-type]
-        return 0
-    if getattr(args, "bed_seconds", None):
-        raise SystemExit("tonearm synth: --bed-seconds needs --moments")
-    generate_corpus(size=args.size, seed=args.seed, out_dir=Path(args.out), noise=args.noise)
-    return 0

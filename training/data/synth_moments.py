@@ -1,5 +1,8 @@
 """`tonearm synth --moments`: long recordings with exact, captioned moments (SPEC §19).
 
+This module sits on top of :mod:`training.data.synth` (the clip corpus, which never imports it) and
+holds the handler of ``tonearm synth`` (:func:`cli_synth`), which writes either corpus.
+
 The Clotho-Moment recipe (Munakata et al. 2024, "Language-based Audio Moment
 Retrieval": Clotho clips overlaid on long Walking Tour backgrounds, the clip's
 captions describing the moment) on tonearm's own sounds: a background *bed*
@@ -28,6 +31,7 @@ in seconds, the clip's own ``captions`` = the moments' captions (position i = mo
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -61,6 +65,7 @@ from training.data.synth import (
     _progress_bar,
     _random_attributes,
     _smooth_random,
+    generate_corpus,
     scene_captions,
 )
 
@@ -303,3 +308,17 @@ def generate_moment_corpus(*, size: str, seed: int, out_dir: Path, workers: int 
     log.info("wrote the %s moment corpus (seed %d; %d recordings, %.2f h, %d moments) to %s", size, seed,
              len(records), hours, sum(len(r.moments) for r in records), manifest)
     return manifest
+
+
+def cli_synth(args: argparse.Namespace) -> int:
+    """``tonearm synth --size tiny|small --seed N --out DIR [--noise P] [--moments [--bed-seconds MIN MAX]]``."""
+    if getattr(args, "moments", False):
+        if args.noise:
+            raise SystemExit("tonearm synth: --noise applies to the clip corpus, not to --moments")
+        seconds = tuple(args.bed_seconds) if args.bed_seconds else None
+        generate_moment_corpus(size=args.size, seed=args.seed, out_dir=Path(args.out), seconds=seconds)  # type: ignore[arg-type]
+        return 0
+    if getattr(args, "bed_seconds", None):
+        raise SystemExit("tonearm synth: --bed-seconds needs --moments")
+    generate_corpus(size=args.size, seed=args.seed, out_dir=Path(args.out), noise=args.noise)
+    return 0

@@ -85,9 +85,10 @@ def _noise_fraction(text: str) -> float:
 
 
 def _add_data(sub: argparse._SubParsersAction) -> None:
-    # formats.py is stdlib + numpy only (no torch), so building its parser here stays cheap.
+    # training/data/cli.py and the modules it imports are stdlib + numpy only (no torch), so building
+    # its parser here stays cheap.
     try:
-        from training.data.formats import add_data_parser
+        from training.data.cli import add_data_parser
     except ModuleNotFoundError as err:  # the service image ships no training code
         if err.name not in {"training", "training.data"}:
             raise

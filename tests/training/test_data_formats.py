@@ -8,13 +8,8 @@ from pathlib import Path
 import pytest
 
 from tonearm.errors import DataError
-from training.data.formats import (
-    add_data_parser,
-    convert_audiocaps,
-    convert_clotho,
-    convert_wavcaps,
-    parse_lang_files,
-)
+from training.data.cli import add_data_parser, parse_lang_files
+from training.data.formats import convert_audiocaps, convert_clotho, convert_wavcaps
 from training.data.manifest import load_manifest
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tonearm.errors import DataError
-from training.data.formats import add_data_parser
+from training.data.cli import add_data_parser
 from training.data.manifest import MomentRecord, load_manifest
 from training.data.moment_formats import convert_castella, convert_clotho_moment
 

@@ -22,12 +22,12 @@ Supported inputs and the facts about them that bite:
 
 Every converter returns ``list[ClipRecord]`` with absolute audio paths; missing
 audio is an error unless ``skip_missing_audio`` (then a warning and the clips
-are dropped). ``tonearm data convert`` writes the generic JSONL manifest.
+are dropped). ``tonearm data convert`` (:mod:`training.data.cli`) writes the generic JSONL manifest;
+the moment datasets' converters sit on top of this module in :mod:`training.data.moment_formats`.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import json
@@ -40,8 +40,7 @@ from typing import Any
 
 from index.errors import DataError
 from index.languages import ENGLISH, validate_language_codes
-from training.data.manifest import ClipRecord, drop_missing_audio, read_manifest, write_manifest
-from training.data.translate import add_translate_parser
+from training.data.manifest import ClipRecord, drop_missing_audio
 
 log = logging.getLogger(__name__)
 
@@ -364,84 +363,3 @@ def convert_wavcaps(
     return _records(grouped, audio=audio, split=split, meta=meta, source=json_path,
                     skip_missing_audio=skip_missing_audio)
 
-
-# --------------------------------------------------------------------------- CLI
-
-
-def parse_lang_files(values: Sequence[str] | None) -> dict[str, Path]:
-    """``["fra=path.csv", ...]`` → ``{"fra": Path("path.csv")}``."""
-    result: dict[str, Path] = {}
-    for value in values or []:
-        lang, sep, path = value.partition("=")
-        if not sep or not path:
-            raise DataError(f"--lang-file {value!r}: expected LANG=PATH, e.g. fra=captions_fra.csv")
-        if lang in result:
-            raise DataError(f"--lang-file: language {lang!r} given twice")
-        result[lang] = Path(path)
-    return check_lang_files(result)
-
-
-def cli_convert(args: argparse.Namespace) -> int:
-    """``tonearm data convert``: one public-format file → the generic JSONL manifest."""
-    common = {
-        "audio_dir": Path(args.audio_dir),
-        "split": args.split,
-        "lang_files": parse_lang_files(args.lang_file),
-        "skip_missing_audio": args.skip_missing,
-    }
-    if args.format == "clotho":
-        records = convert_clotho(Path(args.input), **common)
-    elif args.format == "audiocaps":
-        records = convert_audiocaps(Path(args.input), audio_pattern=args.audio_pattern, **common)
-    elif args.format == "wavcaps":
-        records = convert_wavcaps(Path(args.input), **common)
-    elif args.format in ("castella", "clotho-moment"):  # long recordings with moments (SPEC §19)
-        from training.data.moment_formats import convert_castella, convert_clotho_moment
-
-        convert = convert_castella if args.format == "castella" else convert_clotho_moment
-        records = convert(Path(args.input), **common)
-    else:  # argparse choices prevent this
-        raise DataError(f"unknown format {args.format!r}")
-    out = Path(args.out)
-    if args.append and out.exists():
-        existing = [record for _, record in read_manifest(out, languages=None)]
-        records = existing + records
-    write_manifest(records, out)
-    languages = sorted({lang for r in records for lang in r.captions})
-    log.info("wrote %d clips (%s) to %s", len(records), ", ".join(languages), out)
-    return 0
-
-
-def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``convert`` to the ``tonearm data`` subcommands (handler: :func:`cli_convert`)."""
-    p = subparsers.add_parser(
-        "convert", help="convert Clotho / AudioCaps / WavCaps captions, or CASTELLA / Clotho-Moment moments, "
-        "to a JSONL manifest")
-    p.add_argument("--format", required=True, choices=["clotho", "audiocaps", "wavcaps", "castella", "clotho-moment"])
-    p.add_argument("--input", required=True, help="captions CSV (clotho, audiocaps), JSON (wavcaps, castella: "
-                   "json/en/<split>.json) or JSONL (clotho-moment: lighthouse's <name>_<split>_release.jsonl)")
-    p.add_argument("--audio-dir", required=True, help="directory holding the audio files")
-    p.add_argument("--split", required=True, help="split name written for every clip (train, val, test)")
-    p.add_argument("--out", required=True, help="JSONL manifest to write (audio paths relative to it)")
-    p.add_argument("--lang-file", action="append", metavar="LANG=PATH",
-                   help="translated captions in the input's layout, one file per language (repeatable)")
-    p.add_argument("--audio-pattern", default=DEFAULT_AUDIOCAPS_PATTERN,
-                   help="original AudioCaps CSV: audio file name from {youtube_id}, {start_time}, {audiocap_id}")
-    p.add_argument("--skip-missing", action="store_true", help="skip clips whose audio file is missing")
-    p.add_argument("--append", action="store_true", help="add to an existing manifest (e.g. one split per call)")
-    p.set_defaults(handler=cli_convert)
-    return p
-
-
-def add_data_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``tonearm data`` with its ``convert`` subcommand to the top-level subcommands."""
-    p = subparsers.add_parser(
-        "data", help="dataset tools (convert public formats to the JSONL manifest, translate captions, write tar shards)")
-    data_sub = p.add_subparsers(dest="data_command", required=True)
-    add_convert_parser(data_sub)
-    add_translate_parser(data_sub)
-    # shards.py imports only the stdlib at module level, like this module.
-    from training.data.shards import add_shard_parser
-
-    add_shard_parser(data_sub)
-    return p

@@ -16,7 +16,8 @@ from index.items.ids import MAX_ID_CHARS, ItemIdError, check_id, json_pattern, n
 from service.errors import ServiceError
 
 ID_DESCRIPTION = ("An added item's or a bundle clip's id (docs/service.md, \"Ids\"): `/`-separated segments, none "
-                  "empty, `.` or `..`; no control or format characters; not only whitespace.")
+                  "empty, `.` or `..` or beginning or ending with whitespace; at most 512 bytes of UTF-8; no control, "
+                  "format or separator characters, noncharacters or invisible fillers.")
 PathId = Annotated[str, Path(min_length=1, max_length=MAX_ID_CHARS, description=ID_DESCRIPTION,
                              json_schema_extra={"pattern": json_pattern()})]
 """A route's ``{item_id:path}`` parameter (the pattern is published, the grammar enforced by :func:`addressed_id`)."""

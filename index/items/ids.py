@@ -1,13 +1,20 @@
 """The grammar of catalogue ids (added items and bundle clips), enforced by the API (docs/service.md, "Ids").
 
-An id is 1–:data:`MAX_ID_CHARS` characters of valid Unicode, compared code point by code point, and
-one or more ``/``-separated segments (``tonearm index`` names a clip in a subfolder by its relative
+An id is 1–:data:`MAX_ID_CHARS` characters and at most :data:`MAX_ID_BYTES` bytes of UTF-8 (every
+store takes it: Milvus's VARCHAR primary keys hold 512 bytes, and 256 CJK characters are 768) of
+valid Unicode, compared code point by code point, and one or more ``/``-separated segments (``tonearm index`` names a clip in a subfolder by its relative
 path, ``birds/owl.wav``; the routes take ``{id:path}``). Refused everywhere:
 
 * control characters (category Cc), format characters (Cf: the bidi overrides and isolates
   U+202A–U+202E and U+2066–U+2069, zero-width characters, U+FEFF…) and lone surrogates (Cs):
   invisible, or able to make one id display as another;
-* an id that is only whitespace;
+* line and paragraph separators (U+2028, U+2029) and noncharacters (U+FDD0–U+FDEF, U+xFFFE, U+xFFFF):
+  they break lines in logs and tables, or are not meant for interchange;
+* the invisible fillers that are letters or symbols by category (:data:`INVISIBLE_FILLERS`: the
+  Hangul fillers U+115F, U+1160, U+3164, U+FFA0 and the blank Braille pattern U+2800): an id of
+  them looks blank, and beside visible characters they make look-alikes;
+* an id that is only whitespace, and a segment that begins or ends with whitespace (``"a "`` and
+  ``"a"`` would look like one id);
 * an empty segment (a leading or trailing ``/``, or ``//``) and a ``.`` or ``..`` segment: clients
   and proxies normalise such paths before they are sent (``curl …/v1/items/x/../val-02401``
   deletes ``val-02401``), so an id holding one could not be addressed as itself.
@@ -30,8 +37,19 @@ from collections.abc import Callable
 from index.errors import DataError
 
 MAX_ID_CHARS = 256
-REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Cs"})
-"""Unicode general categories no id may hold: control, format (bidi and zero-width), surrogate."""
+MAX_ID_BYTES = 512
+"""UTF-8 bytes of an id, at most: the VARCHAR length of the Milvus collections' primary keys."""
+REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+"""Unicode general categories no id may hold: control, format (bidi and zero-width), surrogate, and
+the line and paragraph separators."""
+INVISIBLE_FILLERS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+"""Characters that render as blank space but are letters (Lo) or symbols (So) by category."""
+
+
+def is_noncharacter(char: str) -> bool:
+    """Unicode's 66 noncharacters: U+FDD0–U+FDEF and the last two code points of every plane."""
+    code = ord(char)
+    return 0xFDD0 <= code <= 0xFDEF or (code & 0xFFFE) == 0xFFFE
 
 
 class ItemIdError(DataError):
@@ -49,14 +67,24 @@ def check_id(item_id: object, *, new: bool = False) -> str:
         category = unicodedata.category(char)
         if category in REFUSED_CATEGORIES:
             kind = {"Cc": "a control character", "Cf": "a format (bidi or invisible) character",
-                    "Cs": "a lone surrogate (not valid Unicode)"}[category]
+                    "Cs": "a lone surrogate (not valid Unicode)", "Zl": "a line separator",
+                    "Zp": "a paragraph separator"}[category]
             raise ItemIdError(f"an id may not hold {kind}: U+{ord(char):04X} at position {position}")
+        if char in INVISIBLE_FILLERS:
+            raise ItemIdError(f"an id may not hold an invisible filler: U+{ord(char):04X} at position {position}")
+        if is_noncharacter(char):
+            raise ItemIdError(f"an id may not hold a noncharacter: U+{ord(char):04X} at position {position}")
     if not item_id.strip():
         raise ItemIdError("an id may not be only whitespace")
+    size = len(item_id.encode("utf-8"))
+    if size > MAX_ID_BYTES:
+        raise ItemIdError(f"an id is at most {MAX_ID_BYTES} bytes of UTF-8; this one has {size}")
     for segment in item_id.split("/"):
         if segment in ("", ".", ".."):
             what = "an empty segment (a leading, trailing or double '/')" if not segment else f"a {segment!r} segment"
             raise ItemIdError(f"an id may not hold {what}: clients normalise such paths away")
+        if segment != segment.strip():
+            raise ItemIdError("an id's segments may not begin or end with whitespace (it would look like another id)")
     if new and not unicodedata.is_normalized("NFC", item_id):
         return check_id(unicodedata.normalize("NFC", item_id), new=False)
     return item_id
@@ -87,6 +115,8 @@ def json_pattern() -> str:
     def char(code: int) -> str:
         return f"\\u{code:04x}" if code <= 0xFFFF else chr(code)
 
-    refused = ranges(lambda c: unicodedata.category(c) in REFUSED_CATEGORIES)
+    refused = ranges(lambda c: unicodedata.category(c) in REFUSED_CATEGORIES or c in INVISIBLE_FILLERS
+                     or is_noncharacter(c))
     space = ranges(str.isspace)  # spelled out: `\\s` means other sets in other regex engines
-    return f"^(?![{space}]*$)(?!(?:.*/)?\\.{{0,2}}(?:/|$))[^{refused}]+$"
+    # no segment empty, '.', '..', or beginning or ending with whitespace (an id only of whitespace included)
+    return (f"^(?!(?:.*/)?\\.{{0,2}}(?:/|$))(?!(?:.*/)?[{space}])(?!.*[{space}](?:/|$))[^{refused}]+$")

@@ -14,9 +14,13 @@ test:
 	@scripts/ensure-chromium.sh
 	.venv/bin/ruff check .
 	.venv/bin/mypy
-	@# one run's temp files (~10 GB at the peak: real-size models) under the checkout, replaced by
-	@# the next run and deleted after a passing one (README "Set-up": disk)
-	.venv/bin/python -m pytest -q --durations=30 --basetemp=.pytest-tmp && rm -rf .pytest-tmp
+	@# one run's temp files under the checkout, replaced by the next run and deleted after a passing
+	@# one (README "Set-up": disk); the real-size models and their exports are built once per machine
+	@# into ~/.cache/tonearm/test-models ($$TONEARM_TEST_CACHE; "off": per run; tests/model_cache.py)
+	@# and hard-linked from there. --slowest: the 30 slowest tests and setups with what each guards.
+	@# (directories made writable first: with TONEARM_TEST_CACHE=off the read-only entries are in it)
+	.venv/bin/python -m pytest -q --slowest=30 --basetemp=.pytest-tmp \
+		&& find .pytest-tmp -type d -exec chmod u+w {} + && rm -rf .pytest-tmp
 
 lint:
 	.venv/bin/ruff check .

@@ -10,6 +10,7 @@ import gc
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,10 +113,21 @@ def _start_background_demo_build() -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A background demo build still running (no demo test reached, e.g. after -x) is stopped."""
+    """A background demo build still running (no demo test reached, e.g. after -x) is stopped.
+    A per-machine cache entry (tests/model_cache.py) that changed while this session used it fails
+    the run (its marker is dropped: the next run rebuilds it)."""
+    global _changed_cache_entries
     if _background_build is not None and _background_build.poll() is None:
         _background_build.terminate()
         _background_build.wait(timeout=30)
+    from tests.model_cache import changed_entries
+
+    _changed_cache_entries = changed_entries()
+    if _changed_cache_entries:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_changed_cache_entries: list[Path] = []
 
 
 @pytest.fixture(scope="session")
@@ -146,3 +158,100 @@ def _thaw_the_gc_after_each_test():
     outlive their fixtures; ``gc.unfreeze`` (O(1): one list splice) after each test undoes it."""
     yield
     gc.unfreeze()
+
+
+# ---------------------------------------------------------------- the slowest tests, with what each guards
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slowest", type=int, default=0, metavar="N",
+                     help="at the end, the N slowest test calls and setups with what each guards: the first "
+                          "paragraph of the test's docstring (else its module's), and for a setup the fixtures "
+                          "it built, each with its own time and docstring")
+
+
+GUARD_CHARS = 150
+"""A docstring's first paragraph is cut to this many characters in the summary."""
+
+
+def _first_paragraph(doc: str | None) -> str:
+    text = " ".join((doc or "").strip().split("\n\n")[0].split())
+    return text if len(text) <= GUARD_CHARS else text[: GUARD_CHARS - 1] + "…"
+
+
+class SlowestSummary:
+    """``--slowest N`` (`make test`: 30): at the end, the slowest test calls and setups with what each
+    guards — what a slow test costs is judged against that. Replaces ``--durations``, which names the
+    tests only. Registered as a plugin (:func:`pytest_configure`), not as this conftest's hooks: pytest
+    sends a session fixture's ``pytest_fixture_setup`` only to the conftests above the root directory."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.running: str | None = None
+        """The node id of the test whose protocol runs now (fixtures set up meanwhile are charged to it)."""
+        self.guards: dict[str, str] = {}
+        """Node id → what the test guards (its docstring's first paragraph, else its module's)."""
+        self.fixtures: dict[str, list[tuple[float, str, str]]] = {}
+        """Node id → (own seconds, fixture name, what it guards) of each fixture set up for it."""
+        self.stack: list[float] = []
+        """Per fixture being set up: the seconds its nested fixtures took (subtracted: own time only)."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> object:
+        guard = _first_paragraph(getattr(getattr(item, "function", None), "__doc__", None))
+        if not guard and getattr(item, "module", None) is not None:
+            guard = f"(module) {_first_paragraph(item.module.__doc__)}"  # type: ignore[attr-defined]
+        self.guards[item.nodeid], self.running = guard, item.nodeid
+        try:
+            return (yield)
+        finally:
+            self.running = None
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[object], request: pytest.FixtureRequest) -> object:
+        self.stack.append(0.0)
+        start = time.perf_counter()
+        try:
+            return (yield)
+        finally:
+            elapsed = time.perf_counter() - start
+            nested = self.stack.pop()
+            if self.stack:
+                self.stack[-1] += elapsed
+            if self.running is not None and elapsed - nested >= 0.05:
+                self.fixtures.setdefault(self.running, []).append(
+                    (elapsed - nested, fixturedef.argname, _first_paragraph(fixturedef.func.__doc__)))
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        write = terminalreporter.write_line
+        reports = [r for group in terminalreporter.stats.values() for r in group
+                   if isinstance(r, pytest.TestReport) and r.when in ("setup", "call")]
+        slowest = sorted(reports, key=lambda r: r.duration, reverse=True)[: self.count]
+        terminalreporter.write_sep("=", f"{len(slowest)} slowest test calls and setups, and what each guards")
+        for report in slowest:
+            write(f"{report.duration:7.1f}s {report.when:<5} {report.nodeid}")
+            if report.when == "call":
+                write(f"{'':15}guards: {self.guards.get(report.nodeid) or '(no docstring)'}")
+                continue
+            # a setup: the fixtures it built (a session fixture is charged to the first test that needs it)
+            built = sorted(self.fixtures.get(report.nodeid, []), reverse=True)
+            for own, name, guard in [f for f in built if f[0] >= 0.1 * report.duration][:4] or built[:1]:
+                write(f"{'':15}{own:6.1f}s fixture {name}: {guard or '(no docstring)'}")
+        total = sum(r.duration for r in reports)
+        write(f"(setups and calls of all {len({r.nodeid for r in reports})} tests: {total / 60:.1f} min)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    count = config.getoption("--slowest")
+    if count:
+        config.pluginmanager.register(SlowestSummary(count), "tonearm-slowest")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Names the cache entries this session changed (:func:`pytest_sessionfinish` failed the run)."""
+    if _changed_cache_entries:
+        terminalreporter.write_sep("=", "cache entries changed by this session (tests must not write into them)",
+                                   red=True)
+        for entry in _changed_cache_entries:
+            terminalreporter.write_line(f"{entry}: changed since it was handed out; its done marker is removed, "
+                                        "the next run rebuilds it")

@@ -10,8 +10,9 @@ Decoding is bounded before it starts (docs/service.md, "Limits"): the header's f
 against ``TONEARM_MAX_DECODE_SAMPLES`` (the CPU a decode costs) and
 :func:`index.audio.decode.decode_estimate` against ``TONEARM_MAX_DECODED_BYTES`` (its memory: one block of
 every channel and the mono output; the decoder never holds every channel of the clip). Every decode
-of the process then holds its estimate in one :class:`DecodeBudget` (``TONEARM_DECODE_MEMORY_BYTES``)
-while it runs: concurrent decodes are bounded by memory, not only by the thread pool.
+of the process then holds its estimate in the process's memory budget (``TONEARM_DECODE_MEMORY_BYTES``,
+:mod:`service.memory_budget`, shared with the request bodies) while it runs, and a request's decoded audio
+stays in it until the request ends: concurrent uploads are bounded by memory, not by the crowd.
 Every failure is a :class:`service.errors.ServiceError` (4xx), never an unhandled
 exception, and no detail carries a Python repr.
 """
@@ -19,9 +20,7 @@ exception, and no detail carries a Python repr.
 from __future__ import annotations
 
 import io
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,50 +37,21 @@ from index.audio.decode import (
 from index.audio.formats import SUPPORTED, sniff_format
 from index.errors import AudioDecodeError
 from service.errors import ServiceError
+from service.memory_budget import RETRY_AFTER_S, MemoryBudget, UploadLease, process_budget
 
 MIN_SAMPLE_RATE = 1000
 
 
-DECODE_RETRY_AFTER_S = 1
+DECODE_RETRY_AFTER_S = RETRY_AFTER_S
+
+DecodeBudget = MemoryBudget
+"""The byte semaphore decodes hold their estimate in (:class:`service.memory_budget.MemoryBudget`)."""
 
 
-class DecodeBudget:
-    """A byte semaphore: decodes hold their estimated memory while they run, and wait while the
-    decodes already running hold too much of ``capacity`` (one larger than the whole budget runs alone)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
-        self.peak = 0
-        self._cond = threading.Condition()
-
-    @contextmanager
-    def hold(self, nbytes: int, timeout: float) -> Iterator[None]:
-        nbytes = max(0, min(nbytes, self.capacity))
-        with self._cond:
-            if not self._cond.wait_for(lambda: self.used + nbytes <= self.capacity, timeout):
-                raise ServiceError(
-                    "overloaded", f"the decodes running hold the memory budget of {self.capacity} bytes; "
-                    f"retry after {DECODE_RETRY_AFTER_S} s", retry_after=DECODE_RETRY_AFTER_S,
-                )
-            self.used += nbytes
-            self.peak = max(self.peak, self.used)
-        try:
-            yield
-        finally:
-            with self._cond:
-                self.used -= nbytes
-                self._cond.notify_all()
-
-
-_BUDGETS: dict[int, DecodeBudget] = {}
-_BUDGETS_LOCK = threading.Lock()
-
-
-def decode_budget(capacity: int) -> DecodeBudget:
-    """The process's budget of this capacity (one per process: every route and the item sync share it)."""
-    with _BUDGETS_LOCK:
-        return _BUDGETS.setdefault(capacity, DecodeBudget(capacity))
+def decode_budget(capacity: int) -> MemoryBudget:
+    """The process's budget of this capacity (one per process: every route, its bodies and decodes, and
+    the item sync share it; :func:`service.memory_budget.process_budget`)."""
+    return process_budget(capacity)
 
 
 @dataclass(frozen=True)
@@ -91,7 +61,7 @@ class AudioLimits:
     max_channels: int
     max_decode_samples: int | None = None
     max_decoded_bytes: int | None = None
-    budget: DecodeBudget | None = None
+    budget: MemoryBudget | None = None
     wait_s: float = 10.0
 
 
@@ -156,6 +126,12 @@ def check_header(info: sf._SoundFileInfo, limits: AudioLimits, sample_rate: int 
         raise ServiceError("audio-limits", str(err)) from None
 
 
+def check_upload_header(data: bytes, limits: AudioLimits, sample_rate: int = 16000) -> None:
+    """What :func:`decode_upload` checks before it decodes — container, header, limits — without
+    decoding (a stored item whose embedding is already known is judged by today's limits this way)."""
+    check_header(_probe(data, sniff(data)), limits, sample_rate)
+
+
 def _estimate(info: sf._SoundFileInfo, limits: AudioLimits, sample_rate: int) -> int:
     """What the decode will hold in the budget: its estimate at the header's length, or at the longest
     length the limits allow when the header does not know it."""
@@ -164,18 +140,68 @@ def _estimate(info: sf._SoundFileInfo, limits: AudioLimits, sample_rate: int) ->
     return decode_estimate(frames, int(info.channels), rate, sample_rate)
 
 
-def decode_upload(data: bytes, *, sample_rate: int, limits: AudioLimits) -> DecodedAudio:
-    """Sniff, probe, check limits and decode to float32 mono at ``sample_rate``."""
+@dataclass(frozen=True)
+class ProbedUpload:
+    """An upload whose header passed the limits: its container and what decoding it will hold."""
+    format: str
+    estimate: int
+
+
+def probe_upload(data: bytes, *, sample_rate: int, limits: AudioLimits) -> ProbedUpload:
+    """Sniff, probe and check the limits from the header: cheap, before any decoding."""
     fmt = sniff(data)
     info = _probe(data, fmt)
     check_header(info, limits, sample_rate)
-    budget = limits.budget or DecodeBudget(1 << 62)
+    return ProbedUpload(fmt, _estimate(info, limits, sample_rate))
+
+
+def decode_probed(data: bytes, probed: ProbedUpload, *, sample_rate: int, limits: AudioLimits) -> DecodedAudio:
+    """Decode a probed upload to float32 mono at ``sample_rate`` (its budget is the caller's to hold)."""
+    fmt = probed.format
     try:
-        with budget.hold(_estimate(info, limits, sample_rate), limits.wait_s):
-            wave = decode_audio(data, sample_rate=sample_rate, max_seconds=limits.max_seconds, complete=True,
-                                max_samples=limits.max_decode_samples, max_bytes=limits.max_decoded_bytes)
+        wave = decode_audio(data, sample_rate=sample_rate, max_seconds=limits.max_seconds, complete=True,
+                            max_samples=limits.max_decode_samples, max_bytes=limits.max_decoded_bytes)
     except AudioLimitError as err:
         raise ServiceError("audio-limits", str(err)) from None
     except (AudioDecodeError, sf.LibsndfileError, RuntimeError, ValueError, EOFError) as err:
         raise ServiceError("audio-decode-failed", f"the {fmt} upload cannot be decoded: {libsndfile_message(err)}") from None
     return DecodedAudio(waveform=wave, format=fmt, duration_seconds=wave.shape[0] / sample_rate)
+
+
+def decode_upload(data: bytes, *, sample_rate: int, limits: AudioLimits) -> DecodedAudio:
+    """Sniff, probe, check limits and decode to float32 mono at ``sample_rate``, holding the decode's
+    estimate in the budget while it runs (this thread waits for room: the item sync's decodes)."""
+    probed = probe_upload(data, sample_rate=sample_rate, limits=limits)
+    budget = limits.budget or MemoryBudget(1 << 62)
+    with budget.hold(probed.estimate, limits.wait_s):
+        return decode_probed(data, probed, sample_rate=sample_rate, limits=limits)
+
+
+async def decode_for_request(
+    data: bytes, *, sample_rate: int, limits: AudioLimits, lease: UploadLease,
+    run: Callable[..., Awaitable[Any]], keep: bool = True,
+) -> DecodedAudio:
+    """A request's decode: probe in a thread (``run``: the pool), wait for room for the decode's estimate
+    on the event loop (never in a pool thread the requests holding the budget need), decode in a thread;
+    the bytes of the decoded audio then stay held by ``lease`` until the request ends (``keep=False``:
+    the caller drops the waveform, and they go back at once)."""
+    probed: ProbedUpload = await run(_probe_call, data, sample_rate, limits)
+    budget = lease.budget
+    taken = await budget.take_async(probed.estimate, limits.wait_s, body=False)
+    kept = 0
+    try:
+        audio: DecodedAudio = await run(_decode_call, data, probed, sample_rate, limits)
+        if keep:
+            kept = min(taken, int(audio.waveform.nbytes))
+    finally:  # an error, or a cancelled request: the decode's bytes go back too
+        budget.give(taken - kept)
+    lease.keep(kept)
+    return audio
+
+
+def _probe_call(data: bytes, sample_rate: int, limits: AudioLimits) -> ProbedUpload:
+    return probe_upload(data, sample_rate=sample_rate, limits=limits)
+
+
+def _decode_call(data: bytes, probed: ProbedUpload, sample_rate: int, limits: AudioLimits) -> DecodedAudio:
+    return decode_probed(data, probed, sample_rate=sample_rate, limits=limits)

@@ -191,10 +191,19 @@ class Settings(BaseSettings):
     """Most memory one decode may allocate (index.audio.decode.decode_estimate: one block of every channel
     and the mono output at the model's rate), checked from the header."""
     decode_memory_bytes: int = Field(default=128 * 1024 * 1024, ge=1 << 20)
-    """Memory budget of the decodes a process runs at once (uploads and item embedding): a decode
-    waits until its estimate fits, and gets 503 `overloaded` after `decode_wait_s`."""
+    """Memory budget of the uploads a process holds at once (service/memory_budget.py): the bodies of
+    the audio routes (search/audio, search/similar, search/moments/audio, items, items:batch: reserved
+    from `Content-Length` before they are read, or as they stream), their decodes and their decoded
+    audio until it is encoded, and the item sync's decodes. Bodies may fill three quarters of it; the
+    last quarter is kept for decodes. A body waits `upload_wait_s`, a decode `decode_wait_s`, for room,
+    then gets 503 `overloaded` with Retry-After. Size the pod's memory limit from it (docs/service.md,
+    "Memory: what a replica may hold")."""
     decode_wait_s: float = Field(default=10.0, gt=0, le=300)
     """How long a decode waits for room in `decode_memory_bytes` before it is refused."""
+    upload_wait_s: float = Field(default=2.0, gt=0, le=60)
+    """How long a request body waits for room in `decode_memory_bytes` before the request is refused
+    (503 `overloaded`, Retry-After: 1; the body is not read): short, so that a crowd is told to come back
+    (or go to another replica) instead of queueing behind the budget."""
 
     # --- quality gate ---
     gate_metric: str = Field(default="t2a_R@10_mean", pattern=r"^(t2a|a2t)_(R@\d+|mAP@10)_mean$")

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from tempfile import SpooledTemporaryFile
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException
@@ -34,19 +35,19 @@ from index.items.log import (
     check_metadata,
     check_text,
 )
-from service.audio_input import DecodedAudio
+from service.audio_input import DecodedAudio, decode_for_request, limits_of
 from service.deps import ItemsWriterDep, PoolDep, RegistryDep, SearcherDep, SettingsDep, StateDep
 from service.errors import ServiceError
 from service.ids import PathId, addressed_id, id_schema
 from service.items import ItemStore
 from service.limits import QUERY_MAX_CHARS, loads_json
+from service.memory_budget import UploadLease, upload_lease
 from service.milvus_items import MilvusCatalogue
 from service.routes import ShallowJsonRoute
 from service.routes.search import (
     AUDIO_MEDIA_TYPES,
     MULTIPART_OVERHEAD,
     MemoryMultiPartParser,
-    _decode,
     _limited_stream,
 )
 from service.schemas import (
@@ -189,12 +190,14 @@ class _AudioPartsParser(MemoryMultiPartParser):
                                    headers=Headers(raw=part.item_headers))
 
 
-async def _read_form(request: Request, settings: Any, *, max_files: int) -> tuple[dict[str, list[str]], list[bytes]]:
+async def _read_form(request: Request, settings: Any, lease: UploadLease, *,
+                     max_files: int) -> tuple[dict[str, list[str]], list[bytes]]:
+    """The form's fields and audio files, its body read within the process's memory budget (``lease``)."""
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
         raise ServiceError("bad-upload", "send a multipart/form-data body: a `file` part, `id` and `metadata` fields")
     limit = settings.max_upload_bytes * (1 if max_files == 1 else BATCH_BYTES_FACTOR) + MULTIPART_OVERHEAD
-    stream: AsyncGenerator[bytes, None] = _limited_stream(request, limit)
+    stream: AsyncGenerator[bytes, None] = _limited_stream(request, limit, lease)
     parser = _AudioPartsParser(request.headers, stream, max_files=max_files, max_fields=4,
                              max_part_size=FORM_FIELD_BYTES)
     try:
@@ -218,6 +221,20 @@ async def _read_form(request: Request, settings: Any, *, max_files: int) -> tupl
     finally:
         await form.close()
     return fields, files
+
+
+NO_WAVEFORM = np.zeros(0, np.float32)
+
+
+async def _decode_item(store: ItemStore | MilvusCatalogue, searcher: Searcher, data: bytes, settings: Any,
+                       pool: Any, lease: UploadLease) -> DecodedAudio:
+    """An item's upload decoded within the memory budget. The file log's store embeds the stored audio
+    itself (its sync): only the duration and format are kept. The Milvus store embeds the waveform: it
+    stays held by ``lease`` until the request ends."""
+    keep = isinstance(store, MilvusCatalogue)
+    audio = await decode_for_request(data, sample_rate=searcher.bundle.sample_rate, limits=limits_of(settings),
+                                     lease=lease, run=pool.run, keep=keep)
+    return audio if keep else replace(audio, waveform=NO_WAVEFORM)
 
 
 def _one(fields: dict[str, list[str]], name: str, *, required: bool) -> str | None:
@@ -317,7 +334,13 @@ async def add_item(
     store: StoreDep, registry: RegistryDep,
 ) -> ItemOut:
     """Add one sound (or replace the item of this id): durable and searchable when the 201 comes."""
-    fields, files = await _read_form(request, settings, max_files=1)
+    async with upload_lease(settings) as lease:  # the body (and the Milvus store's waveform) until the answer
+        return await _add_item(request, searcher, pool, settings, store, registry, lease)
+
+
+async def _add_item(request: Request, searcher: Searcher, pool: Any, settings: Any, store: ItemStore | MilvusCatalogue,
+                    registry: Any, lease: UploadLease) -> ItemOut:
+    fields, files = await _read_form(request, settings, lease, max_files=1)
     if len(files) != 1:
         raise ServiceError("bad-upload", "the form must contain exactly one `file` part (the audio)")
     unknown = sorted(set(fields) - {"id", "metadata", "captions"})
@@ -325,7 +348,7 @@ async def add_item(
         raise _invalid(f"unknown form field(s): {', '.join(unknown)}; use id, metadata, captions")
     spec = _spec(searcher, _one(fields, "id", required=True), _json(_one(fields, "metadata", required=False), "metadata"),
                  _json(_one(fields, "captions", required=False), "captions"), "")
-    audio = await pool.run(_decode, searcher, files[0], settings)
+    audio = await _decode_item(store, searcher, files[0], settings, pool, lease)
     records = await pool.run(_store_items, store, registry, searcher, [(spec, files[0], audio)])
     return _added_out(records[0], searcher.bundle_id, audio.duration_seconds)
 
@@ -337,7 +360,13 @@ async def add_items(
     store: StoreDep, registry: RegistryDep,
 ) -> ItemBatchResponse:
     """Add or replace several sounds; all are checked (and decoded) before any is recorded."""
-    fields, files = await _read_form(request, settings, max_files=ITEMS_BATCH_MAX)
+    async with upload_lease(settings) as lease:  # the body (and the Milvus store's waveforms) until the answer
+        return await _add_items(request, searcher, pool, settings, store, registry, lease)
+
+
+async def _add_items(request: Request, searcher: Searcher, pool: Any, settings: Any,
+                     store: ItemStore | MilvusCatalogue, registry: Any, lease: UploadLease) -> ItemBatchResponse:
+    fields, files = await _read_form(request, settings, lease, max_files=ITEMS_BATCH_MAX)
     unknown = sorted(set(fields) - {"items"})
     if unknown:
         raise _invalid(f"unknown form field(s): {', '.join(unknown)}; use `file` parts and one `items` field")
@@ -351,7 +380,7 @@ async def add_items(
         if not isinstance(obj, dict) or set(obj) - {"id", "metadata", "captions"}:
             raise _invalid(f"items[{i}] must be an object with id, metadata, captions")
         specs.append(_spec(searcher, obj.get("id"), obj.get("metadata"), obj.get("captions"), f"items[{i}]: "))
-    decoded = [await pool.run(_decode, searcher, data, settings) for data in files]
+    decoded = [await _decode_item(store, searcher, data, settings, pool, lease) for data in files]
     records = await pool.run(_store_items, store, registry, searcher, list(zip(specs, files, decoded, strict=True)))
     return ItemBatchResponse(bundle_id=searcher.bundle_id,
                              items=[_added_out(r, searcher.bundle_id, a.duration_seconds)

@@ -11,16 +11,18 @@ import numpy as np
 from fastapi import APIRouter, Query, Request
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import ClientDisconnect
 
 from index.audio.formats import MEDIA_TYPES
 from index.engines.filters import FilterError, parse_filter
-from service.audio_input import DecodedAudio, decode_upload, limits_of
+from service.audio_input import DecodedAudio, decode_for_request, limits_of
 from service.batching import wait_for_disconnect
 from service.deps import BatchersDep, Pool, PoolDep, SearcherDep, SettingsDep
 from service.encoder_queues import Batchers
 from service.errors import ServiceError
 from service.ids import PathId, addressed_id
 from service.limits import CAPTIONS_MAX, K_MAX, loads_json
+from service.memory_budget import UploadLease, upload_lease
 from service.routes import ShallowJsonRoute
 from service.schemas import (
     FILTER_PLACEHOLDER,
@@ -103,17 +105,34 @@ async def search_text_batch(
     return TextBatchResponse(bundle_id=searcher.bundle_id, lang=body.lang, results=items)
 
 
-async def _limited_stream(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
-    """The request body, failing with ``upload-too-large`` as soon as it exceeds ``limit``."""
+STREAM_RESERVE_STEP = 1 << 20
+"""A body without ``Content-Length`` reserves its bytes in the memory budget this many at a time."""
+
+
+async def _limited_stream(request: Request, limit: int, lease: UploadLease | None = None) -> AsyncGenerator[bytes, None]:
+    """The request body, failing with ``upload-too-large`` as soon as it exceeds ``limit``. With ``lease``,
+    its bytes are reserved in the process's memory budget before they are read: all of ``Content-Length``
+    at once, or step by step as a body without one streams in (503 ``overloaded`` when there is no room)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ServiceError("upload-too-large", f"Content-Length {declared} exceeds the limit of {limit} bytes")
+    reserved = 0
+    if lease is not None and declared is not None and declared.isdigit():
+        reserved = int(declared)
+        await lease.reserve_body(reserved)  # before the first byte is read: a refused body stays unread
     received = 0
-    async for chunk in request.stream():
-        received += len(chunk)
-        if received > limit:
-            raise ServiceError("upload-too-large", f"upload exceeds the limit of {limit} bytes")
-        yield chunk
+    try:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > limit:
+                raise ServiceError("upload-too-large", f"upload exceeds the limit of {limit} bytes")
+            if lease is not None and received > reserved:
+                step = min(max(received - reserved, STREAM_RESERVE_STEP), limit - reserved)
+                await lease.reserve_body(step)
+                reserved += step
+            yield chunk
+    except ClientDisconnect:  # nobody to answer: a 499 in the metrics, not a 500 with a traceback in the log
+        raise ServiceError("client-disconnected", f"the client disconnected after {received} bytes of its body") from None
 
 
 class MemoryMultiPartParser(MultiPartParser):
@@ -126,14 +145,16 @@ class MemoryMultiPartParser(MultiPartParser):
     spool_max_size = 0  # SpooledTemporaryFile(max_size=0) never rolls over to disk
 
 
-async def read_upload(request: Request, settings: Settings) -> bytes:
-    """Audio bytes from a raw body or from the single file part of a multipart form."""
+async def read_upload(request: Request, settings: Settings, lease: UploadLease | None = None) -> bytes:
+    """Audio bytes from a raw body or from the single file part of a multipart form (with ``lease``: read
+    within the process's memory budget, :func:`_limited_stream`)."""
     limit = settings.max_upload_bytes
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
-        return b"".join([chunk async for chunk in _limited_stream(request, limit)])
+        return b"".join([chunk async for chunk in _limited_stream(request, limit, lease)])
     parser = MemoryMultiPartParser(
-        request.headers, _limited_stream(request, limit + MULTIPART_OVERHEAD), max_files=1, max_fields=MULTIPART_MAX_FIELDS
+        request.headers, _limited_stream(request, limit + MULTIPART_OVERHEAD, lease), max_files=1,
+        max_fields=MULTIPART_MAX_FIELDS,
     )
     try:
         form = await parser.parse()
@@ -151,8 +172,17 @@ async def read_upload(request: Request, settings: Settings) -> bytes:
     return data
 
 
-def _decode(searcher: Searcher, data: bytes, settings: Settings) -> DecodedAudio:
-    return decode_upload(data, sample_rate=searcher.bundle.sample_rate, limits=limits_of(settings))
+async def read_and_decode(
+    request: Request, searcher: Searcher, settings: Settings, pool: Pool, lease: UploadLease
+) -> DecodedAudio:
+    """An audio route's upload, read and decoded within the process's memory budget: the body is held
+    until it is decoded, then only the decoded audio (``lease``, until the request ends)."""
+    data = await read_upload(request, settings, lease)
+    audio = await decode_for_request(data, sample_rate=searcher.bundle.sample_rate, limits=limits_of(settings),
+                                     lease=lease, run=pool.run)
+    del data  # the only reference: the body's memory goes now, and its bytes back to the budget
+    lease.release_body()
+    return audio
 
 
 AUDIO_MEDIA_TYPES = MEDIA_TYPES
@@ -238,10 +268,10 @@ async def search_audio(
     for code in lang or ():
         searcher.check_language(code)
     clip_filter = await pool.run(filter_param, request, searcher)
-    data = await read_upload(request, settings)
-    audio = await pool.run(_decode, searcher, data, settings)
-    query = AudioQuery(audio.waveform, tuple(lang or ()), k, min_score, clip_filter)
-    hits = await batchers.audio.submit((searcher, query), disconnected=lambda: wait_for_disconnect(request.receive))
+    async with upload_lease(settings) as lease:  # the body, then the decoded audio, held until the answer
+        audio = await read_and_decode(request, searcher, settings, pool, lease)
+        query = AudioQuery(audio.waveform, tuple(lang or ()), k, min_score, clip_filter)
+        hits = await batchers.audio.submit((searcher, query), disconnected=lambda: wait_for_disconnect(request.receive))
     return AudioSearchResponse(
         bundle_id=searcher.bundle_id,
         duration_seconds=audio.duration_seconds,
@@ -269,11 +299,11 @@ async def search_similar_upload(
 ) -> SimilarResponse:
     """Sounds like an uploaded one: the catalogue's clips by audio–audio cosine, best first."""
     clip_filter = await pool.run(filter_param, request, searcher)
-    data = await read_upload(request, settings)
-    audio = await pool.run(_decode, searcher, data, settings)
-    hits = await pool.run(
-        lambda: searcher.similar_to_audio(audio.waveform, k=k, min_score=min_score, clip_filter=clip_filter)
-    )
+    async with upload_lease(settings) as lease:  # the body, then the decoded audio, held until the answer
+        audio = await read_and_decode(request, searcher, settings, pool, lease)
+        hits = await pool.run(
+            lambda: searcher.similar_to_audio(audio.waveform, k=k, min_score=min_score, clip_filter=clip_filter)
+        )
     return SimilarResponse(bundle_id=searcher.bundle_id, duration_seconds=audio.duration_seconds, hits=_hits_out(hits))
 
 
@@ -356,13 +386,13 @@ async def search_moments_audio(
 ) -> MomentSearchResponse:
     """Sounds like this moment: where an uploaded snippet's sound happens in the long recordings."""
     clip_filter = await pool.run(filter_param, request, searcher)
-    data = await read_upload(request, settings)
-    audio = await pool.run(_decode, searcher, data, settings)
+    async with upload_lease(settings) as lease:  # the body, then the decoded audio, held until the answer
+        audio = await read_and_decode(request, searcher, settings, pool, lease)
 
-    def run() -> list[MomentResult]:
-        embedding = np.asarray(searcher.bundle.encode_audio([audio.waveform]), dtype=np.float32)[0]
-        return searcher.search_moments(embedding, k=k, min_score=min_score, clip_filter=clip_filter,
-                                       stored_audio=_stored_audio(request))
+        def run() -> list[MomentResult]:
+            embedding = np.asarray(searcher.bundle.encode_audio([audio.waveform]), dtype=np.float32)[0]
+            return searcher.search_moments(embedding, k=k, min_score=min_score, clip_filter=clip_filter,
+                                           stored_audio=_stored_audio(request))
 
-    hits = await pool.run(run)
+        hits = await pool.run(run)
     return _moments_response(searcher, hits, duration_seconds=audio.duration_seconds)

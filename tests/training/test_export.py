@@ -26,11 +26,10 @@ from training.bundle.export import (
     catalogue_texts,
     check_text_parity,
     export_bundle,
-    held_out_records,
-    make_bundle_id,
     run_name,
 )
 from training.bundle.onnx_export import ExportError
+from training.bundle.parts import held_out_records, make_bundle_id
 from training.checkpoint import load_checkpoint
 from training.data.manifest import ClipRecord, load_manifest
 

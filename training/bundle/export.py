@@ -18,6 +18,10 @@ Steps (SPEC §6), all inside a staging directory published atomically at the end
    :data:`index.bundle.evalset.MAX_EVAL_CLIPS` clips) and its SPEC §5 report;
 5. write ``manifest.json`` with checksums; fsync; rename into ``out_dir``.
 
+Steps 1–2 and the checkpoint's side of 3–4 (how clips are prepared and embedded, the held-out
+waveforms, its report) are :class:`TrainedSteps`; the order, every other file and the manifest are
+:func:`training.bundle.assemble.assemble_bundle`, the one assembly `tonearm export --pretrained` shares.
+
 It lives in ``training`` because it needs torch and the checkpoint; what it
 writes is read back by the torch-free ``index`` package.
 """
@@ -26,10 +30,8 @@ from __future__ import annotations
 
 import logging
 import re
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +41,9 @@ import torch
 from index.audio.decode import decode_audio
 from index.bundle import format as fmt
 from index.bundle.evalset import (
-    MAX_EVAL_CLIPS,
     EvalSet,
     load_eval_waveform,
     read_eval_set,
-    write_eval_set,
 )
 from index.bundle.tokenizer import TextTokenizer
 from index.catalogue.checkpoint import (
@@ -52,7 +52,6 @@ from index.catalogue.checkpoint import (
     Advance,
     EmbedCheckpoint,
     PassResult,
-    resumable,
 )
 from index.catalogue.embed_pass import DecodeCall, PassClock, PassOptions
 from index.catalogue.half_precision import (
@@ -61,20 +60,24 @@ from index.catalogue.half_precision import (
     check_precision_options,
     probe_waves,
 )
-from index.catalogue.moment_windows import export_windows
 from index.catalogue.ray_embed import RayOptions, decode_whole, embed_audio_files, embed_captions
-from index.engines.faiss_index import parse_factory
 from index.errors import BundleError
 from index.metrics.report import METRIC_CONVENTION
 from index.runtime.evaluate import evaluate_eval_set
 from index.runtime.loader import (
     AUDIO_INPUTS,
-    OUTPUTS,
     TEXT_INPUTS,
     OnnxEncoder,
     encode_clips,
     encode_texts,
     encode_waveforms,
+)
+from training.bundle.assemble import (
+    CataloguePass,
+    ModelDescription,
+    StagedEncoders,
+    assemble_bundle,
+    select_clips,
 )
 from training.bundle.onnx_export import (
     MIN_COSINE,
@@ -86,25 +89,18 @@ from training.bundle.parts import (
     CPU,
     OPSET,
     canonical_hash,
-    catalogue_records,
     catalogue_texts,
     cosines,
-    embed_catalogue,
     embed_clips,
     embed_clips_on_ray,
     embed_texts,
     first_decodable,
     half_copies,
     half_precision_gate,
-    held_out_records,
-    indexed_records,
-    make_bundle_id,
     parity_texts,
-    partial_base,
     pass_checkpoints,
     probe_texts,
     quantization_records,
-    write_catalogue,
 )
 from training.bundle.parts import load_session as _load_session
 from training.bundle.quantize import EncoderPair, QuantizeConfig, measure, quantize_model
@@ -340,11 +336,10 @@ def build_held_out(records: Sequence[ClipRecord], cfg: TrainConfig) -> EvalSet:
 
 
 def evaluate_staged(
-    staging: Path, encoders: _Encoders, tokenizer: TextTokenizer, cfg: TrainConfig, model: Any = None,
+    eval_set: EvalSet, encoders: _Encoders, tokenizer: TextTokenizer, cfg: TrainConfig, model: Any = None,
 ) -> tuple[fmt.EvaluationInfo, fmt.QuantizationInfo | None]:
-    """SPEC §5 report of the stored held-out set with the ONNX encoders; with quantized encoders
-    also the fp32 report, the per-item agreement and the loss check (:mod:`training.bundle.quantize`)."""
-    eval_set = read_eval_set(staging / fmt.EVAL_DIR)
+    """SPEC §5 report of the held-out set (as stored in the bundle) with the ONNX encoders; with quantized
+    encoders also the fp32 report, the per-item agreement and the loss check (:mod:`training.bundle.quantize`)."""
     frontend = checkpoint_audio_frontend(cfg, model)
     dim, languages, quantize = cfg.model.embed_dim, cfg.data.languages, encoders.quantize
 
@@ -379,6 +374,21 @@ def _load_inputs(checkpoint_dir: Path, manifest: Path) -> tuple[Checkpoint, list
     return ckpt, records
 
 
+def trained_model(checkpoint_dir: Path, ckpt: Checkpoint) -> ModelDescription:
+    """The manifest's description of a checkpoint: its run, resolved training config and weights, and the
+    audio preparation its evaluation used (``audio_frontend``: :func:`checkpoint_audio_frontend`)."""
+    cfg = ckpt.config
+    config_json = cfg.model_dump(mode="json")
+    return ModelDescription(
+        path=checkpoint_dir, name=run_name(checkpoint_dir),
+        weights_sha256=fmt.sha256_file(checkpoint_dir / "model.safetensors"),
+        config=config_json, objective=config_json["objective"], frontend=config_json["frontend"],
+        embed_dim=cfg.model.embed_dim, languages=list(cfg.data.languages), sample_rate=cfg.frontend.sample_rate,
+        clip_seconds=cfg.data.clip_seconds, clip_samples=clip_samples_of(cfg),
+        audio_frontend=checkpoint_audio_frontend(cfg, ckpt.model), eval_crop=cfg.data.eval_crop,
+    )
+
+
 def export_bundle(
     checkpoint_dir: Path | str,
     *,
@@ -405,133 +415,81 @@ def export_bundle(
     call resumes it after an interruption, reusing every clip whose content is unchanged; the folder is removed
     once the bundle is published. ``pass_options``: decode workers, prefetch and the samples of one encoder
     call (:class:`index.catalogue.embed_pass.PassOptions`; default: decode in this process). A clip that cannot be
-    decoded is skipped and listed in the manifest's ``skipped_clips``."""
+    decoded is skipped and listed in the manifest's ``skipped_clips``. The bundle is assembled by
+    :func:`training.bundle.assemble.assemble_bundle` with this checkpoint's :class:`TrainedSteps`."""
     checkpoint_dir, manifest, out_dir = Path(checkpoint_dir), Path(manifest), Path(out_dir)
     quantize = quantize or QuantizeConfig.from_choice(None, quantize_text=quantize_text)  # quantize_text: old alias
     check_precision_options(precision, None, ray=ray is not None, quantized=quantize.encoders)
     ckpt, all_records = _load_inputs(checkpoint_dir, manifest)
-    records = catalogue_records(all_records, splits, manifest)
-    cfg = ckpt.config
-    if index_factory is not None:
-        parse_factory(index_factory, cfg.model.embed_dim)  # fail before the slow steps
-    split, held_out = held_out_records(all_records)
-    created = datetime.now(UTC).replace(microsecond=0)
-    config_json = cfg.model_dump(mode="json")
-    weights_sha = fmt.sha256_file(checkpoint_dir / "model.safetensors")
-    fingerprint = canonical_hash([weights_sha, config_json, str(manifest.resolve()), index_factory,
+    clips = select_clips(all_records, manifest=manifest, splits=splits, index_factory=index_factory,
+                         embed_dim=ckpt.config.model.embed_dim)
+    model = trained_model(checkpoint_dir, ckpt)
+    fingerprint = canonical_hash([model.weights_sha256, model.config, str(manifest.resolve()), index_factory,
                                   quantize.model_dump(mode="json") if quantize.encoders else False,
                                   *([sorted(splits)] if splits else []), *(["fp16"] if precision == "fp16" else [])])
-    bundle_id = make_bundle_id(run_name(checkpoint_dir), created=created, fingerprint=fingerprint)
-    partial = partial_base(out_dir, run_name(checkpoint_dir), fingerprint)
-    with resumable(partial), fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
-        sections = _build_contents(
-            ckpt, records, held_out, staging, Path(scratch), split=split, index_factory=index_factory,
-            quantize=quantize, progress=progress, source_manifest=manifest, ray=ray, providers=providers,
-            precision=precision,
-            partial=partial, chunk_files=chunk_files, pass_options=pass_options,
-        )
-        sections["moments"] = export_windows(  # long recordings as windows (SPEC §19, docs/bundle.md "Moments")
-            staging, [r.audio for r in indexed_records(records, sections)], encoder_file=sections["audio_encoder"].file,
-            sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples_of(cfg), embed_dim=cfg.model.embed_dim,
-            frontend=checkpoint_audio_frontend(cfg, ckpt.model), providers=providers,
-            heldout=[r for r in all_records if r.split == split and r.moments], languages=list(cfg.data.languages),
-            text_files=(sections["text_encoder"].file, sections["tokenizer"].file))
-        manifest_model = fmt.BundleManifest(
-            bundle_id=bundle_id,
-            created=created.isoformat().replace("+00:00", "Z"),
-            source=fmt.SourceInfo(
-                checkpoint=str(checkpoint_dir.resolve()), run_name=run_name(checkpoint_dir),
-                config_hash=canonical_hash(config_json), weights_sha256=weights_sha,
-                data_manifest=str(manifest.resolve()),
-            ),
-            train_config=config_json,
-            objective=config_json["objective"],
-            frontend=config_json["frontend"],
-            embed_dim=cfg.model.embed_dim,
-            languages=list(cfg.data.languages),
-            sample_rate=cfg.frontend.sample_rate,
-            clip_seconds=cfg.data.clip_seconds,
-            clip_samples=clip_samples_of(cfg),
-            audio_frontend=checkpoint_audio_frontend(cfg, ckpt.model),
-            files={},
-            **sections,
-        )
-        path = fmt.publish(staging, manifest_model)
-    return path
+    steps = TrainedSteps(ckpt, quantize, providers=providers, ray=ray, precision=precision, chunk_files=chunk_files,
+                         pass_options=pass_options)
+    return assemble_bundle(steps, model, clips, out_dir=out_dir, fingerprint=fingerprint,
+                           index_factory=index_factory, providers=providers, progress=progress)
 
 
-def _build_contents(
-    ckpt: Checkpoint,
-    records: list[ClipRecord],
-    held_out: list[ClipRecord],
-    staging: Path,
-    scratch: Path,
-    *,
-    split: str,
-    index_factory: str | None,
-    quantize: QuantizeConfig,
-    progress: bool,
-    source_manifest: Path,
-    ray: RayOptions | None = None,
-    providers: Sequence[str] = CPU,
-    precision: Precision = "fp32",
-    partial: Path | None = None,
-    chunk_files: int = CHUNK_FILES,
-    pass_options: PassOptions | None = None,
-) -> dict[str, Any]:
-    """Write every bundle file except the manifest; return the manifest sections they determine.
-    ``partial``: checkpoint the in-process clips pass in ``<partial>.partial/`` (None: not checkpointed)."""
-    cfg, tokenizer, dim = ckpt.config, ckpt.tokenizer, ckpt.config.model.embed_dim
-    encoders = export_encoders(ckpt, staging, scratch, records=records, quantize=quantize, providers=providers)
-    catalogue_pass = None
-    checkpoint, captions = pass_checkpoints(partial, encoders.audio.path, encoders.text.path,
-                                            providers=list(CPU) if ray is not None else list(providers),
-                                            frontend=audio_plan(cfg, ckpt.model), precision=precision)
-    audio, text = encoders.audio, encoders.text
-    if ray is None and precision == "fp16":
-        all_texts = [t["text"] for t in catalogue_texts(records, cfg.data.languages)[0]]
-        audio, text, catalogue_pass = half_encoders(ckpt, encoders, records, all_texts, scratch, providers)
+@dataclass(frozen=True)
+class TrainedSteps:
+    """A checkpoint's own steps of the one assembly (:class:`training.bundle.assemble.ExportSteps`): its towers
+    to ONNX, checked against PyTorch; the catalogue pass with the evaluation's preparation (in process, fp16
+    copies or on Ray); the held-out set prepared as `tonearm evaluate` does, and its report."""
 
-    def clips_pass(task: Callable[..., Advance]) -> PassResult:
-        if ray is not None:
-            return embed_catalogue_on_ray(encoders, records, cfg, ray, ckpt.model, checkpoint=checkpoint,
-                                          chunk_files=chunk_files)
-        clock = PassClock()
-        return embed_catalogue_audio(audio, records, cfg, task("embedding clips", len(records), clock), ckpt.model,
-                                     checkpoint=checkpoint, chunk_files=chunk_files, options=pass_options, clock=clock)
+    ckpt: Checkpoint
+    quantize: QuantizeConfig
+    providers: Sequence[str] = CPU
+    ray: RayOptions | None = None
+    precision: Precision = "fp32"
+    chunk_files: int = CHUNK_FILES
+    pass_options: PassOptions | None = None
 
-    def texts_of(texts: list[str], task: Callable[..., Advance]) -> np.ndarray:
-        if ray is not None:
-            return captions_on_ray(encoders.text.path, tokenizer, texts, dim, ray, captions)
-        return embed_catalogue_texts(text, tokenizer, texts, dim, task("embedding captions", len(texts)), captions)
+    def write_encoders(self, staging: Path, scratch: Path, catalogue: Sequence[ClipRecord]) -> StagedEncoders[_Encoders]:
+        encoders = export_encoders(self.ckpt, staging, scratch, records=catalogue, quantize=self.quantize,
+                                   providers=self.providers)
+        return StagedEncoders(encoders, audio_inputs=encoders.audio.input_names, audio_cosine=encoders.audio_cosine,
+                              text_cosine=encoders.text_cosine, tokenizer=self.ckpt.tokenizer, quantize=self.quantize)
 
-    done = embed_catalogue(records, cfg.data.languages, source_manifest=source_manifest, progress=progress,
-                           clips=clips_pass, captions=texts_of)
-    records, skipped, text_items = done.records, done.skipped, done.text_items
-    indices = write_catalogue(staging, done.audio, done.text, records, text_items, done.ranges,
-                              index_factory=index_factory, source_manifest=source_manifest)
-    eval_set = build_held_out(held_out, cfg)
-    write_eval_set(staging / fmt.EVAL_DIR, eval_set)
-    evaluation, quantization = evaluate_staged(staging, encoders, tokenizer, cfg, ckpt.model)
-    return {
-        "eval_set": fmt.EvalSetInfo(
-            split=split, n_clips=len(eval_set.clip_ids), n_captions=len(eval_set.captions),
-            max_clips=MAX_EVAL_CLIPS, eval_crop=cfg.data.eval_crop,
-        ),
-        "audio_encoder": fmt.EncoderInfo(file=fmt.AUDIO_ENCODER, opset=OPSET, inputs=list(AUDIO_INPUTS),
-                                         outputs=list(OUTPUTS), parity_min_cosine=encoders.audio_cosine,
-                                         quantization=quantize.label if quantize.applies("audio") else "none"),
-        "text_encoder": fmt.EncoderInfo(file=fmt.TEXT_ENCODER, opset=OPSET, inputs=list(TEXT_INPUTS),
-                                        outputs=list(OUTPUTS), parity_min_cosine=encoders.text_cosine,
-                                        quantization=quantize.label if quantize.applies("text") else "none"),
-        "tokenizer": fmt.TokenizerInfo(file=fmt.TOKENIZER, max_length=tokenizer.max_length,
-                                       vocab_size=tokenizer.vocab_size),
-        **indices,
-        "evaluation": evaluation,
-        "quantization": quantization,
-        "catalogue_pass": catalogue_pass,
-        "skipped_clips": skipped,
-    }
+    def catalogue_pass(self, encoders: _Encoders, catalogue: Sequence[ClipRecord], scratch: Path,
+                       partial: Path | None) -> CataloguePass:
+        ckpt, ray, records = self.ckpt, self.ray, catalogue
+        cfg, tokenizer, dim = ckpt.config, ckpt.tokenizer, ckpt.config.model.embed_dim
+        info = None
+        checkpoint, captions = pass_checkpoints(partial, encoders.audio.path, encoders.text.path,
+                                                providers=list(CPU) if ray is not None else list(self.providers),
+                                                frontend=audio_plan(cfg, ckpt.model), precision=self.precision)
+        audio, text = encoders.audio, encoders.text
+        if ray is None and self.precision == "fp16":
+            all_texts = [t["text"] for t in catalogue_texts(records, cfg.data.languages)[0]]
+            audio, text, info = half_encoders(ckpt, encoders, records, all_texts, scratch, self.providers)
+
+        def clips_pass(task: Callable[..., Advance]) -> PassResult:
+            if ray is not None:
+                return embed_catalogue_on_ray(encoders, records, cfg, ray, ckpt.model, checkpoint=checkpoint,
+                                              chunk_files=self.chunk_files)
+            clock = PassClock()
+            return embed_catalogue_audio(audio, records, cfg, task("embedding clips", len(records), clock), ckpt.model,
+                                         checkpoint=checkpoint, chunk_files=self.chunk_files,
+                                         options=self.pass_options, clock=clock)
+
+        def texts_of(texts: list[str], task: Callable[..., Advance]) -> np.ndarray:
+            if ray is not None:
+                return captions_on_ray(encoders.text.path, tokenizer, texts, dim, ray, captions)
+            return embed_catalogue_texts(text, tokenizer, texts, dim, task("embedding captions", len(texts)), captions)
+
+        return CataloguePass(clips_pass, texts_of, info)
+
+    def held_out(self, records: Sequence[ClipRecord]) -> EvalSet:
+        return build_held_out(records, self.ckpt.config)
+
+    def evaluate(self, encoders: _Encoders, eval_set: EvalSet,
+                 eval_dir: Path) -> tuple[fmt.EvaluationInfo, fmt.QuantizationInfo | None]:
+        # the set as the bundle stores it (int16 waveforms), as the service's quality gate reads it
+        return evaluate_staged(read_eval_set(eval_dir), encoders, self.ckpt.tokenizer, self.ckpt.config,
+                               self.ckpt.model)
 
 
 def half_encoders(

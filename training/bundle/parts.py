@@ -1,14 +1,16 @@
 """What every bundle export shares, trained (:mod:`training.bundle.export`) or pretrained
 (:mod:`training.bundle.pretrained`): the bundle's identity, the catalogue and held-out selection, the
-progress display, ONNX-vs-torch parity helpers, the manifest's index and quantization records and
-the ``--quantize*`` options.
+progress display, ONNX-vs-torch parity helpers, the catalogue pass, the indices and id files, the
+manifest's index and quantization records and the ``--quantize*`` options.
 
-How a bundle is made (SPEC §6), in one place: ``training.bundle.export`` turns a *checkpoint* into
-encoders, ``training.bundle.pretrained`` a *pretrained model folder*; both then run the same steps with
-these parts — embed the catalogue with the ONNX encoders (the clips pass checkpointed in chunks
-and resumed after an interruption: :func:`embed_clips`), build the FAISS indices, store and
-evaluate the held-out set, write the manifest — and ``training.bundle.cli`` is the one
-``tonearm export`` entry point choosing between them. Neither of the two imports the other.
+How a bundle is made (SPEC §6): ``training.bundle.export`` turns a *checkpoint* into encoders,
+``training.bundle.pretrained`` a *pretrained model folder*; both hand their steps to the one assembly,
+:func:`training.bundle.assemble.assemble_bundle`, which runs them with these parts — embed the catalogue
+with the ONNX encoders (the clips pass checkpointed in chunks and resumed after an interruption:
+:func:`embed_clips`, :func:`embed_catalogue`), build the FAISS indices and id files
+(:func:`write_catalogue`), store and evaluate the held-out set — and builds the one manifest;
+``training.bundle.cli`` is the one ``tonearm export`` entry point choosing between them. Neither of the
+two imports the other.
 """
 
 from __future__ import annotations
@@ -434,10 +436,3 @@ def half_precision_gate(audio: tuple[Encode, Encode, Sequence[Any]], text: tuple
 
 progress = progress_bar
 """``training.bundle.parts.progress``: the name the exports import."""
-
-
-def indexed_records(records: Sequence[ClipRecord], sections: dict[str, Any]) -> list[ClipRecord]:
-    """The records whose clips the audio index holds, in its row order: ``records`` less the pass's
-    ``skipped_clips`` (the windows of long recordings are keyed by that row)."""
-    skipped = {clip.id for clip in sections.get("skipped_clips") or ()}
-    return [r for r in records if r.id not in skipped]

@@ -17,15 +17,19 @@ Steps (the bundle is the one `tonearm export` writes from a checkpoint, SPEC §6
    FAISS indices, store the held-out set and its report;
 4. write the manifest: ``frontend`` = the extractor's settings, ``audio_frontend`` =
    the padding the service applies to uploads (resampled to ``sample_rate`` first).
+
+Step 2 and the folder's side of 3 (how clips are prepared and embedded, the held-out waveforms, the
+report) are :class:`PretrainedSteps`, the manifest's model description :func:`pretrained_model`; the
+order, every other file and the manifest are :func:`training.bundle.assemble.assemble_bundle`, the one
+assembly a checkpoint's `tonearm export` shares.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import tempfile
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +39,13 @@ import torch
 from index.audio.decode import decode_audio, eval_chunks
 from index.audio.frontend import keeps_short_clips, pad_short_clip
 from index.bundle import format as fmt
-from index.bundle.evalset import MAX_EVAL_CLIPS, EvalSet, write_eval_set
+from index.bundle.evalset import EvalSet
 from index.catalogue.checkpoint import (
     CHUNK_FILES,
     CHUNK_TEXTS,
     Advance,
     EmbedCheckpoint,
     PassResult,
-    resumable,
 )
 from index.catalogue.embed_pass import DecodeCall, PassClock, PassOptions, pass_options_from_args
 from index.catalogue.half_precision import (
@@ -52,7 +55,6 @@ from index.catalogue.half_precision import (
     check_precision_options,
     probe_waves,
 )
-from index.catalogue.moment_windows import export_windows
 from index.catalogue.ray_embed import (
     RayOptions,
     decode_whole,
@@ -60,19 +62,24 @@ from index.catalogue.ray_embed import (
     embed_captions,
     ray_options_from_args,
 )
-from index.engines.faiss_index import parse_factory
 from index.errors import BundleError
 from index.languages import DEFAULT_LANGUAGES
 from index.metrics.report import METRIC_CONVENTION
 from index.runtime.evaluate import evaluate_eval_set
 from index.runtime.loader import (
     AUDIO_INPUTS,
-    OUTPUTS,
     TEXT_INPUTS,
     device_providers,
     encode_clips,
     encode_texts,
     encode_waveforms,
+)
+from training.bundle.assemble import (
+    CataloguePass,
+    ModelDescription,
+    StagedEncoders,
+    assemble_bundle,
+    select_clips,
 )
 from training.bundle.onnx_export import (
     MIN_COSINE,
@@ -84,26 +91,19 @@ from training.bundle.parts import (
     CPU,
     OPSET,
     canonical_hash,
-    catalogue_records,
     catalogue_texts,
     cosines,
-    embed_catalogue,
     embed_clips,
     embed_clips_on_ray,
     embed_texts,
     first_decodable,
     half_copies,
     half_precision_gate,
-    held_out_records,
-    indexed_records,
-    make_bundle_id,
     parity_texts,
-    partial_base,
     pass_checkpoints,
     probe_texts,
     quantization_records,
     quantize_config,
-    write_catalogue,
 )
 from training.bundle.parts import load_session as _load_session
 from training.bundle.pretrained_family import detect_family
@@ -348,6 +348,23 @@ def _load_records(manifest: Path, languages: Sequence[str] | None) -> tuple[list
     return records, present
 
 
+def pretrained_model(model_dir: Path, clap: Pretrained, languages: Sequence[str]) -> ModelDescription:
+    """The manifest's description of a pretrained model folder: the folder and its model's own config, the
+    weights file's sha256, the feature extractor's settings (``frontend``) and the padding the service applies
+    to uploads (``audio_frontend``, :func:`frontend_info`); held-out clips are chunked (``eval_crop``)."""
+    weights = next(p for p in (model_dir / "model.safetensors", model_dir / "pytorch_model.bin",
+                               model_dir / "model.safetensors.index.json") if p.is_file())
+    s = clap.settings
+    return ModelDescription(
+        path=model_dir, name="pretrained-" + model_dir.resolve().name, weights_sha256=fmt.sha256_file(weights),
+        config={"pretrained": str(model_dir.resolve()), "model": clap.model.config.to_dict()},
+        objective={"name": "none", "pretrained": "pe-audio" if isinstance(clap, PretrainedPeAudio) else "laion-clap"},
+        frontend=s.extractor, embed_dim=embed_dim(clap), languages=list(languages), sample_rate=s.sample_rate,
+        clip_seconds=s.max_length_s, clip_samples=s.clip_samples, audio_frontend=frontend_info(clap),
+        eval_crop="chunk",
+    )
+
+
 def export_pretrained_bundle(
     model_dir: Path | str,
     *,
@@ -370,135 +387,100 @@ def export_pretrained_bundle(
     ``precision`` ``fp16``: the in-process pass runs fp16 copies of the encoders (:mod:`index.catalogue.half_precision`).
     The in-process clips pass is checkpointed every ``chunk_files`` clips in ``out_dir/.<name>-<8 hex>.partial/``
     (:func:`training.bundle.parts.partial_base`) and the same call resumes it after an interruption; the folder
-    is removed once the bundle is published."""
+    is removed once the bundle is published. The bundle is assembled by
+    :func:`training.bundle.assemble.assemble_bundle` with this folder's :class:`PretrainedSteps`."""
     model_dir, manifest, out_dir = Path(model_dir), Path(manifest), Path(out_dir)
     check_precision_options(precision, None, ray=ray is not None, quantized=(quantize or QuantizeConfig()).encoders)
     clap = load_pretrained(model_dir)  # refuses families other than SUPPORTED in one line
     all_records, langs = _load_records(manifest, languages)
-    records = catalogue_records(all_records, splits, manifest)
-    dim = embed_dim(clap)
-    if index_factory is not None:
-        parse_factory(index_factory, dim)
-    split, held_out = held_out_records(all_records)
-    created = datetime.now(UTC).replace(microsecond=0)
-    weights = next(p for p in (model_dir / "model.safetensors", model_dir / "pytorch_model.bin",
-                               model_dir / "model.safetensors.index.json") if p.is_file())
-    weights_sha = fmt.sha256_file(weights)
-    config_json = {"pretrained": str(model_dir.resolve()), "model": clap.model.config.to_dict()}
+    clips = select_clips(all_records, manifest=manifest, splits=splits, index_factory=index_factory,
+                         embed_dim=embed_dim(clap))
+    model = pretrained_model(model_dir, clap, langs)
     quantize = quantize or QuantizeConfig()
-    fingerprint = canonical_hash([weights_sha, clap.settings.extractor, str(manifest.resolve()), index_factory,
+    fingerprint = canonical_hash([model.weights_sha256, clap.settings.extractor, str(manifest.resolve()), index_factory,
                                   langs, *([sorted(splits)] if splits else []),
                                   *([quantize.model_dump(mode="json")] if quantize.encoders else []),
                                   *(["fp16"] if precision == "fp16" else [])])
-    name = "pretrained-" + model_dir.resolve().name
-    bundle_id = make_bundle_id(name, created=created, fingerprint=fingerprint)
-    partial = partial_base(out_dir, name, fingerprint)
-    with resumable(partial), fmt.staged_bundle(out_dir, bundle_id) as staging, tempfile.TemporaryDirectory() as scratch:
-        sections = _build(clap, records, held_out, staging, Path(scratch), split=split, languages=langs,
-                          index_factory=index_factory, progress=progress, source_manifest=manifest,
-                          quantize=quantize, providers=providers, ray=ray, partial=partial, chunk_files=chunk_files,
-                          precision=precision, pass_options=pass_options)
-        s = clap.settings
-        sections["moments"] = export_windows(  # long recordings as windows (SPEC §19, docs/bundle.md "Moments")
-            staging, [r.audio for r in indexed_records(records, sections)], encoder_file=sections["audio_encoder"].file,
-            sample_rate=s.sample_rate, clip_samples=s.clip_samples, embed_dim=dim, frontend=frontend_info(clap),
-            providers=providers, heldout=[r for r in all_records if r.split == split and r.moments], languages=langs,
-            text_files=(sections["text_encoder"].file, sections["tokenizer"].file))
-        body = fmt.BundleManifest(
-            bundle_id=bundle_id,
-            created=created.isoformat().replace("+00:00", "Z"),
-            source=fmt.SourceInfo(checkpoint=str(model_dir.resolve()), run_name=name,
-                                  config_hash=canonical_hash(config_json), weights_sha256=weights_sha,
-                                  data_manifest=str(manifest.resolve())),
-            train_config=config_json,
-            objective={"name": "none", "pretrained": "pe-audio" if isinstance(clap, PretrainedPeAudio) else "laion-clap"},
-            frontend=s.extractor,
-            embed_dim=dim,
-            languages=langs,
-            sample_rate=s.sample_rate,
-            clip_seconds=s.max_length_s,
-            clip_samples=s.clip_samples,
-            audio_frontend=frontend_info(clap),
-            files={},
-            **sections,
-        )
-        path = fmt.publish(staging, body)
-    return path
+    steps = PretrainedSteps(clap, langs, quantize, providers=providers, ray=ray, precision=precision,
+                            chunk_files=chunk_files, pass_options=pass_options)
+    return assemble_bundle(steps, model, clips, out_dir=out_dir, fingerprint=fingerprint,
+                           index_factory=index_factory, providers=providers, progress=progress)
 
 
-def _build(
-    clap: Pretrained, records: list[ClipRecord], held_out: list[ClipRecord], staging: Path, scratch: Path, *,
-    split: str, languages: list[str], index_factory: str | None, progress: bool, source_manifest: Path,
-    quantize: QuantizeConfig, providers: Sequence[str] = CPU, ray: RayOptions | None = None,
-    precision: Precision = "fp32",
-    partial: Path | None = None, chunk_files: int = CHUNK_FILES, pass_options: PassOptions | None = None,
-) -> dict[str, Any]:
-    """Every bundle file except the manifest; the manifest sections they determine. ``partial``: checkpoint
-    the in-process clips pass in ``<partial>.partial/`` (None: not checkpointed).
+Staged = tuple[PretrainedEncoders, PretrainedEncoders]
+"""A pretrained export's staged encoders: (served, fp32) — the same pair without quantization."""
 
-    The fp32 encoders are held to :data:`MIN_COSINE`; a quantized encoder's recorded parity is its own
-    cosine to the model (not held to it) and its cost is measured on the held-out set against fp32."""
-    rate = clap.settings.sample_rate
-    encoders, fp32 = export_pretrained_encoders(clap, staging, scratch, quantize=quantize, providers=providers)
-    (sample,) = first_decodable(records, lambda path: decode_audio(path, sample_rate=rate))
-    clips = parity_clips(sample, clap.settings.clip_samples, reflect=keeps_short_clips(clap.settings.padding))
-    texts = parity_texts(records, languages)
-    expected = references(clap, clips, texts)
-    audio_cos, text_cos = check_parity(fp32, clips, texts, expected)
-    if quantize.encoders:
-        found = parity(encoders, clips, texts, expected, modalities=quantize.encoders)
-        audio_cos, text_cos = found.get("audio", audio_cos), found.get("text", text_cos)
-        log.info("%s encoders vs the model: audio %.6f, text %.6f", quantize.label, audio_cos, text_cos)
-    catalogue_pass = None
-    checkpoint, captions = pass_checkpoints(partial, encoders.audio.path, encoders.text.path,
-                                            providers=list(CPU) if ray is not None else list(providers),
-                                            frontend=audio_plan(clap), precision=precision)
-    passing = encoders
-    if ray is None and precision == "fp16":
-        all_texts = [t["text"] for t in catalogue_texts(records, languages)[0]]
-        passing, catalogue_pass = _half_encoders(clap, encoders, records, languages, all_texts, scratch, providers)
 
-    def clips_pass(task: Callable[..., Advance]) -> PassResult:
-        if ray is not None:
-            return _embed_on_ray(clap, encoders, records, ray, checkpoint, chunk_files)
-        clock = PassClock()
-        return embed_catalogue_audio(passing, records, rate, task("embedding clips", len(records), clock),
-                                     checkpoint=checkpoint, chunk_files=chunk_files, options=pass_options, clock=clock)
+@dataclass(frozen=True)
+class PretrainedSteps:
+    """A pretrained folder's own steps of the one assembly (:class:`training.bundle.assemble.ExportSteps`).
 
-    def texts_of(texts: list[str], task: Callable[..., Advance]) -> np.ndarray:
-        if ray is not None:
-            model_bytes = encoders.text.path.read_bytes()
-            return embed_texts(texts, lambda part: embed_captions(part, model_bytes, clap.tokenizer,
-                                                                  embed_dim=encoders.dim, options=ray).embeddings,
-                               dim=encoders.dim, checkpoint=captions, step=CHUNK_TEXTS)
-        return embed_texts(texts, passing.encode_text, dim=encoders.dim, checkpoint=captions,
-                           advance=task("embedding captions", len(texts)))
+    The fp32 encoders are held to :data:`MIN_COSINE` (and the centred :data:`MIN_CENTRED_COSINE`) against the
+    model's own embeddings; a quantized encoder's recorded parity is its own cosine to the model (not held to
+    it) and its cost is measured on the held-out set against fp32."""
 
-    done = embed_catalogue(records, languages, source_manifest=source_manifest, progress=progress,
-                           clips=clips_pass, captions=texts_of)
-    records, skipped, text_items = done.records, done.skipped, done.text_items
-    indices = write_catalogue(staging, done.audio, done.text, records, text_items, done.ranges,
-                              index_factory=index_factory, source_manifest=source_manifest)
-    eval_set = _held_out(held_out, languages, rate)
-    write_eval_set(staging / fmt.EVAL_DIR, eval_set)
-    evaluation, quantization = _evaluate(eval_set, languages, encoders, fp32, quantize)
-    tok = clap.tokenizer
-    return {
-        "eval_set": fmt.EvalSetInfo(split=split, n_clips=len(eval_set.clip_ids), n_captions=len(eval_set.captions),
-                                    max_clips=MAX_EVAL_CLIPS, eval_crop="chunk"),
-        "audio_encoder": fmt.EncoderInfo(file=fmt.AUDIO_ENCODER, opset=OPSET, inputs=encoders.audio.input_names,
-                                         outputs=list(OUTPUTS), parity_min_cosine=audio_cos,
-                                         quantization=quantize.label if quantize.applies("audio") else "none"),
-        "text_encoder": fmt.EncoderInfo(file=fmt.TEXT_ENCODER, opset=OPSET, inputs=list(TEXT_INPUTS),
-                                        outputs=list(OUTPUTS), parity_min_cosine=text_cos,
-                                        quantization=quantize.label if quantize.applies("text") else "none"),
-        "tokenizer": fmt.TokenizerInfo(file=fmt.TOKENIZER, max_length=tok.max_length, vocab_size=tok.vocab_size),
-        **indices,
-        "evaluation": evaluation,
-        "quantization": quantization,
-        "catalogue_pass": catalogue_pass,
-        "skipped_clips": skipped,
-    }
+    clap: Pretrained
+    languages: list[str]
+    quantize: QuantizeConfig
+    providers: Sequence[str] = CPU
+    ray: RayOptions | None = None
+    precision: Precision = "fp32"
+    chunk_files: int = CHUNK_FILES
+    pass_options: PassOptions | None = None
+
+    def write_encoders(self, staging: Path, scratch: Path, catalogue: Sequence[ClipRecord]) -> StagedEncoders[Staged]:
+        clap, quantize, rate = self.clap, self.quantize, self.clap.settings.sample_rate
+        encoders, fp32 = export_pretrained_encoders(clap, staging, scratch, quantize=quantize, providers=self.providers)
+        (sample,) = first_decodable(catalogue, lambda path: decode_audio(path, sample_rate=rate))
+        clips = parity_clips(sample, clap.settings.clip_samples, reflect=keeps_short_clips(clap.settings.padding))
+        texts = parity_texts(catalogue, self.languages)
+        expected = references(clap, clips, texts)
+        audio_cos, text_cos = check_parity(fp32, clips, texts, expected)
+        if quantize.encoders:
+            found = parity(encoders, clips, texts, expected, modalities=quantize.encoders)
+            audio_cos, text_cos = found.get("audio", audio_cos), found.get("text", text_cos)
+            log.info("%s encoders vs the model: audio %.6f, text %.6f", quantize.label, audio_cos, text_cos)
+        return StagedEncoders((encoders, fp32), audio_inputs=encoders.audio.input_names, audio_cosine=audio_cos,
+                              text_cosine=text_cos, tokenizer=clap.tokenizer, quantize=quantize)
+
+    def catalogue_pass(self, encoders: Staged, catalogue: Sequence[ClipRecord], scratch: Path,
+                       partial: Path | None) -> CataloguePass:
+        clap, ray, records, languages = self.clap, self.ray, catalogue, self.languages
+        served, rate, info = encoders[0], clap.settings.sample_rate, None
+        checkpoint, captions = pass_checkpoints(partial, served.audio.path, served.text.path,
+                                                providers=list(CPU) if ray is not None else list(self.providers),
+                                                frontend=audio_plan(clap), precision=self.precision)
+        passing = served
+        if ray is None and self.precision == "fp16":
+            all_texts = [t["text"] for t in catalogue_texts(records, languages)[0]]
+            passing, info = _half_encoders(clap, served, records, languages, all_texts, scratch, self.providers)
+
+        def clips_pass(task: Callable[..., Advance]) -> PassResult:
+            if ray is not None:
+                return _embed_on_ray(clap, served, records, ray, checkpoint, self.chunk_files)
+            clock = PassClock()
+            return embed_catalogue_audio(passing, records, rate, task("embedding clips", len(records), clock),
+                                         checkpoint=checkpoint, chunk_files=self.chunk_files,
+                                         options=self.pass_options, clock=clock)
+
+        def texts_of(texts: list[str], task: Callable[..., Advance]) -> np.ndarray:
+            if ray is not None:
+                model_bytes = served.text.path.read_bytes()
+                return embed_texts(texts, lambda part: embed_captions(part, model_bytes, clap.tokenizer,
+                                                                      embed_dim=served.dim, options=ray).embeddings,
+                                   dim=served.dim, checkpoint=captions, step=CHUNK_TEXTS)
+            return embed_texts(texts, passing.encode_text, dim=served.dim, checkpoint=captions,
+                               advance=task("embedding captions", len(texts)))
+
+        return CataloguePass(clips_pass, texts_of, info)
+
+    def held_out(self, records: Sequence[ClipRecord]) -> EvalSet:
+        return _held_out(records, self.languages, self.clap.settings.sample_rate)
+
+    def evaluate(self, encoders: Staged, eval_set: EvalSet,
+                 eval_dir: Path) -> tuple[fmt.EvaluationInfo, fmt.QuantizationInfo | None]:
+        # the set as decoded (float), before the bundle's int16 copy — as pretrained exports always measured it
+        return _evaluate(eval_set, self.languages, encoders[0], encoders[1], self.quantize)
 
 
 def _half_encoders(

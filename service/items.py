@@ -42,9 +42,11 @@ from typing import Any
 
 import numpy as np
 
+from index.items.embeddings import EmbeddingStore
+from index.items.embeddings import prune as prune_embeddings
 from index.items.log import AUDIO_DIR, ItemLog, ItemRecord
 from index.items.overlay import ItemOverlay, build_overlay
-from service.audio_input import decode_upload, limits_of
+from service.audio_input import check_upload_header, decode_upload, limits_of
 from service.errors import ServiceError
 from service.settings import Settings
 
@@ -66,6 +68,18 @@ def items_dir_of(settings: Settings, bundles_dir: Path | None) -> Path | None:
     if settings.items_dir is not None:
         return settings.items_dir
     return bundles_dir / ITEMS_DIR_NAME if bundles_dir is not None else None
+
+
+def embedding_store(items_root: Path, bundle: object) -> EmbeddingStore:
+    """Where ``bundle``'s embeddings of the log's audio are kept (keyed by its id, its audio encoder's
+    checksum when the bundle has a manifest, and its dimension): a replica that starts, or a bundle
+    that goes live, reads them instead of decoding and encoding every added item again."""
+    manifest = getattr(bundle, "manifest", None)
+    sha = None
+    with contextlib.suppress(AttributeError, KeyError, TypeError):
+        sha = manifest.files[manifest.audio_encoder.file].sha256  # type: ignore[union-attr]
+    return EmbeddingStore(items_root, str(getattr(bundle, "bundle_id", "bundle")), int(bundle.embed_dim),  # type: ignore[attr-defined]
+                          encoder_sha256=sha)
 
 
 def check_writable(log_: ItemLog) -> None:
@@ -112,6 +126,8 @@ class ItemStore:
         self._corrupt_seen: tuple[str, int] = ("", 0)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.embedded_from_store = 0
+        """Audio embeddings read from :mod:`index.items.embeddings` instead of decoded and encoded."""
 
     # ------------------------------------------------------------------ overlays
 
@@ -195,6 +211,8 @@ class ItemStore:
         if done.compacted:
             log.info("item log compacted: %d records → %d, %d audio files removed (%d bytes)",
                      done.records_before, done.records_after, done.audio_removed, done.audio_bytes_removed)
+            live = {record.audio for record in self.log.state.items.values() if record.audio}
+            prune_embeddings(self.log.root, live)
         return done.compacted
 
     def _embed_audio(self, bundle: object, records: Sequence[ItemRecord], *, missing: list[str]) -> np.ndarray:
@@ -204,18 +222,47 @@ class ItemStore:
         Decoded :data:`EMBED_BATCH` records at a time and encoded before the next are decoded: a replay
         (replica start, a swap's re-embedding) passes every record of the log, and holding all their
         waveforms at once would cost items × decoded size (~3 GiB at 10 k items of 5 s)."""
-        rate, dim = int(bundle.sample_rate), int(bundle.embed_dim)  # type: ignore[attr-defined]
-        out = np.full((len(records), dim), np.nan, np.float32)
-        for first in range(0, len(records), EMBED_BATCH):
-            rows = self._embed_batch(bundle, records, range(first, min(first + EMBED_BATCH, len(records))), out,
-                                     rate=rate, missing=missing)
+        rate = int(bundle.sample_rate)  # type: ignore[attr-defined]
+        stored = embedding_store(self.log.root, bundle)
+        audios = [record.audio for record in records]
+        found, out, sizes = stored.get(audios)  # embedded before, by this replica or another: not decoded again
+        for row in np.flatnonzero(found):
+            if not self._still_valid(records[int(row)], int(sizes[row]), rate):
+                found[row] = False
+                out[row] = np.nan
+        todo = [row for row in range(len(records)) if not found[row]]
+        for first in range(0, len(todo), EMBED_BATCH):
+            batch = todo[first:first + EMBED_BATCH]
+            rows = self._embed_batch(bundle, records, batch, out, rate=rate, missing=missing)
+            stored.put([audios[row] for row in rows], out[rows], [self._audio_size(records[row]) for row in rows])
             with self._quarantine_lock:
                 for row in rows:
                     if not np.isnan(out[row]).any():
                         self.quarantine.pop(records[row].audio or "", None)
+        self.embedded_from_store += int(found.sum())
         return out
 
-    def _embed_batch(self, bundle: object, records: Sequence[ItemRecord], batch: range, out: np.ndarray, *,
+    def _audio_size(self, record: ItemRecord) -> int:
+        """The stored audio's size (a stat, not a read: the batch's bytes were read and freed already)."""
+        try:
+            return (self.log.root / AUDIO_DIR / (record.audio or "")).stat().st_size
+        except OSError:
+            return -1
+
+    def _still_valid(self, record: ItemRecord, size: int, rate: int) -> bool:
+        """A stored embedding stands for its audio only while that audio is the file it was embedded
+        from (same size: a torn or rewritten file decodes again, and is quarantined if it fails) and
+        passes today's limits from its header (limits lowered since quarantine it, as a decode would)."""
+        try:
+            data = self.log.audio_path(record).read_bytes()
+            if len(data) != size:
+                return False
+            check_upload_header(data, self.limits, rate)
+        except (OSError, ServiceError):
+            return False
+        return True
+
+    def _embed_batch(self, bundle: object, records: Sequence[ItemRecord], batch: Sequence[int], out: np.ndarray, *,
                      rate: int, missing: list[str]) -> list[int]:
         """Decode and encode ``records[batch]`` into ``out``; the rows that decoded."""
         waves, rows = [], []

@@ -336,3 +336,40 @@ def test_a_replay_decodes_one_batch_at_a_time(tmp_path):
     assert out.shape == (n, bundle.embed_dim) and not np.isnan(out).any()
     runs = [len(run) for run in "".join("r" if e == "read" else "|" for e in events).split("|") if run]
     assert sum(runs) == n and max(runs) <= EMBED_BATCH, runs
+
+
+def test_a_replica_starts_without_re_embedding_what_another_embedded(tmp_path):
+    """Item embeddings are kept per bundle beside the log (index/items/embeddings.py): a second store on
+    the same volume (a replica starting, or restarting) replays the log without one encoder call, to
+    the same vectors; another bundle's encoder does not read them; an audio file rewritten since is
+    embedded again, never served from the stale vector."""
+    from service.items import ItemStore
+
+    settings = make_settings(items_dir=tmp_path / "items")
+    first = ItemStore(tmp_path / "items", settings)
+    for i in range(5):
+        first.log.put(f"item-{i}", wav_bytes(tone(["bell", "dog"][i % 2:], 0.3 + 0.05 * i)), audio_format="wav")
+    history = first.log.history()
+    records = list(history.records[: history.length])
+    embedded = first._embed_audio(KeywordBundle(tmp_path / "a"), records, missing=[])
+
+    calls: list[int] = []
+    bundle = KeywordBundle(tmp_path / "a")
+    encode = bundle.encode_audio
+    bundle.encode_audio = lambda waves: (calls.append(len(waves)), encode(waves))[1]  # type: ignore[method-assign]
+    second = ItemStore(tmp_path / "items", settings)
+    again = second._embed_audio(bundle, records, missing=[])
+    assert calls == [] and second.embedded_from_store == 5
+    np.testing.assert_array_equal(again, embedded)
+
+    other = KeywordBundle(tmp_path / "b", bundle_id="fake-b")
+    other_encode = other.encode_audio
+    other.encode_audio = lambda waves: (calls.append(len(waves)), other_encode(waves))[1]  # type: ignore[method-assign]
+    second._embed_audio(other, records, missing=[])
+    assert sum(calls) == 5  # another bundle: its own encoder, once
+
+    calls.clear()
+    path = second.log.audio_path(records[0])
+    path.write_bytes(path.read_bytes() + b"\0" * 64)  # rewritten since (a torn or replaced file)
+    second._embed_audio(bundle, records, missing=[])
+    assert calls == [1]

@@ -23,8 +23,8 @@ from tests.milvus_server import require_milvus
 
 require_milvus()
 
-from index.engines import milvus_index  # noqa: E402
 from index.bundle.format import read_manifest  # noqa: E402
+from index.engines import milvus_index  # noqa: E402
 from index.engines.milvus_index import (  # noqa: E402
     MilvusTarget,
     MilvusVectorIndex,

@@ -47,7 +47,8 @@ PROBLEMS: dict[str, Problem] = {
     "items-unavailable": Problem(503, "The item log cannot be used on this replica (see /readyz)"),
     "index-unavailable": Problem(503, "The index backend (Milvus) cannot be reached"),
     "index-timeout": Problem(504, "The index backend (Milvus) did not answer this request within its deadline"),
-    "overloaded": Problem(503, "Too many requests are waiting for an encoder; retry after the Retry-After delay"),
+    "overloaded": Problem(503, "The replica is at capacity (its encoder queue or its upload memory budget is full); "
+                          "retry after the Retry-After delay"),
     "client-disconnected": Problem(499, "The client disconnected before its result was ready"),
     "insufficient-storage": Problem(507, "The server has no room left to store the request (a full disk or volume)"),
     "not-found": Problem(404, "Not found"),

@@ -216,3 +216,36 @@ class UploadLease:
 def upload_lease(settings: Any) -> UploadLease:
     """A lease on the process's budget for one request (``settings``: service.settings.Settings)."""
     return UploadLease(process_budget(settings.decode_memory_bytes), settings.upload_wait_s)
+
+
+# ---------------------------------------------------------------- what a replica may hold (the pod's limit)
+
+WAITING_CONNECTION_BYTES = 256 << 10
+"""What one connection costs while its request waits for room, its body unread: uvicorn's 64-KiB read buffer
+and the kernel's receive buffer (charged to the pod's memory cgroup too), rounded up."""
+WAITING_CONNECTIONS = 160
+"""Connections waiting at once that the shipped limits allow for (the crowd of issue 55): those that arrive
+within ``TONEARM_UPLOAD_WAIT_S``; each one more costs :data:`WAITING_CONNECTION_BYTES`."""
+ALLOCATOR_HEADROOM = 0.10
+"""Allocator slack on top of the sum (freed pages glibc holds until the next ``malloc_trim``)."""
+TMP_VOLUME_BYTES = 64 << 20
+"""The pod's ``/tmp``: a memory-backed ``emptyDir`` (k8s/base/deployment.yaml) charged to the pod's limit."""
+
+
+def upload_memory_bytes(settings: Any, *, waiting: int = WAITING_CONNECTIONS) -> int:
+    """The most the uploads in flight may add to a replica (docs/service.md, "Memory: the pod's limit"):
+    the budget, the one copy of a body made on the event loop at a time (``b"".join``, a file part's
+    read: ``TONEARM_MAX_UPLOAD_BYTES`` + 64 KiB) plus the multipart buffers' over-allocation (an eighth of
+    the bodies' share), and the connections waiting for room."""
+    budget = int(settings.decode_memory_bytes)
+    bodies = budget - budget // RESERVE_FRACTION
+    copies = int(settings.max_upload_bytes) + (64 << 10) + bodies // 8
+    return budget + copies + waiting * WAITING_CONNECTION_BYTES
+
+
+def pod_memory_bytes(settings: Any, *, serving: int, tmp: int = TMP_VOLUME_BYTES,
+                     waiting: int = WAITING_CONNECTIONS) -> int:
+    """The memory limit a replica's pod needs: (``serving`` — the replica's resident set serving its
+    bundles under load, uploads aside: about 3 × the bundle + 300 MiB, the demo's 642 MiB measured by the
+    soak — + :func:`upload_memory_bytes` + ``tmp``) × (1 + :data:`ALLOCATOR_HEADROOM`)."""
+    return int((serving + upload_memory_bytes(settings, waiting=waiting) + tmp) * (1 + ALLOCATOR_HEADROOM))

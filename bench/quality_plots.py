@@ -12,8 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.quality import QualityConfig  # noqa: E402
-from bench.quality_report import stats  # noqa: E402
+from bench.quality_jobs import QualityConfig, stats  # noqa: E402
 
 Table = dict[tuple[str, str], list[dict[str, Any]]]
 

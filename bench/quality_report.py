@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.quality import ROOT, Job, QualityConfig
+from bench.quality_jobs import ROOT, Job, QualityConfig, stats
 
 README_START = "<!-- results:start -->"
 README_END = "<!-- results:end -->"
@@ -77,14 +77,6 @@ def collect(jobs: list[Job], *, collapsed: dict[tuple[str, str], list[dict[str, 
                 continue
             table[(job.condition, job.method)].append(result)
     return table
-
-
-def stats(results: list[dict[str, Any]], key: str) -> tuple[float, float, int]:
-    """(mean, std over seeds (population, 0 for one seed), seeds) of one metric."""
-    values = [r["metrics"][key] for r in results if key in r["metrics"] and math.isfinite(r["metrics"][key])]
-    if not values:
-        return math.nan, math.nan, 0
-    return float(np.mean(values)), float(np.std(values)), len(values)
 
 
 def best_seed(results: list[dict[str, Any]], key: str, *, lower: bool) -> tuple[float, float, int]:

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.quality import QualityConfig, load_quality_config  # noqa: E402
+from bench.quality_jobs import QualityConfig, load_quality_config  # noqa: E402
 
 PUBLISHED = ROOT / "docs" / "results" / "results.json"
 METRICS = (("r1", "r1 (%)", 100.0), ("t2a_R@10_mean", "t2a R@10 (%)", 100.0), ("mrv_t2a", "MRV t2a", 1.0))

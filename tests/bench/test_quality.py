@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.quality import DEFAULT_CONFIG, SMOKE_METHODS, load_quality_config
+from bench.quality import SMOKE_METHODS
+from bench.quality_jobs import DEFAULT_CONFIG, load_quality_config
 from bench.quality_report import verdict
 from tonearm.cli import main
 from tonearm.errors import TonearmError
@@ -47,7 +48,8 @@ def test_the_shipped_config_lists_every_method_of_the_issue_and_valid_claims() -
 def test_the_laggards_sweep_reuses_the_main_runs_jobs_rather_than_overwriting_them() -> None:
     # bench/laggards.yaml shares the main runs folder; a shared row whose budget drifted from
     # quality.yaml's would be retrained there and replace the main run's result.
-    from bench.quality import ROOT, plan_jobs
+    from bench.quality import plan_jobs
+    from bench.quality_jobs import ROOT
 
     main_cfg = load_quality_config(DEFAULT_CONFIG)
     sweep_cfg = load_quality_config(ROOT / "bench" / "laggards.yaml")
@@ -69,7 +71,7 @@ def test_a_bad_config_names_the_key(tmp_path: Path) -> None:
 
 
 def test_a_claim_against_a_collapsed_run_is_not_scored_and_the_run_is_left_out(tmp_path: Path) -> None:
-    from bench.quality import Job
+    from bench.quality_jobs import Job
     from bench.quality_report import NOT_SCORED, claim_rows, collapsed_lines, collect, main_table
 
     cfg = load_quality_config(DEFAULT_CONFIG)
@@ -149,7 +151,8 @@ def test_smoke_runs_the_whole_pipeline_and_resumes(tmp_path: Path, capsys: pytes
 def test_a_failing_job_names_itself_its_exit_and_its_log(tmp_path: Path) -> None:
     # a job runs in its own process (bench/quality.py _job_process): its error is the last line
     # of its log, and the log keeps the traceback. ~4 s: the job's process imports torch.
-    from bench.quality import Job, _job_process
+    from bench.quality import _job_process
+    from bench.quality_jobs import Job
 
     job = Job("clean", "infonce", 0, tmp_path / "out", [], Path("configs/nope.yaml"), tmp_path / "m.jsonl",
               noisy=False)
@@ -160,7 +163,7 @@ def test_a_failing_job_names_itself_its_exit_and_its_log(tmp_path: Path) -> None
 
 
 def test_a_job_fingerprint_ignores_where_the_runs_folder_lives(tmp_path: Path) -> None:
-    from bench.quality import Job
+    from bench.quality_jobs import Job
 
     def job(runs: Path, epochs: int) -> Job:
         out = runs / "clean" / "infonce" / "seed0"
@@ -275,7 +278,8 @@ def test_a_manifest_without_a_test_split_is_refused_by_name(tiny_corpus: Path, t
 def test_the_pair_weight_audit_skips_a_result_copied_without_its_checkpoint(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # docs/results/runs keeps result.json files but no checkpoints: resuming from them must not crash
-    from bench.quality import Job, backfill_pair_weights
+    from bench.quality import backfill_pair_weights
+    from bench.quality_jobs import Job
 
     job = Job(condition="noisy", method="dart_ram", seed=0, out_dir=tmp_path / "noisy" / "dart_ram" / "seed0",
               overrides=["seed=0"], preset=Path("configs/dart/dart_ram.yaml"), manifest=tmp_path / "m.jsonl",

@@ -41,7 +41,7 @@ import math
 import resource
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,10 +52,9 @@ from training import distributed
 from training.config import ConfigError, DataConfig, FrontendConfig
 from training.data.dataset import eval_captions
 from training.data.manifest import ClipRecord
-from training.evaluate import StreamStats, embed_clips, embed_texts
-
-if TYPE_CHECKING:
-    from training.data.stream import ShardCorpus
+from training.data.shard_passes import embed_shard_clips
+from training.data.stream import TRAIN_SPLIT, ShardCorpus
+from training.evaluate import StreamStats, embed_clips, embed_texts, file_windows
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +156,7 @@ class LoopContext:
             return [1] * len(records)
         key = id(records)
         if key not in self._windows or len(self._windows[key]) != len(records):
-            self._windows[key] = [_windows_of(r.audio, self._data_cfg.clip_seconds) for r in records]
+            self._windows[key] = [file_windows(r.audio, self._data_cfg.clip_seconds) for r in records]
         return self._windows[key]
 
     def _embed_pairs_balanced(
@@ -196,9 +195,6 @@ class LoopContext:
 
     def _embed_shard_pairs(self, what: str, *, gather: bool = True) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`_embed_pairs_balanced` of the training records, streamed from their shards (module doc)."""
-        from training.data.shard_passes import embed_shard_clips
-        from training.data.stream import TRAIN_SPLIT
-
         corpus = self._corpus
         assert corpus is not None
         records = corpus.records[TRAIN_SPLIT]
@@ -271,14 +267,3 @@ def _without_undecodable(
                 "false neighbour), e.g. %s", what, int((~decoded).sum()), int((~keep).sum()),
                 "; ".join(stats.failed[:3]) or "-")
     return audio, text[keep], clip[keep]
-
-
-def _windows_of(audio: Path, clip_seconds: float) -> int:
-    """Chunk-and-average windows of a file (1 when its header cannot be read: it fails later, alone)."""
-    import soundfile as sf
-
-    try:
-        info = sf.info(str(audio))
-    except (RuntimeError, OSError):
-        return 1
-    return max(1, math.ceil(info.frames / max(1, info.samplerate) / clip_seconds))

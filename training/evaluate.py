@@ -163,6 +163,17 @@ def window_batches(windows: Sequence[int], budget: int) -> list[list[int]]:
     return batches
 
 
+def file_windows(audio: Path, clip_seconds: float) -> int:
+    """Chunk-and-average windows of a file (1 when its header cannot be read: it fails later, alone)."""
+    import soundfile as sf
+
+    try:
+        info = sf.info(str(audio))
+    except (RuntimeError, OSError):
+        return 1
+    return max(1, math.ceil(info.frames / max(1, info.samplerate) / clip_seconds))
+
+
 def embed_clips(
     model: Any,
     records: Sequence[ClipRecord],

@@ -1,6 +1,9 @@
 """`tonearm train CONFIG --plan … --emit-k8s`: the multi-node Kubernetes Job of k8s/train-multinode,
 sized by the plan of the cluster given (docs/deploy.md, "Training Job: from the plan").
 
+A renderer above the plan it renders (:mod:`training.data.cluster_plan` never imports it): the
+dry run that prints both is :func:`training.launch.cli_plan`.
+
 The plan (:func:`training.data.cluster_plan.plan_for`) → the Job, per pod (one pod = one node):
 
 * ``cpu`` requests = limits = ``--cores-per-node`` (a CPU limit sets the cgroup quota, so
@@ -15,8 +18,8 @@ The plan (:func:`training.data.cluster_plan.plan_for`) → the Job, per pod (one
   up to a GiB; a run checks /dev/shm against its own layout at start and refuses one too small;
 * ``nvidia.com/gpu`` = ``--gpus-per-node``; ``completions`` = ``parallelism`` = ``--nodes``.
 
-Failure policy (training/launch.py): a deterministic failure (``DataError``, ``ConfigError``, a
-refused plan) makes the pod exit :data:`training.launch.FATAL_EXIT`, which ``podFailurePolicy``
+Failure policy (training/fatal.py): a deterministic failure (``DataError``, ``ConfigError``, a
+refused plan) makes the pod exit :data:`training.fatal.FATAL_EXIT`, which ``podFailurePolicy``
 marks ``FailJob``; a pod disrupted by the cluster (preemption, eviction, a drained node) is
 ``Ignore``-d (replaced, not counted); any other failure is transient: torchrun restarts the node's
 workers up to :data:`MAX_RESTARTS` times (every node's agent restarts when one node's workers do),
@@ -30,7 +33,7 @@ import shlex
 from typing import Any
 
 from training.data.cluster_plan import Cluster, ClusterPlan
-from training.launch import FATAL_EXIT
+from training.fatal import FATAL_EXIT
 
 SHM_MARGIN = 1.25
 """/dev/shm given beyond the plan's batches in flight (collation and pinning copies, allocator slack)."""

@@ -6,16 +6,12 @@ For people who do not know torchrun: the command re-runs itself as
 (``WORLD_SIZE`` set) or with N = 1 it trains in this process. Several nodes need torchrun
 itself with a rendezvous endpoint (docs/training.md, "Distributed").
 
-**Deterministic failures under a supervisor** (docs/deploy.md, "Failure policy"). A ``DataError``, a
-``ConfigError`` or a refused plan fails the same way on every restart, so restarting is waste. With
-``TONEARM_FATAL_FILE`` set (the Kubernetes Job sets it to a file on the pod's own ``/tmp``), a
-training process that fails with one writes its message there before it exits (status 2, as
-always); a process started while the file exists — torchrun restarting its workers after that
-failure — fails at once with the same message, so torchrun's ``--max-restarts`` are spent in
-seconds; and the Job's script turns torchrun's failure into :data:`FATAL_EXIT` when the file
-exists, which the Job's ``podFailurePolicy`` marks ``FailJob``. Any other failure (a lost node,
-NCCL, an out-of-memory kill) is transient: torchrun restarts, then the pod fails and the Job
-replaces it within ``backoffLimit``.
+**Deterministic failures under a supervisor** (docs/deploy.md, "Failure policy"): a ``DataError``,
+a ``ConfigError`` or a refused plan is recorded for the supervisor (:mod:`training.fatal`), and a
+process started after one fails at once.
+
+The dry run ``tonearm train CONFIG --plan … [--emit-k8s]`` (:func:`cli_plan`) is dispatched here too:
+the plan of :mod:`training.data.cluster_plan`, and the Job :mod:`training.k8s_job` renders from it.
 """
 
 from __future__ import annotations
@@ -25,38 +21,12 @@ import os
 import subprocess
 import sys
 
-from index.errors import TonearmError
-from training.config import ConfigError, TrainConfig
-
-FATAL_EXIT = 42
-"""The exit status of a training pod whose run failed deterministically (module doc)."""
-FATAL_FILE_ENV = "TONEARM_FATAL_FILE"
-
-
-class EarlierFatalError(TonearmError):
-    """The failure another process of this launch already met (``TONEARM_FATAL_FILE``)."""
-
-
-def record_fatal(err: BaseException) -> None:
-    """Write a deterministic failure's message to ``TONEARM_FATAL_FILE`` (when set; first one wins)."""
-    path = os.environ.get(FATAL_FILE_ENV)
-    if not path or os.path.exists(path):
-        return
-    rank = os.environ.get("RANK", "0")
-    tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(f"rank {rank}: {type(err).__name__}: {err}\n")
-    os.replace(tmp, path)
-
-
-def refuse_after_fatal() -> None:
-    """Fail at once when another process of this launch already failed deterministically."""
-    path = os.environ.get(FATAL_FILE_ENV)
-    if path and os.path.exists(path):
-        with open(path, encoding="utf-8") as handle:
-            first = handle.read().strip()
-        raise EarlierFatalError(f"not restarted: this launch already failed deterministically ({first}); "
-                                f"fix the cause and start a new one ({FATAL_FILE_ENV}={path})")
+from index.errors import DataError, TonearmError
+from training.config import ConfigError, TrainConfig, load_train_config
+from training.data.cluster_plan import Cluster, parse_bytes, plan_for
+from training.fatal import record_fatal, refuse_after_fatal
+from training.k8s_job import emit
+from training.rundir import refuse_unless_chosen, train_command, train_overrides
 
 
 def worker_argv(argv: list[str]) -> list[str]:
@@ -93,10 +63,6 @@ def check_before_launch(cfg: TrainConfig, processes: int) -> None:
 def cli_train(args: argparse.Namespace) -> int:
     """Entry point of `tonearm train`: torchrun for ``--nproc-per-node N > 1``, else train here."""
     if getattr(args, "plan", False) or getattr(args, "emit_k8s", False):  # a dry run: the plan, no training
-        from training.config import load_train_config
-        from training.data.cluster_plan import cli_plan
-        from training.rundir import train_overrides
-
         return cli_plan(args, load_train_config(args.config, train_overrides(args)))
     refuse_after_fatal()
     try:
@@ -104,6 +70,27 @@ def cli_train(args: argparse.Namespace) -> int:
     except TonearmError as err:  # DataError, ConfigError, a refused plan: deterministic (module doc)
         record_fatal(err)
         raise
+
+
+def cli_plan(args: argparse.Namespace, cfg: TrainConfig) -> int:
+    """``tonearm train CONFIG --plan ...``: print the plan; exit 2 (a one-line error) when it does not fit."""
+    memory = parse_bytes(args.memory_per_node)
+    cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, cores_per_node=args.cores_per_node,
+                      memory_per_node=memory,
+                      shm_per_node=parse_bytes(args.shm_per_node) if args.shm_per_node else memory // 2,
+                      gpu_memory=parse_bytes(getattr(args, "gpu_memory", None) or "80Gi"))
+    for name in ("nodes", "gpus_per_node", "cores_per_node"):
+        if getattr(cluster, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    plan = plan_for(cfg, cluster)
+    emit_k8s = getattr(args, "emit_k8s", False)
+    (sys.stderr if emit_k8s else sys.stdout).write("\n".join(plan.lines) + "\n")
+    if plan.fits and emit_k8s:  # the Job of k8s/train-multinode sized by this plan (training/k8s_job.py)
+        sys.stdout.write(emit(args, cfg, plan, cluster))
+    if not plan.fits:
+        raise DataError("the plan does not fit the node (see above): "
+                        + "; ".join(plan.advice))
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -114,9 +101,6 @@ def _train(args: argparse.Namespace) -> int:
         from training.loop import cli_train as train_here
 
         return train_here(args)
-    from training.config import load_train_config
-    from training.rundir import refuse_unless_chosen, train_command, train_overrides
-
     # One clear refusal here rather than one per worker process.
     cfg = load_train_config(args.config, train_overrides(args))
     refuse_unless_chosen(cfg, command=train_command(args))

@@ -36,7 +36,7 @@ from training.context import LoopContext
 from training.data.loader import BadSampleBudget, loader_options, loader_workers
 from training.data.shard_records import caption_texts
 from training.data.splits import TRAIN_SPLIT
-from training.data.stream import StreamBatches
+from training.data.stream import StreamBatches, build_stream_loader, cached_corpus, load_shard_data
 from training.elastic import EpochBatches, rederived_seed, resumed_rng_state
 from training.evaluate import EvalSet, clip_samples, prepare_eval_set, report_keys
 from training.finetune import (
@@ -72,7 +72,7 @@ from training.runtime import (
     unflatten_optimizer_state,
 )
 from training.schedule import Schedule
-from training.validation import validate
+from training.validation import evaluate_shared
 
 log = logging.getLogger(__name__)
 
@@ -315,8 +315,6 @@ def build_train_loader(
         cuda=runtime.device.type == "cuda",
     )
     if cfg.data.shards is not None:
-        from training.data.stream import build_stream_loader, cached_corpus
-
         stream = build_stream_loader(
             cfg, cached_corpus(cfg), rank=runtime.rank, world=runtime.world_size, options=options,
             strategy=strategy, tokenizer=tokenizer, sample_rate=cfg.frontend.sample_rate,
@@ -357,8 +355,6 @@ def shard_corpus(cfg: TrainConfig) -> Any | None:
     """The ``data.shards`` corpus the extra passes stream (training/data/shard_passes.py), else None."""
     if cfg.data.shards is None:
         return None
-    from training.data.stream import cached_corpus
-
     return cached_corpus(cfg)
 
 
@@ -368,8 +364,6 @@ def load_training_data(cfg: TrainConfig) -> tuple[Sequence[Any], list[Any]]:
     from training.data.splits import carves, select_split
 
     if cfg.data.shards is not None:  # docs/training.md, "Training on a large corpus"
-        from training.data.stream import load_shard_data
-
         return load_shard_data(cfg)
     manifest = cfg.data.manifest
     if manifest is None:
@@ -782,6 +776,27 @@ def record_step(run: Run, epoch: int, values: dict[str, float]) -> None:
     if state.step == 1 or state.step % LOG_EVERY_STEPS == 0:
         values = {**values, **run.observer.window()}  # samples/s, data wait, peak memory
         run.metrics.write({"kind": "step", "epoch": epoch + 1, "step": state.step, **values})
+
+
+def validate(run: Run) -> dict[str, float] | None:
+    """SPEC §5 report on the validation split, every rank embedding its share; rank 0 gets the
+    report and writes it, the others get None (:func:`training.validation.evaluate_shared`)."""
+    if run.val_set is None:
+        return None
+    report = evaluate_shared(
+        run.model, run.tokenizer, run.val_set, batch_size=run.cfg.eval.batch_size, device=run.runtime.device,
+        num_workers=loader_workers(run.cfg.data.num_workers), autocast=lambda: autocast(run.runtime),
+        progress=run.runtime.is_main,
+    )
+    if report is None:
+        return None
+    if run.cfg.eval.select_metric not in report:
+        raise ConfigError(
+            f"eval.select_metric {run.cfg.eval.select_metric!r} is not a report key; "
+            f"e.g. {', '.join(sorted(report)[:6])}"
+        )
+    run.metrics.write({"kind": "eval", "epoch": run.state.epoch, "step": run.state.step, **report})
+    return report
 
 
 def end_epoch(run: Run, epoch: int, *, seconds: float) -> None:

@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from training import distributed
-from training.config import ConfigError
-from training.evaluate import EvalSet, embed_clips, embed_texts, evaluate_prepared
-
-if TYPE_CHECKING:
-    from training.loop import Run
+from training.evaluate import EvalSet, embed_clips, embed_texts, evaluate_prepared, file_windows
 
 _COSTS: dict[int, list[int]] = {}
 """Windows per clip of an evaluation set (by ``id``), read from the headers once per run."""
@@ -36,9 +32,7 @@ def clip_costs(eval_set: EvalSet) -> list[int]:
         return [1] * len(eval_set.records)
     key = id(eval_set)
     if len(_COSTS.get(key, ())) != len(eval_set.records):
-        from training.context import _windows_of
-
-        _COSTS[key] = [_windows_of(r.audio, eval_set.data_cfg.clip_seconds) for r in eval_set.records]
+        _COSTS[key] = [file_windows(r.audio, eval_set.data_cfg.clip_seconds) for r in eval_set.records]
     return _COSTS[key]
 
 
@@ -86,31 +80,3 @@ def evaluate_shared(
         languages=list(eval_set.languages),
     )
     return {key: float(value) for key, value in report.items()}
-
-
-def validate(run: Run) -> dict[str, float] | None:
-    """SPEC §5 report on the validation split, every rank embedding its share; rank 0 gets the
-    report and writes it, the others get None."""
-    from training.runtime import autocast
-
-    if run.val_set is None:
-        return None
-    report = evaluate_shared(
-        run.model, run.tokenizer, run.val_set, batch_size=run.cfg.eval.batch_size, device=run.runtime.device,
-        num_workers=_workers(run), autocast=lambda: autocast(run.runtime), progress=run.runtime.is_main,
-    )
-    if report is None:
-        return None
-    if run.cfg.eval.select_metric not in report:
-        raise ConfigError(
-            f"eval.select_metric {run.cfg.eval.select_metric!r} is not a report key; "
-            f"e.g. {', '.join(sorted(report)[:6])}"
-        )
-    run.metrics.write({"kind": "eval", "epoch": run.state.epoch, "step": run.state.step, **report})
-    return report
-
-
-def _workers(run: Run) -> int:
-    from training.data.loader import loader_workers
-
-    return loader_workers(run.cfg.data.num_workers)

@@ -260,7 +260,7 @@ def test_the_shipped_multinode_job_is_what_its_plan_renders(tmp_path, capsys, mo
     from tonearm.cli import main
     from training.config import load_train_config
     from training.data.cluster_plan import Cluster, plan_for
-    from training.launch import FATAL_EXIT
+    from training.fatal import FATAL_EXIT
 
     monkeypatch.chdir(ROOT)
     folder = metadata_corpus(tmp_path / "shards")

@@ -438,9 +438,10 @@ def test_the_plan_dry_run_matches_what_the_stream_serves_and_refuses_what_does_n
 
     from index.errors import DataError
     from training.config import load_train_config
-    from training.data.cluster_plan import Cluster, cli_plan, plan_for
+    from training.data.cluster_plan import Cluster, plan_for
     from training.data.loader import loader_options
     from training.data.stream import build_stream_loader, cached_corpus
+    from training.launch import cli_plan
 
     folder, _ = subset_shards
     cfg = load_train_config(ROOT / "configs" / "tiny.yaml", shard_run(str(folder), str(tmp_path), "data.num_workers=auto",
@@ -568,7 +569,8 @@ def test_the_plan_says_which_memory_does_not_fit_and_what_to_change(subset_shard
     import argparse
 
     from index.errors import DataError
-    from training.data.cluster_plan import cli_plan, plan_for
+    from training.data.cluster_plan import plan_for
+    from training.launch import cli_plan
 
     folder, _ = subset_shards
     cfg = _plan_config(folder, tmp_path, "objective.knowledge={sources: [train], n_clusters: 4, partition: none}")

@@ -31,7 +31,7 @@ def shard_run(shards: Path, out: Path, *extra: str) -> list[str]:
 def test_a_run_whose_batches_in_flight_outgrow_dev_shm_is_refused_at_start_naming_the_settings(
         small_shards: Path, tmp_path: Path) -> None:
     from training.config import ConfigError, load_train_config
-    from training.data.cluster_plan import shm_size
+    from training.data.node_fit import shm_size
     from training.loop import train
 
     shm = shm_size()
@@ -50,7 +50,7 @@ def test_a_run_whose_batches_in_flight_outgrow_dev_shm_is_refused_at_start_namin
 
 def test_the_plan_refuses_host_memory_it_cannot_hold() -> None:
     from training.config import ConfigError, load_train_config
-    from training.data.cluster_plan import refuse_unless_node_fits
+    from training.data.node_fit import refuse_unless_node_fits
 
     cfg = load_train_config(ROOT / "configs" / "tiny.yaml", ["data.num_workers=4"])
     def check(memory: int) -> None:
@@ -71,7 +71,7 @@ def test_a_data_error_under_the_jobs_torchrun_fails_once_and_exits_with_the_fata
 
     import yaml
 
-    from training.launch import FATAL_EXIT
+    from training.fatal import FATAL_EXIT
 
     job = yaml.safe_load((ROOT / "k8s/train-multinode/job.yaml").read_text())
     (container,) = job["spec"]["template"]["spec"]["containers"]

@@ -25,19 +25,21 @@ their host caches, ASK's knowledge bases between rebuilds and at a rebuild's pea
 GPU and host figures; rank 0's GPU (the fullest) is set against ``--gpu-memory`` and the node's
 host figures against its memory. Activations, the CUDA context and torch's own resident memory
 are not counted (see docs/training.md).
+
+The dry run that prints the plan and, with ``--emit-k8s``, the Job rendered from it
+(:mod:`training.k8s_job`) is :func:`training.launch.cli_plan`, above this module; the check a run
+makes of its own node at start, with the same units, is below it (:mod:`training.data.node_fit`).
 """
 
 from __future__ import annotations
 
-import argparse
 import re
-import sys
 from dataclasses import dataclass
 
-from index.errors import DataError
 from training.config import ConfigError, TrainConfig
 from training.data.epoch_plan import Layout, coverage
 from training.data.loader import shuffle_entries
+from training.data.node_fit import _gb
 
 HOST_HEADROOM = 0.8
 """Share of a node's memory the plan may fill (the rest: torch and CUDA libraries, the OS)."""
@@ -84,10 +86,6 @@ class ClusterPlan:
     kb_gpu_bytes: int = 0
     kb_rebuild_bytes: int = 0
     advice: tuple[str, ...] = ()
-
-
-def _gb(value: float) -> str:
-    return f"{value / 2**30:.1f} GiB"
 
 
 def _knowledge_from_train(cfg: TrainConfig) -> bool:
@@ -248,64 +246,3 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
                        gpu_bytes=gpu, node_host_bytes=node_host, parameters=model.parameters,
                        trainable=model.trainable, kb_gpu_bytes=kb_gpu, kb_rebuild_bytes=kb_rebuild,
                        advice=tuple(advice))
-
-
-def shm_size(path: str = "/dev/shm") -> int | None:
-    """Bytes of the shared-memory file system (None where there is none)."""
-    import os
-
-    try:
-        stats = os.statvfs(path)
-    except OSError:
-        return None
-    return stats.f_blocks * stats.f_frsize
-
-
-def refuse_unless_node_fits(cfg: TrainConfig, *, workers: int, buffer_bytes: int, crop: int, index: int,
-                            ranks_on_node: int, shm: int | None, memory: int) -> None:
-    """At the start of a real run: the plan's per-node figures for this run's own layout set against the
-    node's /dev/shm and memory (its cgroup limit where set); a :class:`ConfigError` naming the settings
-    when they do not fit — before any step, not as a dead loader worker mid-run."""
-    from training.memory_plan import MAIN_PROCESS_PSS, WORKER_PSS
-
-    prefetch = cfg.data.prefetch_factor * workers * cfg.optim.batch_size * crop if workers else 0
-    need_shm = ranks_on_node * prefetch
-    if shm is not None and workers and need_shm > shm:
-        raise ConfigError(
-            f"/dev/shm holds {_gb(shm)}, and {ranks_on_node} rank(s) on this node put {_gb(need_shm)} of batches in "
-            f"flight there (data.prefetch_factor={cfg.data.prefetch_factor} × data.num_workers={workers} × "
-            f"optim.batch_size={cfg.optim.batch_size} × {crop / 1e6:.2f} MB crops per rank): lower one of them or "
-            "mount a larger /dev/shm (Kubernetes: the shm volume's sizeLimit; `tonearm train CONFIG --plan … "
-            "--emit-k8s` sizes it)")
-    rank = index + buffer_bytes * max(1, workers) + prefetch + MAIN_PROCESS_PSS + 2 * workers * WORKER_PSS
-    if ranks_on_node * rank > memory:
-        raise ConfigError(
-            f"this node gives the job {_gb(memory)} of memory and {ranks_on_node} rank(s) need {_gb(ranks_on_node * rank)} "
-            f"by the plan's count (per rank: corpus index {_gb(index)}, shuffle buffers {_gb(buffer_bytes * max(1, workers))} "
-            f"— data.shuffle_buffer={cfg.data.shuffle_buffer} —, batches in flight {_gb(prefetch)}, processes "
-            f"{_gb(MAIN_PROCESS_PSS + 2 * workers * WORKER_PSS)} — data.num_workers={workers}): lower "
-            "data.shuffle_buffer / data.shuffle_buffer_bytes, data.num_workers or data.prefetch_factor, or give "
-            "the pod more memory (`tonearm train CONFIG --plan … --emit-k8s` sizes it)")
-
-
-def cli_plan(args: argparse.Namespace, cfg: TrainConfig) -> int:
-    """``tonearm train CONFIG --plan ...``: print the plan; exit 2 (a one-line error) when it does not fit."""
-    memory = parse_bytes(args.memory_per_node)
-    cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, cores_per_node=args.cores_per_node,
-                      memory_per_node=memory,
-                      shm_per_node=parse_bytes(args.shm_per_node) if args.shm_per_node else memory // 2,
-                      gpu_memory=parse_bytes(getattr(args, "gpu_memory", None) or "80Gi"))
-    for name in ("nodes", "gpus_per_node", "cores_per_node"):
-        if getattr(cluster, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    plan = plan_for(cfg, cluster)
-    emit_k8s = getattr(args, "emit_k8s", False)
-    (sys.stderr if emit_k8s else sys.stdout).write("\n".join(plan.lines) + "\n")
-    if plan.fits and emit_k8s:  # the Job of k8s/train-multinode sized by this plan (training/k8s_job.py)
-        from training.k8s_job import emit
-
-        sys.stdout.write(emit(args, cfg, plan, cluster))
-    if not plan.fits:
-        raise DataError("the plan does not fit the node (see above): "
-                        + "; ".join(plan.advice))
-    return 0

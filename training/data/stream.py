@@ -74,8 +74,12 @@ from training.data.epoch_plan import (
     segment_cut,
     slot_seed,
 )
+from training.data.loader import local_world_size, node_memory, shuffle_entries
 from training.data.manifest import ClipRecord
+from training.data.node_fit import refuse_unless_node_fits, shm_size
 from training.data.shard_records import ShardRecords, read_records
+from training.interrupt import ignore_ctrl_c
+from training.memory_plan import count_records
 
 log = logging.getLogger(__name__)
 
@@ -853,9 +857,6 @@ def build_stream_loader(
     tokenizer: Any, sample_rate: int, clip_samples: int,
 ) -> StreamBatches:
     """The DataLoader over this rank's shard stream, with ``options`` from :func:`loader_options`."""
-    from training.data.loader import shuffle_entries
-    from training.interrupt import ignore_ctrl_c
-
     workers = int(options.get("num_workers", 0))
     entry_bytes = clip_samples * 4  # a float32 crop (the captions are small beside it)
     buffer, buffer_bytes = shuffle_entries(cfg.data.shuffle_buffer, cfg.data.shuffle_buffer_bytes,
@@ -880,10 +881,6 @@ def build_stream_loader(
             f"{corpus.url}: {plan.usable_clips} usable train clips do not give each of {world} rank(s) a batch of "
             "2 clips; use fewer processes or a larger corpus")
     log.info("%s", cover.line(layout))
-    from training.data.cluster_plan import refuse_unless_node_fits, shm_size
-    from training.data.loader import local_world_size, node_memory
-    from training.memory_plan import count_records
-
     held = min(buffer, -(-(cover.served // max(1, world)) // layout.slots))  # a worker's share caps its buffer
     records = count_records(corpus, eval_split=cfg.eval.split, workers=workers, world=world, knowledge_pass=False)
     refuse_unless_node_fits(cfg, workers=workers, buffer_bytes=held * entry_bytes, crop=entry_bytes,

@@ -26,8 +26,14 @@ Decisions where the reference is silent or undefined (stated in docs/metrics.md 
   empty list) or divides by zero (AP's recall); such queries are skipped and counted in
   ``moment_n_skipped_{lang}``.
 - A query with **no prediction** scores 0 on every metric (the reference's AP returns zeros).
-- **Ties in score** keep the given order (the reference's stable ``sort``); ties in IoU while
-  matching pick the earlier ground-truth window (the reference leaves this to numpy's sort).
+- **Ties in score** keep the given order (the reference's stable ``sort``).
+- **Ties in IoU** while matching: the reference walks a prediction's ground-truth windows in
+  ``tiou_arr.argsort()[::-1]`` order — an ascending sort, reversed. Its numpy of 2021 sorted
+  arrays of up to 16 elements by insertion sort, which is stable, so of two windows with equal IoU
+  the *later* one (higher index in the query's ground truth) is tried first. We fix that order
+  for any number of windows (a stable ascending sort, reversed): descending IoU, ties later window
+  first. (numpy ≥ 2 with SIMD sorts no longer guarantees it even for 5 elements, so the reference
+  run on today's numpy may itself differ on ties.)
 - Per language: the mean over that language's queries; ``*_mean`` is the unweighted mean over the
   requested languages (as :mod:`index.metrics.retrieval` does).
 """
@@ -122,6 +128,12 @@ def _interpolated_ap(precision: np.ndarray, recall: np.ndarray) -> float:
     return float(np.sum((mrec[steps] - mrec[steps - 1]) * mprec[steps]))
 
 
+def _walk_order(iou: np.ndarray) -> np.ndarray:
+    """Ground-truth indices by descending IoU, ties later window first (the reference's order,
+    module docstring): a stable ascending sort, reversed."""
+    return np.argsort(iou, kind="stable")[::-1]
+
+
 def average_precision(
     ground_truth: Sequence[tuple[float, float]],
     predictions: Sequence[tuple[float, float, float]],
@@ -140,7 +152,7 @@ def average_precision(
         matched = np.zeros(len(gt), dtype=bool)
         hits = np.zeros(len(spans))
         for p_idx in range(len(spans)):
-            for g_idx in np.argsort(-iou[p_idx], kind="stable"):
+            for g_idx in _walk_order(iou[p_idx]):
                 if iou[p_idx, g_idx] < threshold:
                     break
                 if not matched[g_idx]:

@@ -109,3 +109,83 @@ def test_moment_report_per_language_skips_queries_without_ground_truth():
     assert report["moment_n_queries_fra"] == 0 and report["moment_n_skipped_fra"] == 1
     assert "moment_R1@0.5_fra" not in report  # undefined, not NaN
     assert report["moment_R1@0.7_mean"] == pytest.approx(0.5)  # the mean of the scored languages
+
+
+def _reference_ap(ground_truth, predictions, thresholds=MAP_IOU_THRESHOLDS, *, later_first=True):
+    """Moment-DETR ``standalone_eval``'s ``compute_average_precision_detection`` for one query,
+    re-stated in plain Python from its documented procedure (not a call into index/metrics): the
+    predictions by descending score; per threshold, each walks the ground-truth windows by IoU
+    from ``argsort()[::-1]`` — an ascending stable sort (insertion sort on the ≤ 16 windows of a
+    query), reversed, so of two equal IoUs the later window comes first — stops at the first IoU
+    below the threshold (a false positive), skips a window already taken, else takes it (a true
+    positive); a prediction that took nothing is a false positive. AP: VOC-2011 interpolation.
+    ``later_first=False`` is the order this module used before (earlier window first)."""
+
+    def iou(a, b):
+        inter = max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+        union = (a[1] - a[0]) + (b[1] - b[0]) - inter
+        return inter / union if union > 0 else 0.0
+
+    preds = sorted(predictions, key=lambda p: -p[2])
+    aps = []
+    for threshold in thresholds:
+        taken = [False] * len(ground_truth)
+        tp, fp = [], []
+        for pred in preds:
+            ious = [iou(pred, gt) for gt in ground_truth]
+            ascending = sorted(range(len(ground_truth)), key=lambda j: ious[j])  # Python's sort is stable
+            walk = ascending[::-1] if later_first else sorted(range(len(ground_truth)), key=lambda j: -ious[j])
+            hit = False
+            for j in walk:
+                if ious[j] < threshold:
+                    break
+                if taken[j]:
+                    continue
+                taken[j] = hit = True
+                break
+            tp.append(1.0 if hit else 0.0)
+            fp.append(0.0 if hit else 1.0)
+        if not preds:
+            aps.append(0.0)
+            continue
+        cum_tp = [sum(tp[: i + 1]) for i in range(len(tp))]
+        cum_fp = [sum(fp[: i + 1]) for i in range(len(fp))]
+        recall = [c / len(ground_truth) for c in cum_tp]
+        precision = [t / (t + f) for t, f in zip(cum_tp, cum_fp, strict=True)]
+        mprec = [0.0, *precision, 0.0]
+        mrec = [0.0, *recall, 1.0]
+        for i in range(len(mprec) - 2, -1, -1):
+            mprec[i] = max(mprec[i], mprec[i + 1])
+        aps.append(sum((mrec[i] - mrec[i - 1]) * mprec[i] for i in range(1, len(mrec)) if mrec[i] != mrec[i - 1]))
+    return np.array(aps)
+
+
+def test_an_iou_tie_between_two_ground_truth_windows_takes_the_later_one_as_the_reference_does():
+    # (1, 11) has IoU 9/11 = 0.82 with both (0, 10) and (2, 12). The reference gives it (2, 12),
+    # the later window; then (0, 10) finds its own window free: two hits, AP 1 up to θ = 0.8 (and
+    # at 0.85+ (1, 11) misses: FP then TP, AP 1/2 · 1/2). Taking (0, 10) first would leave (0, 10)
+    # only (2, 12) at IoU 8/12 = 0.67 — a false positive at 0.7, 0.75 and 0.8 (AP 1/2).
+    gt = [(0, 10), (2, 12)]
+    preds = [(1, 11, 0.9), (0, 10, 0.8)]
+    expected = [1, 1, 1, 1, 1, 1, 1, 0.25, 0.25, 0.25]
+    np.testing.assert_allclose(average_precision(gt, preds), expected)
+    np.testing.assert_allclose(_reference_ap(gt, preds), expected)
+    earlier_first = [1, 1, 1, 1, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25]
+    np.testing.assert_allclose(_reference_ap(gt, preds, later_first=False), earlier_first)
+
+
+def test_average_precision_equals_the_reference_procedure_on_tie_heavy_random_queries():
+    rng = np.random.default_rng(0)
+    differs_from_earlier_first = 0
+    for _ in range(400):
+        # spans on a 1-s grid in a 12-s recording: equal IoUs are common
+        starts = rng.integers(0, 9, size=rng.integers(1, 5))
+        gt = [(float(s), float(s + rng.integers(2, 5))) for s in starts]
+        preds = []
+        for rank in range(rng.integers(1, 7)):
+            s = int(rng.integers(0, 9))
+            preds.append((float(s), float(s + rng.integers(2, 5)), 1.0 - 0.1 * rank))
+        reference = _reference_ap(gt, preds)
+        np.testing.assert_allclose(average_precision(gt, preds), reference, err_msg=f"{gt} {preds}")
+        differs_from_earlier_first += not np.allclose(_reference_ap(gt, preds, later_first=False), reference)
+    assert differs_from_earlier_first > 0  # the draw does exercise the tie order

@@ -213,6 +213,8 @@ def test_a_client_gone_in_the_middle_of_its_body_gives_its_reservation_back(fake
 CROWD = 24
 """Concurrent uploads of the crowd: 7.7 MB each, 185 MB together, over a 24-MiB budget."""
 CROWD_BUDGET = 24 * MIB
+CROWD_WAIT_S = 0.25
+"""TONEARM_UPLOAD_WAIT_S of the crowd's server: short, so that a fast machine refuses some of the crowd too."""
 CROWD_MARGIN_MIB = 40
 """What the crowd may add to the server's peak beyond its budget: one body's second copy made on the event
 loop (``b"".join``: 7.7 MB, one request at a time), the fake encoder's FFTs in the pool's threads, uvicorn's
@@ -255,7 +257,7 @@ def crowd_upload(seconds: float = 10.0, rate: int = 48_000, channels: int = 8, s
 def test_a_crowd_over_the_budget_gets_503s_and_the_server_stays_within_it(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CROWD_SERVER), str(tmp_path), str(CROWD_BUDGET),
-                             "1.0"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                             str(CROWD_WAIT_S)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         url = proc.stdout.readline().strip()  # type: ignore[union-attr]
         assert url.startswith("http://"), "the server did not start"

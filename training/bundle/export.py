@@ -53,7 +53,7 @@ from index.catalogue.checkpoint import (
     EmbedCheckpoint,
     PassResult,
 )
-from index.catalogue.embed_pass import DecodeCall, PassClock, PassOptions
+from index.catalogue.embed_pass import DecodeCall, EncoderSpec, PassClock, PassOptions
 from index.catalogue.half_precision import (
     PROBE_CLIPS,
     Precision,
@@ -254,10 +254,11 @@ def encode_bundle_audio(encoder: OnnxEncoder, waves: Sequence[np.ndarray], cfg: 
 def embed_catalogue_audio(
     encoder: OnnxEncoder, records: Sequence[ClipRecord], cfg: TrainConfig, advance: Advance,
     model: Any = None, *, checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
-    options: PassOptions | None = None, clock: PassClock | None = None,
+    options: PassOptions | None = None, clock: PassClock | None = None, providers: Sequence[str] = CPU,
 ) -> PassResult:
     """The catalogue's clip embeddings with the evaluation policy (:func:`training.bundle.parts.embed_clips`:
-    decoded beside the encoder, checkpointed in chunks; undecodable clips skipped and listed)."""
+    decoded beside the encoder, checkpointed in chunks; undecodable clips skipped and listed). With
+    ``options.devices`` each device process loads ``encoder``'s file with ``providers`` (:func:`audio_spec`)."""
     clip_samples, padding = clip_samples_of(cfg), short_clip_padding(cfg.frontend)
     frontend = checkpoint_audio_frontend(cfg, model)
     decode = DecodeCall(load_eval_waveform, kwargs={"sample_rate": cfg.frontend.sample_rate,
@@ -265,7 +266,18 @@ def embed_catalogue_audio(
                                                     "padding": padding})
     return embed_clips(records, decode, lambda waves: encode_bundle_audio(encoder, waves, cfg, frontend),
                        dim=cfg.model.embed_dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files,
-                       options=options, clock=clock)
+                       options=options, clock=clock, spec=audio_spec(encoder, cfg, model, providers))
+
+
+def audio_spec(encoder: OnnxEncoder, cfg: TrainConfig, model: Any, providers: Sequence[str]) -> EncoderSpec:
+    """What a device process of ``--devices`` loads to embed as :func:`encode_bundle_audio` does with
+    ``encoder``: its file, the providers, and the bundle's preparation (PE-Audio's ``audio_frontend``, else
+    the checkpoint's zero/tile padding)."""
+    frontend = reflect_frontend(cfg, model)
+    return EncoderSpec(path=str(encoder.path), embed_dim=cfg.model.embed_dim, clip_samples=clip_samples_of(cfg),
+                       providers=tuple(providers),
+                       frontend=frontend.model_dump(mode="json") if frontend is not None else None,
+                       padding=short_clip_padding(cfg.frontend))
 
 
 def audio_plan(cfg: TrainConfig, model: Any = None) -> dict[str, Any]:
@@ -473,7 +485,7 @@ class TrainedSteps:
             clock = PassClock()
             return embed_catalogue_audio(audio, records, cfg, task("embedding clips", len(records), clock), ckpt.model,
                                          checkpoint=checkpoint, chunk_files=self.chunk_files,
-                                         options=self.pass_options, clock=clock)
+                                         options=self.pass_options, clock=clock, providers=self.providers)
 
         def texts_of(texts: list[str], task: Callable[..., Advance]) -> np.ndarray:
             if ray is not None:

@@ -47,7 +47,13 @@ from index.catalogue.checkpoint import (
     EmbedCheckpoint,
     PassResult,
 )
-from index.catalogue.embed_pass import DecodeCall, PassClock, PassOptions, pass_options_from_args
+from index.catalogue.embed_pass import (
+    DecodeCall,
+    EncoderSpec,
+    PassClock,
+    PassOptions,
+    pass_options_from_args,
+)
 from index.catalogue.half_precision import (
     PROBE_CLIPS,
     Precision,
@@ -157,7 +163,7 @@ class PretrainedEncoders:
 
     def __init__(self, clap: Pretrained, audio: Path, text: Path, providers: Sequence[str] = CPU) -> None:
         dim = embed_dim(clap)
-        self.clap, self.dim = clap, dim
+        self.clap, self.dim, self.providers = clap, dim, tuple(providers)
         self.audio = _load_session(audio, AUDIO_INPUTS, dim, providers)
         self.text = _load_session(text, TEXT_INPUTS, dim, providers)
 
@@ -175,6 +181,13 @@ class PretrainedEncoders:
 
     def encode_text(self, texts: Sequence[str]) -> np.ndarray:
         return encode_texts(self.text, self.clap.tokenizer, texts, embed_dim=self.dim)
+
+    def spec(self) -> EncoderSpec:
+        """What a device process of ``--devices`` loads to embed as :meth:`encode_audio` does: the audio file,
+        the providers and the manifest's ``audio_frontend`` (:func:`index.runtime.loader.encode_clips` pads a
+        CLAP clip as :meth:`prepare` does, and runs PE-Audio's whole clips in length buckets)."""
+        return EncoderSpec(path=str(self.audio.path), embed_dim=self.dim, clip_samples=self.clap.settings.clip_samples,
+                           providers=self.providers, frontend=frontend_info(self.clap).model_dump(mode="json"))
 
 
 def reference_window(model: Pretrained, window: np.ndarray) -> torch.Tensor:
@@ -297,10 +310,11 @@ def embed_catalogue_audio(encoders: PretrainedEncoders, records: Sequence[ClipRe
                           checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
                           options: PassOptions | None = None, clock: PassClock | None = None) -> PassResult:
     """The catalogue's clip embeddings (:func:`training.bundle.parts.embed_clips`: decoded beside the
-    encoder, checkpointed in chunks; undecodable clips skipped and listed)."""
+    encoder, checkpointed in chunks; undecodable clips skipped and listed); with ``options.devices`` each
+    device process loads the encoder's file as :meth:`PretrainedEncoders.spec` says."""
     return embed_clips(records, DecodeCall(decode_audio, kwargs={"sample_rate": rate}), encoders.encode_audio,
                        dim=encoders.dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files,
-                       options=options, clock=clock)
+                       options=options, clock=clock, spec=encoders.spec())
 
 
 def audio_plan(model: Pretrained) -> dict[str, Any]:

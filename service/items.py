@@ -226,10 +226,10 @@ class ItemStore:
         stored = embedding_store(self.log.root, bundle)
         audios = [record.audio for record in records]
         found, out, sizes = stored.get(audios)  # embedded before, by this replica or another: not decoded again
-        for row in np.flatnonzero(found):
-            if not self._still_valid(records[int(row)], int(sizes[row]), rate):
-                found[row] = False
-                out[row] = np.nan
+        for held in np.flatnonzero(found).tolist():
+            if not self._still_valid(records[held], int(sizes[held]), rate):
+                found[held] = False
+                out[held] = np.nan
         todo = [row for row in range(len(records)) if not found[row]]
         for first in range(0, len(todo), EMBED_BATCH):
             batch = todo[first:first + EMBED_BATCH]

@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
+import shutil
+import subprocess
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -34,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from index.catalogue.checkpoint import Chunk, EmbedChunk
-from index.errors import AudioDecodeError
+from index.errors import AudioDecodeError, TonearmError
 
 BATCH_SAMPLES = 16 * 480_000
 """Samples of one encoder call's clips (a memory budget: 16 clips of 10 s at 48 kHz, 30 MB of float32)."""
@@ -249,9 +252,7 @@ class EncoderSpec:
 
 def parse_devices(text: str | None, device: str) -> list[int] | None:
     """``--devices 0,1,…|all`` → device ids (None: one device, the default); ``all``: every CUDA device
-    ONNX Runtime can see (``CUDA_VISIBLE_DEVICES`` applies)."""
-    from index.errors import TonearmError
-
+    this process can see (:func:`cuda_device_count`: ``CUDA_VISIBLE_DEVICES`` applies as CUDA applies it)."""
     if text is None:
         return None
     if device != "cuda":
@@ -259,7 +260,9 @@ def parse_devices(text: str | None, device: str) -> list[int] | None:
     if text == "all":
         count = cuda_device_count()
         if count < 1:
-            raise TonearmError("--devices all: no CUDA device visible")
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            why = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
+            raise TonearmError(f"--devices all: no CUDA device visible{why}")
         return list(range(count))
     try:
         ids = [int(part) for part in text.split(",") if part.strip()]
@@ -270,17 +273,81 @@ def parse_devices(text: str | None, device: str) -> list[int] | None:
     return ids
 
 
-def cuda_device_count() -> int:  # pragma: no cover - a GPU only
-    """CUDA devices visible to this process (``nvidia-smi -L``; 0 without one)."""
-    import shutil
-    import subprocess
+@dataclass(frozen=True)
+class PhysicalGpu:
+    """A GPU as ``nvidia-smi -L`` lists it (which ignores ``CUDA_VISIBLE_DEVICES``): its UUID and those of
+    its MIG devices."""
 
+    uuid: str
+    migs: tuple[str, ...] = ()
+
+
+def nvidia_smi_gpus(listing: str) -> list[PhysicalGpu]:
+    """The GPUs of ``nvidia-smi -L``'s output, in index order, each with the MIG devices listed under it."""
+    gpus: list[PhysicalGpu] = []
+    for line in listing.splitlines():
+        found = re.search(r"\(UUID: ((?:GPU|MIG)-[^)\s]+)\)", line)
+        if line.startswith("GPU "):
+            gpus.append(PhysicalGpu(found.group(1) if found else ""))
+        elif found and found.group(1).startswith("MIG-") and gpus:
+            gpus[-1] = PhysicalGpu(gpus[-1].uuid, (*gpus[-1].migs, found.group(1)))
+    return gpus
+
+
+def _leading_number(entry: str) -> int | None:
+    """The unsigned number ``entry`` starts with, as CUDA's ``strtoul`` reads it (``1gpu`` → 1); None
+    for none or a sign (``-1``)."""
+    digits = re.match(r"\+?(\d+)", entry)
+    return int(digits.group(1)) if digits else None
+
+
+def _unique_prefix(entry: str, candidates: Sequence[str]) -> str | None:
+    matches = [c for c in candidates if c and c.startswith(entry)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def visible_cuda_devices(value: str | None, gpus: Sequence[PhysicalGpu]) -> int:
+    """How many CUDA devices a process sees on a machine with ``gpus`` under ``CUDA_VISIBLE_DEVICES`` =
+    ``value``, by CUDA's rules (CUDA C Programming Guide, "CUDA Environment Variables"; torch's
+    ``_parse_visible_devices`` restates them): unset, every GPU; set, the comma-separated entries in
+    order — a GPU index (read as ``strtoul`` does), a GPU UUID or a unique prefix of one (``GPU-8932f937``),
+    a MIG device's UUID (``MIG-…``) or ``MIG-<GPU UUID>/<GI>/<CI>`` — up to the first entry that names no
+    device (``-1``, an index past the last GPU, an unknown or ambiguous UUID, an empty entry): the empty
+    string and ``-1`` see none. A device named twice makes the list see none."""
+    if value is None:
+        return len(gpus)
+    gpu_ids = [g.uuid for g in gpus]
+    mig_ids = [m for g in gpus for m in g.migs]
+    seen: list[str] = []
+    for raw in value.split(","):
+        entry = raw.strip()
+        named: str | None
+        if entry.startswith("MIG-GPU-"):  # MIG-<GPU UUID>/<GPU instance>/<compute instance> (CUDA 11.0-11.x)
+            parts = entry.removeprefix("MIG-").split("/")
+            parent = _unique_prefix(parts[0], gpu_ids)
+            named = entry if parent is not None and len(parts) == 3 and all(p.isdigit() for p in parts[1:]) else None
+        elif entry.startswith("MIG-"):
+            named = _unique_prefix(entry, mig_ids)
+        elif entry.startswith("GPU-"):
+            named = _unique_prefix(entry, gpu_ids)
+        else:
+            number = _leading_number(entry)
+            named = None if number is None or number >= len(gpus) else (gpu_ids[number] or f"#{number}")
+        if named is None:
+            break
+        if named in seen:
+            return 0
+        seen.append(named)
+    return len(seen)
+
+
+def cuda_device_count() -> int:
+    """CUDA devices visible to this process: ``nvidia-smi -L``'s GPUs (0 without the tool) under this
+    process's ``CUDA_VISIBLE_DEVICES`` (:func:`visible_cuda_devices`)."""
     if shutil.which("nvidia-smi") is None:
         return 0
     found = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
-    visible = [line for line in found.stdout.splitlines() if line.startswith("GPU ")]
-    limit = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return min(len(visible), len([v for v in limit.split(",") if v.strip()])) if limit else len(visible)
+    return visible_cuda_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), nvidia_smi_gpus(found.stdout))
 
 
 _DEVICE: dict[str, Any] = {}

@@ -30,7 +30,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -350,18 +351,32 @@ def cuda_device_count() -> int:
     return visible_cuda_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), nvidia_smi_gpus(found.stdout))
 
 
+class DeviceError(TonearmError):
+    """A device process of ``--devices`` that could not start its encoder, or ended while embedding: the
+    message names the device and what it said."""
+
+
 _DEVICE: dict[str, Any] = {}
-"""In a device process: its encode function and its decoder (set once by :func:`_start_device`)."""
+"""In a device process: its encode function and its decoder (set once by :func:`_start_device`), or the
+error that stopped them (``error``), reported by :func:`_device_ready`."""
 
 
 def _start_device(spec: EncoderSpec, decode: Callable[[Any], np.ndarray], options: PassOptions,
-                  devices: Any) -> None:
-    device_id = devices.get()
-    clock = PassClock()
-    # threads, not processes: a pool worker's own process pool is never shut down (it leaves through
-    # os._exit after joining its children, which then wait forever)
-    decoder = Decoder(decode, options, clock, threads=True).__enter__()
-    _DEVICE.update(encode=spec.load(device_id), decoder=decoder, device=device_id, dim=spec.embed_dim)
+                  device_id: int) -> None:
+    try:
+        clock = PassClock()
+        # threads, not processes: a pool worker's own process pool is never shut down (it leaves through
+        # os._exit after joining its children, which then wait forever)
+        decoder = Decoder(decode, options, clock, threads=True).__enter__()
+        _DEVICE.update(encode=spec.load(device_id), decoder=decoder, device=device_id, dim=spec.embed_dim)
+    except Exception as err:  # noqa: BLE001 - told to the parent by _device_ready, which names the device
+        first = (str(err).strip().splitlines() or [""])[0]
+        _DEVICE["error"] = f"{type(err).__name__}: {first}" if first else type(err).__name__
+
+
+def _device_ready() -> str:
+    """In a device process: "" once its encoder is loaded, else why it could not be."""
+    return str(_DEVICE.get("error", ""))
 
 
 def _embed_on_device(ids: Sequence[str], sources: Sequence[Any], indices: Sequence[int]) -> tuple[Chunk, float, float]:
@@ -374,48 +389,70 @@ def _embed_on_device(ids: Sequence[str], sources: Sequence[Any], indices: Sequen
 
 
 class DevicePool:
-    """One process per device (``spawn``), each with its own encoder session and decode workers; a chunk
-    is split into one contiguous share per device and the shares concatenated back in item order, so the
-    pass's result (ids, order, skips) is the one-device pass's and the vectors match it to float tolerance."""
+    """One process per device (``spawn``; a one-worker pool each, so a share and a failure belong to a known
+    device), each with its own encoder session and decode threads; a chunk is split into one contiguous share
+    per device and the shares concatenated back in item order, so the pass's result (ids, order, skips) is the
+    one-device pass's and the vectors match it to float tolerance.
+
+    Entering the pool starts every device and waits until each has loaded its encoder: a device that cannot
+    (CUDA libraries missing, a bad ``device_id``, its process killed) stops the pass before any chunk, with a
+    :class:`DeviceError` naming each such device and its error."""
 
     def __init__(self, spec: EncoderSpec, devices: Sequence[int], decode: Callable[[Any], np.ndarray],
                  options: PassOptions, clock: PassClock) -> None:
         self.spec, self.devices, self.decode, self.clock = spec, list(devices), decode, clock
         share = max(0, options.decode_workers // max(1, len(self.devices)))
-        self.options = PassOptions(decode_workers=share, prefetch=options.prefetch, batch_samples=options.batch_samples)
-        self.manager: Any = None
-        self.pool: ProcessPoolExecutor | None = None
+        self.options = replace(options, decode_workers=share, devices=None)
+        self.pools: list[ProcessPoolExecutor] = []
 
     def __enter__(self) -> DevicePool:
         context = multiprocessing.get_context("spawn")
-        self.manager = context.Manager()
-        queue = self.manager.Queue()
-        for device in self.devices:
-            queue.put(device)
-        self.pool = ProcessPoolExecutor(len(self.devices), mp_context=context, initializer=_start_device,
-                                        initargs=(self.spec, self.decode, self.options, queue))
+        try:
+            for device in self.devices:
+                self.pools.append(ProcessPoolExecutor(1, mp_context=context, initializer=_start_device,
+                                                      initargs=(self.spec, self.decode, self.options, device)))
+            ready = [pool.submit(_device_ready) for pool in self.pools]
+            failed = []
+            for device, future in zip(self.devices, ready, strict=True):
+                try:
+                    error = future.result()
+                except BrokenProcessPool:
+                    error = "its process ended while starting (killed, out of memory, or a crash in the provider)"
+                if error:
+                    failed.append(f"device {device}: {error}")
+            if failed:
+                raise DeviceError(f"--devices: {len(failed)} of {len(self.devices)} device processes could not "
+                                  f"start their encoder ({self.spec.path}, providers "
+                                  f"{', '.join(self.spec.providers)}): " + "; ".join(failed))
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-            self.pool = None
-        if self.manager is not None:
-            self.manager.shutdown()
-            self.manager = None
+        pools, self.pools = self.pools, []
+        for pool in pools:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def embedder(self, ids: Sequence[str], sources: Sequence[Any]) -> EmbedChunk:
-        assert self.pool is not None, "use DevicePool as a context manager"
-        pool, n = self.pool, len(self.devices)
+        assert self.pools, "use DevicePool as a context manager"
+        pools, n = self.pools, len(self.devices)
 
         def embed(indices: Sequence[int], advance: Callable[[int], None]) -> Chunk:
             indices = list(indices)
-            size = -(-len(indices) // n)
+            size = max(1, -(-len(indices) // n))
             shares = [indices[k : k + size] for k in range(0, len(indices), size)]
             began = time.monotonic()
             futures = [pool.submit(_embed_on_device, [ids[i] for i in share], [sources[i] for i in share],
-                                   list(range(len(share)))) for share in shares]
-            parts = [f.result() for f in futures]
+                                   list(range(len(share)))) for pool, share in zip(pools, shares, strict=False)]
+            parts = []
+            for device, future in zip(self.devices, futures, strict=False):
+                try:
+                    parts.append(future.result())
+                except BrokenProcessPool:
+                    raise DeviceError(f"--devices: the process of device {device} ended while embedding its share "
+                                      "of a chunk (killed, out of memory, or a crash in the provider); the chunks "
+                                      "saved so far are kept for a rerun") from None
             wall = time.monotonic() - began
             self.clock.encode_busy += wall * (sum(p[1] for p in parts) / max(wall * len(parts), 1e-9))
             self.clock.decode_wait += wall * (sum(p[2] for p in parts) / max(wall * len(parts), 1e-9))
@@ -434,7 +471,7 @@ def pass_embedder(ids: Sequence[str], sources: Sequence[Any], decode: Callable[[
     """The pass's :data:`~index.catalogue.checkpoint.EmbedChunk`: on ``options.devices`` (one process each,
     ``spec`` their encoder) or in this process (``encode``); its pools entered on ``stack`` (an ExitStack)."""
     if options.devices:
-        if spec is None:
+        if spec is None:  # a programming error: every pass hands its encoder's spec (tests/index/test_catalogue_pass.py)
             raise ValueError("a pass over several devices needs the encoder's EncoderSpec")
         pool = stack.enter_context(DevicePool(spec, options.devices, decode, options, clock))
         return pool.embedder(ids, sources)

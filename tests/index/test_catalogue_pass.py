@@ -9,6 +9,8 @@ processes with their own decode worker each).
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,9 @@ from index.bundle.format import read_manifest
 from index.catalogue.embed_pass import (
     DecodeCall,
     Decoder,
+    DeviceError,
+    DevicePool,
+    EncoderSpec,
     PassClock,
     PassOptions,
     length_batches,
@@ -88,3 +93,34 @@ def test_devices_are_parsed_and_refused_without_cuda() -> None:
     for bad, device in (("0,1", "cpu"), ("0,0", "cuda"), ("x", "cuda"), ("-1", "cuda")):
         with pytest.raises(TonearmError):
             parse_devices(bad, device)
+
+
+@dataclass(frozen=True)
+class StartFails(EncoderSpec):
+    """Device 1's encoder does not start: it raises as a CUDA provider without its libraries would, or its
+    process dies at once (``how="exit"``)."""
+
+    how: str = "raise"
+
+    def load(self, device_id: int | None):  # type: ignore[no-untyped-def]
+        if device_id == 1:
+            if self.how == "exit":
+                os._exit(3)
+            raise RuntimeError("CUDA failure 100: no CUDA-capable device is detected\n(a second line)")
+        return super().load(device_id)
+
+
+@pytest.mark.parametrize(("how", "said"), [("raise", "device 1: RuntimeError: CUDA failure 100: no CUDA-capable "
+                                                     "device is detected"),
+                                           ("exit", "device 1: its process ended while starting")])
+def test_a_device_that_cannot_start_is_named_with_its_error(tiny_bundle: Path, how: str, said: str) -> None:
+    """Issue 55: not a bare BrokenProcessPool — the pass stops before any chunk, naming the device and its error."""
+    manifest = read_manifest(tiny_bundle)
+    spec = StartFails(path=str(tiny_bundle / manifest.audio_encoder.file), embed_dim=manifest.embed_dim,
+                      clip_samples=manifest.clip_samples, how=how)
+    decode = DecodeCall(decode_file, args=(manifest.sample_rate,))
+    with pytest.raises(DeviceError) as raised, DevicePool(spec, [0, 1], decode, PassOptions(), PassClock()):
+        pass
+    message = str(raised.value)
+    assert said in message and "1 of 2 device processes" in message and "device 0" not in message
+    assert "second line" not in message  # one line

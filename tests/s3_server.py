@@ -1,6 +1,8 @@
 """A real S3-compatible server for the tests: `moto_server` on a free loopback port (session
 fixture :func:`s3_endpoint`), and :class:`CountingProxy`, a TCP relay in front of it that counts
-the bytes the server sends back — what a client really fetched, read-ahead included."""
+the bytes the server sends back — what a client really fetched, read-ahead included — and
+:class:`FolderS3`, a minimal S3 server of a folder whose answers a test can bend (a 200 with the
+whole object to a Range request, a 503 forever), counting the requests."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -109,3 +112,105 @@ class CountingProxy:
     def close(self) -> None:
         self.closed = True
         self.listener.close()
+
+
+class FolderS3:
+    """A minimal S3-compatible server in a thread: ``HEAD``/``GET /BUCKET/KEY`` answered from
+    ``folder/KEY`` (any bucket), ``Range`` honoured with a 206 and ``Content-Range`` — unless
+    :attr:`answer` says otherwise. ``answer(method, key, range_header)`` returns ``None`` (behave) or
+    what to do instead: ``"ignore-range"`` (200 with the whole object, as a server or proxy that drops
+    ``Range`` does) or an HTTP status (the S3 error body of that status; 503 is ``SlowDown``). Every
+    request is recorded in :attr:`requests` as ``(method, key, range_header)``. Use as a context
+    manager: AWS_* point s3fs at it while it runs."""
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        import http.server
+        from pathlib import Path
+
+        self.folder = Path(folder)
+        self.requests: list[tuple[str, str, str | None]] = []
+        self.answer: Callable[[str, str, str | None], str | int | None] = lambda method, key, rng: None
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:  # quiet
+                pass
+
+            def do_HEAD(self) -> None:  # noqa: N802 - http.server's naming
+                owner._serve(self, head=True)
+
+            def do_GET(self) -> None:  # noqa: N802
+                owner._serve(self, head=False)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._saved: dict[str, str | None] = {}
+
+    def _serve(self, handler: Any, *, head: bool) -> None:
+        import re
+        from urllib.parse import unquote, urlsplit
+
+        path = unquote(urlsplit(handler.path).path).lstrip("/")
+        key = path.split("/", 1)[1] if "/" in path else ""
+        rng = handler.headers.get("Range")
+        method = "HEAD" if head else "GET"
+        self.requests.append((method, key, rng))
+        what = self.answer(method, key, rng)
+        target = self.folder / key
+        if isinstance(what, int) or not key or not target.is_file():
+            status = what if isinstance(what, int) else 404
+            code, message = {503: ("SlowDown", "Please reduce your request rate."),
+                             404: ("NoSuchKey", "The specified key does not exist.")}.get(
+                status, ("InternalError", "We encountered an internal error. Please try again."))
+            body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
+                    f"<Key>{key}</Key><RequestId>stub</RequestId></Error>").encode()
+            handler.send_response(status)
+            handler.send_header("Content-Type", "application/xml")
+            handler.send_header("Content-Length", str(0 if head else len(body)))
+            handler.end_headers()
+            if not head:
+                handler.wfile.write(body)
+            return
+        data = target.read_bytes()
+        status, headers = 200, {"Accept-Ranges": "bytes"}
+        match = re.fullmatch(r"bytes=(\d+)-(\d*)", rng or "")
+        if match and what != "ignore-range":
+            start = int(match[1])
+            end = min(int(match[2]) + 1 if match[2] else len(data), len(data))
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
+            data, status = data[start:end], 206
+        handler.send_response(status)
+        for name, value in headers.items():
+            handler.send_header(name, value)
+        handler.send_header("Content-Length", str(len(data)))
+        handler.send_header("ETag", '"stub"')
+        handler.send_header("Last-Modified", "Thu, 01 Jan 2026 00:00:00 GMT")
+        handler.end_headers()
+        if not head:
+            handler.wfile.write(data)
+
+    def __enter__(self) -> FolderS3:
+        import s3fs
+
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+        self._saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        s3fs.S3FileSystem.clear_instance_cache()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import s3fs
+
+        self.server.shutdown()
+        self.server.server_close()
+        for key, value in self._saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        s3fs.S3FileSystem.clear_instance_cache()

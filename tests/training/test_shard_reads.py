@@ -1,7 +1,9 @@
 """The bucket read once (issue 48): `tonearm data shard` records each sample's byte range, the stream
 range-reads only its share's samples from a real S3-compatible server (moto_server) — bytes fetched
 counted by a TCP proxy in front of it — and a read that fails is retried from the failing sample's
-offset (a wrapped s3fs filesystem that fails on cue), only what stays unreadable counted."""
+offset (a wrapped s3fs filesystem that fails on cue), only what stays unreadable counted; a reply
+that is not the range asked for is retried, never parsed, and the retries are ours alone (a stub S3
+server that ignores Range or answers 503 forever, issue 55 part 4)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.s3_server import CountingProxy
+from tests.s3_server import CountingProxy, FolderS3
 
 CLIPS, SECONDS, RATE, SHARD = 240, 2.0, 16_000, 20
 
@@ -165,13 +167,15 @@ def flaky_filesystem() -> type:
     class FlakyS3(s3fs.S3FileSystem):
         protocol = ("flaky",)
 
-        async def _cat_file(self, path: str, version_id: Any = None, start: Any = None, end: Any = None) -> Any:
-            Flaky.requests.append((path, start, end))
-            key = (path.rsplit("/", 1)[-1], start)
-            if Flaky.failures.get(key, 0) > 0:
-                Flaky.failures[key] -= 1
-                raise OSError(f"connection reset by peer (injected at byte {start})")
-            return await super()._cat_file(path, version_id=version_id, start=start, end=end)
+        async def _call_s3(self, method: str, *args: Any, **kwargs: Any) -> Any:
+            if method == "get_object" and "Range" in kwargs:  # the stream's range reads (stream.fetch_range)
+                first, last = (int(n) for n in kwargs["Range"].removeprefix("bytes=").split("-"))
+                Flaky.requests.append((f"{kwargs['Bucket']}/{kwargs['Key']}", first, last + 1))
+                key = (kwargs["Key"].rsplit("/", 1)[-1], first)
+                if Flaky.failures.get(key, 0) > 0:
+                    Flaky.failures[key] -= 1
+                    raise OSError(f"connection reset by peer (injected at byte {first})")
+            return await super()._call_s3(method, *args, **kwargs)
 
     return FlakyS3
 
@@ -224,6 +228,9 @@ def test_a_sample_still_unreadable_after_the_retries_is_the_only_one_counted(fla
     served = [entry.index for entry, _ in got if not isinstance(entry, str)]
     bad_row = int(stream.plan.rows[3][9])
     assert len(errors) == 1 and stream.plan.ids[bad_row] in errors[0] and "after 2 retries" in errors[0]
+    # its request of 3 samples: 3 attempts; then one request per sample, no more retries
+    shard3 = [start for path, start, _ in Flaky.requests if path.endswith("train-000003.tar")]
+    assert shard3.count(spans[9][1]) == 3 + 1
     assert sorted(served) == sorted(set(range(CLIPS)) - {bad_row})  # its request's other samples were read
 
 
@@ -296,3 +303,96 @@ def test_an_older_shard_set_reopens_a_shard_at_the_failing_samples_header_and_lo
     failed = events.index(next(e for e in events if e[0] == "fail"))
     assert events[failed + 1] == ("seek", sixth["offset"])  # reopened at sample 6's first header
     assert any("retry 1 of 3" in r.getMessage() for r in caplog.records)
+
+
+# --- replies checked, one retry layer (issue 55, part 4) --------------------------------------------
+
+
+@pytest.fixture
+def stub_bucket(wav_shards: Path) -> Iterator[FolderS3]:
+    """The shards served by :class:`FolderS3` (a minimal S3 server whose answers a test can bend)."""
+    with FolderS3(wav_shards) as server:
+        yield server
+
+
+def test_a_range_reply_holding_the_whole_object_is_retried_never_parsed_and_no_sample_is_lost(
+        stub_bucket: FolderS3) -> None:
+    """The review's reproduction: a server that answers a Range request with a 200 and the whole shard
+    (every other request here) made samples of equal size parse as the shard's first clips (counted as
+    bad: 4 of 8 lost). Every reply is now checked by its length before a byte of it is parsed."""
+    from training.data.stream import ReadPolicy
+
+    answered: list[int] = []
+
+    def every_other(method: str, key: str, rng: str | None) -> str | None:
+        if method == "GET" and rng and key.endswith(".tar"):
+            answered.append(1)
+            return "ignore-range" if len(answered) % 2 == 1 else None
+        return None
+
+    stub_bucket.answer = every_other
+    stream = make_stream("s3://any", rank=0, world=1, workers=0, batch=8,
+                         policy=ReadPolicy(retries=2, backoff=0.0, block=4 * sample_bytes_of(stub_bucket)))
+    assert len(set(sample_bytes(stub_bucket.folder))) == 1  # every sample the same size: only ids tell them apart
+    entries = [entry for entry, _ in share_entries(stream)]
+    assert [e for e in entries if isinstance(e, str)] == []
+    assert sorted(e.index for e in entries) == list(range(CLIPS))  # nothing lost, nothing twice
+    assert len(answered) >= 2 * (CLIPS // 4)  # a wrong reply to every request once, then the right one
+
+
+def sample_bytes_of(server: FolderS3) -> int:
+    return sample_bytes(server.folder)[0]
+
+
+def test_a_server_that_always_ignores_range_is_a_clear_error_per_sample_never_another_clip(
+        stub_bucket: FolderS3) -> None:
+    from training.data.stream import ReadPolicy
+
+    stub_bucket.answer = lambda method, key, rng: "ignore-range" if rng and key.endswith("train-000002.tar") else None
+    stream = make_stream("s3://any", rank=0, world=1, workers=0, batch=8, policy=ReadPolicy(retries=1, backoff=0.0))
+    entries = [entry for entry, _ in share_entries(stream)]
+    errors = [e for e in entries if isinstance(e, str)]
+    shard2 = {stream.plan.ids[int(r)] for r in stream.plan.rows[2]}
+    assert len(errors) == SHARD and {e.split(": ")[1] for e in errors} == shard2
+    assert all("ignores Range" in e for e in errors), errors[0]
+    assert not any("where records.jsonl has" in e for e in errors)  # never parsed as another clip
+    assert len([e for e in entries if not isinstance(e, str)]) == CLIPS - SHARD
+
+
+def test_a_content_range_naming_other_bytes_is_a_wrong_reply() -> None:
+    from training.data.stream import WrongReply, _Permanent, checked_reply
+
+    assert checked_reply(b"x" * 10, "bytes 100-109/500", 100, 110) == b"x" * 10
+    assert checked_reply(b"x" * 10, None, 100, 110) == b"x" * 10
+    with pytest.raises(WrongReply, match="reply holds 'bytes 0-9/500'"):
+        checked_reply(b"x" * 10, "bytes 0-9/500", 100, 110)  # the right length, the wrong bytes
+    with pytest.raises(WrongReply, match="holds 500 bytes"):
+        checked_reply(b"x" * 500, None, 100, 110)  # a 200 with the whole object
+    with pytest.raises(_Permanent, match="cut short"):
+        checked_reply(b"x" * 5, "bytes 100-104/105", 100, 110)  # the object ends before the sample
+
+
+@pytest.mark.parametrize("samples", [1, 3])
+def test_a_persistent_503_gives_up_after_the_documented_retries_alone(stub_bucket: FolderS3, samples: int) -> None:
+    """One retry layer: s3fs' and botocore's own retries are off for shard reads, so a sample the server
+    answers 503 (SlowDown) to forever is given up after ReadPolicy's 4 retries — 5 requests and 7.5 s of
+    waits (the documented total) — where the three layers nested took 125 requests and ~210 s. A merged
+    request of several samples then asks for each once more, without further waits."""
+    import time
+
+    from training.data.stream import ReadPolicy, read_sample_ranges
+
+    stub_bucket.answer = lambda method, key, rng: 503 if key.endswith(".tar") else None
+    records = [json.loads(line) for line in (stub_bucket.folder / "records.jsonl").read_text().splitlines()]
+    spans = [(i, r["offset"], r["size"]) for i, r in enumerate(records[:samples])]
+    waits: list[float] = []
+    began = time.monotonic()
+    got = list(read_sample_ranges(f"s3://any/{records[0]['shard']}", spans, ReadPolicy(), sleep=waits.append))
+    took = time.monotonic() - began
+    assert [ordinal for ordinal, _ in got] == list(range(samples))
+    assert all(isinstance(error, str) and "after 4 retries" in error and "reduce your request rate" in error
+               for _, error in got)
+    requests = [r for r in stub_bucket.requests if r[1].endswith(".tar")]
+    assert len(requests) == 5 + (samples if samples > 1 else 0)
+    assert waits == [0.5, 1.0, 2.0, 4.0]  # 7.5 s in all, ours
+    assert took < 5.0, took  # no library backoff beside ours (s3fs' alone waits ≥ 1.9 s per 5 attempts)

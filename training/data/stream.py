@@ -6,8 +6,10 @@ endpoint and keys come from the usual ``AWS_*`` variables), ``gs://`` (gcsfs) or
 rank keeps ids, shards and seconds as columns, no captions: training/data/shard_records.py —
 each sample's ``.json`` member carries its captions); then each loader worker reads only the samples
 of its share, by byte range (:func:`read_sample_ranges`: records.jsonl gives each sample's offset and
-size; adjacent wanted samples are merged into one request; a failed request is retried with backoff
-from its first sample not yet delivered, :class:`ReadPolicy`), never the whole corpus. Shard sets
+size; adjacent wanted samples are merged into one request; every reply is checked against the range
+asked for before it is parsed, :func:`fetch_range`; a failed request or a wrong reply is retried with
+backoff from its first sample not yet delivered, :class:`ReadPolicy` — the one retry layer: the
+object-store library's own are off for these reads, :func:`data_filesystem`), never the whole corpus. Shard sets
 written before the offsets were recorded are read as files from the first wanted sample on
 (:func:`read_samples`: one read per member where the file seeks, webdataset's tar expander where it
 does not; a failed read reopens the shard at the failing sample's header).
@@ -199,6 +201,92 @@ class _Permanent(Exception):
     are not the sample recorded (the shard was rewritten)."""
 
 
+class WrongReply(OSError):
+    """A range request answered with other bytes than asked for: more bytes than the range (a server or
+    proxy that ignored ``Range`` and sent the whole object with a 200), or a ``Content-Range`` naming
+    another range. Never parsed as a sample: retried like a dropped connection (:class:`ReadPolicy`)."""
+
+
+LIBRARY_RETRIES_OFF: dict[str, dict[str, Any]] = {
+    protocol: {"config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"}}}
+    for protocol in ("s3", "s3a")
+}
+"""Storage options that turn botocore's own retries off for the stream's shard reads
+(``total_max_attempts=1``: one attempt per request); :func:`data_filesystem` sets s3fs' ``retries`` to
+1 on that instance too (a class attribute in s3fs 2026.9, not a constructor argument: its
+``_error_wrapper`` loops ``range(retries)``). So :class:`ReadPolicy` is the one retry layer, with the
+documented total (docs/training.md, "Retries"). Left on, they nest: a persistent 503 ``SlowDown`` on
+one sample took 5 (ours) × 5 (s3fs) × 5 (botocore's legacy mode) = 125 requests and ~210 s of their
+backoff before it was given up (tests/training/test_shard_reads.py)."""
+
+
+def data_filesystem(url: str) -> tuple[Any, str]:
+    """``(filesystem, path)`` of ``url`` for reading shard bytes: the library's retries off where it has
+    them (:data:`LIBRARY_RETRIES_OFF`; fsspec keeps this instance apart from the default one, through
+    which ``index.json`` and ``records.jsonl`` are read with the library's retries)."""
+    import fsspec
+
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
+    fs, path = fsspec.core.url_to_fs(url, **LIBRARY_RETRIES_OFF.get(protocol, {}))
+    if protocol in LIBRARY_RETRIES_OFF:
+        fs.retries = 1  # this instance only: its storage options are ours alone
+    return fs, path
+
+
+async def _s3_range(fs: Any, path: str, start: int, end: int) -> tuple[bytes, str | None]:
+    """Bytes ``start``–``end`` (exclusive) of an S3 object and the reply's ``Content-Range`` (s3fs'
+    ``cat_file`` drops it)."""
+    bucket, key, version = fs.split_path(path)
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                             **({"VersionId": version} if version else {}))
+    try:
+        return bytes(await resp["Body"].read()), resp.get("ContentRange")
+    finally:
+        resp["Body"].close()
+
+
+def fetch_range(fs: Any, path: str, start: int, end: int) -> bytes:
+    """Bytes ``start``–``end`` (exclusive) of ``path``, checked: a reply of another length, or whose
+    ``Content-Range`` (S3; other filesystems give none) names another range, raises :class:`WrongReply`;
+    an object that ends before ``end`` raises :class:`_Permanent` (cut short since it was written)."""
+    import sys
+
+    content_range: str | None = None
+    s3fs = sys.modules.get("s3fs")  # imported wherever an S3 filesystem exists
+    if s3fs is not None and isinstance(fs, s3fs.S3FileSystem):
+        from fsspec.asyn import sync
+
+        data, content_range = sync(fs.loop, _s3_range, fs, path, start, end)
+    else:
+        data = bytes(fs.cat_file(path, start=start, end=end))
+    return checked_reply(data, content_range, start, end)
+
+
+def checked_reply(data: bytes, content_range: str | None, start: int, end: int) -> bytes:
+    """``data`` if it is bytes ``start``–``end`` (exclusive) by its length and ``content_range``
+    (``bytes FIRST-LAST/TOTAL`` or ``None``); :class:`WrongReply` or :class:`_Permanent` if not."""
+    import re
+
+    asked = f"bytes {start}-{end - 1}"
+    if content_range is not None:
+        match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", content_range.strip())
+        if match is None:
+            raise WrongReply(f"asked for {asked}, the reply's Content-Range is {content_range!r}")
+        first, last, total = int(match[1]), int(match[2]), match[3]
+        cut_short = total != "*" and last + 1 == int(total) < end
+        if first != start or (last != end - 1 and not cut_short):
+            raise WrongReply(f"asked for {asked}, the reply holds {content_range!r}")
+        if len(data) != last + 1 - first:
+            raise WrongReply(f"asked for {asked}, the reply says {content_range!r} but holds {len(data)} bytes")
+    if len(data) > end - start:
+        raise WrongReply(f"asked for {asked} ({end - start} bytes), the reply holds {len(data)} bytes (a server or "
+                         "proxy that ignores Range and sends the whole object)")
+    if len(data) < end - start:
+        raise _Permanent(f"the shard ends at byte {start + len(data)}, before the sample's end at {end} "
+                         "(cut short since it was written)")
+    return data
+
+
 @dataclass
 class _Position:
     """How far :func:`read_samples` got in a shard: the byte where the next sample's first header
@@ -318,56 +406,63 @@ def read_sample_ranges(
 ) -> Iterator[tuple[int, dict[str, Any] | str]]:
     """``(ordinal, sample or error)`` for each ``(ordinal, offset, size)`` of ``spans``, in offset
     order: range requests of adjacent samples merged up to ``policy.block`` bytes, nothing else of
-    the shard read. A request that fails is retried with exponential backoff from the byte offset
-    of its first sample not yet delivered; after ``policy.retries`` retries its samples are asked for
-    one by one (each with its own retries), and only a sample that still cannot be read is an error
-    (a string naming the cause). Bytes that are not the recorded sample, an object shorter than
-    recorded, a missing one: :class:`_Permanent` / the error is raised (the caller reads the rest of
-    the shard front to back, :func:`read_samples`)."""
+    the shard read. Every reply is checked (:func:`fetch_range`: its length, and its Content-Range
+    where the filesystem gives one) before a byte of it is parsed. A request that fails — or is
+    answered with other bytes (:class:`WrongReply`) — is retried with exponential backoff, from the
+    byte offset of its first sample not yet delivered; after ``policy.retries`` retries each of its
+    samples is asked for once more on its own (no further waits: the request's total stays the
+    documented one, docs/training.md "Retries"), and only a sample that still cannot be read is an
+    error (a string naming the cause). Bytes that are not the recorded sample, an object shorter
+    than recorded, a missing one: :class:`_Permanent` / the error is raised (the caller reads the
+    rest of the shard front to back, :func:`read_samples`). ``fs``: the filesystem to read through,
+    else :func:`data_filesystem`'s (the object-store library's own retries off)."""
     import time
-
-    import fsspec
 
     policy = policy or ReadPolicy()
     sleep = sleep or time.sleep
     if fs is None:
-        fs, path = fsspec.core.url_to_fs(url)
+        fs, path = data_filesystem(url)
     else:
         path = fs._strip_protocol(url)
 
-    def fetch(group: list[tuple[int, int, int]]) -> bytes:
+    def fetch(group: list[tuple[int, int, int]], retries: int) -> bytes:
         start, end = group[0][1], group[-1][1] + group[-1][2]
-        for attempt in range(policy.retries + 1):
+        for attempt in range(retries + 1):
             try:
-                data = fs.cat_file(path, start=start, end=end)
+                return fetch_range(fs, path, start, end)
             except Exception as err:  # noqa: BLE001 - classified: transient ones are retried
-                if not _transient(err) or attempt == policy.retries:
+                if not _transient(err) or attempt == retries:
                     raise
                 wait = policy.backoff * 2**attempt
                 log.warning("%s: reading bytes %d-%d failed (%s: %s); retry %d of %d in %.1f s", url, start, end,
-                            type(err).__name__, err, attempt + 1, policy.retries, wait)
+                            type(err).__name__, err, attempt + 1, retries, wait)
                 sleep(wait)
-                continue
-            if len(data) < end - start:
-                raise _Permanent(f"the shard ends at byte {start + len(data)}, before the sample's end at {end} "
-                                 "(cut short since it was written)")
-            return bytes(data)
         raise AssertionError("unreachable")
 
     for group in merge_ranges(spans, policy.block):
         try:
-            data = fetch(group)
+            data = fetch(group, policy.retries)
         except _Permanent:
             raise
         except Exception as err:  # noqa: BLE001 - a sample that cannot be read is counted, never the run's end
-            if len(group) > 1 and _transient(err):  # narrow it down: one request per sample
-                for single in group:
-                    yield from read_sample_ranges(url, [single], replace(policy, block=0), fs=fs, sleep=sleep)
-                continue
             if not _transient(err):
                 raise
-            ordinal = group[0][0]
-            yield ordinal, f"unreadable after {policy.retries} retries: {type(err).__name__}: {err}"
+            cause = f"{type(err).__name__}: {err}"
+            if len(group) == 1:
+                yield group[0][0], f"unreadable after {policy.retries} retries: {cause}"
+                continue
+            for single in group:  # narrow it down: one more request per sample, no more waits
+                try:
+                    piece = fetch([single], 0)
+                except _Permanent:
+                    raise
+                except Exception as last:  # noqa: BLE001 - counted, never the run's end
+                    if not _transient(last):
+                        raise
+                    yield single[0], (f"unreadable after {policy.retries} retries of its request of {len(group)} "
+                                      f"samples ({cause}) and one of its own: {type(last).__name__}: {last}")
+                    continue
+                yield single[0], _parse_sample(piece, url)
             continue
         base = group[0][1]
         for ordinal, offset, size in group:
@@ -545,9 +640,8 @@ class ShardStream(IterableDataset):
         samples' offsets, else (or for what is left when the shard's bytes are not the ones
         recorded) the shard read front to back from the first wanted sample; transient errors are
         retried either way (:class:`ReadPolicy`), what is still unreadable is one error per sample."""
-        import fsspec
-
         url = _join(self.url, self.plan.names[shard])
+        fs, path = data_filesystem(url)  # the library's retries off: ReadPolicy is the one retry layer
         rows = dict(zip(self.plan.usable[shard].tolist(), self.plan.rows[shard].tolist(), strict=True))
         delivered: set[int] = set()
         if self.plan.ranged(shard):
@@ -555,7 +649,7 @@ class ShardStream(IterableDataset):
             spans = [(o, int(self.plan.offsets[shard][place[o]]), int(self.plan.sizes[shard][place[o]]))
                      for o in sorted(wanted)]
             try:
-                for ordinal, got in read_sample_ranges(url, spans, self.read_policy):
+                for ordinal, got in read_sample_ranges(url, spans, self.read_policy, fs=fs):
                     delivered.add(ordinal)
                     yield wanted[ordinal], (f"{url}: {self.plan.ids[rows[ordinal]]}: {got}" if isinstance(got, str)
                                             else self._decode(got, epoch, rows[ordinal], url))
@@ -569,7 +663,7 @@ class ShardStream(IterableDataset):
         while True:
             todo = {o: j for o, j in rest.items() if o not in delivered}
             try:
-                with fsspec.open(url, "rb") as stream:
+                with fs.open(path, "rb") as stream:
                     for ordinal, sample in read_samples(stream, url, todo, position):
                         delivered.add(ordinal)
                         attempt = 0

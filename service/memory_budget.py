@@ -67,8 +67,8 @@ class MemoryBudget:
         return max(0, min(nbytes, most))
 
     def _try(self, nbytes: int, body: bool) -> bool:
-        """Take ``nbytes`` (already charged) if they fit; the caller holds ``self._cond``."""
-        if self.used + nbytes > (self.body_capacity if body else self.capacity):
+        """Take ``nbytes`` (already charged) if they fit; the caller holds ``self._cond``. Nothing always fits."""
+        if nbytes and self.used + nbytes > (self.body_capacity if body else self.capacity):
             return False
         self.used += nbytes
         self.peak = max(self.peak, self.used)

@@ -56,6 +56,7 @@ def test_bodies_fill_three_quarters_and_decodes_the_rest():
     assert budget.take(25, 0.01) == 25  # a decode: the reserve is its own
     assert budget.take(5, 0.01) == 5
     assert budget.used == 100 and budget.refused == 1
+    assert budget.take(0, 0.01, body=True) == 0  # an empty body never waits (it is a 415, not a 503)
     assert budget.charge(1000, body=False) == 25 and budget.charge(1000, body=True) == 75  # larger: runs alone
     budget.give(100)
     assert budget.used == 0 and budget.peak == 100

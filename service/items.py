@@ -277,6 +277,8 @@ class ItemStore:
                 self._quarantine(record, "missing-audio", f"stored audio {record.audio} is missing from "
                                  f"{self.log.root / AUDIO_DIR}")
             except ServiceError as err:
+                if err.slug == "overloaded":  # the memory budget is full now: nothing is wrong with the item
+                    raise  # the sync fails whole (a write answers 503 after its record is durable; the follower retries)
                 self._quarantine(record, "over-limit" if err.slug == "audio-limits" else "undecodable", err.detail)
             except OSError as err:
                 self._quarantine(record, "unreadable", f"stored audio {record.audio}: {err.strerror or err}")

@@ -373,3 +373,27 @@ def test_a_replica_starts_without_re_embedding_what_another_embedded(tmp_path):
     path.write_bytes(path.read_bytes() + b"\0" * 64)  # rewritten since (a torn or replaced file)
     second._embed_audio(bundle, records, missing=[])
     assert calls == [1]
+
+
+def test_a_full_memory_budget_fails_the_sync_instead_of_quarantining(tmp_path):
+    """The item sync's decodes draw from the process's memory budget: when uploads hold all of it, the
+    decode is refused (503 overloaded) — nothing is wrong with the item, so it must not be quarantined
+    (a 201 for an item never searchable); the sync fails whole and the next one embeds it."""
+    import dataclasses
+
+    from service.errors import ServiceError
+    from service.items import ItemStore
+    from service.memory_budget import MemoryBudget
+
+    store = ItemStore(tmp_path / "items", make_settings(items_dir=tmp_path / "items"))
+    store.log.put("busy", wav_bytes(tone(["bell"], 0.5)), audio_format="wav")
+    history = store.log.history()
+    records = list(history.records[: history.length])
+    budget = MemoryBudget(1 << 20)
+    store.limits = dataclasses.replace(store.limits, budget=budget, wait_s=0.1)
+    held = budget.take(budget.capacity, 1.0)
+    with pytest.raises(ServiceError) as refused:
+        store._embed_audio(KeywordBundle(tmp_path / "a"), records, missing=[])
+    assert refused.value.slug == "overloaded" and store.quarantine == {}
+    budget.give(held)
+    assert not np.isnan(store._embed_audio(KeywordBundle(tmp_path / "a"), records, missing=[])).any()

@@ -128,8 +128,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--shm-per-node", default=None, help="with --plan: /dev/shm per node (default: half the memory)")
     plan.add_argument("--gpu-memory", default="80Gi", help="with --plan: memory of one GPU (default 80Gi)")
     plan.add_argument("--emit-k8s", action="store_true", help="(implies --plan) print the multi-node Kubernetes Job "
-                      "(k8s/train-multinode/job.yaml) with the CPU, memory and /dev/shm of this plan, training from "
-                      "data.shards; the plan goes to stderr (docs/deploy.md)")
+                      "(k8s/train-multinode/job.yaml: the config's ConfigMap and the Job) with the CPU, memory and "
+                      "/dev/shm of this plan for a pod's share of each node, training from data.shards; the plan goes "
+                      "to stderr (docs/deploy.md)")
+    plan.add_argument("--allocatable-per-node", default=None, metavar="cpu=…,memory=…",
+                      help="with --plan: what one pod may request on a node (kubectl describe node: Allocatable, less "
+                      "the DaemonSets' requests), e.g. cpu=95690m,memory=470Gi; the plan and the Job are made for it "
+                      "(--emit-k8s without it: GKE's reservation formula and 1 core + 2 GiB for DaemonSets below "
+                      "--cores-per-node and --memory-per-node)")
     p.set_defaults(handler=_lazy("training.launch:cli_train", "train"))
 
 

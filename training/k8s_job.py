@@ -4,19 +4,38 @@ sized by the plan of the cluster given (docs/deploy.md, "Training Job: from the 
 A renderer above the plan it renders (:mod:`training.data.cluster_plan` never imports it): the
 dry run that prints both is :func:`training.launch.cli_plan`.
 
-The plan (:func:`training.data.cluster_plan.plan_for`) → the Job, per pod (one pod = one node):
+**What a pod may ask for** (:func:`pod_cluster`): a node's *allocatable* CPU and memory, not its
+capacity — the kubelet keeps some for the system and Kubernetes, and DaemonSets' pods take their
+requests out of the rest, so a pod requesting the whole capacity is never scheduled.
+``--allocatable-per-node cpu=…,memory=…`` gives what a pod may have on the node (``kubectl describe
+node``: Allocatable less the DaemonSets' requests); without it the Job asks for
+:func:`default_allocatable` — GKE's published reservation formula below the capacity
+(``--cores-per-node``, ``--memory-per-node``) and :data:`DAEMONSET_CPU` / :data:`DAEMONSET_MEMORY` for
+DaemonSets — and the plan is made for that pod, not for the whole node.
 
-* ``cpu`` requests = limits = ``--cores-per-node`` (a CPU limit sets the cgroup quota, so
+The plan (:func:`training.data.cluster_plan.plan_for`, of the pod's share) → the Job, per pod
+(one pod = one node):
+
+* ``cpu`` requests = limits = the pod's whole cores (a CPU limit sets the cgroup quota, so
   ``data.num_workers: auto`` inside the pod sees these cores, not the whole machine's), and
   ``data.num_workers`` is passed explicitly as the plan's workers per rank;
-* ``memory`` requests = limits = ``--memory-per-node``: what the plan sized the shuffle buffers from
+* ``memory`` requests = limits = the pod's memory: what the plan sized the shuffle buffers from
   (``data.shuffle_buffer: auto`` takes a share of the memory the pod is given, its cgroup limit)
   and checked everything it counts against (loader, processes, caches, knowledge-base copies: at most
   :data:`~training.data.cluster_plan.HOST_HEADROOM` of it) — the /dev/shm volume's pages are charged
   to it too, and the plan's host figure already holds the batches in flight;
 * the ``shm`` volume's ``sizeLimit`` = the plan's /dev/shm per node × :data:`SHM_MARGIN`, rounded
   up to a GiB; a run checks /dev/shm against its own layout at start and refuses one too small;
-* ``nvidia.com/gpu`` = ``--gpus-per-node``; ``completions`` = ``parallelism`` = ``--nodes``.
+* ``nvidia.com/gpu`` = ``--gpus-per-node``; ``completions`` = ``parallelism`` = ``--nodes``;
+* the config travels **inside the rendered objects**: a ConfigMap (:data:`CONFIG_MAP`) holds the
+  config file as the renderer read it (its ``extends`` chain resolved: one self-contained file),
+  mounted at :data:`CONFIG_PATH` — the pod never depends on a path typed where the Job was rendered;
+* the other overrides given travel in ``EXTRA``, each one shell word (``shlex``), and the script
+  splits them with ``eval "set -- $EXTRA"`` under ``set -f``: ``data.languages=[eng,fra]`` reaches
+  ``tonearm train`` as typed, never as a glob of the pod's working directory;
+* pod 0 exports ``best/`` at the end only when ``CATALOGUE`` names a JSONL manifest of the
+  catalogue's audio (``tonearm export --data`` reads a manifest, not shards): rendered empty, so a
+  bucket-only run ends after training with a line saying how to export.
 
 Failure policy (training/fatal.py): a deterministic failure (``DataError``, ``ConfigError``, a
 refused plan) makes the pod exit :data:`training.fatal.FATAL_EXIT`, which ``podFailurePolicy``
@@ -28,11 +47,16 @@ then the pod fails and counts against ``backoffLimit`` = :data:`BACKOFF_PER_NODE
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import re
 import shlex
+from pathlib import Path
 from typing import Any
 
-from training.data.cluster_plan import Cluster, ClusterPlan
+from training.config import ConfigError, read_config_tree
+from training.data.cluster_plan import Cluster, ClusterPlan, parse_bytes
 from training.fatal import FATAL_EXIT
 
 SHM_MARGIN = 1.25
@@ -46,18 +70,29 @@ SECRET = "tonearm-s3"
 """The Secret with the bucket's credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, optional
 AWS_ENDPOINT_URL and AWS_DEFAULT_REGION): created by the operator, never in git."""
 FATAL_FILE = "/tmp/tonearm-fatal"
+CONFIG_MAP = f"{NAME}-config"
+"""The ConfigMap holding the run's config (key :data:`CONFIG_KEY`), rendered with the Job."""
+CONFIG_KEY = "config.yaml"
+CONFIG_PATH = f"/etc/tonearm/{CONFIG_KEY}"
+"""Where the pod reads its config: the ConfigMap mounted read-only."""
+DAEMONSET_CPU = 1.0
+"""Cores left for DaemonSets' requests (device plugin, log and metrics agents) by the default margin."""
+DAEMONSET_MEMORY = 2 * 2**30
+"""Memory left for DaemonSets' requests by the default margin."""
 
 SCRIPT = """\
 umask 022
+set -f  # no globbing: an override such as data.languages=[eng,fra] is a word, never a pattern
 run="/shared/runs/$RUN_ID"
 rm -f "$TONEARM_FATAL_FILE"
+eval "set -- $EXTRA"  # the other overrides: EXTRA holds them shell-quoted, one word each
 status=0
 torchrun --nnodes "$MIN_NODES:$NODES" --nproc-per-node "$GPUS" \\
   --rdzv-backend c10d --rdzv-endpoint {endpoint} \\
   --rdzv-id "$RUN_ID" --max-restarts {restarts} \\
   -m tonearm.cli train "$CONFIG" data.manifest=null data.shards="$SHARDS" \\
   data.num_workers="$WORKERS" out_dir="$run" resume=true save_every_steps="$SAVE_EVERY_STEPS" \\
-  $EXTRA || status=$?
+  "$@" || status=$?
 if [ "$status" != 0 ]; then
   if [ -f "$TONEARM_FATAL_FILE" ]; then
     echo "deterministic failure, not retried: $(cat "$TONEARM_FATAL_FILE")" >&2
@@ -66,9 +101,76 @@ if [ "$status" != 0 ]; then
   exit "$status"
 fi
 if [ "$JOB_COMPLETION_INDEX" = 0 ]; then
-  tonearm export "$run/best" --data "$CATALOGUE" --out /bundles
+  if [ -z "$CATALOGUE" ]; then
+    echo "trained: $run/best. Not exported: tonearm export indexes a JSONL manifest of the catalogue's audio" \\
+      "(--data), which a run from data.shards does not have; set CATALOGUE to one on the shared claim, or run" \\
+      "tonearm export $run/best --data MANIFEST --out /bundles where the audio is (docs/deploy.md)" >&2
+  elif [ ! -f "$CATALOGUE" ]; then
+    echo "trained: $run/best. Not exported: CATALOGUE=$CATALOGUE is not a file in the pod" >&2
+  else
+    tonearm export "$run/best" --data "$CATALOGUE" --out /bundles
+  fi
 fi
 """
+
+
+def default_allocatable(cores: int, memory: int) -> tuple[float, int]:
+    """(cores, bytes) a pod may request on a node of ``cores`` and ``memory`` when the node's allocatable
+    is not given: GKE's published reservation (kube-reserved CPU: 6 % of the first core, 1 % of the
+    next, 0.5 % of the next 2, 0.25 % above 4; memory: 25 % of the first 4 GiB, 20 % of the next 4,
+    10 % of the next 8, 6 % of the next 112, 2 % above 128 GiB, plus the 100 MiB eviction threshold;
+    other providers' formulas are of the same order) and :data:`DAEMONSET_CPU` / :data:`DAEMONSET_MEMORY`
+    for DaemonSets."""
+    reserved_cpu = _tiered(cores, ((1, 0.06), (2, 0.01), (4, 0.005), (math.inf, 0.0025)), 1)
+    reserved = 100 * 2**20 + _tiered(memory, ((4, 0.25), (8, 0.20), (16, 0.10), (128, 0.06), (math.inf, 0.02)), 2**30)
+    return cores - reserved_cpu - DAEMONSET_CPU, int(memory - reserved - DAEMONSET_MEMORY)
+
+
+def _tiered(amount: float, tiers: tuple[tuple[float, float], ...], unit: float) -> float:
+    """Σ share × the part of ``amount`` in each tier (``(upper bound in units, share)``, ascending)."""
+    reserved, floor = 0.0, 0.0
+    for upto, share in tiers:
+        reserved += max(0.0, min(amount, upto * unit) - floor) * share
+        floor = upto * unit
+    return reserved
+
+
+def parse_allocatable(text: str) -> tuple[float, int]:
+    """``cpu=95690m,memory=470Gi`` (or the JSON of ``kubectl get node N -o jsonpath='{.status.allocatable}'``)
+    → (cores, bytes)."""
+    try:
+        fields = json.loads(text) if text.lstrip().startswith("{") else dict(
+            part.split("=", 1) for part in text.replace(" ", "").split(",") if part)
+    except ValueError:
+        fields = {}
+    if not isinstance(fields, dict) or not {"cpu", "memory"} <= set(fields):
+        raise ConfigError(f"--allocatable-per-node {text!r}: give cpu= and memory=, e.g. cpu=95690m,memory=470Gi "
+                          "(kubectl describe node: Allocatable, less the DaemonSets' requests)")
+    cpu = str(fields["cpu"])
+    match = re.fullmatch(r"([0-9.]+)(m?)", cpu)
+    if match is None:
+        raise ConfigError(f"--allocatable-per-node: cpu={cpu!r} is not a CPU quantity (e.g. 95690m or 95.5)")
+    return float(match[1]) / (1000 if match[2] else 1), parse_bytes(str(fields["memory"]))
+
+
+def pod_cluster(cluster: Cluster, allocatable: str | None) -> tuple[Cluster, str]:
+    """(the cluster as one pod per node sees it: its whole cores and memory out of the node's allocatable,
+    the line that says so). ``allocatable``: ``--allocatable-per-node``, else :func:`default_allocatable`."""
+    if allocatable:
+        cores, memory = parse_allocatable(allocatable)
+        source = f"--allocatable-per-node {allocatable}"
+    else:
+        cores, memory = default_allocatable(cluster.cores_per_node, cluster.memory_per_node)
+        source = (f"the default margin: GKE's reservation formula and {DAEMONSET_CPU:g} core + "
+                  f"{DAEMONSET_MEMORY / 2**30:g} GiB for DaemonSets; give --allocatable-per-node for this cluster")
+    whole = int(math.floor(cores + 1e-9))
+    memory = memory // 2**20 * 2**20  # whole MiB: the request's unit
+    if whole < 1 or memory <= 0 or whole > cluster.cores_per_node or memory > cluster.memory_per_node:
+        raise ConfigError(f"a pod cannot have {cores:g} cores and {memory / 2**30:.1f} GiB on a node of "
+                          f"{cluster.cores_per_node} cores and {cluster.memory_per_node / 2**30:.1f} GiB ({source})")
+    line = (f"pod per node: {whole} cores, {memory / 2**30:.1f} GiB of the node's {cluster.cores_per_node} cores, "
+            f"{cluster.memory_per_node / 2**30:.1f} GiB ({source}); the plan below is the pod's")
+    return dataclasses.replace(cluster, cores_per_node=whole, memory_per_node=memory), line
 
 
 def gib(value: float) -> str:
@@ -76,22 +178,27 @@ def gib(value: float) -> str:
 
 
 def resources(plan: ClusterPlan, cluster: Cluster) -> dict[str, Any]:
-    """The pod's CPU, memory, GPUs and /dev/shm from the plan (module doc)."""
-    return {"cpu": str(cluster.cores_per_node), "memory": gib(cluster.memory_per_node), "gpus": str(cluster.gpus_per_node),
+    """The pod's CPU, memory, GPUs and /dev/shm from the plan of ``cluster`` — the pod's share of each
+    node (:func:`pod_cluster`; module doc)."""
+    memory = cluster.memory_per_node // 2**20
+    return {"cpu": str(cluster.cores_per_node), "memory": f"{memory // 1024}Gi" if memory % 1024 == 0 else f"{memory}Mi",
+            "gpus": str(cluster.gpus_per_node),
             "shm": gib(plan.shm_bytes * SHM_MARGIN), "workers": plan.layout.workers}
 
 
 def job_manifest(plan: ClusterPlan, cluster: Cluster, *, config: str, shards: str, command: str,
                  extra: list[str] | None = None, min_nodes: int | None = None, run_id: str = "tonearm-mn-1",
-                 save_every_steps: int = 500, catalogue: str = "/shared/corpus/manifest.jsonl") -> dict[str, Any]:
-    """The Job (a plain dict, as YAML gives it) of ``plan`` on ``cluster`` (module doc)."""
+                 save_every_steps: int = 500, catalogue: str = "") -> dict[str, Any]:
+    """The Job (a plain dict, as YAML gives it) of ``plan`` on ``cluster``, the pod's share of each node
+    (module doc). ``config``: where the pod reads the config (:data:`CONFIG_PATH`, the ConfigMap of
+    :func:`config_map`); ``extra``: the other overrides, each passed as one word."""
     sized = resources(plan, cluster)
     labels = {"app.kubernetes.io/name": "tonearm", "app.kubernetes.io/component": "train-multinode"}
     nodes = cluster.nodes
     env: list[dict[str, Any]] = [
         {"name": "CONFIG", "value": config},
         {"name": "SHARDS", "value": shards},
-        {"name": "EXTRA", "value": " ".join(extra or [])},  # overrides: word-split by the script, no spaces inside
+        {"name": "EXTRA", "value": shlex.join(extra or [])},  # split by the script's eval: one word each
         {"name": "CATALOGUE", "value": catalogue},
         {"name": "RUN_ID", "value": run_id},
         {"name": "NODES", "value": str(nodes)},
@@ -114,7 +221,8 @@ def job_manifest(plan: ClusterPlan, cluster: Cluster, *, config: str, shards: st
         "resources": {"requests": {"cpu": sized["cpu"], "memory": sized["memory"], "nvidia.com/gpu": sized["gpus"]},
                       "limits": {"cpu": sized["cpu"], "memory": sized["memory"], "nvidia.com/gpu": sized["gpus"]}},
         "volumeMounts": [{"name": "shared", "mountPath": "/shared"}, {"name": "bundles", "mountPath": "/bundles"},
-                         {"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}],
+                         {"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"},
+                         {"name": "config", "mountPath": str(Path(CONFIG_PATH).parent), "readOnly": True}],
     }
     return {
         "apiVersion": "batch/v1", "kind": "Job",
@@ -141,6 +249,7 @@ def job_manifest(plan: ClusterPlan, cluster: Cluster, *, config: str, shards: st
                         {"name": "bundles", "persistentVolumeClaim": {"claimName": "tonearm-bundles"}},
                         {"name": "tmp", "emptyDir": {"sizeLimit": "8Gi"}},
                         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": sized["shm"]}},
+                        {"name": "config", "configMap": {"name": CONFIG_MAP}},
                     ],
                 },
             },
@@ -148,19 +257,39 @@ def job_manifest(plan: ClusterPlan, cluster: Cluster, *, config: str, shards: st
     }
 
 
+def config_map(text: str, *, source: str) -> dict[str, Any]:
+    """The ConfigMap of the run's config (``text``: one self-contained YAML file; ``source``: where it was
+    read, recorded in an annotation)."""
+    labels = {"app.kubernetes.io/name": "tonearm", "app.kubernetes.io/component": "train-multinode"}
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": CONFIG_MAP, "labels": labels, "annotations": {"tonearm.dev/config-source": source}},
+            "data": {CONFIG_KEY: text}}
+
+
+def config_text(path: str | None) -> str:
+    """The config as the pod reads it: the file at ``path`` with its ``extends`` chain resolved (the
+    ConfigMap holds one file), or an empty mapping (the defaults) when no config was given."""
+    import yaml
+
+    tree = read_config_tree(Path(path)) if path else {}
+    return yaml.safe_dump(tree, sort_keys=False, allow_unicode=True, width=120) if tree else "{}\n"
+
+
 HEADER = """\
 # Multi-node training from the bucket: an Indexed Job of NODES pods, each running torchrun with
 # the c10d rendezvous hosted by pod 0 (reached through the headless Service), the shards read
 # from data.shards (s3://…, credentials from the Secret tonearm-s3), checkpoints on a
-# ReadWriteMany claim every node mounts. Rendered by the command in the tonearm.dev/plan
-# annotation (`tonearm train CONFIG --plan … --emit-k8s`): CPU, memory and /dev/shm are the
-# plan's for that cluster shape, and the failure policy ends the Job on a deterministic failure
-# (exit 42). docs/deploy.md, "Training Job: from the plan"; docs/training.md, "Kubernetes multi-node".
+# ReadWriteMany claim every node mounts, the config in the ConfigMap beside the Job. Rendered by
+# the command in the tonearm.dev/plan annotation (`tonearm train CONFIG --plan … --emit-k8s`): CPU,
+# memory and /dev/shm are the plan's for the pod's share of each node (allocatable, not capacity),
+# and the failure policy ends the Job on a deterministic failure (exit 42). docs/deploy.md,
+# "Training Job: from the plan"; docs/training.md, "Kubernetes multi-node".
 """
 
 
-def job_yaml(job: dict[str, Any]) -> str:
-    """The Job as the YAML of k8s/train-multinode/job.yaml (the script as a literal block)."""
+def job_yaml(job: dict[str, Any], config: dict[str, Any] | None = None) -> str:
+    """The ConfigMap (when given) and the Job as the YAML of k8s/train-multinode/job.yaml (the script
+    and the config as literal blocks)."""
     import copy
 
     import yaml
@@ -176,7 +305,12 @@ def job_yaml(job: dict[str, Any]) -> str:
     job = copy.deepcopy(job)
     container = job["spec"]["template"]["spec"]["containers"][0]
     container["args"] = [Block(arg) for arg in container["args"]]
-    return HEADER + yaml.dump(job, Dumper=Dumper, sort_keys=False, width=120)
+    documents = [job]
+    if config is not None:
+        config = copy.deepcopy(config)
+        config["data"] = {key: Block(value) for key, value in config["data"].items()}
+        documents.insert(0, config)
+    return HEADER + yaml.dump_all(documents, Dumper=Dumper, sort_keys=False, width=120)
 
 
 JOB_SETTINGS = ("data.shards=", "data.manifest=", "out_dir=", "data.num_workers=", "resume=", "save_every_steps=")
@@ -184,9 +318,9 @@ JOB_SETTINGS = ("data.shards=", "data.manifest=", "out_dir=", "data.num_workers=
 
 
 def emit(args: Any, cfg: Any, plan: ClusterPlan, cluster: Cluster) -> str:
-    """The YAML ``--emit-k8s`` prints for a plan that fits."""
+    """The YAML ``--emit-k8s`` prints for a plan that fits: the config's ConfigMap and the Job, of
+    ``cluster`` as a pod sees it (:func:`pod_cluster`)."""
     extra = [o for o in getattr(args, "overrides", []) if not o.startswith(JOB_SETTINGS)]
     command = "tonearm " + " ".join(shlex.quote(a) for a in getattr(args, "argv", []) or [])
-    job = job_manifest(plan, cluster, config=args.config or "configs/default.yaml", shards=str(cfg.data.shards),
-                       command=command, extra=extra)
-    return job_yaml(job)
+    job = job_manifest(plan, cluster, config=CONFIG_PATH, shards=str(cfg.data.shards), command=command, extra=extra)
+    return job_yaml(job, config_map(config_text(args.config), source=args.config or "defaults"))

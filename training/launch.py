@@ -25,7 +25,7 @@ from index.errors import DataError, TonearmError
 from training.config import ConfigError, TrainConfig, load_train_config
 from training.data.cluster_plan import Cluster, parse_bytes, plan_for
 from training.fatal import record_fatal, refuse_after_fatal
-from training.k8s_job import emit
+from training.k8s_job import emit, pod_cluster
 from training.rundir import refuse_unless_chosen, train_command, train_overrides
 
 
@@ -82,9 +82,14 @@ def cli_plan(args: argparse.Namespace, cfg: TrainConfig) -> int:
     for name in ("nodes", "gpus_per_node", "cores_per_node"):
         if getattr(cluster, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    plan = plan_for(cfg, cluster)
     emit_k8s = getattr(args, "emit_k8s", False)
-    (sys.stderr if emit_k8s else sys.stdout).write("\n".join(plan.lines) + "\n")
+    out = sys.stderr if emit_k8s else sys.stdout
+    allocatable = getattr(args, "allocatable_per_node", None)
+    if emit_k8s or allocatable:  # a pod gets the node's allocatable, not its capacity (training/k8s_job.py)
+        cluster, line = pod_cluster(cluster, allocatable)
+        out.write(line + "\n")
+    plan = plan_for(cfg, cluster)
+    out.write("\n".join(plan.lines) + "\n")
     if plan.fits and emit_k8s:  # the Job of k8s/train-multinode sized by this plan (training/k8s_job.py)
         sys.stdout.write(emit(args, cfg, plan, cluster))
     if not plan.fits:

@@ -270,20 +270,35 @@ def test_the_shipped_multinode_job_is_what_its_plan_renders(tmp_path, capsys, mo
     path = ROOT / "k8s/train-multinode/job.yaml"
     if os.environ.get("TONEARM_WRITE_MANIFESTS") == "1":
         path.write_text(text)
-    job, shipped = yaml.safe_load(text), yaml.safe_load(path.read_text())
-    assert job == shipped, "k8s/train-multinode/job.yaml differs from its plan: rerun with TONEARM_WRITE_MANIFESTS=1"
+    documents, shipped_documents = list(yaml.safe_load_all(text)), list(yaml.safe_load_all(path.read_text()))
+    assert documents == shipped_documents, ("k8s/train-multinode/job.yaml differs from its plan: rerun with "
+                                            "TONEARM_WRITE_MANIFESTS=1")
+    config_map, shipped = shipped_documents
     assert shipped["metadata"]["annotations"]["tonearm.dev/plan"] == "tonearm " + " ".join(SHIPPED_PLAN)
 
-    cfg = load_train_config(ROOT / "configs/default.yaml", [f"data.shards={folder}"])
-    plan = plan_for(cfg, Cluster(nodes=4, gpus_per_node=8, cores_per_node=96, memory_per_node=480 * 2**30,
-                                 shm_per_node=240 * 2**30))
+    # The config travels in the ConfigMap the pod mounts, not as a path typed where it was rendered.
+    from training.config import read_config_tree
+    from training.k8s_job import CONFIG_KEY, CONFIG_PATH, default_allocatable
+
+    assert yaml.safe_load(config_map["data"][CONFIG_KEY]) == read_config_tree(ROOT / "configs/default.yaml")
     spec, pod = shipped["spec"], shipped["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}
-    assert container["resources"]["requests"] == container["resources"]["limits"]  # a CPU quota: `auto` sees 96
-    assert quantity(container["resources"]["limits"]["cpu"]) == 96 and int(env["WORKERS"]) == 96 // 8 - 1
+    volume = next(v for v in pod["volumes"] if v.get("configMap"))
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"] and env["CONFIG"] == CONFIG_PATH
+    mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
+    assert CONFIG_PATH == f"{mount['mountPath']}/{CONFIG_KEY}" and mount["readOnly"] is True
+
+    # Requests from what a pod may have (the node's allocatable), never the node's capacity.
+    cores, memory = default_allocatable(96, 480 * 2**30)
+    assert 90 < cores < 96 and 440 * 2**30 < memory < 480 * 2**30
+    cfg = load_train_config(ROOT / "configs/default.yaml", [f"data.shards={folder}"])
+    plan = plan_for(cfg, Cluster(nodes=4, gpus_per_node=8, cores_per_node=int(cores),
+                                 memory_per_node=memory // 2**20 * 2**20, shm_per_node=240 * 2**30))
+    assert container["resources"]["requests"] == container["resources"]["limits"]  # a CPU quota: `auto` sees them
+    assert quantity(container["resources"]["limits"]["cpu"]) == int(cores) and int(env["WORKERS"]) == int(cores) // 8 - 1
     assert plan.layout.workers == int(env["WORKERS"]) and "data.num_workers=\"$WORKERS\"" in container["args"][0]
-    assert quantity(container["resources"]["limits"]["memory"]) == 480 * 2**30 >= plan.node_host_bytes / 0.8
+    assert quantity(container["resources"]["limits"]["memory"]) == memory // 2**20 * 2**20 >= plan.node_host_bytes / 0.8
     shm = next(v for v in pod["volumes"] if v["name"] == "shm")["emptyDir"]
     assert quantity(shm["sizeLimit"]) == math.ceil(1.25 * plan.shm_bytes / 2**30) * 2**30 >= plan.shm_bytes
     assert int(env["NODES"]) == spec["completions"] == 4 and env["GPUS"] == "8"

@@ -1,6 +1,8 @@
 """A run that refuses a plan its node cannot hold, and a deterministic failure that is not retried
 (issue 48, deliverable 4): /dev/shm checked at start, and the multi-node Job's own script under a real
-torchrun ending with the exit status its podFailurePolicy fails the Job on."""
+torchrun ending with the exit status its podFailurePolicy fails the Job on. The Job a pod can be
+scheduled with (issue 55, part 4): requests from the node's allocatable, its config in a ConfigMap,
+overrides passed as typed (brackets included), no export of a manifest a bucket-only run lacks."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,7 +76,7 @@ def test_a_data_error_under_the_jobs_torchrun_fails_once_and_exits_with_the_fata
 
     from training.fatal import FATAL_EXIT
 
-    job = yaml.safe_load((ROOT / "k8s/train-multinode/job.yaml").read_text())
+    job = next(d for d in yaml.safe_load_all((ROOT / "k8s/train-multinode/job.yaml").read_text()) if d["kind"] == "Job")
     (container,) = job["spec"]["template"]["spec"]["containers"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -91,3 +94,80 @@ def test_a_data_error_under_the_jobs_torchrun_fails_once_and_exits_with_the_fata
     assert "deterministic failure, not retried" in done.stderr and "DataError" in done.stderr
     assert done.stderr.count("not restarted: this launch already failed deterministically") == 2  # --max-restarts 2
     assert "tonearm export" not in done.stderr
+
+
+def emitted(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(ConfigMap, Job) printed by ``tonearm train … --plan --emit-k8s`` on a metadata-only shard folder."""
+    import yaml
+
+    from tests.deploy.test_manifests import metadata_corpus
+    from tonearm.cli import main
+
+    folder = metadata_corpus(tmp_path / "shards")
+    assert main(["train", *args, f"data.shards={folder}", "--plan", "--nodes", "4", "--gpus-per-node", "8",
+                 "--cores-per-node", "96", "--memory-per-node", "480Gi", "--emit-k8s"]) == 0
+    config_map, job = yaml.safe_load_all(capsys.readouterr().out)
+    assert config_map["kind"] == "ConfigMap" and job["kind"] == "Job"
+    return config_map, job
+
+
+def test_the_job_requests_the_nodes_allocatable_and_carries_its_config_in_a_config_map(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The review: the Job requested the node's capacity (never schedulable: allocatable is lower) and
+    ran its config by the path typed where it was rendered."""
+    import yaml
+
+    from training.config import read_config_tree
+    from training.k8s_job import CONFIG_KEY, CONFIG_PATH
+
+    config = tmp_path / "mine" / "run.yaml"  # a path the pod does not have, extending another file
+    config.parent.mkdir()
+    config.write_text(f"extends: {ROOT / 'configs' / 'default.yaml'}\noptim:\n  lr: 0.0002\n")
+    config_map, job = emitted(tmp_path, capsys, str(config), "--allocatable-per-node", "cpu=95690m,memory=470Gi")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["requests"] == container["resources"]["limits"]
+    assert container["resources"]["requests"]["cpu"] == "95" and container["resources"]["requests"]["memory"] == "470Gi"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["WORKERS"] == str(95 // 8 - 1)  # the plan made for the pod's 95 cores, not the node's 96
+    assert env["CONFIG"] == CONFIG_PATH and str(config) not in str(job["spec"])  # only in the annotation
+    shipped = yaml.safe_load(config_map["data"][CONFIG_KEY])
+    assert shipped == read_config_tree(config) and shipped["optim"]["lr"] == 0.0002 and "extends" not in shipped
+    assert {"name": "config", "configMap": {"name": config_map["metadata"]["name"]}} in job["spec"]["template"]["spec"][
+        "volumes"]
+
+    _, job = emitted(tmp_path, capsys, str(config))  # no --allocatable-per-node: the documented margin
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["requests"]["cpu"] == "94"  # 96 less GKE's 0.31 and 1 for DaemonSets
+    memory = container["resources"]["requests"]["memory"]
+    assert memory.endswith("Mi") and 455 * 1024 < int(memory[:-2]) < 470 * 1024
+
+
+def test_an_override_with_brackets_reaches_tonearm_train_as_typed_and_a_bucket_run_skips_the_export(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``data.languages=[eng,fra]`` was expanded unquoted from ``$EXTRA``: a bracket glob that a file such as
+    ``data.languages=e`` in the pod's working directory turned into another argument. The Job's own script
+    runs here with stand-ins for torchrun and tonearm that record their arguments."""
+    typed = ["data.languages=[eng,fra]", "data.drop_other_languages=true", "eval.split=it's a b*"]
+    _, job = emitted(tmp_path, capsys, str(ROOT / "configs" / "default.yaml"), *typed)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    bin_dir, work = tmp_path / "bin", tmp_path / "work"
+    bin_dir.mkdir()
+    work.mkdir()
+    for name in ("torchrun", "tonearm"):
+        (bin_dir / name).write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > "{tmp_path}/{name}.args"\n')
+        (bin_dir / name).chmod(0o755)
+    for name in ("data.languages=e", "data.languages=a", "eval.split=it's a bc"):  # what the globs would match
+        (work / name).touch()
+    unquoted = subprocess.run(["/bin/bash", "-c", 'echo $EXTRA'], env={**os.environ, "EXTRA": " ".join(typed)},
+                              cwd=work, capture_output=True, text=True, check=True)
+    assert "data.languages=a data.languages=e" in unquoted.stdout  # the old script's expansion
+    script = container["args"][0].replace("/shared/runs", str(tmp_path / "runs"))
+    done = subprocess.run(["/bin/bash", "-ceu", script], cwd=work, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                               "TONEARM_FATAL_FILE": str(tmp_path / "fatal"), "JOB_COMPLETION_INDEX": "0"})
+    assert done.returncode == 0, done.stderr
+    args = (tmp_path / "torchrun.args").read_text().splitlines()
+    assert args[-len(typed):] == typed  # each one word, as typed
+    assert not (tmp_path / "tonearm.args").exists()  # no export: CATALOGUE is empty for a bucket-only run
+    assert "Not exported: tonearm export indexes a JSONL manifest" in done.stderr

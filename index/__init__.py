@@ -5,11 +5,12 @@ Subpackages by concern, each importing only what lies below it (tests/test_impor
 ====  =========================  =====================================================================
 rank  package                    holds
 ====  =========================  =====================================================================
-0     errors, languages, cpus    user-facing errors, language codes, usable CPUs (modules of this folder)
-1     audio, metrics             decoding and formats; pure-numpy retrieval and moment metrics
-2     bundle                     the bundle on disk: manifest, checksums, eval set, tokenizer
-3     engines, moments           vector search (FAISS, Milvus, filters); window scores to moments
-4     items, runtime             added items (log, overlay, Milvus store); a bundle opened for use
-5     catalogue                  embedding passes over a catalogue (decode workers, checkpoints, Ray)
+0     errors                     every user-facing error the library raises
+1     languages, cpus, ids       language codes, usable CPUs, the id grammar of clips and added items
+2     audio, metrics             decoding and formats; pure-numpy retrieval and moment metrics
+3     bundle                     the bundle on disk: manifest, checksums, eval set, tokenizer
+4     engines, moments           vector search (FAISS, Milvus, filters); window scores to moments
+5     items, runtime             added items (log, overlay, Milvus store); a bundle opened for use
+6     catalogue                  embedding passes over a catalogue (decode workers, checkpoints, Ray)
 ====  =========================  =====================================================================
 """

@@ -1,4 +1,4 @@
-"""Ids in request paths: the grammar of :mod:`index.items.ids` as a 422 problem, and the id a route addresses.
+"""Ids in request paths: the grammar of :mod:`index.ids` as a 422 problem, and the id a route addresses.
 
 Every route that takes an id takes it as ``{…:path}`` (ids of clips in subfolders hold ``/``) and
 passes it through :func:`addressed_id`: an id outside the grammar is a 422 ``validation-error``
@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from fastapi import Path
 
-from index.items.ids import MAX_ID_CHARS, ItemIdError, check_id, json_pattern, nfc
+from index.ids import MAX_ID_CHARS, ItemIdError, check_id, json_pattern, nfc
 from service.errors import ServiceError
 
 ID_DESCRIPTION = ("An added item's or a bundle clip's id (docs/service.md, \"Ids\"): `/`-separated segments, none "

@@ -63,12 +63,13 @@ def test_checker_sees_lazy_imports(tmp_path: Path) -> None:
 
 
 INDEX_RANKS = {
-    "errors": 0, "languages": 0, "cpus": 0,
-    "audio": 1, "metrics": 1,
-    "bundle": 2,
-    "engines": 3, "moments": 3,
-    "items": 4, "runtime": 4,
-    "catalogue": 5,
+    "errors": 0,
+    "languages": 1, "cpus": 1, "ids": 1,
+    "audio": 2, "metrics": 2,
+    "bundle": 3,
+    "engines": 4, "moments": 4,
+    "items": 5, "runtime": 5,
+    "catalogue": 6,
 }
 """Rank of each part of ``index`` (a module of its own folder or a subpackage; index/__init__.py's
 table): a part imports only parts of a lower rank, never a sibling of its own rank."""
@@ -295,8 +296,8 @@ def test_checker_finds_cycles_upward_imports_and_lazy_imports(tmp_path: Path) ->
     assert find_cycle(graph) == [
         "index.bundle.format", "index.runtime.loader", "index.engines.milvus_index", "index.bundle.format"]
     assert rank_violations(graph) == [
-        "index.bundle.format (bundle, rank 2) imports index.runtime.loader (runtime, rank 4)",
-        "index.engines.milvus_index (engines, rank 3) imports index.moments.windows (moments, rank 3)",
+        "index.bundle.format (bundle, rank 3) imports index.runtime.loader (runtime, rank 5)",
+        "index.engines.milvus_index (engines, rank 4) imports index.moments.windows (moments, rank 4)",
         "index.extra.thing: index part 'extra' has no rank in INDEX_RANKS (index/__init__.py)",
     ]
     assert function_level_imports(tmp_path, ("index",)) == ["index/bundle/format.py:2 -> index.runtime.loader"]

@@ -1,4 +1,4 @@
-"""Audio in: decoding and length fitting, the accepted upload formats, short-clip padding (rank 1).
+"""Audio in: decoding and length fitting, the accepted upload formats, short-clip padding (rank 2).
 
 May import: index.errors.
 """

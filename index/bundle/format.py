@@ -33,6 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from index.errors import BundleError
+from index.ids import check_catalogue_ids
 
 log = logging.getLogger(__name__)
 
@@ -446,6 +447,10 @@ def staged_bundle(parent: Path, bundle_id: str) -> Iterator[Path]:
 def publish(staging: Path, manifest: BundleManifest) -> Path:
     """Write the manifest (checksums of the staged files filled in), fsync, rename into place."""
     staging = Path(staging)
+    ids_file = staging / manifest.audio_index.ids_file
+    if ids_file.is_file():  # every clip id one the API and every store take (Milvus: 512 bytes, NFC)
+        with ids_file.open(encoding="utf-8") as lines:
+            check_catalogue_ids((json.loads(line)["id"] for line in lines if line.strip()), f"bundle {manifest.bundle_id}")
     manifest = manifest.model_copy(update={"files": checksum_files(staging)})
     (staging / MANIFEST_NAME).write_bytes(manifest_bytes(manifest))
     _seal(staging)

@@ -82,6 +82,7 @@ from index.errors import (
     IndexUnavailable,
     TonearmError,
 )
+from index.ids import check_catalogue_ids
 
 log = logging.getLogger(__name__)
 
@@ -632,6 +633,7 @@ def publish(bundle_dir: Path, target: MilvusTarget, *, index_type: str = "FLAT")
     captions = caption_index(manifest)
     text_items = read_jsonl(root / captions.ids_file, required=("lang", "clip_row")) if captions else []
     audio_items = read_jsonl(root / manifest.audio_index.ids_file, required=("id",))
+    check_catalogue_ids((str(item["id"]) for item in audio_items), f"publishing {manifest.bundle_id} to Milvus")
     fields, clip_metas = catalogue_metas(audio_items)
     metas = {"audio": clip_metas, "text": [clip_metas[int(t["clip_row"])] for t in text_items]}
     info: dict[str, Any] = {"n_audio": len(audio), "n_text": len(text), "index_type": index_type,

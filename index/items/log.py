@@ -61,10 +61,10 @@ from typing import Any
 
 from index.engines.filters import MAX_FIELD_CHARS, MAX_STRING_CHARS, MAX_VALUES
 from index.errors import DataError
-from index.items.ids import (
-    MAX_ID_CHARS as MAX_ID_CHARS,  # re-exported: the id grammar lives in index.items.ids
+from index.ids import (
+    MAX_ID_CHARS as MAX_ID_CHARS,  # re-exported: the id grammar lives in index.ids
 )
-from index.items.ids import ItemIdError, check_id
+from index.ids import ItemIdError, check_id
 
 LOG_NAME = "items.jsonl"
 AUDIO_DIR = "audio"
@@ -107,7 +107,7 @@ def check_text(text: str, where: str) -> str:
 
 
 def check_item_id(item_id: str, *, new: bool = True) -> str:
-    """The id as recorded: the grammar of :mod:`index.items.ids` (a new id in NFC; a delete names an
+    """The id as recorded: the grammar of :mod:`index.ids` (a new id in NFC; a delete names an
     existing id as it is, which may be a bundle clip's decomposed file name)."""
     try:
         return check_id(item_id, new=new)

@@ -80,13 +80,13 @@ from index.engines.milvus_index import (
     search_params,
 )
 from index.errors import IndexBackendError, TonearmError
-from index.items.ids import MAX_ID_BYTES
+from index.ids import MAX_ID_BYTES
 
 log = logging.getLogger(__name__)
 
 ID_MAX = MAX_ID_BYTES
 """Longest id (bytes, Milvus VARCHAR ``max_length``): the id grammar's byte limit, so every id the API
-accepts fits (index/items/ids.py)."""
+accepts fits (index/ids.py)."""
 KIND_MAX = 16
 META_FIELD = "meta"
 DOC_FIELD = "doc"

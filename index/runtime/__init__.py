@@ -1,4 +1,4 @@
-"""A bundle opened for use (rank 4): ONNX Runtime encoders with their engines (``loader``), CUDA I/O
+"""A bundle opened for use (rank 5): ONNX Runtime encoders with their engines (``loader``), CUDA I/O
 (``gpu_io``), length-grouped batching (``length_groups``), and what runs a bundle to judge it:
 `tonearm bundle verify` (``verify``), its metrics (``evaluate``) and the CLI of both (``cli``).
 

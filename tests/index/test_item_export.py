@@ -69,7 +69,7 @@ def test_ids_that_cannot_be_files_are_refused_before_anything_is_written(tmp_pat
     for item_id, meta in (("ok", {}), ("legacy-up", {}), (".hidden/a", {}), ("a", {}), ("a/b", {}), (" pad", {}),
                           ("metadata.jsonl", {}), ("legacy-xy", {}), ("has-uri", {"uri": "elsewhere"})):
         log.put(item_id, audio, audio_format="wav", metadata=meta)
-    # ids the API refuses since issue 47 (index/items/ids.py), in a log written before: export refuses them too
+    # ids the API refuses since issue 47 (index/ids.py), in a log written before: export refuses them too
     records = tmp_path / "items" / LOG_NAME
     records.write_text(records.read_text().replace('"legacy-up"', '"../up"').replace('"legacy-xy"', '"x//y"'))
     with pytest.raises(ExportError) as err:

@@ -1,5 +1,5 @@
 """Hostile requests on every public route: malformed input is a 4xx problem document, never a 500
-(issue 47, SPEC §17), ids follow one grammar (index.items.ids) on every route that takes one, and
+(issue 47, SPEC §17), ids follow one grammar (index.ids) on every route that takes one, and
 item writes and bundle activation may be separate tokens. The in-process ASGI app with the keyword
 bundle; uploads are real audio.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from index.items.ids import ItemIdError, check_id
+from index.ids import ItemIdError, check_id
 from index.items.log import MAX_METADATA_FIELDS
 from service.app import create_app
 from tests.service.conftest import ADMIN, fake_opener, make_settings, running_client
@@ -154,7 +154,7 @@ def test_the_published_pattern_agrees_with_the_checker():
     import random
     import re
 
-    from index.items.ids import MAX_ID_BYTES, MAX_ID_CHARS, json_pattern
+    from index.ids import MAX_ID_BYTES, MAX_ID_CHARS, json_pattern
 
     pattern = re.compile(json_pattern())
     alphabet = ["a", "Z", "中", "/", ".", " ", "\u3000", "\u3164", "\u2800", "\u2028", "\ufdd0", "\u200b", "\t",

@@ -32,9 +32,9 @@ from __future__ import annotations
 import functools
 import sys
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from index.errors import DataError
+from index.errors import BundleError, DataError
 
 MAX_ID_CHARS = 256
 MAX_ID_BYTES = 512
@@ -120,3 +120,33 @@ def json_pattern() -> str:
     space = ranges(str.isspace)  # spelled out: `\\s` means other sets in other regex engines
     # no segment empty, '.', '..', or beginning or ending with whitespace (an id only of whitespace included)
     return (f"^(?!(?:.*/)?\\.{{0,2}}(?:/|$))(?!(?:.*/)?[{space}])(?!.*[{space}](?:/|$))[^{refused}]+$")
+
+
+def catalogue_id_problems(ids: Iterable[str], *, most: int = 5) -> list[str]:
+    """The first ``most`` bundle clip ids that no store or route could take, each with why: outside
+    the grammar, not in NFC (its look-alike could be created as a second item beside it), or a
+    duplicate once normalised."""
+    problems: list[str] = []
+    seen: set[str] = set()
+    for clip_id in ids:
+        try:
+            check_id(clip_id)
+            if not unicodedata.is_normalized("NFC", clip_id):
+                raise ItemIdError("not in Unicode NFC (store ids composed: the API stores every new id in NFC)")
+            if clip_id in seen:
+                raise ItemIdError("a duplicate id")
+            seen.add(clip_id)
+        except ItemIdError as err:
+            problems.append(f"{ascii(clip_id)[:80]}: {err}")
+            if len(problems) >= most:
+                break
+    return problems
+
+
+def check_catalogue_ids(ids: Iterable[str], where: str) -> None:
+    """:class:`BundleError` naming the first offending clip ids of ``where`` (a bundle being published,
+    or published to Milvus): every clip id must be one the API and every store accept."""
+    problems = catalogue_id_problems(ids)
+    if problems:
+        raise BundleError(f"{where}: clip ids outside the id grammar (docs/service.md, \"Ids\"): "
+                          + "; ".join(problems) + " — rename those clips (or their files) and rebuild")

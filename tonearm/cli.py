@@ -188,6 +188,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
                    help="past --quantize-max-drop: refuse the export (exit status 2) or only warn")
     _add_ray_options(p)
     _add_device_option(p)
+    _add_decode_limits(p)
     p.set_defaults(handler=_lazy("training.bundle.cli:cli_export", "train"))
 
 
@@ -203,6 +204,7 @@ def _add_index(sub: argparse._SubParsersAction) -> None:
                         "or metadata.csv when present); the filters' fields (docs/bundle.md)")
     _add_ray_options(p)
     _add_device_option(p)
+    _add_decode_limits(p)
     milvus = p.add_argument_group(
         "publishing straight to Milvus (with --ray)",
         "each Ray worker writes its vectors into the bundle's Milvus collection, which is then registered as "
@@ -240,6 +242,26 @@ def _add_device_option(p: argparse.ArgumentParser) -> None:
         help="with --device cuda: split the catalogue over these GPUs, one process each, merged into the "
         "bundle one GPU writes (default: the first GPU only)",
     )
+
+
+def _add_decode_limits(p: argparse.ArgumentParser) -> None:
+    """What one catalogue file may cost to decode, and the bytes the pass's decoding may hold (index.audio.decode
+    .DecodeLimits, docs/bundle.md "Decode limits"): a file past a limit is skipped and listed with the reason."""
+    limits = p.add_argument_group(
+        "decode limits", "a catalogue file past one is skipped and listed in the manifest's skipped_clips with the "
+        "reason; 0 lifts a limit (docs/bundle.md, 'Decode limits')")
+    limits.add_argument("--min-sample-rate", type=_non_negative_int, default=None, metavar="HZ",
+                        help="lowest source sample rate decoded (default 1000: a file declaring a few hertz resamples "
+                        "into GiBs)")
+    limits.add_argument("--max-decode-samples", type=_non_negative_int, default=None, metavar="N",
+                        help="most frames x channels one file may decode (default 1382400000: 4 h of 48-kHz stereo)")
+    limits.add_argument("--max-decoded-bytes", type=_non_negative_int, default=None, metavar="BYTES",
+                        help="most memory one file's decoding may hold, about twice its output (default 2147483648: "
+                        "~1.5 h of audio at 48 kHz)")
+    limits.add_argument("--decode-memory", type=_positive_int, default=None, metavar="BYTES",
+                        help="most memory the pass's decoding holds at once, decodes in flight and decoded clips "
+                        "waiting for the encoder, shared among --devices (default 2147483648; one file alone may "
+                        "pass it up to --max-decoded-bytes)")
 
 
 def _add_ray_options(p: argparse.ArgumentParser) -> None:

@@ -19,8 +19,9 @@ import math
 import re
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Literal, TypeVar
+from typing import BinaryIO, Literal, TypedDict, TypeVar
 
 import numpy as np
 import soundfile as sf
@@ -45,6 +46,70 @@ class AudioTooLongError(AudioLimitError):
 
 class AudioTooLargeError(AudioLimitError):
     """Audio whose decoding would pass the caller's ``max_samples`` or ``max_bytes`` limit."""
+
+
+class AudioRateError(AudioLimitError):
+    """Audio whose sample rate is below the caller's ``min_sample_rate`` floor."""
+
+
+MIN_SAMPLE_RATE = 1000
+"""The lowest source rate decoded where a floor is asked for (every catalogue pass; the service's uploads
+apply the same floor): resampling turns each frame of a file declaring a few hertz into thousands of
+samples (2 Hz → 48 kHz: 24,000), so a 60-KB WAV would decode to GiBs."""
+CATALOGUE_MAX_DECODE_SAMPLES = 4 * 3600 * 48_000 * 2
+"""Default most samples (frames × channels) one file of a catalogue pass may decode: 4 h of 48-kHz stereo
+(the CPU a decode costs; `--max-decode-samples`)."""
+CATALOGUE_MAX_DECODED_BYTES = 2 << 30
+"""Default most bytes one file of a catalogue pass may hold while decoding (:func:`decode_estimate`: about
+twice its output): 2 GiB, ~1.5 h of audio at 48 kHz, ~4.6 h at 16 kHz (`--max-decoded-bytes`)."""
+
+
+class DecodeLimitArgs(TypedDict):
+    """:class:`DecodeLimits` as keyword arguments of :func:`decode_audio` and :func:`decode_window`."""
+
+    min_sample_rate: int | None
+    max_samples: int | None
+    max_bytes: int | None
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """What decoding one file of a catalogue pass may cost (docs/bundle.md, "Decode limits"): its source rate
+    at least ``min_sample_rate``, at most ``max_samples`` frames × channels and :func:`decode_estimate` at most
+    ``max_bytes``; None lifts a limit. Checked from the header before decoding and again while decoding
+    (a header may lie); a file past one is skipped by the pass with the reason."""
+
+    min_sample_rate: int | None = MIN_SAMPLE_RATE
+    max_samples: int | None = CATALOGUE_MAX_DECODE_SAMPLES
+    max_bytes: int | None = CATALOGUE_MAX_DECODED_BYTES
+
+    def kwargs(self) -> DecodeLimitArgs:
+        """As :func:`decode_audio`'s (and :func:`decode_window`'s) keyword arguments."""
+        return {"min_sample_rate": self.min_sample_rate, "max_samples": self.max_samples,
+                "max_bytes": self.max_bytes}
+
+    def describe(self) -> dict[str, int | None]:
+        return {"min_sample_rate": self.min_sample_rate, "max_decode_samples": self.max_samples,
+                "max_decoded_bytes": self.max_bytes}
+
+    def estimate(self, source: Path | str, sample_rate: int) -> int:
+        """The bytes decoding ``source`` to ``sample_rate`` may hold under these limits, from its header alone:
+        :func:`decode_estimate`, or ``max_bytes`` when the header does not know its length (the decoder stops
+        there), or one block when the header alone refuses it or cannot be read (the decode fails at once)."""
+        refused = DECODE_BLOCK_FRAMES * 8 + RESAMPLER_BYTES
+        try:
+            info = sf.info(str(source))
+            frames, channels, rate = int(info.frames), int(info.channels), int(info.samplerate)
+        except Exception:  # noqa: BLE001 - not readable by libsndfile: the decoder says why, at once
+            return refused
+        if rate < 1 or (self.min_sample_rate is not None and rate < self.min_sample_rate):
+            return refused
+        if frames <= 0:
+            return self.max_bytes if self.max_bytes is not None else decode_estimate(0, channels, rate, sample_rate)
+        cost = decode_estimate(frames, channels, rate, sample_rate)
+        over = ((self.max_samples is not None and frames * channels > self.max_samples)
+                or (self.max_bytes is not None and cost > self.max_bytes))
+        return refused if over else cost
 
 
 OBJECT_REPR = re.compile(r"Error opening <[^<>]*? at 0x[0-9a-fA-F]+>: |<[^<>]*? object at 0x[0-9a-fA-F]+>")
@@ -156,11 +221,18 @@ def decode_estimate(frames: int, channels: int, rate: int, sample_rate: int) -> 
 def check_decode_header(
     name: str, frames: int, channels: int, rate: int, sample_rate: int, *,
     max_seconds: float | None = None, max_samples: int | None = None, max_bytes: int | None = None,
+    min_sample_rate: int | None = None,
 ) -> None:
-    """Refuse, from the header alone, a stream whose decoding would pass a limit: its duration
-    (``max_seconds``), the samples to decode (frames × channels, ``max_samples``: the CPU a decode
-    costs) or :func:`decode_estimate` (``max_bytes``). A header that does not know its length
-    (``frames`` ≤ 0) is bounded while decoding instead (:func:`decode_audio` stops at the limits)."""
+    """Refuse, from the header alone, a stream whose decoding would pass a limit: its rate below
+    ``min_sample_rate``, its duration (``max_seconds``), the samples to decode (frames × channels,
+    ``max_samples``: the CPU a decode costs) or :func:`decode_estimate` (``max_bytes``). A header that does
+    not know its length (``frames`` ≤ 0) is bounded while decoding instead (:func:`decode_audio` stops at
+    the limits)."""
+    if min_sample_rate is not None and rate < min_sample_rate:
+        raise AudioRateError(
+            f"{name}: sample rate {rate} Hz is below the floor of {min_sample_rate} Hz (resampling to {sample_rate} Hz "
+            f"would turn each of its {max(frames, 0)} frames into {sample_rate / max(rate, 1):,.0f} samples)"
+        )
     if frames <= 0:
         return
     if max_seconds is not None and frames / rate > max_seconds:
@@ -178,7 +250,7 @@ def check_decode_header(
 
 def _read_mono(
     source: Path | str | bytes, *, sample_rate: int | None, max_seconds: float | None, complete: bool = False,
-    max_samples: int | None = None, max_bytes: int | None = None,
+    max_samples: int | None = None, max_bytes: int | None = None, min_sample_rate: int | None = None,
 ) -> tuple[np.ndarray, int]:
     """Decode to float32 mono — at ``sample_rate`` (streaming resampler) or at the file's own rate
     (``None``) — block by block, with the limits checked from the header before decoding and again
@@ -188,7 +260,7 @@ def _read_mono(
         rate, channels, declared = int(f.samplerate), int(f.channels), int(f.frames)
         target = rate if sample_rate is None else sample_rate
         check_decode_header(name, declared, channels, rate, target, max_seconds=max_seconds,
-                            max_samples=max_samples, max_bytes=max_bytes)
+                            max_samples=max_samples, max_bytes=max_bytes, min_sample_rate=min_sample_rate)
         most = None if max_samples is None else max_samples // max(1, channels)
         if max_bytes is not None:  # the output a decode may grow to (a header that lies about its frames)
             most = min(most if most is not None else sys.maxsize,
@@ -237,6 +309,7 @@ def _frames_within(max_bytes: int, channels: int, rate: int, sample_rate: int) -
 def decode_audio(
     source: Path | str | bytes, *, sample_rate: int = 16000, max_seconds: float | None = None,
     complete: bool = False, max_samples: int | None = None, max_bytes: int | None = None,
+    min_sample_rate: int | None = None,
 ) -> np.ndarray:
     """Decode a file path or raw bytes to float32 mono at ``sample_rate`` in [-1, 1].
 
@@ -247,7 +320,9 @@ def decode_audio(
     ``max_seconds`` rejects longer audio with :class:`AudioTooLongError`, ``max_samples``
     (frames × channels) and ``max_bytes`` (:func:`decode_estimate`) with
     :class:`AudioTooLargeError`: checked from the header before decoding, and again while
-    decoding, which stops at the limit when the header lied.
+    decoding, which stops at the limit when the header lied. ``min_sample_rate`` rejects a
+    source rate below it with :class:`AudioRateError` (:data:`MIN_SAMPLE_RATE`; :class:`DecodeLimits`
+    holds a catalogue pass's three).
     ``complete`` (uploads, ``tonearm index``) also refuses a stream cut short
     (index.audio.formats): libsndfile alone decodes whatever part of a truncated WAV is there.
 
@@ -256,7 +331,7 @@ def decode_audio(
             the message names the file (or says "uploaded audio" for bytes).
     """
     mono, _ = _read_mono(source, sample_rate=sample_rate, max_seconds=max_seconds, complete=complete,
-                         max_samples=max_samples, max_bytes=max_bytes)
+                         max_samples=max_samples, max_bytes=max_bytes, min_sample_rate=min_sample_rate)
     if mono.size == 0:
         raise AudioDecodeError(f"{_describe(source)}: too short to resample to {sample_rate} Hz")
     return np.clip(mono, -1.0, 1.0, out=mono)
@@ -309,7 +384,8 @@ def resampled_length(frames: int, rate: int, sample_rate: int) -> int:
 
 def decode_window(
     source: Path | str | bytes, *, sample_rate: int, n: int, mode: CropMode,
-    rng: np.random.Generator | None = None, padding: Padding = "pad",
+    rng: np.random.Generator | None = None, padding: Padding = "pad", min_sample_rate: int | None = None,
+    max_samples: int | None = None, max_bytes: int | None = None,
 ) -> np.ndarray:
     """``fit_length(decode_audio(source), n, mode=mode, rng=rng)``, decoding only that window.
 
@@ -327,6 +403,9 @@ def decode_window(
     the header does not know the length, or for MP3 (whose frame count
     is approximate).
 
+    ``min_sample_rate`` refuses a source rate below it (:class:`AudioRateError`); ``max_samples`` and
+    ``max_bytes`` bound a whole-file decode as :func:`decode_audio`'s do (a window costs its own length).
+
     Raises:
         AudioDecodeError: as :func:`decode_audio`, and when the file holds fewer samples than
             its header declares (the window would come from the wrong place).
@@ -335,6 +414,9 @@ def decode_window(
         raise ValueError(f"target length must be positive, got {n}")
     with _open(source) as f:
         rate, frames = int(f.samplerate), int(f.frames)
+        if min_sample_rate is not None:
+            check_decode_header(_describe(source), frames, int(f.channels), rate, sample_rate,
+                                min_sample_rate=min_sample_rate)
         length = resampled_length(frames, rate, sample_rate) if frames > 0 else 0
         # A clip exactly the window's length at the model's rate (10-s clips sharded at the model's rate)
         # is read whole through the same fast path: fit_length draws no offset for it, neither do we.
@@ -357,7 +439,8 @@ def decode_window(
                     f"{_describe(source)}: corrupt audio data: {libsndfile_message(err)}"
                 ) from None
     if not windowed:
-        return fit_length(decode_audio(source, sample_rate=sample_rate), n, mode=mode, rng=rng, padding=padding)
+        whole = decode_audio(source, sample_rate=sample_rate, max_samples=max_samples, max_bytes=max_bytes)
+        return fit_length(whole, n, mode=mode, rng=rng, padding=padding)
     if data.shape[0] != stop - start:
         raise AudioDecodeError(
             f"{_describe(source)}: truncated or corrupt: {data.shape[0]} of the {stop - start} samples "

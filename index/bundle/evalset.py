@@ -82,12 +82,17 @@ def prepare_waveform(
 
 def load_eval_waveform(
     source: Path | str, *, sample_rate: int, clip_samples: int, policy: Literal["center", "chunk"],
-    padding: Padding = "pad",
+    padding: Padding = "pad", min_sample_rate: int | None = None, max_samples: int | None = None,
+    max_bytes: int | None = None,
 ) -> np.ndarray:
-    """``prepare_waveform(decode_audio(source))``, decoding only the center window for ``center``."""
+    """``prepare_waveform(decode_audio(source))``, decoding only the center window for ``center``; the
+    decode limits as :func:`index.audio.decode.decode_audio`'s (a catalogue pass's
+    :class:`index.audio.decode.DecodeLimits`)."""
     if policy == "center":
-        return decode_window(source, sample_rate=sample_rate, n=clip_samples, mode="center", padding=padding)
-    return decode_audio(source, sample_rate=sample_rate)
+        return decode_window(source, sample_rate=sample_rate, n=clip_samples, mode="center", padding=padding,
+                             min_sample_rate=min_sample_rate, max_samples=max_samples, max_bytes=max_bytes)
+    return decode_audio(source, sample_rate=sample_rate, min_sample_rate=min_sample_rate, max_samples=max_samples,
+                        max_bytes=max_bytes)
 
 
 def to_int16(wave: np.ndarray) -> np.ndarray:

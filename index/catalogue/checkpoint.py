@@ -111,13 +111,21 @@ def pass_digest(**decides: Any) -> str:
 
 class EmbedCheckpoint:
     """A folder of one pass's chunks: ``<out>.partial/`` (or ``<out>.partial/<name>/``), its pass digest
-    in ``pass.json``. Chunks of another pass found there are deleted (and the settings that differ logged)."""
+    in ``pass.json``. Chunks of another pass found there are deleted (and the settings that differ logged).
 
-    def __init__(self, out: Path, digest: str, *, name: str = "", describe: dict[str, Any] | None = None) -> None:
+    ``skips_under``: what decides whether a file is *skipped* but not its vector — the pass's decode limits
+    (:class:`index.audio.decode.DecodeLimits`). Saved with the plan; when it differs, the saved vectors are
+    reused as before but every saved skip is tried again (``retry_skips``): a file refused under lower
+    limits may pass the new ones, and one that cannot be decoded fails again at once."""
+
+    def __init__(self, out: Path, digest: str, *, name: str = "", describe: dict[str, Any] | None = None,
+                 skips_under: dict[str, Any] | None = None) -> None:
         self.folder = partial_folder(out) / name if name else partial_folder(out)
         self.digest = digest
         self.changed: list[str] = []
+        self.retry_skips = False
         plan = self.folder / PLAN
+        skips_key = json.dumps(skips_under or {}, sort_keys=True, default=str)
         old = self.folder / "plan.json"  # issue 41's plan (keyed by names and mtimes): not reusable
         if old.is_file():
             self._clear("an older checkpoint format")
@@ -129,9 +137,12 @@ class EmbedCheckpoint:
                 self.changed = sorted(k for k in {*before, *now} if before.get(k) != now.get(k)) or ["the pass"]
                 self._clear("another pass (" + ", ".join(self.changed) + " changed)")
                 plan.unlink()
+            elif json.dumps(found.get("skips_under") or {}, sort_keys=True, default=str) != skips_key:
+                self.retry_skips = bool(self.chunk_paths())
+                plan.unlink()
         self.folder.mkdir(parents=True, exist_ok=True)
         if not plan.is_file():
-            body = {"digest": digest, "describe": describe or {}}
+            body = {"digest": digest, "describe": describe or {}, "skips_under": skips_under or {}}
             plan.write_text(json.dumps(body, sort_keys=True, default=str) + "\n", encoding="utf-8")
 
     def _clear(self, why: str) -> None:
@@ -148,7 +159,8 @@ class EmbedCheckpoint:
         return self.folder / f"chunk-{number:06d}.npz"
 
     def load_all(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-        """Every saved vector and skip reason by content key."""
+        """Every saved vector and skip reason by content key (no skip when ``retry_skips``: the decode limits
+        changed; a later chunk's skip or vector of a key replaces an earlier one's)."""
         vectors: dict[str, np.ndarray] = {}
         skips: dict[str, str] = {}
         for path in self.chunk_paths():
@@ -160,6 +172,9 @@ class EmbedCheckpoint:
                         skips[str(key)] = str(reason)
             except (OSError, ValueError, KeyError) as err:  # written atomically, so only a foreign file
                 log.warning("resume: %s unreadable (%s); its items are embedded again", path, err)
+        if self.retry_skips and skips:
+            log.info("resume: %d saved skips tried again: the decode limits changed", len(skips))
+            skips = {}
         return vectors, skips
 
     def next_number(self) -> int:

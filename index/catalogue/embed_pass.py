@@ -3,8 +3,10 @@
 Every in-process catalogue pass — `tonearm export`, `export --pretrained`, `tonearm index` — embeds its
 clips through :func:`clip_embedder`: the clips of a chunk (:mod:`index.catalogue.checkpoint`) are decoded by
 ``decode_workers`` worker processes (a ``spawn`` process pool: the parent's ONNX Runtime and torch
-threads are never forked) while this process runs the encoder on the clips decoded before. At most
-``prefetch`` clips are decoded ahead (bounded memory); decoded clips are gathered into a window,
+threads are never forked) while this process runs the encoder on the clips decoded before. Each file is
+decoded under the pass's limits (``PassOptions.limits``, :class:`index.audio.decode.DecodeLimits`: a source
+rate floor, the samples and bytes one file may cost — past one, the file is skipped with the reason), and at
+most ``prefetch`` clips and ``decode_memory`` bytes are decoded ahead (bounded memory); decoded clips are gathered into a window,
 sorted by length and cut into encoder calls of at most ``batch_samples`` samples
 (:func:`length_batches`: the memory budget of one call) so clips of similar length share a call.
 
@@ -37,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from index.audio.decode import DecodeLimits
 from index.catalogue.checkpoint import Chunk, EmbedChunk
 from index.errors import AudioDecodeError, TonearmError
 
@@ -46,13 +49,22 @@ PREFETCH = 64
 """Clips decoded ahead of the encoder (and the window sorted by length)."""
 
 
+DECODE_MEMORY = 2 << 30
+"""Default bytes of audio the pass's decoding may hold at once (`--decode-memory`): the decodes in flight and
+the decoded clips not yet handed to the encoder, each counted at its header's
+:func:`~index.audio.decode.decode_estimate` (:class:`Decoder`; split among the devices of ``--devices``)."""
+
+
 @dataclass(frozen=True)
 class DecodeCall:
-    """``fn(path, *args, **kwargs)``: a picklable decode function of one path (``fn`` at module level)."""
+    """``fn(path, *args, **kwargs)``: a picklable decode function of one path (``fn`` at module level);
+    ``sample_rate``: the rate it decodes to, when the pass's memory budget should count each file at its
+    header's estimate (:meth:`index.audio.decode.DecodeLimits.estimate`; None: not counted)."""
 
     fn: Callable[..., np.ndarray]
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    sample_rate: int | None = None
 
     def __call__(self, path: Any) -> np.ndarray:
         return self.fn(path, *self.args, **self.kwargs)
@@ -62,15 +74,18 @@ class DecodeCall:
 class PassOptions:
     """How the pass decodes: worker processes (0: in this process), clips decoded ahead, the samples
     of one encoder call; ``devices``: the devices the catalogue is split over, one process each
-    (:class:`DevicePool`; None: this process's encoder only)."""
+    (:class:`DevicePool`; None: this process's encoder only); ``limits``: what one file may cost to decode
+    (a file past them is skipped with the reason); ``decode_memory``: the bytes the decoding may hold at once."""
 
     decode_workers: int = 0
     prefetch: int = PREFETCH
     batch_samples: int = BATCH_SAMPLES
     devices: tuple[int, ...] | None = None
+    limits: DecodeLimits = DecodeLimits()
+    decode_memory: int = DECODE_MEMORY
 
     def __post_init__(self) -> None:
-        if self.decode_workers < 0 or self.prefetch < 1 or self.batch_samples < 1:
+        if self.decode_workers < 0 or self.prefetch < 1 or self.batch_samples < 1 or self.decode_memory < 1:
             raise ValueError(f"bad pass options {self}")
 
 
@@ -110,13 +125,28 @@ def _decode_one(decode: Callable[[Any], np.ndarray], path: Any) -> tuple[np.ndar
         return None, str(err).removeprefix(f"{path}: ")
 
 
+_END = object()
+
+
 class Decoder:
-    """Decodes paths in order, ``workers`` processes at a time, at most ``prefetch`` ahead."""
+    """Decodes paths in order, ``workers`` processes at a time, at most ``prefetch`` ahead and — when
+    ``decode`` is a :class:`DecodeCall` with its ``sample_rate`` — at most ``options.decode_memory`` bytes
+    ahead: each file is counted at its header's estimate under ``options.limits`` (read here before it is
+    handed to a worker) from then until it is yielded; a file alone may pass the budget (its own limits
+    bound it), so the most held is max(budget, one file's ``limits.max_bytes``)."""
 
     def __init__(self, decode: Callable[[Any], np.ndarray], options: PassOptions, clock: PassClock, *,
                  threads: bool = False) -> None:
         self.decode, self.options, self.clock, self.threads = decode, options, clock, threads
         self.pool: Executor | None = None
+        self.held = 0
+        """Bytes of the files handed to workers and not yet yielded (their estimates)."""
+        self.most_held = 0
+
+    def cost(self, path: Any) -> int:
+        """What ``path`` counts against the budget (0 when the pass does not say its rate)."""
+        rate = getattr(self.decode, "sample_rate", None)
+        return self.options.limits.estimate(path, rate) if rate else 0
 
     def __enter__(self) -> Decoder:
         if self.options.decode_workers > 0 and self.threads:  # in a device process (DevicePool)
@@ -140,19 +170,35 @@ class Decoder:
                 self.clock.decode_wait += time.monotonic() - began  # decoding here: the encoder waits
                 yield found
             return
-        pending: deque[Future[tuple[np.ndarray | None, str]]] = deque()
+        pool, budget = self.pool, self.options.decode_memory
+        pending: deque[tuple[Future[tuple[np.ndarray | None, str]], int]] = deque()
         queue = iter(paths)
-        for path in queue:
-            pending.append(self.pool.submit(_decode_one, self.decode, path))
-            if len(pending) >= self.options.prefetch:
-                break
+        waiting: tuple[Any, int] | None = None
+
+        def top_up() -> None:
+            nonlocal waiting
+            while len(pending) < self.options.prefetch:
+                if waiting is None:
+                    path = next(queue, _END)
+                    if path is _END:
+                        return
+                    waiting = (path, self.cost(path))
+                path, cost = waiting
+                if pending and self.held + cost > budget:
+                    return  # over the budget: wait until the encoder takes a decoded clip
+                pending.append((pool.submit(_decode_one, self.decode, path), cost))
+                self.held += cost
+                self.most_held = max(self.most_held, self.held)
+                waiting = None
+
+        top_up()
         while pending:
+            future, cost = pending.popleft()
             began = time.monotonic()
-            found = pending.popleft().result()
+            found = future.result()
             self.clock.decode_wait += time.monotonic() - began
-            nxt = next(queue, None)
-            if nxt is not None:
-                pending.append(self.pool.submit(_decode_one, self.decode, nxt))
+            self.held -= cost
+            top_up()
             yield found
 
 
@@ -402,7 +448,8 @@ class DevicePool:
                  options: PassOptions, clock: PassClock) -> None:
         self.spec, self.devices, self.decode, self.clock = spec, list(devices), decode, clock
         share = max(0, options.decode_workers // max(1, len(self.devices)))
-        self.options = replace(options, decode_workers=share, devices=None)
+        self.options = replace(options, decode_workers=share, devices=None,
+                               decode_memory=max(1, options.decode_memory // max(1, len(self.devices))))
         self.pools: list[ProcessPoolExecutor] = []
 
     def __enter__(self) -> DevicePool:
@@ -480,8 +527,23 @@ def pass_embedder(ids: Sequence[str], sources: Sequence[Any], decode: Callable[[
 
 
 def pass_options_from_args(args: Any) -> PassOptions:
-    """`--decode-workers N` and `--devices LIST` (with `--device`) as :class:`PassOptions`."""
+    """`--decode-workers N`, `--devices LIST` (with `--device`), the decode limits (`--min-sample-rate`,
+    `--max-decode-samples`, `--max-decoded-bytes`; 0 lifts one) and `--decode-memory` as :class:`PassOptions`."""
     workers = getattr(args, "decode_workers", None)
     devices = parse_devices(getattr(args, "devices", None), getattr(args, "device", "cpu"))
     return PassOptions(decode_workers=default_decode_workers() if workers is None else workers,
-                       devices=tuple(devices) if devices else None)
+                       devices=tuple(devices) if devices else None, limits=decode_limits_from_args(args),
+                       decode_memory=getattr(args, "decode_memory", None) or DECODE_MEMORY)
+
+
+def decode_limits_from_args(args: Any) -> DecodeLimits:
+    """The decode limits of `tonearm export|index` (each flag absent: the default; 0: no such limit)."""
+    default = DecodeLimits()
+
+    def flag(name: str, fallback: int | None) -> int | None:
+        value = getattr(args, name, None)
+        return fallback if value is None else (value or None)
+
+    return DecodeLimits(min_sample_rate=flag("min_sample_rate", default.min_sample_rate),
+                        max_samples=flag("max_decode_samples", default.max_samples),
+                        max_bytes=flag("max_decoded_bytes", default.max_bytes))

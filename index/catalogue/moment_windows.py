@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from index.audio.decode import decode_audio
+from index.audio.decode import DecodeLimits, decode_audio
 from index.bundle.format import AudioFrontendInfo, MomentsInfo
 from index.bundle.tokenizer import TextTokenizer
 from index.moments.evaluate import evaluate_moments
@@ -34,13 +34,15 @@ def export_windows(
     staging: Path, paths: Sequence[Path], *, encoder_file: str, sample_rate: int, clip_samples: int, embed_dim: int,
     frontend: AudioFrontendInfo | None, providers: Sequence[str],
     heldout: Sequence[Any] = (), text_files: tuple[str, str] | None = None, languages: Sequence[str] = (),
+    limits: DecodeLimits | None = None,
 ) -> MomentsInfo | None:
     """Windows of the long recordings among a catalogue's ``paths`` (row i = paths[i]), embedded by the
     bundle's staged audio encoder and written into ``staging``; None when there is none.
 
     ``heldout``: the held-out split's records with ``moments``; with the staged ``text_files``
     (text encoder, tokenizer) their moment report (:func:`index.moments.evaluate.evaluate_moments`,
-    per language of ``languages``) goes into the manifest's ``moments.heldout``."""
+    per language of ``languages``) goes into the manifest's ``moments.heldout``. Each recording is decoded
+    under ``limits`` (default: the catalogue pass's, :class:`index.audio.decode.DecodeLimits`)."""
     encoder = OnnxEncoder.load(staging / encoder_file, inputs=AUDIO_INPUTS, embed_dim=embed_dim,
                                providers=list(providers), threads=None)
 
@@ -48,7 +50,7 @@ def export_windows(
         return encode_clips(encoder, waves, clip_samples=clip_samples, embed_dim=embed_dim, frontend=frontend)
 
     def decode(path: Path, rate: int) -> np.ndarray:
-        return decode_audio(path, sample_rate=rate)
+        return decode_audio(path, sample_rate=rate, **(limits or DecodeLimits()).kwargs())
 
     windows = index_recordings(paths, sample_rate=sample_rate, window_samples=clip_samples, decode=decode,
                                encode=encode)

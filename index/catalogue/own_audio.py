@@ -27,6 +27,7 @@ encoders and tokenizer but no FAISS file (``manifest.milvus_only``): it is serve
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import shutil
@@ -42,7 +43,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from index.audio.decode import decode_audio
+from index.audio.decode import DecodeLimits, decode_audio
 from index.audio.formats import SNIFF_BYTES, SUPPORTED, sniff_format
 from index.bundle import format as fmt
 from index.catalogue.checkpoint import (
@@ -131,11 +132,12 @@ def index_folder(
         raise TonearmError(f"{audio_dir}: audio directory not found")
     if milvus is not None and ray is None:
         raise TonearmError("--milvus-uri needs --ray: without Ray, build the bundle and run `tonearm bundle publish`")
+    options = pass_options or PassOptions()
     table = find_metadata_file(audio_dir, Path(metadata) if metadata is not None else None)
     files = audio_files(audio_dir, table)
     metas = read_file_metadata(table, [p.relative_to(audio_dir).as_posix() for p in files]) if table else {}
     if milvus is not None and ray is not None:
-        return _index_into_milvus(audio_dir, source, out, files, ray, milvus, metas)
+        return _index_into_milvus(audio_dir, source, out, files, ray, milvus, metas, options.limits)
     if precision != "fp32" and ray is not None:
         check_precision_options(precision, None, ray=True)
     bundle = LoadedBundle.open(source, verify=True, providers=providers)
@@ -155,18 +157,20 @@ def index_folder(
                 encoder_path = source / manifest.audio_encoder.file
                 if precision == "fp16":
                     encode, catalogue_pass, encoder_path = _half_encoder(bundle, source, audio_dir, files,
-                                                                         Path(scratch), providers)
-                checkpoint = EmbedCheckpoint(out, pass_digest(**describe), describe=describe)
+                                                                         Path(scratch), providers, options.limits)
+                checkpoint = EmbedCheckpoint(out, pass_digest(**describe), describe=describe,
+                                             skips_under=options.limits.describe())
                 spec = EncoderSpec(
                     path=str(encoder_path), embed_dim=bundle.embed_dim, clip_samples=bundle.clip_samples,
                     providers=tuple(providers or bundle.onnx_providers), frontend=frontend)
                 clip_ids, embeddings, skipped = _embed(bundle, audio_dir, files, progress=progress,
                                                        checkpoint=checkpoint, chunk_files=chunk_files, encode=encode,
-                                                       options=pass_options, spec=spec)
+                                                       options=options, spec=spec)
                 windows = index_recordings([audio_dir / c for c in clip_ids], sample_rate=bundle.sample_rate,
-                                           window_samples=bundle.clip_samples, decode=decode_file, encode=encode)
+                                           window_samples=bundle.clip_samples, decode=limited(options.limits),
+                                           encode=encode)
         else:
-            clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, audio_dir, files, ray)
+            clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, audio_dir, files, ray, options.limits)
             windows = []  # long recordings' windows: in-process passes only (docs/bundle.md, "Moments")
     finally:
         bundle.close()
@@ -228,7 +232,7 @@ def clip_item(clip_id: str, metas: dict[str, dict[str, Any]] | None) -> dict[str
 
 def _half_encoder(
     bundle: LoadedBundle, source: Path, audio_dir: Path, files: list[Path], scratch: Path,
-    providers: Sequence[str] | None,
+    providers: Sequence[str] | None, limits: DecodeLimits,
 ) -> tuple[Callable[[Sequence[np.ndarray]], np.ndarray], fmt.CataloguePassInfo, Path]:
     """The fp16 copy of ``bundle``'s audio encoder as an encode function, after the parity gate on the
     first :data:`index.catalogue.half_precision.PROBE_CLIPS` decodable files and four synthetic signals."""
@@ -244,7 +248,7 @@ def _half_encoder(
         if len(probe) == PROBE_CLIPS:
             break
         try:
-            probe.append(decode_file(path, bundle.sample_rate))
+            probe.append(decode_file(path, bundle.sample_rate, limits))
         except AudioDecodeError:
             continue  # listed by the pass itself
     probe += probe_waves(bundle.sample_rate, bundle.clip_samples)
@@ -260,7 +264,7 @@ def _half_encoder(
 
 def _index_into_milvus(
     audio_dir: Path, source: Path, out: Path, files: list[Path], ray: RayOptions, milvus: MilvusPublish,
-    metas: dict[str, dict[str, Any]],
+    metas: dict[str, dict[str, Any]], limits: DecodeLimits,
 ) -> IndexedFolder:
     """The Ray pass with each actor writing its vectors into Milvus (module docstring).
 
@@ -292,7 +296,7 @@ def _index_into_milvus(
     written_fields, row_metas = milvus_index.catalogue_metas(items)
     sink = milvus_index.begin_audio_publish(target, out.name, dim=dim, index_type=index_type, n=len(candidates))
     done = embed_audio_files(
-        candidates, (source / manifest.audio_encoder.file).read_bytes(), decode=decode_file, embed_dim=dim,
+        candidates, (source / manifest.audio_encoder.file).read_bytes(), decode=limited(limits), embed_dim=dim,
         sample_rate=manifest.sample_rate, clip_samples=manifest.clip_samples, policy="chunk", options=ray, sink=sink,
         metas=row_metas, frontend=manifest.audio_frontend,
     )
@@ -325,10 +329,17 @@ def check_format(path: Path) -> None:
         raise AudioDecodeError(f"{path}: not {SUPPORTED} audio (the formats the service takes as uploads)")
 
 
-def decode_file(path: Path, sample_rate: int) -> np.ndarray:
-    """A file's waveform when it is in an accepted format and decodes whole; AudioDecodeError otherwise."""
+def decode_file(path: Path, sample_rate: int, limits: DecodeLimits | None = None) -> np.ndarray:
+    """A file's waveform when it is in an accepted format and decodes whole within ``limits`` (default: the
+    catalogue pass's, :class:`index.audio.decode.DecodeLimits`); AudioDecodeError otherwise (an
+    :class:`index.audio.decode.AudioLimitError` past a limit: the pass skips the file with the reason)."""
     check_format(path)
-    return decode_audio(path, sample_rate=sample_rate, complete=True)
+    return decode_audio(path, sample_rate=sample_rate, complete=True, **(limits or DecodeLimits()).kwargs())
+
+
+def limited(limits: DecodeLimits) -> Callable[[Path, int], np.ndarray]:
+    """:func:`decode_file` under ``limits`` as a ``(path, sample rate)`` decode function (picklable: Ray)."""
+    return functools.partial(decode_file, limits=limits)
 
 
 def _embed(
@@ -359,7 +370,8 @@ def _embed(
                 log.info("index progress: %d/%d files, %s", rate.done, len(files), rate.describe())
                 logged = rate.done
 
-        decode = DecodeCall(decode_file, args=(bundle.sample_rate,))
+        limits = (options or PassOptions()).limits
+        decode = DecodeCall(decode_file, args=(bundle.sample_rate, limits), sample_rate=bundle.sample_rate)
         with ExitStack() as stack:
             embed = pass_embedder(rels, files, decode, lambda waves: encode(waves), dim=bundle.embed_dim,
                                   options=options or PassOptions(), clock=clock, spec=spec, stack=stack)
@@ -369,12 +381,12 @@ def _embed(
 
 
 def _embed_on_ray(
-    bundle: LoadedBundle, source: Path, audio_dir: Path, files: list[Path], options: RayOptions
+    bundle: LoadedBundle, source: Path, audio_dir: Path, files: list[Path], options: RayOptions, limits: DecodeLimits,
 ) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
     from index.catalogue.ray_embed import embed_audio_files
 
     model = (source / bundle.manifest.audio_encoder.file).read_bytes()
-    done = embed_audio_files(files, model, decode=decode_file, embed_dim=bundle.embed_dim,
+    done = embed_audio_files(files, model, decode=limited(limits), embed_dim=bundle.embed_dim,
                              sample_rate=bundle.sample_rate, clip_samples=bundle.clip_samples, policy="chunk",
                              options=options, frontend=bundle.manifest.audio_frontend)
     rels = [path.relative_to(audio_dir).as_posix() for path in files]

@@ -43,7 +43,7 @@ from typing import Any, Literal
 import numpy as np
 import onnxruntime as ort
 
-from index.audio.decode import decode_audio
+from index.audio.decode import DecodeLimits, decode_audio
 from index.audio.frontend import Padding
 from index.bundle.evalset import prepare_waveform
 from index.bundle.format import AudioFrontendInfo
@@ -77,9 +77,11 @@ ACTOR_START_TIMEOUT_S = 600
 (else the first actor up takes every block of a small job)."""
 
 
-def decode_whole(path: Path, sample_rate: int) -> np.ndarray:
-    """The export's decoding (:func:`index.audio.decode.decode_audio`), as a :data:`Decode`."""
-    return decode_audio(path, sample_rate=sample_rate)
+def decode_whole(path: Path, sample_rate: int, limits: DecodeLimits | None = None) -> np.ndarray:
+    """The export's decoding (:func:`index.audio.decode.decode_audio`) under ``limits`` (default: the
+    catalogue pass's, :class:`index.audio.decode.DecodeLimits`), as a :data:`Decode` (bind other limits with
+    :func:`functools.partial`)."""
+    return decode_audio(path, sample_rate=sample_rate, **(limits or DecodeLimits()).kwargs())
 
 
 @dataclass(frozen=True)

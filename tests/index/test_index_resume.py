@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,11 +53,11 @@ def test_an_interrupted_pass_resumes_and_equals_its_uninterrupted_twin(
     real = own_audio.decode_file
     decoded: list[str] = []
 
-    def interrupted(path: Path, rate: int) -> np.ndarray:
+    def interrupted(path: Path, rate: int, *limits: Any) -> np.ndarray:
         if len(decoded) == 10:
             raise KeyboardInterrupt
         decoded.append(path.name)
-        return real(path, rate)
+        return real(path, rate, *limits)
 
     out = tmp_path / "resumed"
     monkeypatch.setattr(own_audio, "decode_file", interrupted)
@@ -67,7 +68,7 @@ def test_an_interrupted_pass_resumes_and_equals_its_uninterrupted_twin(
     assert not out.exists()
 
     decoded.clear()
-    monkeypatch.setattr(own_audio, "decode_file", lambda path, rate: decoded.append(path.name) or real(path, rate))
+    monkeypatch.setattr(own_audio, "decode_file", lambda path, rate, *limits: decoded.append(path.name) or real(path, rate, *limits))
     resumed = index_folder(folder, tiny_bundle, out, chunk_files=CHUNK)
     assert len(decoded) == 14 - 2 * CHUNK  # only the chunks not checkpointed were decoded again
     assert not partial.exists()  # removed once the bundle is published
@@ -81,11 +82,11 @@ def _interrupt_after(folder: Path, tiny_bundle: Path, out: Path, monkeypatch: py
     real = own_audio.decode_file
     calls: list[str] = []
 
-    def interrupted(path: Path, rate: int) -> np.ndarray:
+    def interrupted(path: Path, rate: int, *limits: Any) -> np.ndarray:
         if len(calls) == n:
             raise KeyboardInterrupt
         calls.append(path.name)
-        return real(path, rate)
+        return real(path, rate, *limits)
 
     monkeypatch.setattr(own_audio, "decode_file", interrupted)
     with pytest.raises(KeyboardInterrupt):
@@ -95,7 +96,7 @@ def _interrupt_after(folder: Path, tiny_bundle: Path, out: Path, monkeypatch: py
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     real = REAL_DECODE
     calls: list[str] = []
-    monkeypatch.setattr(own_audio, "decode_file", lambda path, rate: calls.append(path.name) or real(path, rate))
+    monkeypatch.setattr(own_audio, "decode_file", lambda path, rate, *limits: calls.append(path.name) or real(path, rate, *limits))
     return calls
 
 

@@ -1,7 +1,9 @@
 """`tonearm export --devices` and `export --pretrained --devices` (issue 55, part 2): the clips pass split over
 two device processes writes the one-device bundle — same ids in the same order, same skipped clips, vectors to
 float tolerance. They crashed after the ONNX export and parity check (``a pass over several devices needs the
-encoder's EncoderSpec``): neither export handed its encoder to the device processes.
+encoder's EncoderSpec``): neither export handed its encoder to the device processes. The trained catalogue holds
+an undecodable clip and a resampling bomb (a WAV declaring 2 Hz, issue 55 part 1): both skipped and listed, the
+bomb under the decode limits, in the device processes as in this one.
 
 The "devices" are CPU processes (tests/index/test_catalogue_pass.py: on a GPU node the same code runs the CUDA
 provider with a ``device_id`` each). Cost on two loaded cores: trained ~20-40 s (the session's tiny checkpoint,
@@ -18,6 +20,7 @@ import numpy as np
 
 from index.bundle import format as fmt
 from index.catalogue.embed_pass import PassOptions
+from tests.index.test_decode_limits import write_resampling_bomb
 from tests.training.test_export_resume import vectors
 from training.bundle import export, pretrained
 
@@ -45,11 +48,14 @@ def test_a_trained_export_over_two_devices_equals_the_one_device_export(tiny_che
     manifest = corpus / tiny_corpus.name
     rows = [json.loads(line) for line in manifest.read_text().splitlines()]
     (corpus / rows[7]["audio"]).write_bytes(b"RIFF\x10\x00\x00\x00WAVEfmt garbage")  # skipped, on one device
+    write_resampling_bomb(corpus / rows[30]["audio"])  # past the decode limits (issue 55, part 1): on the other
     one = export.export_bundle(tiny_checkpoint, manifest=manifest, out_dir=tmp_path / "one", progress=False)
     two = export.export_bundle(tiny_checkpoint, manifest=manifest, out_dir=tmp_path / "two", progress=False,
                                pass_options=TWO)
     _assert_same(two, one)
-    assert [s.id for s in fmt.read_manifest(two).skipped_clips or []] == [rows[7]["id"]]
+    skipped = fmt.read_manifest(two).skipped_clips or []
+    assert [s.id for s in skipped] == [rows[7]["id"], rows[30]["id"]]
+    assert "sample rate 2 Hz is below the floor of 1000 Hz" in skipped[1].reason
 
 
 def test_a_pretrained_export_over_two_devices_equals_the_one_device_export(real_manifest: Path,

@@ -25,6 +25,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 
+from index.audio.decode import DecodeLimits
 from index.bundle import format as fmt
 from index.bundle.evalset import MAX_EVAL_CLIPS, EvalSet, write_eval_set
 from index.bundle.tokenizer import TextTokenizer
@@ -135,6 +136,13 @@ class ExportSteps(Protocol[E]):
     """What differs between a trained and a pretrained export; :func:`assemble_bundle` runs them in this order
     (:class:`training.bundle.export.TrainedSteps`, :class:`training.bundle.pretrained.PretrainedSteps`)."""
 
+    @property
+    def limits(self) -> DecodeLimits:
+        """What one catalogue file may cost to decode: the clips pass, the parity and held-out clips and the
+        windows of long recordings decode under them (:class:`index.audio.decode.DecodeLimits`; a catalogue
+        clip past them is skipped with the reason)."""
+        ...
+
     def write_encoders(self, staging: Path, scratch: Path, catalogue: Sequence[ClipRecord]) -> StagedEncoders[E]:
         """Both ONNX encoders and the tokenizer into ``staging`` (an encoder to quantize first in fp32 in
         ``scratch``), checked against the model they came from (parity clips and captions of ``catalogue``)."""
@@ -192,7 +200,7 @@ def _write_sections(steps: ExportSteps[E], model: ModelDescription, clips: ClipS
         staging, [r.audio for r in done.records], encoder_file=fmt.AUDIO_ENCODER, sample_rate=model.sample_rate,
         clip_samples=model.clip_samples, embed_dim=model.embed_dim, frontend=model.audio_frontend,
         providers=providers, heldout=clips.held_out_moments, languages=model.languages,
-        text_files=(fmt.TEXT_ENCODER, fmt.TOKENIZER))
+        text_files=(fmt.TEXT_ENCODER, fmt.TOKENIZER), limits=steps.limits)
     return {
         "audio_encoder": fmt.EncoderInfo(file=fmt.AUDIO_ENCODER, opset=OPSET, inputs=list(staged.audio_inputs),
                                          outputs=list(OUTPUTS), parity_min_cosine=staged.audio_cosine,

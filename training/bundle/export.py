@@ -28,6 +28,7 @@ writes is read back by the torch-free ``index`` package.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from index.audio.decode import decode_audio
+from index.audio.decode import DecodeLimits, decode_audio
 from index.bundle import format as fmt
 from index.bundle.evalset import (
     EvalSet,
@@ -202,7 +203,7 @@ class _Encoders:
 
 def export_encoders(
     ckpt: Checkpoint, staging: Path, scratch: Path, *, records: Sequence[ClipRecord], quantize: QuantizeConfig,
-    providers: Sequence[str] = CPU,
+    providers: Sequence[str] = CPU, limits: DecodeLimits | None = None,
 ) -> _Encoders:
     """Write both ONNX encoders (+ tokenizer) into ``staging`` and check them against PyTorch.
 
@@ -223,7 +224,9 @@ def export_encoders(
     text_fp32 = _load_session(text_fp32_path, TEXT_INPUTS, dim, providers)
     texts = parity_texts(records, cfg.data.languages)
     text_cos = _require(check_text_parity(model, ckpt.tokenizer, text_fp32, texts), "text encoder")
-    (sample,) = first_decodable(records, lambda path: decode_audio(path, sample_rate=cfg.frontend.sample_rate))
+    decode_limits = (limits or DecodeLimits()).kwargs()
+    (sample,) = first_decodable(records, lambda path: decode_audio(path, sample_rate=cfg.frontend.sample_rate,
+                                                                   **decode_limits))
     waves = parity_waveforms(sample, clip_samples_of(cfg))
     audio_cos = _require(check_audio_parity(model, audio_fp32, waves), "audio encoder")
     audio, text = audio_fp32, text_fp32
@@ -261,9 +264,11 @@ def embed_catalogue_audio(
     ``options.devices`` each device process loads ``encoder``'s file with ``providers`` (:func:`audio_spec`)."""
     clip_samples, padding = clip_samples_of(cfg), short_clip_padding(cfg.frontend)
     frontend = checkpoint_audio_frontend(cfg, model)
+    limits = (options or PassOptions()).limits
     decode = DecodeCall(load_eval_waveform, kwargs={"sample_rate": cfg.frontend.sample_rate,
                                                     "clip_samples": clip_samples, "policy": cfg.data.eval_crop,
-                                                    "padding": padding})
+                                                    "padding": padding, **limits.kwargs()},
+                        sample_rate=cfg.frontend.sample_rate)
     return embed_clips(records, decode, lambda waves: encode_bundle_audio(encoder, waves, cfg, frontend),
                        dim=cfg.model.embed_dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files,
                        options=options, clock=clock, spec=audio_spec(encoder, cfg, model, providers))
@@ -305,14 +310,16 @@ def reflect_frontend(cfg: TrainConfig, model: Any = None) -> fmt.AudioFrontendIn
 
 def embed_catalogue_on_ray(
     encoders: _Encoders, records: Sequence[ClipRecord], cfg: TrainConfig, options: RayOptions, model: Any = None,
-    *, checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
+    *, checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES, limits: DecodeLimits | None = None,
 ) -> PassResult:
-    """The catalogue's clip embeddings as Ray Data jobs, one a chunk, checkpointed as in process (same vectors)."""
+    """The catalogue's clip embeddings as Ray Data jobs, one a chunk, checkpointed as in process (same vectors);
+    each actor decodes under ``limits``."""
     dim, model_bytes = cfg.model.embed_dim, encoders.audio.path.read_bytes()
+    decode = functools.partial(decode_whole, limits=limits or DecodeLimits())
 
     def run(paths: list[Path]) -> Any:
         return embed_audio_files(
-            paths, model_bytes, decode=decode_whole, embed_dim=dim, sample_rate=cfg.frontend.sample_rate,
+            paths, model_bytes, decode=decode, embed_dim=dim, sample_rate=cfg.frontend.sample_rate,
             clip_samples=clip_samples_of(cfg), policy=cfg.data.eval_crop, options=options,
             padding=short_clip_padding(cfg.frontend), frontend=reflect_frontend(cfg, model),
         )
@@ -329,15 +336,17 @@ def captions_on_ray(encoder: Path, tokenizer: TextTokenizer, texts: Sequence[str
                        dim=dim, checkpoint=checkpoint, step=CHUNK_TEXTS)
 
 
-def build_held_out(records: Sequence[ClipRecord], cfg: TrainConfig) -> EvalSet:
-    """The held-out clips' prepared waveforms and caption queries (query groups as `tonearm evaluate`)."""
+def build_held_out(records: Sequence[ClipRecord], cfg: TrainConfig, limits: DecodeLimits | None = None) -> EvalSet:
+    """The held-out clips' prepared waveforms and caption queries (query groups as `tonearm evaluate`); a clip
+    past the decode ``limits`` stops the export, naming it (the held-out set is every clip of its split)."""
     clip_samples = clip_samples_of(cfg)
+    decode_limits = (limits or DecodeLimits()).kwargs()
     captions = eval_captions(records, cfg.data.languages)
     return EvalSet(
         clip_ids=[r.id for r in records],
         waveforms=[
             load_eval_waveform(r.audio, sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples,
-                               policy=cfg.data.eval_crop, padding=short_clip_padding(cfg.frontend))
+                               policy=cfg.data.eval_crop, padding=short_clip_padding(cfg.frontend), **decode_limits)
             for r in records
         ],
         captions=list(captions.texts),
@@ -459,9 +468,13 @@ class TrainedSteps:
     chunk_files: int = CHUNK_FILES
     pass_options: PassOptions | None = None
 
+    @property
+    def limits(self) -> DecodeLimits:
+        return (self.pass_options or PassOptions()).limits
+
     def write_encoders(self, staging: Path, scratch: Path, catalogue: Sequence[ClipRecord]) -> StagedEncoders[_Encoders]:
         encoders = export_encoders(self.ckpt, staging, scratch, records=catalogue, quantize=self.quantize,
-                                   providers=self.providers)
+                                   providers=self.providers, limits=self.limits)
         return StagedEncoders(encoders, audio_inputs=encoders.audio.input_names, audio_cosine=encoders.audio_cosine,
                               text_cosine=encoders.text_cosine, tokenizer=self.ckpt.tokenizer, quantize=self.quantize)
 
@@ -472,16 +485,18 @@ class TrainedSteps:
         info = None
         checkpoint, captions = pass_checkpoints(partial, encoders.audio.path, encoders.text.path,
                                                 providers=list(CPU) if ray is not None else list(self.providers),
-                                                frontend=audio_plan(cfg, ckpt.model), precision=self.precision)
+                                                frontend=audio_plan(cfg, ckpt.model), precision=self.precision,
+                                                limits=self.limits)
         audio, text = encoders.audio, encoders.text
         if ray is None and self.precision == "fp16":
             all_texts = [t["text"] for t in catalogue_texts(records, cfg.data.languages)[0]]
-            audio, text, info = half_encoders(ckpt, encoders, records, all_texts, scratch, self.providers)
+            audio, text, info = half_encoders(ckpt, encoders, records, all_texts, scratch, self.providers,
+                                              self.limits)
 
         def clips_pass(task: Callable[..., Advance]) -> PassResult:
             if ray is not None:
                 return embed_catalogue_on_ray(encoders, records, cfg, ray, ckpt.model, checkpoint=checkpoint,
-                                              chunk_files=self.chunk_files)
+                                              chunk_files=self.chunk_files, limits=self.limits)
             clock = PassClock()
             return embed_catalogue_audio(audio, records, cfg, task("embedding clips", len(records), clock), ckpt.model,
                                          checkpoint=checkpoint, chunk_files=self.chunk_files,
@@ -495,7 +510,7 @@ class TrainedSteps:
         return CataloguePass(clips_pass, texts_of, info)
 
     def held_out(self, records: Sequence[ClipRecord]) -> EvalSet:
-        return build_held_out(records, self.ckpt.config)
+        return build_held_out(records, self.ckpt.config, self.limits)
 
     def evaluate(self, encoders: _Encoders, eval_set: EvalSet,
                  eval_dir: Path) -> tuple[fmt.EvaluationInfo, fmt.QuantizationInfo | None]:
@@ -506,7 +521,7 @@ class TrainedSteps:
 
 def half_encoders(
     ckpt: Checkpoint, encoders: _Encoders, records: Sequence[ClipRecord], texts: Sequence[str], scratch: Path,
-    providers: Sequence[str],
+    providers: Sequence[str], limits: DecodeLimits | None = None,
 ) -> tuple[OnnxEncoder, OnnxEncoder, fmt.CataloguePassInfo]:
     """fp16 copies of the staged (fp32) encoders for the catalogue pass, after the parity gate on the
     first catalogue clips and four synthetic signals, and on the parity and first catalogue captions."""
@@ -515,9 +530,10 @@ def half_encoders(
     audio = _load_session(audio_path, AUDIO_INPUTS, dim, providers)
     text = _load_session(text_path, TEXT_INPUTS, dim, providers)
     frontend = checkpoint_audio_frontend(cfg, ckpt.model)
+    decode_limits = (limits or DecodeLimits()).kwargs()
     clips = first_decodable(records, lambda path: load_eval_waveform(
         path, sample_rate=cfg.frontend.sample_rate, clip_samples=clip_samples_of(cfg), policy=cfg.data.eval_crop,
-        padding=short_clip_padding(cfg.frontend)), PROBE_CLIPS) + probe_waves(cfg.frontend.sample_rate, clip_samples_of(cfg))
+        padding=short_clip_padding(cfg.frontend), **decode_limits), PROBE_CLIPS) + probe_waves(cfg.frontend.sample_rate, clip_samples_of(cfg))
 
     def audio_with(encoder: OnnxEncoder) -> Callable[[list[Any]], np.ndarray]:
         return lambda waves: encode_bundle_audio(encoder, waves, cfg, frontend)

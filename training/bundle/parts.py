@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from index.audio.decode import DecodeLimits
 from index.bundle import format as fmt
 from index.bundle.evalset import MAX_EVAL_CLIPS
 from index.catalogue.checkpoint import (
@@ -243,16 +244,18 @@ def partial_base(out_dir: Path, name: str, fingerprint: str) -> Path:
 
 
 def catalogue_checkpoint(base: Path, encoder: Path, *, providers: Sequence[str], frontend: dict[str, Any],
-                         precision: str = "fp32", name: str = "") -> EmbedCheckpoint:
+                         precision: str = "fp32", name: str = "", limits: DecodeLimits | None = None) -> EmbedCheckpoint:
     """The checkpoint of a catalogue pass (``name`` ``""``: the clips, ``captions``: the captions): its pass
     digest is the encoder's sha256 (and its external data file's, if any), the ONNX Runtime providers, the
     audio preparation (``frontend``) and ``precision`` when not fp32 (`--precision fp16` embeds with fp16
     copies); an item is reused when its content key (:func:`index.catalogue.checkpoint.content_key`) is in a
-    chunk saved under the same digest (a pass with another digest starts over and says what changed)."""
+    chunk saved under the same digest (a pass with another digest starts over and says what changed).
+    ``limits``: the decode limits, which decide the skips but no vector (other limits retry the saved skips)."""
     checksums = [fmt.sha256_file(p) for p in (encoder, external_data_file(encoder)) if p.is_file()]
     describe = {"encoder": checksums, "providers": list(providers), "frontend": frontend,
                 **({"precision": precision} if precision != "fp32" else {})}
-    return EmbedCheckpoint(base, pass_digest(**describe), name=name, describe=describe)
+    return EmbedCheckpoint(base, pass_digest(**describe), name=name, describe=describe,
+                           skips_under=limits.describe() if limits is not None else None)
 
 
 def embed_clips(records: Sequence[ClipRecord], decode: Callable[[Any], np.ndarray], encode: Callable[[list[np.ndarray]], np.ndarray],
@@ -344,11 +347,13 @@ def first_decodable(records: Sequence[ClipRecord], decode: Callable[[Any], np.nd
 
 
 def pass_checkpoints(partial: Path | None, audio: Path, text: Path, *, providers: Sequence[str],
-                     frontend: dict[str, Any], precision: str) -> tuple[EmbedCheckpoint | None, EmbedCheckpoint | None]:
+                     frontend: dict[str, Any], precision: str,
+                     limits: DecodeLimits | None = None) -> tuple[EmbedCheckpoint | None, EmbedCheckpoint | None]:
     """The clips and the captions checkpoints of an export's catalogue pass (None, None: not checkpointed)."""
     if partial is None:
         return None, None
-    return (catalogue_checkpoint(partial, audio, providers=providers, frontend=frontend, precision=precision),
+    return (catalogue_checkpoint(partial, audio, providers=providers, frontend=frontend, precision=precision,
+                                 limits=limits),
             catalogue_checkpoint(partial, text, providers=providers, frontend={}, precision=precision,
                                  name="captions"))
 

@@ -27,6 +27,7 @@ assembly a checkpoint's `tonearm export` shares.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from index.audio.decode import decode_audio, eval_chunks
+from index.audio.decode import DecodeLimits, decode_audio, eval_chunks
 from index.audio.frontend import keeps_short_clips, pad_short_clip
 from index.bundle import format as fmt
 from index.bundle.evalset import EvalSet
@@ -312,8 +313,9 @@ def embed_catalogue_audio(encoders: PretrainedEncoders, records: Sequence[ClipRe
     """The catalogue's clip embeddings (:func:`training.bundle.parts.embed_clips`: decoded beside the
     encoder, checkpointed in chunks; undecodable clips skipped and listed); with ``options.devices`` each
     device process loads the encoder's file as :meth:`PretrainedEncoders.spec` says."""
-    return embed_clips(records, DecodeCall(decode_audio, kwargs={"sample_rate": rate}), encoders.encode_audio,
-                       dim=encoders.dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files,
+    limits = (options or PassOptions()).limits
+    decode = DecodeCall(decode_audio, kwargs={"sample_rate": rate, **limits.kwargs()}, sample_rate=rate)
+    return embed_clips(records, decode, encoders.encode_audio, dim=encoders.dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files,
                        options=options, clock=clock, spec=encoders.spec())
 
 
@@ -325,25 +327,26 @@ def audio_plan(model: Pretrained) -> dict[str, Any]:
 
 
 def _embed_on_ray(clap: Pretrained, encoders: PretrainedEncoders, records: Sequence[ClipRecord], options: RayOptions,
-                  checkpoint: EmbedCheckpoint | None, chunk_files: int) -> PassResult:
+                  checkpoint: EmbedCheckpoint | None, chunk_files: int, limits: DecodeLimits) -> PassResult:
     """The catalogue's clip embeddings on a Ray cluster, one job a chunk: each actor runs the served encoder
     file and prepares a clip as :meth:`PretrainedEncoders.encode_audio` does (the manifest's ``audio_frontend``:
     padding, then the chunk mean), so the vectors are the in-process pass's."""
     s, model_bytes = clap.settings, encoders.audio.path.read_bytes()
 
     def run(paths: list[Path]) -> Any:
-        return embed_audio_files(paths, model_bytes, decode=decode_whole, embed_dim=encoders.dim,
+        return embed_audio_files(paths, model_bytes, decode=functools.partial(decode_whole, limits=limits),
+                                 embed_dim=encoders.dim,
                                  sample_rate=s.sample_rate, clip_samples=s.clip_samples, policy="chunk",
                                  options=options, frontend=frontend_info(clap))
 
     return embed_clips_on_ray(records, run, dim=encoders.dim, checkpoint=checkpoint, chunk_files=chunk_files)
 
 
-def _held_out(records: Sequence[ClipRecord], languages: Sequence[str], rate: int) -> EvalSet:
+def _held_out(records: Sequence[ClipRecord], languages: Sequence[str], rate: int, limits: DecodeLimits) -> EvalSet:
     captions = eval_captions(records, languages)
     return EvalSet(
         clip_ids=[r.id for r in records],
-        waveforms=[decode_audio(r.audio, sample_rate=rate) for r in records],
+        waveforms=[decode_audio(r.audio, sample_rate=rate, **limits.kwargs()) for r in records],
         captions=list(captions.texts),
         clip=np.asarray(captions.clip, dtype=np.int64),
         lang=np.asarray(captions.lang, dtype=str),
@@ -442,10 +445,15 @@ class PretrainedSteps:
     chunk_files: int = CHUNK_FILES
     pass_options: PassOptions | None = None
 
+    @property
+    def limits(self) -> DecodeLimits:
+        return (self.pass_options or PassOptions()).limits
+
     def write_encoders(self, staging: Path, scratch: Path, catalogue: Sequence[ClipRecord]) -> StagedEncoders[Staged]:
         clap, quantize, rate = self.clap, self.quantize, self.clap.settings.sample_rate
         encoders, fp32 = export_pretrained_encoders(clap, staging, scratch, quantize=quantize, providers=self.providers)
-        (sample,) = first_decodable(catalogue, lambda path: decode_audio(path, sample_rate=rate))
+        limits = self.limits.kwargs()
+        (sample,) = first_decodable(catalogue, lambda path: decode_audio(path, sample_rate=rate, **limits))
         clips = parity_clips(sample, clap.settings.clip_samples, reflect=keeps_short_clips(clap.settings.padding))
         texts = parity_texts(catalogue, self.languages)
         expected = references(clap, clips, texts)
@@ -463,15 +471,17 @@ class PretrainedSteps:
         served, rate, info = encoders[0], clap.settings.sample_rate, None
         checkpoint, captions = pass_checkpoints(partial, served.audio.path, served.text.path,
                                                 providers=list(CPU) if ray is not None else list(self.providers),
-                                                frontend=audio_plan(clap), precision=self.precision)
+                                                frontend=audio_plan(clap), precision=self.precision,
+                                                limits=self.limits)
         passing = served
         if ray is None and self.precision == "fp16":
             all_texts = [t["text"] for t in catalogue_texts(records, languages)[0]]
-            passing, info = _half_encoders(clap, served, records, languages, all_texts, scratch, self.providers)
+            passing, info = _half_encoders(clap, served, records, languages, all_texts, scratch, self.providers,
+                                           self.limits)
 
         def clips_pass(task: Callable[..., Advance]) -> PassResult:
             if ray is not None:
-                return _embed_on_ray(clap, served, records, ray, checkpoint, self.chunk_files)
+                return _embed_on_ray(clap, served, records, ray, checkpoint, self.chunk_files, self.limits)
             clock = PassClock()
             return embed_catalogue_audio(passing, records, rate, task("embedding clips", len(records), clock),
                                          checkpoint=checkpoint, chunk_files=self.chunk_files,
@@ -489,7 +499,7 @@ class PretrainedSteps:
         return CataloguePass(clips_pass, texts_of, info)
 
     def held_out(self, records: Sequence[ClipRecord]) -> EvalSet:
-        return _held_out(records, self.languages, self.clap.settings.sample_rate)
+        return _held_out(records, self.languages, self.clap.settings.sample_rate, self.limits)
 
     def evaluate(self, encoders: Staged, eval_set: EvalSet,
                  eval_dir: Path) -> tuple[fmt.EvaluationInfo, fmt.QuantizationInfo | None]:
@@ -499,14 +509,15 @@ class PretrainedSteps:
 
 def _half_encoders(
     clap: Pretrained, encoders: PretrainedEncoders, records: Sequence[ClipRecord], languages: Sequence[str],
-    texts: Sequence[str], scratch: Path, providers: Sequence[str],
+    texts: Sequence[str], scratch: Path, providers: Sequence[str], limits: DecodeLimits,
 ) -> tuple[PretrainedEncoders, fmt.CataloguePassInfo]:
     """fp16 copies of the staged (fp32) encoders for the catalogue pass, after the parity gate on the first
     catalogue clips and four synthetic signals, and on the parity and first catalogue captions."""
     s = clap.settings
     audio, text = half_copies(encoders.audio.path, encoders.text.path, scratch)
     half = PretrainedEncoders(clap, audio, text, providers)
-    clips = first_decodable(records, lambda path: decode_audio(path, sample_rate=s.sample_rate), PROBE_CLIPS)
+    clips = first_decodable(records, lambda path: decode_audio(path, sample_rate=s.sample_rate, **limits.kwargs()),
+                            PROBE_CLIPS)
     clips += probe_waves(s.sample_rate, s.clip_samples)
     info = half_precision_gate((encoders.encode_audio, half.encode_audio, clips),
                                (encoders.encode_text, half.encode_text, probe_texts(records, languages, texts)),

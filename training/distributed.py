@@ -108,6 +108,8 @@ def init_process_group(device: torch.device, *, timeout_s: float) -> int:
             "node runs the same command with the same --nnodes/--rdzv-id, or use another port"
         ) from err
     _GROUP_DEVICE = device
+    if dist.get_world_size() > 1:
+        PeerWatch.start(dist.get_rank(), dist.get_world_size())
     return dist.get_rank()
 
 
@@ -219,6 +221,7 @@ def destroy_process_group() -> None:
     global _GROUP_DEVICE
     if is_distributed():
         dist.barrier(**_barrier_kwargs())
+        PeerWatch.leave("ended with the others")
         dist.destroy_process_group()
     _GROUP_DEVICE = None
 
@@ -281,6 +284,11 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 """Texts of a collective that failed because another rank left (gloo and NCCL)."""
 PEER_GRACE_S = 3.0
 """How long a rank whose collective failed because of a peer waits before it exits."""
+LOADER_KILLED = ("DataLoader worker (pid", "killed by signal")
+"""The text of a loader worker killed by a signal (torch's SIGCHLD handler). Under torchrun it is what a
+survivor meets when a peer is lost: the launcher stops the survivor's whole process group with SIGTERM,
+the loader workers die of it at once while the main process only notes the stop request — so the
+survivor's error used to name its own loader worker, not the peer."""
 
 
 def caused_by_a_peer(err: BaseException) -> bool:
@@ -289,9 +297,141 @@ def caused_by_a_peer(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(mark in text for mark in PEER_GONE)
 
 
+def loader_worker_killed(err: BaseException) -> bool:
+    """Whether ``err`` is a DataLoader worker killed by a signal (:data:`LOADER_KILLED`)."""
+    text = str(err)
+    return isinstance(err, RuntimeError) and all(mark in text for mark in LOADER_KILLED)
+
+
+class PeerWatch:
+    """Which peer was lost, for the error a survivor prints (docs/training.md, "When a rank fails").
+
+    Every rank of a group of more than one writes ``who/RANK`` (host, pid) once into the rendezvous
+    store (``MASTER_ADDR:MASTER_PORT``: torchrun's agent store, or rank 0's for a plain env://
+    group) and, from a daemon thread, adds 1 to ``beat/RANK`` every :data:`BEAT_S` seconds; a rank
+    that leaves the group — with an error of its own, or at the end with the others — writes
+    ``left/RANK`` first. A peer killed without a word (SIGKILL, the out-of-memory killer, a lost
+    node) does neither: when a rank's collective or loader fails in a way a lost peer causes,
+    :meth:`lost` reads the beats twice, :data:`DETECT_S` apart, and names the ranks whose beats
+    stopped and who did not say they left. One small store write per rank every half second.
+    """
+
+    BEAT_S = 0.5
+    DETECT_S = 2.0
+    _store: Any = None
+    _rank = -1
+    _world = 0
+    _stop: Any = None
+
+    @classmethod
+    def _prefix(cls) -> str:  # a torchrun restart reuses the agent's store: keep each attempt's keys apart
+        return f"tonearm/peers/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+    @classmethod
+    def _connect(cls) -> Any:
+        address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not address or not port:
+            return None
+        return dist.TCPStore(address, int(port), is_master=False, timeout=timedelta(seconds=5),
+                             wait_for_workers=False)
+
+    @classmethod
+    def start(cls, rank: int, world: int) -> None:
+        """Register this rank and start its beats (a no-op where no store can be reached)."""
+        import socket
+        import threading
+
+        cls.stop()
+        try:
+            store = cls._connect()
+            if store is None:
+                return
+            store.set(f"{cls._prefix()}who/{rank}", f"{socket.gethostname()} pid {os.getpid()}")
+        except Exception as err:  # noqa: BLE001 - the watch only names a lost peer; training goes on without it
+            log.debug("no peer watch: %s", err)
+            return
+        cls._store, cls._rank, cls._world = store, rank, world
+        stop = threading.Event()
+        cls._stop = stop
+        key = f"{cls._prefix()}beat/{rank}"
+
+        def beat() -> None:
+            while not stop.wait(cls.BEAT_S):
+                try:
+                    store.add(key, 1)
+                except Exception:  # noqa: BLE001 - the store is gone: nothing left to tell
+                    return
+
+        store.add(key, 1)
+        threading.Thread(target=beat, name="tonearm-peer-watch", daemon=True).start()
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls._stop is not None:
+            cls._stop.set()
+        cls._stop = None
+
+    @classmethod
+    def leave(cls, why: str) -> None:
+        """Say this rank leaves on purpose (``why``: its own error, or the end) before it stops beating."""
+        if cls._store is None:
+            return
+        try:
+            cls._store.set(f"{cls._prefix()}left/{cls._rank}", why[:300])
+        except Exception as err:  # noqa: BLE001
+            log.debug("peer watch: %s", err)
+        cls.stop()
+
+    @classmethod
+    def lost(cls, *, wait: float | None = None, sleep: Any = time.sleep) -> list[str] | None:
+        """The peers lost without a word, each as ``rank R (HOST pid P)``; ``None`` when the store cannot
+        be read (it lived in the lost process: rank 0's store outside torchrun)."""
+        if cls._store is None:
+            return []
+        prefix = cls._prefix()
+        peers = [r for r in range(cls._world) if r != cls._rank]
+        try:
+            before = [cls._store.add(f"{prefix}beat/{r}", 0) for r in peers]
+            sleep(cls.DETECT_S if wait is None else wait)
+            after = [cls._store.add(f"{prefix}beat/{r}", 0) for r in peers]
+            stopped = [r for r, a, b in zip(peers, before, after, strict=True) if a == b]
+            said = {r for r in stopped if cls._store.check([f"{prefix}left/{r}"])}
+            names = []
+            for r in stopped:
+                if r in said:
+                    continue
+                who = cls._store.get(f"{prefix}who/{r}").decode() if cls._store.check([f"{prefix}who/{r}"]) else "?"
+                names.append(f"rank {r} ({who})")
+            return names
+        except Exception as err:  # noqa: BLE001 - the store went with the lost process
+            log.debug("peer watch: the store cannot be read: %s", err)
+            return None
+
+
+def lost_peer_message(rank_: int, size: int, err: BaseException, lost: list[str] | None) -> str | None:
+    """What a rank whose failure followed a lost peer says (``None``: no peer was lost, the error is its own)."""
+    first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+    if lost is None:
+        address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        return (f"rank {rank_} of {size}: the rendezvous store at {address} is gone with a peer — the process "
+                f"that hosted it (rank 0, or node 0's torchrun agent) was lost; this rank's failure follows from it "
+                f"({type(err).__name__}: {first_line})")
+    if not lost:
+        return None
+    what = ("its loader workers were stopped with it by the launcher, not by a fault of their own"
+            if loader_worker_killed(err) else "a collective failed without it")
+    return (f"rank {rank_} of {size}: lost {', '.join(lost)} — stopped without an error of its own (SIGKILL, the "
+            f"out-of-memory killer, a lost node: its node's log or `kubectl describe pod` tells which); this "
+            f"rank stops because of it: {what} ({type(err).__name__}: {first_line})")
+
+
 def leave_after_error(err: BaseException) -> None:
     """The error path of a distributed run: name the failure, leave the group without a barrier.
 
+    An error a lost peer causes — a collective that failed because another rank left, or this rank's
+    loader workers killed by a signal (the launcher stopping this rank because a peer died) — names
+    the lost peer when :class:`PeerWatch` finds one (its rank, host and pid), as a log line and a
+    note on the exception, instead of blaming this rank's own collective or loader.
     NCCL's communicators are aborted (a destroy would wait for the collectives in flight); gloo's
     group is destroyed, which closes its connections so that blocked peers fail at once.
     """
@@ -302,7 +442,18 @@ def leave_after_error(err: BaseException) -> None:
     rank_, size = dist.get_rank(), dist.get_world_size()
     first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
     peer = caused_by_a_peer(err)
-    if peer:
+    started = time.monotonic()
+    if peer or loader_worker_killed(err):
+        PeerWatch.leave(f"left after {type(err).__name__}: {first_line}")  # not itself the lost one
+        message = lost_peer_message(rank_, size, err, PeerWatch.lost())
+    else:
+        PeerWatch.leave(f"failed: {type(err).__name__}: {first_line}")
+        message = None
+    if message is not None:
+        log.error("%s", message)
+        err.add_note(message)  # printed under the traceback's last line
+        peer = True
+    elif peer:
         log.error("rank %d of %d: a collective failed because another rank left; that rank's error, printed "
                   "by it, is the cause of the failure (%s)", rank_, size, first_line[:300])
     else:
@@ -317,8 +468,8 @@ def leave_after_error(err: BaseException) -> None:
     except Exception as teardown:  # noqa: BLE001 - the original error is the one to report
         log.debug("leaving the process group after an error: %s", teardown)
     _GROUP_DEVICE = None
-    if peer and size > 1:
-        time.sleep(PEER_GRACE_S)  # let the launcher see the failing rank first (comment above)
+    if peer and size > 1:  # let the launcher see the failing rank first (comment above)
+        time.sleep(max(0.0, PEER_GRACE_S - (time.monotonic() - started)))
 
 
 def barrier() -> None:

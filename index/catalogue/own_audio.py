@@ -13,15 +13,17 @@ Per-file metadata (:mod:`index.items.file_metadata`): ``AUDIO_DIR/metadata.jsonl
 (or ``--metadata PATH``) is read and checked before anything is embedded, is not itself indexed,
 and each clip's row becomes its ``metadata`` in ``audio_ids.jsonl`` (the filters' fields).
 
-With ``ray`` (`tonearm index --ray [ADDRESS]`) the decoding and embedding run as a Ray
-Data job (:mod:`index.catalogue.ray_embed`); the bundle written is the same.
+With ``ray`` (`tonearm index --ray [ADDRESS]`) the decoding and embedding run as Ray Data jobs
+(:mod:`index.catalogue.ray_embed`), one a chunk, checkpointed and resumed as in this process; the bundle
+written is the same.
 
 With ``milvus`` as well (`tonearm index --ray --milvus-uri URI`) each Ray actor writes its own
 vectors into the bundle's Milvus collection and the driver never holds them: the collection
 is then indexed, its recall measured and the bundle registered exactly as `tonearm bundle
 publish` does (:mod:`index.engines.milvus_index`), and the bundle written locally has the ids,
 encoders and tokenizer but no FAISS file (``manifest.milvus_only``): it is served with
-``TONEARM_INDEX_BACKEND=milvus`` only (docs/deploy.md, "Publishing straight to Milvus").
+``TONEARM_INDEX_BACKEND=milvus`` only (docs/deploy.md, "Publishing straight to Milvus"). That pass holds no
+vectors in the driver and is not checkpointed: rerun it whole.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from index.audio.formats import SNIFF_BYTES, SUPPORTED, sniff_format
 from index.bundle import format as fmt
 from index.catalogue.checkpoint import (
     CHUNK_FILES,
+    Chunk,
     EmbedCheckpoint,
     PassRate,
     embed_in_chunks,
@@ -141,25 +144,23 @@ def index_folder(
     if precision != "fp32" and ray is not None:
         check_precision_options(precision, None, ray=True)
     bundle = LoadedBundle.open(source, verify=True, providers=providers)
-    checkpoint = None
     catalogue_pass = None
     try:
+        manifest = bundle.manifest
+        frontend = manifest.audio_frontend.model_dump(mode="json") if manifest.audio_frontend is not None else None
+        describe = {"encoder": manifest.files[manifest.audio_encoder.file].sha256,
+                    "sample_rate": bundle.sample_rate, "clip_samples": bundle.clip_samples, "audio_frontend": frontend,
+                    **({"precision": precision} if precision != "fp32" else {})}
+        # in this process and on Ray alike (the same vectors to float tolerance: either resumes the other's chunks)
+        checkpoint = EmbedCheckpoint(out, pass_digest(**describe), describe=describe,
+                                     skips_under=options.limits.describe())
         if ray is None:
-            manifest = bundle.manifest
-            frontend = (manifest.audio_frontend.model_dump(mode="json") if manifest.audio_frontend is not None
-                        else None)
-            describe = {"encoder": manifest.files[manifest.audio_encoder.file].sha256,
-                        "sample_rate": bundle.sample_rate, "clip_samples": bundle.clip_samples,
-                        "audio_frontend": frontend,
-                        **({"precision": precision} if precision != "fp32" else {})}
             with tempfile.TemporaryDirectory() as scratch:
                 encode: Callable[[Sequence[np.ndarray]], np.ndarray] = bundle.encode_audio
                 encoder_path = source / manifest.audio_encoder.file
                 if precision == "fp16":
                     encode, catalogue_pass, encoder_path = _half_encoder(bundle, source, audio_dir, files,
                                                                          Path(scratch), providers, options.limits)
-                checkpoint = EmbedCheckpoint(out, pass_digest(**describe), describe=describe,
-                                             skips_under=options.limits.describe())
                 spec = EncoderSpec(
                     path=str(encoder_path), embed_dim=bundle.embed_dim, clip_samples=bundle.clip_samples,
                     providers=tuple(providers or bundle.onnx_providers), frontend=frontend)
@@ -170,7 +171,8 @@ def index_folder(
                                            window_samples=bundle.clip_samples, decode=limited(options.limits),
                                            encode=encode)
         else:
-            clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, audio_dir, files, ray, options.limits)
+            clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, audio_dir, files, ray, options.limits,
+                                                          checkpoint=checkpoint, chunk_files=chunk_files)
             windows = []  # long recordings' windows: in-process passes only (docs/bundle.md, "Moments")
     finally:
         bundle.close()
@@ -187,8 +189,7 @@ def index_folder(
                                         window_samples=manifest.clip_samples) if windows else None)
         path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index, metas=metas,
                              catalogue_pass=catalogue_pass, skipped=skipped, moments=moments)
-    if checkpoint is not None:
-        checkpoint.remove()
+    checkpoint.remove()
     return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped)
 
 
@@ -382,17 +383,36 @@ def _embed(
 
 def _embed_on_ray(
     bundle: LoadedBundle, source: Path, audio_dir: Path, files: list[Path], options: RayOptions, limits: DecodeLimits,
+    *, checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
 ) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
+    """The pass as Ray Data jobs, one a chunk of ``chunk_files`` files, checkpointed in ``checkpoint`` as the
+    in-process pass is (:func:`index.catalogue.checkpoint.embed_in_chunks`: a rerun reuses every saved vector and
+    skip whose file's content is unchanged, in this process or on Ray); a file a worker could not decode is
+    skipped with the reason."""
     from index.catalogue.ray_embed import embed_audio_files
 
     model = (source / bundle.manifest.audio_encoder.file).read_bytes()
-    done = embed_audio_files(files, model, decode=limited(limits), embed_dim=bundle.embed_dim,
-                             sample_rate=bundle.sample_rate, clip_samples=bundle.clip_samples, policy="chunk",
-                             options=options, frontend=bundle.manifest.audio_frontend)
     rels = [path.relative_to(audio_dir).as_posix() for path in files]
-    kept = [i for i, error in enumerate(done.errors) if not error]
-    skipped = [(rels[i], error) for i, error in enumerate(done.errors) if error]
-    return [rels[i] for i in kept], done.embeddings[kept], skipped
+    rate = PassRate(len(files))
+
+    def advance(n: int, /, *, resumed: bool = False) -> None:
+        rate.add(n, resumed=resumed)
+        log.info("index progress: %d/%d files, %s", rate.done, len(files), rate.describe())
+
+    def embed(indices: Sequence[int], step: Callable[[int], None]) -> Chunk:
+        chosen = [files[i] for i in indices]
+        done = embed_audio_files(chosen, model, decode=limited(limits), embed_dim=bundle.embed_dim,
+                                 sample_rate=bundle.sample_rate, clip_samples=bundle.clip_samples, policy="chunk",
+                                 options=options, frontend=bundle.manifest.audio_frontend)
+        kept = [k for k, error in enumerate(done.errors) if not error]
+        step(len(indices))
+        return Chunk([rels[indices[k]] for k in kept], np.asarray(done.embeddings[kept], np.float32),
+                     [(rels[i], error.removeprefix(f"{files[i]}: "))
+                      for i, error in zip(indices, done.errors, strict=True) if error])
+
+    done = embed_in_chunks(file_items(rels, files), embed, dim=bundle.embed_dim, checkpoint=checkpoint,
+                           chunk_files=chunk_files, advance=advance, what="files")
+    return done.clip_ids, done.embeddings, done.skipped
 
 
 def cli_index(args: argparse.Namespace) -> int:

@@ -12,10 +12,14 @@ A pass over files (or captions) becomes one Ray Data pipeline::
   the bundle); ``intra_op_num_threads`` equals the CPUs the actor reserves, so N
   actors on N cores do not oversubscribe.
 * Actors decode and embed exactly as the single-process path does (the caller's own
-  ``decode`` function, then :func:`index.bundle.evalset.prepare_waveform` and
+  ``decode`` function, under the pass's decode limits, then :func:`index.bundle.evalset.prepare_waveform` and
   :func:`index.runtime.loader.encode_waveforms` / :func:`index.runtime.loader.encode_texts`), so the
   vectors match it to float tolerance (ONNX batch composition differs). A file that
-  cannot be decoded comes back with its error message instead of a vector.
+  cannot be decoded comes back with its error message instead of a vector. An actor decodes beside its
+  encoder: its decode threads decode the next group of :data:`AUDIO_GROUP_FILES` files while a group is
+  encoded (:class:`AudioEmbedder`).
+* Passes are checkpointed by the caller, one Ray job a chunk (:func:`index.catalogue.checkpoint.embed_in_chunks`;
+  `tonearm index --ray` in :mod:`index.catalogue.own_audio`, the exports in :mod:`training.bundle.parts`).
 * The driver puts the rows back in input order; the bundle, ids and index are
   then written by the same code as the single-process path.
 * With a *sink* (`tonearm index --ray --milvus-uri`) each actor writes its own vectors into the
@@ -36,6 +40,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -70,6 +75,9 @@ Sink = Callable[[np.ndarray, np.ndarray, list[dict[str, Any]]], None]
 itself instead of returning them to the driver (:class:`index.engines.milvus_index.CollectionSink`); picklable."""
 AUDIO_BATCH_FILES = 16
 """Files per actor call (the single-process `tonearm index` embeds 16 at a time too)."""
+AUDIO_GROUP_FILES = 4
+"""Files per encoder call of an actor: one group is encoded while the next is decoded (:class:`AudioEmbedder`),
+so three quarters of a call's decoding runs beside its encoding."""
 TEXT_BATCH = 256
 BLOCKS_PER_WORKER = 4
 ACTOR_START_TIMEOUT_S = 600
@@ -149,7 +157,12 @@ def _session(model: Any, inputs: Sequence[str], embed_dim: int, threads: int, de
 
 
 class AudioEmbedder:
-    """Ray Data actor: decodes a batch of files and embeds them with its own ONNX session."""
+    """Ray Data actor: decodes a batch of files and embeds them with its own ONNX session, decoding beside
+    encoding: the batch runs as encoder calls of :data:`AUDIO_GROUP_FILES` files, and while one group is
+    encoded the actor's decode threads decode the next (at most two groups decoded or in flight: memory of
+    2 × :data:`AUDIO_GROUP_FILES` files, each under the pass's decode limits). ``decode_threads``: one on the
+    CPU (the actor's CPUs run the encoder), the CPUs it reserves less one with ``device`` cuda (the GPU
+    encodes; decoding is what bounds it, docs/models.md, "Throughput")."""
 
     def __init__(self, model: Any, *, decode: Decode, embed_dim: int, sample_rate: int, clip_samples: int,
                  policy: Policy, threads: int, sink: Sink | None = None, padding: Padding = "pad",
@@ -160,26 +173,58 @@ class AudioEmbedder:
         self.embed_dim, self.sample_rate, self.clip_samples, self.policy = embed_dim, sample_rate, clip_samples, policy
         self.padding = padding
         self.frontend = frontend  # a bundle's own short-clip padding: embed exactly as LoadedBundle.encode_audio
+        self.decode_threads = max(1, threads - 1) if device == "cuda" else 1
+        self.decoding = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="decode")
+        self.timeline: list[tuple[str, int, float, float]] = []
+        """(``decode`` / ``encode``, group, began, ended) of the last call (time.monotonic; what the tests read)."""
+
+    def _decoded(self, path: str, group: int) -> tuple[np.ndarray | None, str]:
+        began = time.monotonic()
+        try:
+            wave = self.decode(Path(path), self.sample_rate)
+            return prepare_waveform(wave, clip_samples=self.clip_samples, policy=self.policy, padding=self.padding), ""
+        except AudioDecodeError as err:
+            return None, str(err)
+        finally:
+            self.timeline.append(("decode", group, began, time.monotonic()))
+
+    def _encode(self, waves: list[np.ndarray], group: int) -> np.ndarray:
+        began = time.monotonic()
+        try:
+            if self.frontend is not None:
+                return encode_clips(self.encoder, waves, clip_samples=self.clip_samples, embed_dim=self.embed_dim,
+                                    frontend=self.frontend)
+            return encode_waveforms(self.encoder, waves, clip_samples=self.clip_samples, embed_dim=self.embed_dim,
+                                    padding=self.padding)
+        finally:
+            self.timeline.append(("encode", group, began, time.monotonic()))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         began = time.time()
-        waves, errors = [], []
-        for path in batch["path"]:
-            try:
-                wave = self.decode(Path(str(path)), self.sample_rate)
-                waves.append(prepare_waveform(wave, clip_samples=self.clip_samples, policy=self.policy,
-                                              padding=self.padding))
-                errors.append("")
-            except AudioDecodeError as err:
-                errors.append(str(err))
-        ok = np.array([not e for e in errors])
-        out = np.zeros((len(errors), self.embed_dim), np.float32)
-        if self.frontend is not None:
-            out[ok] = encode_clips(self.encoder, waves, clip_samples=self.clip_samples, embed_dim=self.embed_dim,
-                                   frontend=self.frontend)
-        else:
-            out[ok] = encode_waveforms(self.encoder, waves, clip_samples=self.clip_samples,
-                                       embed_dim=self.embed_dim, padding=self.padding)
+        self.timeline = []
+        paths = [str(p) for p in batch["path"]]
+        groups = [list(range(s, min(s + AUDIO_GROUP_FILES, len(paths)))) for s in range(0, len(paths), AUDIO_GROUP_FILES)]
+        errors = [""] * len(paths)
+        out = np.zeros((len(paths), self.embed_dim), np.float32)
+
+        def submit(g: int) -> list[Future[tuple[np.ndarray | None, str]]]:
+            return [self.decoding.submit(self._decoded, paths[i], g) for i in groups[g]] if g < len(groups) else []
+
+        pending = submit(0)
+        for g, rows in enumerate(groups):
+            following = submit(g + 1)  # decoded by the threads while this group is encoded here
+            waves, kept = [], []
+            for row, future in zip(rows, pending, strict=True):
+                wave, error = future.result()
+                if wave is None:
+                    errors[row] = error
+                else:
+                    waves.append(wave)
+                    kept.append(row)
+            if waves:
+                out[kept] = self._encode(waves, g)
+            pending = following
+        ok = np.array([not e for e in errors], dtype=bool)
         if self.sink is not None:  # written from here: only row numbers and errors go back to the driver
             metas = [json.loads(str(meta)) for meta in batch["meta"][ok]]
             self.sink(batch["row"][ok].astype(np.int64), out[ok], metas)

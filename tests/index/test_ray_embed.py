@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -381,3 +382,111 @@ def test_a_ray_actor_asks_for_a_gpu_when_cuda_is_asked(ray_address: str, ray_hom
     assert "num_gpus" not in found["cpu"]["remote"] and found["cpu"]["remote"].get("num_cpus") == 1
     assert ["device", "cuda"] in found["cuda"]["ctor"] and ["threads", 4] in found["cuda"]["ctor"]
     assert "has no GPU" in found["no_gpu"]
+
+
+RESUMING = """
+import logging, sys
+from pathlib import Path
+from index.catalogue import checkpoint
+from index.catalogue.own_audio import index_folder
+from index.catalogue.ray_embed import RayOptions
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+folder, bundle, out, address, stop = sys.argv[1:]
+if stop == "stop":  # interrupted once the first chunk is saved, as Ctrl-C would
+    save = checkpoint.EmbedCheckpoint.save
+
+    def save_then_stop(self, number, chunk):
+        save(self, number, chunk)
+        raise KeyboardInterrupt
+
+    checkpoint.EmbedCheckpoint.save = save_then_stop
+try:
+    done = index_folder(Path(folder), Path(bundle), Path(out), ray=RayOptions(address=address, workers=2),
+                        chunk_files=14)
+except KeyboardInterrupt:
+    print("interrupted")
+    sys.exit(3)
+print(len(done.clip_ids), [rel for rel, _ in done.skipped])
+print(dict(done.skipped)["bomb.wav"])
+"""
+
+
+def test_index_on_ray_resumes_from_its_checkpoint(
+    ray_address: str, ray_home: Path, sound_folder: Path, tiny_bundle: Path, tmp_path: Path
+) -> None:
+    """Issue 55: `tonearm index --ray` keeps the content-keyed checkpoint of the other passes, one Ray job a
+    chunk. Interrupted after its first chunk of 14 files, the rerun embeds only the other 13 (one more Ray job)
+    and writes the single-process bundle; a resampling bomb is skipped under the decode limits on the workers."""
+    from tests.index.test_decode_limits import write_resampling_bomb
+
+    folder = tmp_path / "sounds"
+    shutil.copytree(sound_folder, folder)
+    write_resampling_bomb(folder / "bomb.wav")  # 27 files: 24 sounds, broken.wav, readme.txt, bomb.wav
+    local = index_folder(folder, tiny_bundle, tmp_path / "local")
+    out = tmp_path / "on-ray"
+
+    def child(stop: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", RESUMING, str(folder), str(tiny_bundle), str(out), ray_address,
+                               stop], env=_ray_env(ray_home), capture_output=True, text=True, timeout=300,
+                              cwd=Path(__file__).resolve().parents[2])
+
+    first = child("stop")
+    assert first.returncode == 3 and "interrupted" in first.stdout, first.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "on-ray.partial").glob("chunk-*.npz")) == ["chunk-000000.npz"]
+    second = child("go")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resume: 14 of 27 files reused" in second.stderr, second.stderr[-3000:]
+    assert "Ray pass: 13 rows on" in second.stderr and second.stderr.count("Ray pass:") == 1
+    count, skipped = second.stdout.splitlines()[0].split(" ", 1)
+    assert int(count) == N_FILES and skipped == str([rel for rel, _ in local.skipped]) and len(local.skipped) == 3
+    assert "sample rate 2 Hz is below the floor" in second.stdout.splitlines()[1]
+    assert not (tmp_path / "on-ray.partial").exists()
+    _assert_same_index(out, local.path, "audio")
+
+
+def test_a_ray_actor_decodes_the_next_group_while_it_encodes_one(tiny_bundle: Path, sound_folder: Path) -> None:
+    """Issue 55: an actor decoded its files, then encoded them, one after the other. Its decode thread now
+    decodes group g+1 while group g is encoded (no cluster: the actor class called as Ray Data calls it, with
+    a decode and an encoder slowed to make the overlap unmistakable); the vectors are the single-process ones."""
+    import time as clock
+
+    from index.catalogue.own_audio import decode_file
+    from index.catalogue.ray_embed import AUDIO_GROUP_FILES, AudioEmbedder
+    from index.runtime.loader import LoadedBundle
+
+    manifest = read_manifest(tiny_bundle)
+    paths = sorted(p for p in sound_folder.rglob("clip*.wav"))[: 3 * AUDIO_GROUP_FILES]  # three groups
+
+    def slow_decode(path: Path, rate: int) -> np.ndarray:
+        clock.sleep(0.05)
+        return decode_file(path, rate)
+
+    class SlowEncoder:
+        def __init__(self, encoder: Any) -> None:
+            self.encoder = encoder
+            self.takes_padding_mask = encoder.takes_padding_mask
+
+        def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+            clock.sleep(0.2)
+            return self.encoder.run(feeds)  # type: ignore[no-any-return]
+
+    actor = AudioEmbedder((tiny_bundle / manifest.audio_encoder.file).read_bytes(), decode=slow_decode,
+                          embed_dim=manifest.embed_dim, sample_rate=manifest.sample_rate,
+                          clip_samples=manifest.clip_samples, policy="chunk", threads=1,
+                          frontend=manifest.audio_frontend)
+    actor.encoder = SlowEncoder(actor.encoder)  # type: ignore[assignment]
+    out = actor({"row": np.arange(len(paths)), "path": np.array([str(p) for p in paths], dtype=object)})
+    assert list(out["error"]) == [""] * len(paths)
+    for group in range(2):
+        encoded = [(b, e) for kind, g, b, e in actor.timeline if kind == "encode" and g == group]
+        decoded = [(b, e) for kind, g, b, e in actor.timeline if kind == "decode" and g == group + 1]
+        assert encoded and len(decoded) == AUDIO_GROUP_FILES
+        (began, ended), = encoded[:1]
+        assert any(b < ended and e > began for b, e in decoded), (group, actor.timeline)  # beside the encoder
+    bundle = LoadedBundle.open(tiny_bundle)
+    try:
+        want = bundle.encode_audio([decode_file(p, manifest.sample_rate) for p in paths])
+    finally:
+        bundle.close()
+    np.testing.assert_allclose(out["embedding"], want, atol=2e-5)

@@ -33,8 +33,15 @@ a resume replays it without reading the samples already served (with the draws e
 in place of lost samples, recorded per segment: ``Segment.extra``).
 
 **The reserve** (``Layout.reserve``, ``data.bad_sample_reserve``): ``floor(reserve × M)`` of a rank's
-``M`` positions are not in its batches but at the end of its workers' chunks; a worker whose
-batch lost a sample draws on into them, so one rank's bad sample costs no other rank a clip.
+``M`` positions are not in its batches but at the end of the rank's range, **shared by all its
+workers** (:meth:`SegmentCut.reserve_range`). A worker whose batch lost a sample fills it with its
+next draw, so its *last* batch comes up short; the rank's main process tops every short batch up
+from the rank's reserve, in batch order (deterministic: it depends only on which batches lost how
+many), so one rank's bad samples cost no other rank a clip as long as the *rank's* losses fit its
+reserve — not each worker's losses a worker's slice of it. What a segment took of it is recorded
+per rank (``Segment.reserve_used``). A layout written before the reserve was shared
+(``Layout.shared`` false: per-worker spares at the end of each worker's chunk) is still cut its way
+to work out what its segments served.
 """
 
 from __future__ import annotations
@@ -64,6 +71,13 @@ class Layout:
     reserve: float = 0.0
     """Fraction of each rank's positions kept as its workers' reserve (``data.bad_sample_reserve``):
     drawn only to fill a batch that lost a sample, so one rank's bad sample never holds the others back."""
+    shared: bool = True
+    """The reserve is the rank's, shared by its workers (module doc); false: a layout of a checkpoint
+    written before, whose workers each had a slice of it at the end of their chunks."""
+
+    def __post_init__(self) -> None:
+        if not self.reserve and not self.shared:  # without a reserve both cuts are one: one layout
+            object.__setattr__(self, "shared", True)
 
     @property
     def slots(self) -> int:
@@ -78,8 +92,11 @@ class Segment:
     batches: int
 
     extra: tuple[tuple[int, ...], ...] = ()
-    """Per rank, per worker: entries drawn beyond the batches' sizes (samples lost and replaced from the
-    reserve) by the segment's first ``batches`` batches; empty = none."""
+    """Per rank, per worker: entries drawn beyond the batches' sizes (samples lost and replaced by the
+    worker's next draws) by the segment's first ``batches`` batches; empty = none."""
+    reserve_used: tuple[int, ...] = ()
+    """Per rank: entries of the rank's shared reserve its first ``batches`` batches took (to fill the
+    batches that came up short; a reserve entry that was itself bad counts too); empty = none."""
 
     def to_json(self) -> dict[str, Any]:
         obj: dict[str, Any] = {"world": self.layout.world, "workers": self.layout.workers,
@@ -87,19 +104,25 @@ class Segment:
                                "batches": self.batches}
         if self.layout.reserve:
             obj["reserve"] = self.layout.reserve
+            obj["reserve_shared"] = self.layout.shared
         if any(any(row) for row in self.extra):
             obj["extra_draws"] = [list(row) for row in self.extra]
+        if any(self.reserve_used):
+            obj["reserve_used"] = list(self.reserve_used)
         return obj
 
     @staticmethod
     def from_json(obj: dict[str, Any]) -> Segment:
         layout = Layout(int(obj["world"]), int(obj["workers"]), int(obj["batch_size"]), int(obj["shuffle_buffer"]),
-                        float(obj.get("reserve", 0.0)))
+                        float(obj.get("reserve", 0.0)), bool(obj.get("reserve_shared", False)))
         extra = tuple(tuple(int(x) for x in row) for row in obj.get("extra_draws", []))
-        return Segment(layout, int(obj["batches"]), extra)
+        return Segment(layout, int(obj["batches"]), extra, tuple(int(x) for x in obj.get("reserve_used", [])))
 
     def extra_of(self, rank: int, worker: int) -> int:
         return self.extra[rank][worker] if rank < len(self.extra) and worker < len(self.extra[rank]) else 0
+
+    def reserve_used_of(self, rank: int) -> int:
+        return self.reserve_used[rank] if rank < len(self.reserve_used) else 0
 
 
 MIX_SHARDS = 8
@@ -149,11 +172,25 @@ class SegmentCut:
 
     reserve: int = 0
     """Of ``per_rank``, the positions held in reserve (all workers of a rank together)."""
+    shared: bool = True
+    """The reserve is the rank's (``Layout.shared``), not slices of its workers' chunks."""
 
     @property
     def in_batches(self) -> int:
         """Positions each rank's batches serve when no sample is lost."""
         return self.per_rank - self.reserve
+
+    def reserve_range(self, rank: int) -> range:
+        """Positions of ``rank``'s shared reserve: the end of its range, after its workers' chunks."""
+        if not self.shared:
+            return range(0)
+        end = (rank + 1) * self.per_rank
+        return range(end - self.reserve, end)
+
+    def batch_size(self, step: int) -> int:
+        """The planned clips of a rank's batch ``step`` (the same on every rank)."""
+        slots = len(self.ranks[0]) if self.ranks else 1
+        return self.ranks[0][step % slots].sizes[step // slots]
 
     def left_out(self, n: int) -> int:
         return n - self.per_rank * len(self.ranks)
@@ -161,7 +198,8 @@ class SegmentCut:
 
 def segment_cut(n: int, layout: Layout) -> SegmentCut:
     """The cut of ``n`` positions (module doc): ``floor(reserve × M)`` of a rank's ``M`` positions are
-    its workers' reserve (split as evenly as the workers), the rest its batches."""
+    its workers' shared reserve at the end of its range (``Layout.shared``; before: split as evenly as
+    the workers, each slice at the end of a worker's chunk), the rest its batches."""
     world, slots, batch = layout.world, layout.slots, layout.batch_size
     per_rank = n // world
     reserve = int(layout.reserve * per_rank)
@@ -180,11 +218,11 @@ def segment_cut(n: int, layout: Layout) -> SegmentCut:
         start, chunks = rank * per_rank, []
         for worker in range(slots):
             mine = tuple(sizes[worker::slots])
-            spare = reserve // slots + (worker < reserve % slots)
+            spare = 0 if layout.shared else reserve // slots + (worker < reserve % slots)
             chunks.append(WorkerChunk(start, start + sum(mine) + spare, mine, spare))
             start += sum(mine) + spare
         ranks.append(tuple(chunks))
-    return SegmentCut(per_rank, steps, tuple(ranks), reserve)
+    return SegmentCut(per_rank, steps, tuple(ranks), reserve, layout.shared)
 
 
 def draw_order(length: int, *, buffer: int, first: int, seed: int) -> list[int]:
@@ -213,7 +251,8 @@ def served_in_segment(cut: SegmentCut, layout: Layout, batches: int, *, seed: in
                       segment: int, extra: Segment | None = None) -> np.ndarray:
     """Positions (of the segment's remaining sequence) served by the first ``batches`` batches of
     every rank: the samples drawn for them, served or found undecodable (with ``extra``'s draws
-    beyond the batches' sizes: the reserve entries drawn in place of lost samples)."""
+    beyond the batches' sizes — the workers' next draws in place of lost samples — and the entries
+    of each rank's shared reserve its batches took)."""
     served = []
     for rank, chunks in enumerate(cut.ranks):
         for worker, chunk in enumerate(chunks):
@@ -224,6 +263,10 @@ def served_in_segment(cut: SegmentCut, layout: Layout, batches: int, *, seed: in
                                seed=slot_seed(seed, epoch, segment, rank, worker))
             drawn = sum(chunk.sizes[:done]) + (extra.extra_of(rank, worker) if extra is not None else 0)
             served.append(chunk.start + np.asarray(order[:drawn], dtype=np.int64))
+        used = extra.reserve_used_of(rank) if extra is not None else 0
+        if used:  # the rank's shared reserve, taken in order
+            reserve = cut.reserve_range(rank)
+            served.append(np.arange(reserve.start, reserve.start + min(used, len(reserve)), dtype=np.int64))
     return np.concatenate(served) if served else np.zeros(0, dtype=np.int64)
 
 
@@ -272,3 +315,65 @@ def coverage(usable: int, clips: int, layout: Layout) -> Coverage:
     served = cut.in_batches * layout.world
     return Coverage(clips=clips, usable=usable, served=served, steps=cut.steps, left_out=usable - served,
                     reserve=cut.reserve * layout.world)
+
+
+@dataclass(frozen=True)
+class LossOutcome:
+    """What an epoch serves when some positions cannot be used (:func:`simulate_losses`)."""
+
+    served: list[int]
+    """Positions trained, every rank's, in step order."""
+    held_back: int
+    """Clips ranks drew but did not train so that every rank trains the smallest batch of a step."""
+    held_back_worst_rank: int
+    reserve_drawn: int
+    """Entries of the ranks' reserves taken to fill short batches."""
+
+
+def simulate_losses(usable: int, layout: Layout, bad: set[int] | frozenset[int], *, seed: int = 0,
+                    epoch: int = 0) -> LossOutcome:
+    """An epoch of ``usable`` positions at ``layout`` where the positions ``bad`` cannot be used, without
+    audio: every (rank, worker) draws as the stream does (a lost sample replaced by the worker's next
+    draw), each rank tops its short batches up from its shared reserve in batch order
+    (training/data/stream.py ``StreamBatches``; a layout with ``shared`` false: each worker draws on into
+    its own slice instead), then the loop's lockstep (every rank trains the smallest batch of a step, a
+    step where some rank has fewer than 2 clips is skipped). What docs/BENCHMARKS.md
+    ``bad_sample_coverage`` computes at 400 k clips and the tests check against the real stream."""
+    cut = segment_cut(usable, layout)
+    per_rank: list[list[list[int]]] = []
+    drawn_reserve = 0
+    for rank, chunks in enumerate(cut.ranks):
+        by_worker = []
+        for worker, chunk in enumerate(chunks):
+            order = draw_order(chunk.stop - chunk.start, buffer=layout.buffer, first=layout.batch_size,
+                               seed=slot_seed(seed, epoch, 0, rank, worker))
+            draw, batches = 0, []
+            for size in chunk.sizes:
+                rows: list[int] = []
+                while len(rows) < size and draw < len(order):
+                    position = chunk.start + order[draw]
+                    draw += 1
+                    if position not in bad:
+                        rows.append(position)
+                batches.append(rows)
+            by_worker.append(batches)
+        steps = [by_worker[t % layout.slots][t // layout.slots] for t in range(cut.steps)]
+        reserve = iter(cut.reserve_range(rank))
+        for t, batch in enumerate(steps):  # the rank's top-up, in batch order
+            while len(batch) < cut.batch_size(t):
+                spare = next(reserve, None)
+                if spare is None:
+                    break
+                drawn_reserve += 1
+                if spare not in bad:
+                    batch.append(spare)
+        per_rank.append(steps)
+    served: list[int] = []
+    held = [0] * len(per_rank)
+    for t in range(cut.steps):
+        agreed = min(len(steps[t]) for steps in per_rank)
+        take = agreed if agreed >= 2 else 0
+        for rank, steps in enumerate(per_rank):
+            served += steps[t][:take]
+            held[rank] += len(steps[t]) - take
+    return LossOutcome(served, sum(held), max(held, default=0), drawn_reserve)

@@ -27,14 +27,16 @@ the same :class:`TrainItem` the manifest path gives, so every objective's strate
 KCL's languages, clip indices) is unchanged.
 
 A sample that cannot be decoded, or that a broken shard never delivers, is never replaced by a
-clip served elsewhere: its worker fills the batch with its own next draw, paid for by the reserve
-each rank keeps of its share (``data.bad_sample_reserve``, :func:`training.data.epoch_plan.segment_cut`),
-so the other ranks' batches are untouched; the error travels in ``TrainBatch.skipped`` (in the batch
-that drew the sample) to :class:`BadSampleBudget`, which names and counts it, and the draws beyond
-the batch's size in ``TrainBatch.extra_draws`` to the checkpoint's plan. Only when a worker's losses
-exceed its reserve is a batch short; the loop then makes every rank train the smallest batch of the
-step (:meth:`StreamBatches.lockstep`: the collectives' shapes must agree), holding back — and
-logging — the others' surplus clips.
+clip served elsewhere: its worker fills the batch with its own next draw, so only the worker's last
+batch comes up short, and the rank's main process tops every short batch up from the reserve the
+rank keeps of its share, shared by all its workers (``data.bad_sample_reserve``,
+:meth:`training.data.epoch_plan.SegmentCut.reserve_range`; :meth:`StreamBatches.__iter__`), so the
+other ranks' batches are untouched; the error travels in ``TrainBatch.skipped`` (in the batch that
+drew the sample) to :class:`BadSampleBudget`, which names and counts it, and the draws beyond the
+batch's size (``TrainBatch.extra_draws``) and the reserve entries taken to the checkpoint's plan.
+Only when a rank's losses exceed its reserve is a batch short; the loop then makes every rank train
+the smallest batch of the step (:meth:`StreamBatches.lockstep`: the collectives' shapes must agree),
+holding back — and logging — the others' surplus clips.
 
 Resume: the checkpoint records the plan (layout, seed, corpus digest, the batches each segment
 of the epoch ran). On the same layout the workers replay their draw order without reading the
@@ -778,6 +780,27 @@ class StreamCollate:
                           texts=[[] for _ in range(views)], skipped=tuple(errors), extra_draws=extra)
 
 
+def concat_batches(first: TrainBatch, second: TrainBatch, *, pad_id: int = 0) -> TrainBatch:
+    """``first``'s clips then ``second``'s (token rows padded to the longer of the two: ``pad_id`` and
+    a zero attention mask, as the collate pads); ``first``'s ``extra_draws``, both batches' errors."""
+    import torch.nn.functional as F
+
+    length = max(first.input_ids.shape[2], second.input_ids.shape[2])
+
+    def padded(tensor: torch.Tensor, value: int) -> torch.Tensor:
+        return F.pad(tensor, (0, length - tensor.shape[2]), value=value)
+
+    return TrainBatch(
+        waveform=torch.cat([first.waveform, second.waveform]),
+        input_ids=torch.cat([padded(first.input_ids, pad_id), padded(second.input_ids, pad_id)], dim=1),
+        attention_mask=torch.cat([padded(first.attention_mask, 0), padded(second.attention_mask, 0)], dim=1),
+        text_mask=torch.cat([first.text_mask, second.text_mask], dim=1),
+        clip_index=torch.cat([first.clip_index, second.clip_index]),
+        texts=[a + b for a, b in zip(first.texts, second.texts, strict=True)] if first.texts and second.texts
+        else first.texts or second.texts,
+        skipped=first.skipped + second.skipped, extra_draws=first.extra_draws)
+
+
 def truncate_batch(batch: TrainBatch, rows: int) -> TrainBatch:
     """The first ``rows`` clips of ``batch``."""
     return TrainBatch(waveform=batch.waveform[:rows], input_ids=batch.input_ids[:, :rows],
@@ -811,6 +834,16 @@ class StreamBatches:
         self.resume_extra: list[int] = [0] * stream.layout.slots
         self.all_extra: list[list[int]] | None = None
         """Every rank's :attr:`extra`, gathered by the loop before a checkpoint (:meth:`gather_extra`)."""
+        self.reserve_used = 0
+        """Entries of this rank's shared reserve taken so far in the segment (bad ones included)."""
+        self.reserve_after: list[int] = []
+        """Per batch received since the segment's start or resume: :attr:`reserve_used` after it."""
+        self.resume_reserve = 0
+        self.all_reserve: list[int] | None = None
+        """Every rank's reserve taken, gathered with :attr:`all_extra`."""
+        self._reserve: Iterator[tuple[int, TrainItem | str]] | None = None
+        self.reserve_drawn = 0
+        """Reserve entries taken in this epoch by this process (the epoch record's ``reserve_drawn``)."""
 
     def set_epoch(self, epoch: int, *, skip: int = 0, samples_in_epoch: int | None = None) -> None:
         """Start epoch ``epoch`` ``skip`` batches in (the loop's ``batch_in_epoch``), or, for the epoch
@@ -826,6 +859,8 @@ class StreamBatches:
         self.extra = list(self.resume_extra) if resuming and self.skip else [0] * self.stream.layout.slots
         self.stream.extra_draws = dict(enumerate(self.extra))
         self.drawn = []
+        self.reserve_used = self.resume_reserve if resuming and self.skip else 0
+        self.reserve_after, self._reserve, self.reserve_drawn = [], None, 0
         self.stream.set_epoch(epoch, skip=self.skip)
 
     def restore(self, state: dict[str, Any] | None, *, epoch: int, batch_in_epoch: int, saved_world: int) -> str:
@@ -851,6 +886,7 @@ class StreamBatches:
             self.resume_skip = segments[-1].batches
             rank = self.stream.rank
             self.resume_extra = [segments[-1].extra_of(rank, role) for role in range(layout.slots)]
+            self.resume_reserve = segments[-1].reserve_used_of(rank)
             return f"epoch {epoch + 1} continues at batch {batch_in_epoch} of the same plan"
         self.stream.segments, self.stream.segments_epoch = segments, epoch
         self.resume_skip = 0
@@ -871,8 +907,16 @@ class StreamBatches:
             done = self.skip + max(0, batch_in_epoch - self.before)
             state["segments"] = [s.to_json() for s in self.stream.earlier(epoch)]
             extra = tuple(tuple(row) for row in (self.all_extra or [self.extra_before(done)]))
-            state["segments"].append(Segment(self.stream.layout, done, extra).to_json())
+            reserve = tuple(self.all_reserve or [self.reserve_before(done)])
+            state["segments"].append(Segment(self.stream.layout, done, extra, reserve).to_json())
         return state
+
+    def reserve_before(self, done: int) -> int:
+        """Entries of this rank's shared reserve the segment's first ``done`` batches took."""
+        received = max(0, done - self.skip)
+        if received == 0:
+            return self.resume_reserve if self.skip else 0
+        return self.reserve_after[min(received, len(self.reserve_after)) - 1]
 
     def extra_before(self, done: int) -> list[int]:
         """Per worker role, the draws beyond the batches' sizes of the segment's first ``done`` batches."""
@@ -888,7 +932,9 @@ class StreamBatches:
         from training import distributed
 
         done = self.skip + max(0, batch_in_epoch - self.before) if epoch == self.epoch else 0
-        self.all_extra = distributed.gather_objects(self.extra_before(done))
+        gathered = distributed.gather_objects((self.extra_before(done), self.reserve_before(done)))
+        self.all_extra = [extra for extra, _ in gathered]
+        self.all_reserve = [reserve for _, reserve in gathered]
 
     def remaining_steps(self) -> int:
         """Batches left in the epoch :meth:`restore` took up, from where it resumes."""
@@ -931,16 +977,56 @@ class StreamBatches:
         return batch
 
     def epoch_stats(self) -> dict[str, int]:
-        """Clips this rank trained in the epoch (since the start or the resume) and held back."""
-        return {"clips_served": self.served, "clips_held_back": len(self.held_back)}
+        """Clips this rank trained in the epoch (since the start or the resume), held back, and the entries
+        of its shared reserve its short batches took."""
+        return {"clips_served": self.served, "clips_held_back": len(self.held_back),
+                "reserve_drawn": self.reserve_drawn}
 
     def __len__(self) -> int:
         return self.full_steps
 
     def __iter__(self) -> Iterator[Any]:
+        """The loader's batches, each that came up short (its worker's losses outran its draws: its last
+        batch) topped up from the rank's shared reserve, in batch order (module doc)."""
+        left, cut = self.stream.cut(self.epoch)
+        step = self.skip
         for batch in self.loader:  # the reserve draws of each batch's worker, for the checkpoint's plan
             self.drawn.append(int(getattr(batch, "extra_draws", 0)))
+            if step < cut.steps and self.reserve_used < cut.reserve and isinstance(batch, TrainBatch):
+                short = cut.batch_size(step) - int(batch.clip_index.shape[0])
+                if short > 0:
+                    batch = self.top_up(batch, short, left, cut)
+            self.reserve_after.append(self.reserve_used)
+            step += 1
             yield batch
+
+    def top_up(self, batch: TrainBatch, short: int, left: np.ndarray, cut: SegmentCut) -> TrainBatch:
+        """``batch`` with up to ``short`` clips more from this rank's shared reserve, read and decoded
+        here (in the main process: a few clips an epoch), the reserve's bad entries as its errors."""
+        if self._reserve is None:
+            span = cut.reserve_range(self.stream.rank)
+            positions = left[span.start:span.stop]
+            self._reserve = self.stream._entries(self.epoch, positions, set(range(self.reserve_used, len(positions))),
+                                                 [])
+        items: list[TrainItem] = []
+        errors: list[str] = []
+        while len(items) < short and self.reserve_used < cut.reserve:
+            got = next(self._reserve, None)
+            if got is None:
+                self.reserve_used = cut.reserve
+                break
+            j, entry = got
+            self.reserve_drawn += j + 1 - self.reserve_used
+            self.reserve_used = j + 1
+            if isinstance(entry, str):
+                errors.append(entry)
+            else:
+                items.append(entry)
+        if not items and not errors:
+            return batch
+        collate: Any = self.loader.collate_fn
+        pad_id = int(getattr(getattr(getattr(collate, "collate", None), "tokenizer", None), "pad_id", 0) or 0)
+        return concat_batches(batch, collate((items, errors, 0)), pad_id=pad_id)
 
 
 NAMED_HELD_BACK = 10

@@ -127,6 +127,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--memory-per-node", default="512Gi", help="with --plan: memory per node (default 512Gi)")
     plan.add_argument("--shm-per-node", default=None, help="with --plan: /dev/shm per node (default: half the memory)")
     plan.add_argument("--gpu-memory", default="80Gi", help="with --plan: memory of one GPU (default 80Gi)")
+    plan.add_argument("--process-baseline", default=None, metavar="FILE",
+                      help="with --plan: the processes' own memory measured on the training machine by `python -m "
+                      "training.memory_calibration --out FILE` (default: $TONEARM_PROCESS_BASELINE, else a figure "
+                      "measured on one machine; docs/training.md)")
     plan.add_argument("--emit-k8s", action="store_true", help="(implies --plan) print the multi-node Kubernetes Job "
                       "(k8s/train-multinode/job.yaml: the config's ConfigMap and the Job) with the CPU, memory and "
                       "/dev/shm of this plan for a pod's share of each node, training from data.shards; the plan goes "
@@ -241,6 +245,12 @@ def _add_device_option(p: argparse.ArgumentParser) -> None:
         "--devices", default=None, metavar="0,1,...|all",
         help="with --device cuda: split the catalogue over these GPUs, one process each, merged into the "
         "bundle one GPU writes (default: the first GPU only)",
+    )
+    p.add_argument(
+        "--codec-call-samples", type=_positive_int, default=None, metavar="N",
+        help="PE-Audio: most samples (padding included) in one encoder call of the catalogue pass; clips of one "
+        "length bucket share calls when two fit, long ones too (default 7680000 with --device cuda, 960000 "
+        "on the CPU as in the service; docs/models.md, 'PE-Audio: length buckets')",
     )
 
 

@@ -75,7 +75,10 @@ class PassOptions:
     """How the pass decodes: worker processes (0: in this process), clips decoded ahead, the samples
     of one encoder call; ``devices``: the devices the catalogue is split over, one process each
     (:class:`DevicePool`; None: this process's encoder only); ``limits``: what one file may cost to decode
-    (a file past them is skipped with the reason); ``decode_memory``: the bytes the decoding may hold at once."""
+    (a file past them is skipped with the reason); ``decode_memory``: the bytes the decoding may hold at once;
+    ``codec_call_samples``: the samples of one call of a whole-clip (PE-Audio) encoder, so that clips of one
+    length bucket, long ones too, share calls (None: :data:`index.runtime.loader.CODEC_CALL_SAMPLES`, the
+    service's budget; :func:`index.runtime.loader.encode_clips`)."""
 
     decode_workers: int = 0
     prefetch: int = PREFETCH
@@ -83,9 +86,11 @@ class PassOptions:
     devices: tuple[int, ...] | None = None
     limits: DecodeLimits = DecodeLimits()
     decode_memory: int = DECODE_MEMORY
+    codec_call_samples: int | None = None
 
     def __post_init__(self) -> None:
-        if self.decode_workers < 0 or self.prefetch < 1 or self.batch_samples < 1 or self.decode_memory < 1:
+        if (self.decode_workers < 0 or self.prefetch < 1 or self.batch_samples < 1 or self.decode_memory < 1
+                or (self.codec_call_samples is not None and self.codec_call_samples < 1)):
             raise ValueError(f"bad pass options {self}")
 
 
@@ -281,6 +286,8 @@ class EncoderSpec:
     frontend: dict[str, Any] | None = None
     padding: str = "pad"
     threads: int | None = 1
+    call_samples: int | None = None
+    """A whole-clip encoder's samples a call (:attr:`PassOptions.codec_call_samples`)."""
 
     def load(self, device_id: int | None) -> Encode:
         from index.bundle.format import AudioFrontendInfo
@@ -292,7 +299,8 @@ class EncoderSpec:
         frontend = AudioFrontendInfo.model_validate(self.frontend) if self.frontend is not None else None
         if frontend is not None:
             return lambda waves: encode_clips(encoder, waves, clip_samples=self.clip_samples,
-                                              embed_dim=self.embed_dim, frontend=frontend)
+                                              embed_dim=self.embed_dim, frontend=frontend,
+                                              max_call_samples=self.call_samples)
         return lambda waves: encode_waveforms(encoder, waves, clip_samples=self.clip_samples,
                                               embed_dim=self.embed_dim, padding=self.padding)  # type: ignore[arg-type]
 
@@ -526,14 +534,25 @@ def pass_embedder(ids: Sequence[str], sources: Sequence[Any], decode: Callable[[
     return clip_embedder(ids, sources, decode, encode, dim=dim, decoder=decoder)
 
 
+CUDA_CODEC_CALL_SAMPLES = BATCH_SAMPLES
+"""Default samples of a whole-clip (PE-Audio) encoder call in a catalogue pass with ``--device cuda``: the
+pass's own call budget, 7.68 M samples (sixteen 10-s clips at 48 kHz, two of 60 s), so every length bucket
+of clips up to 60 s shares calls; ~8x the CPU service's :data:`index.runtime.loader.CODEC_CALL_SAMPLES`
+(~1 GB of codec activations per 960,000 samples on the CPU: a GPU of 16 GB or more holds it; not measured
+on one here). On the CPU the pass keeps the service's budget: buckets cost there (docs/models.md)."""
+
+
 def pass_options_from_args(args: Any) -> PassOptions:
     """`--decode-workers N`, `--devices LIST` (with `--device`), the decode limits (`--min-sample-rate`,
-    `--max-decode-samples`, `--max-decoded-bytes`; 0 lifts one) and `--decode-memory` as :class:`PassOptions`."""
+    `--max-decode-samples`, `--max-decoded-bytes`; 0 lifts one), `--decode-memory` and `--codec-call-samples`
+    (default :data:`CUDA_CODEC_CALL_SAMPLES` with `--device cuda`, else the service's) as :class:`PassOptions`."""
     workers = getattr(args, "decode_workers", None)
-    devices = parse_devices(getattr(args, "devices", None), getattr(args, "device", "cpu"))
+    device = getattr(args, "device", "cpu")
+    devices = parse_devices(getattr(args, "devices", None), device)
+    call = getattr(args, "codec_call_samples", None) or (CUDA_CODEC_CALL_SAMPLES if device == "cuda" else None)
     return PassOptions(decode_workers=default_decode_workers() if workers is None else workers,
                        devices=tuple(devices) if devices else None, limits=decode_limits_from_args(args),
-                       decode_memory=getattr(args, "decode_memory", None) or DECODE_MEMORY)
+                       decode_memory=getattr(args, "decode_memory", None) or DECODE_MEMORY, codec_call_samples=call)
 
 
 def decode_limits_from_args(args: Any) -> DecodeLimits:

@@ -140,7 +140,7 @@ def index_folder(
     files = audio_files(audio_dir, table)
     metas = read_file_metadata(table, [p.relative_to(audio_dir).as_posix() for p in files]) if table else {}
     if milvus is not None and ray is not None:
-        return _index_into_milvus(audio_dir, source, out, files, ray, milvus, metas, options.limits)
+        return _index_into_milvus(audio_dir, source, out, files, ray, milvus, metas, options)
     if precision != "fp32" and ray is not None:
         check_precision_options(precision, None, ray=True)
     bundle = LoadedBundle.open(source, verify=True, providers=providers)
@@ -156,14 +156,16 @@ def index_folder(
                                      skips_under=options.limits.describe())
         if ray is None:
             with tempfile.TemporaryDirectory() as scratch:
-                encode: Callable[[Sequence[np.ndarray]], np.ndarray] = bundle.encode_audio
+                encode: Callable[[Sequence[np.ndarray]], np.ndarray] = functools.partial(
+                    bundle.encode_audio, max_call_samples=options.codec_call_samples)
                 encoder_path = source / manifest.audio_encoder.file
                 if precision == "fp16":
                     encode, catalogue_pass, encoder_path = _half_encoder(bundle, source, audio_dir, files,
-                                                                         Path(scratch), providers, options.limits)
+                                                                         Path(scratch), providers, options)
                 spec = EncoderSpec(
                     path=str(encoder_path), embed_dim=bundle.embed_dim, clip_samples=bundle.clip_samples,
-                    providers=tuple(providers or bundle.onnx_providers), frontend=frontend)
+                    providers=tuple(providers or bundle.onnx_providers), frontend=frontend,
+                    call_samples=options.codec_call_samples)
                 clip_ids, embeddings, skipped = _embed(bundle, audio_dir, files, progress=progress,
                                                        checkpoint=checkpoint, chunk_files=chunk_files, encode=encode,
                                                        options=options, spec=spec)
@@ -171,7 +173,7 @@ def index_folder(
                                            window_samples=bundle.clip_samples, decode=limited(options.limits),
                                            encode=encode)
         else:
-            clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, audio_dir, files, ray, options.limits,
+            clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, audio_dir, files, ray, options,
                                                           checkpoint=checkpoint, chunk_files=chunk_files)
             windows = []  # long recordings' windows: in-process passes only (docs/bundle.md, "Moments")
     finally:
@@ -233,7 +235,7 @@ def clip_item(clip_id: str, metas: dict[str, dict[str, Any]] | None) -> dict[str
 
 def _half_encoder(
     bundle: LoadedBundle, source: Path, audio_dir: Path, files: list[Path], scratch: Path,
-    providers: Sequence[str] | None, limits: DecodeLimits,
+    providers: Sequence[str] | None, options: PassOptions,
 ) -> tuple[Callable[[Sequence[np.ndarray]], np.ndarray], fmt.CataloguePassInfo, Path]:
     """The fp16 copy of ``bundle``'s audio encoder as an encode function, after the parity gate on the
     first :data:`index.catalogue.half_precision.PROBE_CLIPS` decodable files and four synthetic signals."""
@@ -249,14 +251,14 @@ def _half_encoder(
         if len(probe) == PROBE_CLIPS:
             break
         try:
-            probe.append(decode_file(path, bundle.sample_rate, limits))
+            probe.append(decode_file(path, bundle.sample_rate, options.limits))
         except AudioDecodeError:
             continue  # listed by the pass itself
     probe += probe_waves(bundle.sample_rate, bundle.clip_samples)
 
     def encode(waves: Sequence[np.ndarray]) -> np.ndarray:
         return encode_clips(half, waves, clip_samples=bundle.clip_samples, embed_dim=bundle.embed_dim,
-                            frontend=manifest.audio_frontend)
+                            frontend=manifest.audio_frontend, max_call_samples=options.codec_call_samples)
 
     found = gate("audio", bundle.encode_audio, encode, probe)
     device = "cuda" if "CUDAExecutionProvider" in half.session.get_providers() else "cpu"
@@ -265,7 +267,7 @@ def _half_encoder(
 
 def _index_into_milvus(
     audio_dir: Path, source: Path, out: Path, files: list[Path], ray: RayOptions, milvus: MilvusPublish,
-    metas: dict[str, dict[str, Any]], limits: DecodeLimits,
+    metas: dict[str, dict[str, Any]], options: PassOptions,
 ) -> IndexedFolder:
     """The Ray pass with each actor writing its vectors into Milvus (module docstring).
 
@@ -297,9 +299,9 @@ def _index_into_milvus(
     written_fields, row_metas = milvus_index.catalogue_metas(items)
     sink = milvus_index.begin_audio_publish(target, out.name, dim=dim, index_type=index_type, n=len(candidates))
     done = embed_audio_files(
-        candidates, (source / manifest.audio_encoder.file).read_bytes(), decode=limited(limits), embed_dim=dim,
+        candidates, (source / manifest.audio_encoder.file).read_bytes(), decode=limited(options.limits), embed_dim=dim,
         sample_rate=manifest.sample_rate, clip_samples=manifest.clip_samples, policy="chunk", options=ray, sink=sink,
-        metas=row_metas, frontend=manifest.audio_frontend,
+        metas=row_metas, frontend=manifest.audio_frontend, call_samples=options.codec_call_samples,
     )
     gaps = [i for i, error in enumerate(done.errors) if error]
     position = {path.relative_to(audio_dir).as_posix(): i for i, path in enumerate(files)}
@@ -382,8 +384,8 @@ def _embed(
 
 
 def _embed_on_ray(
-    bundle: LoadedBundle, source: Path, audio_dir: Path, files: list[Path], options: RayOptions, limits: DecodeLimits,
-    *, checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
+    bundle: LoadedBundle, source: Path, audio_dir: Path, files: list[Path], options: RayOptions,
+    pass_options: PassOptions, *, checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
 ) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
     """The pass as Ray Data jobs, one a chunk of ``chunk_files`` files, checkpointed in ``checkpoint`` as the
     in-process pass is (:func:`index.catalogue.checkpoint.embed_in_chunks`: a rerun reuses every saved vector and
@@ -401,9 +403,10 @@ def _embed_on_ray(
 
     def embed(indices: Sequence[int], step: Callable[[int], None]) -> Chunk:
         chosen = [files[i] for i in indices]
-        done = embed_audio_files(chosen, model, decode=limited(limits), embed_dim=bundle.embed_dim,
+        done = embed_audio_files(chosen, model, decode=limited(pass_options.limits), embed_dim=bundle.embed_dim,
                                  sample_rate=bundle.sample_rate, clip_samples=bundle.clip_samples, policy="chunk",
-                                 options=options, frontend=bundle.manifest.audio_frontend)
+                                 options=options, frontend=bundle.manifest.audio_frontend,
+                                 call_samples=pass_options.codec_call_samples)
         kept = [k for k, error in enumerate(done.errors) if not error]
         step(len(indices))
         return Chunk([rels[indices[k]] for k in kept], np.asarray(done.embeddings[kept], np.float32),

@@ -166,8 +166,9 @@ class AudioEmbedder:
 
     def __init__(self, model: Any, *, decode: Decode, embed_dim: int, sample_rate: int, clip_samples: int,
                  policy: Policy, threads: int, sink: Sink | None = None, padding: Padding = "pad",
-                 frontend: AudioFrontendInfo | None = None, device: str = "cpu") -> None:
+                 frontend: AudioFrontendInfo | None = None, device: str = "cpu", call_samples: int | None = None) -> None:
         self.encoder = _session(model, AUDIO_INPUTS, embed_dim, threads, device)
+        self.call_samples = call_samples  # a whole-clip encoder's samples a call (PassOptions.codec_call_samples)
         self.decode = decode
         self.sink = sink
         self.embed_dim, self.sample_rate, self.clip_samples, self.policy = embed_dim, sample_rate, clip_samples, policy
@@ -193,7 +194,7 @@ class AudioEmbedder:
         try:
             if self.frontend is not None:
                 return encode_clips(self.encoder, waves, clip_samples=self.clip_samples, embed_dim=self.embed_dim,
-                                    frontend=self.frontend)
+                                    frontend=self.frontend, max_call_samples=self.call_samples)
             return encode_waveforms(self.encoder, waves, clip_samples=self.clip_samples, embed_dim=self.embed_dim,
                                     padding=self.padding)
         finally:
@@ -343,7 +344,8 @@ def embed_audio_files(paths: Sequence[Path | str], model: bytes, *, decode: Deco
                       clip_samples: int, policy: Policy, options: RayOptions,
                       advance: Callable[[int], None] | None = None, sink: Sink | None = None,
                       metas: Sequence[dict[str, Any]] | None = None,
-                      padding: Padding = "pad", frontend: AudioFrontendInfo | None = None) -> RayEmbedded:
+                      padding: Padding = "pad", frontend: AudioFrontendInfo | None = None,
+                      call_samples: int | None = None) -> RayEmbedded:
     """Clip embeddings of ``paths`` (decoded, prepared with ``policy``, chunk-averaged) on Ray.
 
     ``sink``: each actor writes its vectors there (row = position in ``paths``) with ``metas[row]``
@@ -354,7 +356,7 @@ def embed_audio_files(paths: Sequence[Path | str], model: bytes, *, decode: Deco
     ray = connect(options.address)
     constructor = {"model": ray.put(model), "decode": decode, "embed_dim": embed_dim, "sample_rate": sample_rate,
                    "clip_samples": clip_samples, "policy": policy, "sink": sink, "padding": padding,
-                   "frontend": frontend}
+                   "frontend": frontend, "call_samples": call_samples}
     rows: list[dict[str, Any]] = [{"row": i, "path": str(p)} for i, p in enumerate(paths)]
     if metas is not None and len(metas) != len(rows):
         raise ValueError(f"{len(metas)} metadata objects for {len(rows)} files")

@@ -266,16 +266,19 @@ def encode_texts(
 
 def encode_clips(
     encoder: OnnxEncoder, waveforms: Sequence[np.ndarray], *, clip_samples: int, embed_dim: int,
-    frontend: fmt.AudioFrontendInfo | None,
+    frontend: fmt.AudioFrontendInfo | None, max_call_samples: int | None = None,
 ) -> np.ndarray:
     """What a bundle does to any clip (the service, `tonearm index`, on Ray too): clips shorter than
     ``clip_samples`` zero-padded, or padded as the manifest's ``audio_frontend`` says (a pretrained
-    model's own padding, :mod:`index.audio.frontend`); then chunk-and-average."""
+    model's own padding, :mod:`index.audio.frontend`); then chunk-and-average. Whole clips (PE-Audio) run
+    at most ``max_call_samples`` samples a call (default :data:`CODEC_CALL_SAMPLES`, the service's memory
+    budget; a catalogue pass may give more, `--codec-call-samples`): a bucket two of whose clips fit in a
+    call runs its clips together, long ones included (docs/models.md, "PE-Audio: length buckets")."""
     if frontend is not None and frontend.long_clips == "whole":
         hop = int(frontend.pad_multiple or 1)
         waveforms = [prepare_whole_clip(w, hop) for w in waveforms]
         return encode_waveforms(encoder, waveforms, clip_samples=clip_samples, embed_dim=embed_dim, whole=True,
-                                max_call_samples=CODEC_CALL_SAMPLES, bucket_multiple=hop)
+                                max_call_samples=max_call_samples or CODEC_CALL_SAMPLES, bucket_multiple=hop)
     if frontend is not None:
         waveforms = [pad_short_clip(w, clip_samples, frontend.padding, frontend.pad_multiple) for w in waveforms]
     return encode_waveforms(encoder, waveforms, clip_samples=clip_samples, embed_dim=embed_dim,
@@ -545,10 +548,12 @@ class LoadedBundle:
             raise TypeError("encode_text() takes a sequence of strings")
         return encode_texts(self._need(self._text_encoder), self.tokenizer, texts, embed_dim=self.embed_dim)
 
-    def encode_audio(self, waveforms: Sequence[np.ndarray]) -> np.ndarray:
-        """(n, d) clip embeddings of mono float32 waveforms at ``sample_rate`` (:func:`encode_clips`)."""
+    def encode_audio(self, waveforms: Sequence[np.ndarray], *, max_call_samples: int | None = None) -> np.ndarray:
+        """(n, d) clip embeddings of mono float32 waveforms at ``sample_rate`` (:func:`encode_clips`;
+        ``max_call_samples``: a whole-clip bundle's samples a call, default :data:`CODEC_CALL_SAMPLES`)."""
         return encode_clips(self._need(self._audio_encoder), waveforms, clip_samples=self.clip_samples,
-                            embed_dim=self.embed_dim, frontend=self.manifest.audio_frontend)
+                            embed_dim=self.embed_dim, frontend=self.manifest.audio_frontend,
+                            max_call_samples=max_call_samples)
 
     # ------------------------------------------------------------------ search
 

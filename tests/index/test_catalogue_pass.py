@@ -124,3 +124,20 @@ def test_a_device_that_cannot_start_is_named_with_its_error(tiny_bundle: Path, h
     message = str(raised.value)
     assert said in message and "1 of 2 device processes" in message and "device 0" not in message
     assert "second line" not in message  # one line
+
+
+def test_the_codec_call_budget_of_a_pass() -> None:
+    """Issue 55: PE-Audio's long clips share calls in a pass given the budget — by default with --device cuda
+    (CUDA_CODEC_CALL_SAMPLES), the service's on the CPU; --codec-call-samples sets it."""
+    from argparse import Namespace
+
+    from index.catalogue.embed_pass import CUDA_CODEC_CALL_SAMPLES, pass_options_from_args
+
+    def options(**given: object) -> PassOptions:
+        return pass_options_from_args(Namespace(decode_workers=0, devices=None, **given))
+
+    assert options(device="cpu").codec_call_samples is None  # index.runtime.loader.CODEC_CALL_SAMPLES
+    assert options(device="cuda").codec_call_samples == CUDA_CODEC_CALL_SAMPLES
+    assert options(device="cpu", codec_call_samples=2_000_000).codec_call_samples == 2_000_000
+    with pytest.raises(ValueError, match="bad pass options"):
+        PassOptions(codec_call_samples=0)

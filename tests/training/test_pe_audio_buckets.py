@@ -154,6 +154,72 @@ def test_a_mixed_catalogue_takes_few_calls_of_fixed_lengths_and_old_bundles_run_
     np.testing.assert_allclose(new, old, atol=1e-5)
 
 
+LONG_SECONDS = [10.3, 10.9, 12.5]
+"""Clips over 10 s (none a hop multiple): 10.3 and 10.9 s share the bucket of 288 hops (11.52 s), 12.5 s is
+alone in that of 320."""
+
+
+def test_long_clips_share_calls_by_bucket_when_the_pass_gives_the_budget(pe: dict[str, Any]) -> None:
+    """Issue 55: a clip over 10 s ran alone in its call whatever the pass — a bucket of it holds one clip in the
+    service's :data:`CODEC_CALL_SAMPLES`. With a catalogue pass's budget (`--codec-call-samples`, the CUDA
+    default) the long clips of one bucket share a call, padded behind the mask, and equal each clip alone."""
+    from index.catalogue.embed_pass import CUDA_CODEC_CALL_SAMPLES
+
+    clips = mixed_clips([s * RATE / HOP for s in LONG_SECONDS], seed=5)
+    want = reference(pe["folder"], clips)
+    service, catalogue = RecordedEncoder(pe["masked"]), RecordedEncoder(pe["masked"])
+    alone = encode_clips(service, clips, clip_samples=10 * RATE, embed_dim=DIM, frontend=FRONTEND)  # type: ignore[arg-type]
+    got = encode_clips(catalogue, clips, clip_samples=10 * RATE, embed_dim=DIM, frontend=FRONTEND,  # type: ignore[arg-type]
+                       max_call_samples=CUDA_CODEC_CALL_SAMPLES)
+    prepared = [prepare_whole_clip(c, HOP).shape[0] for c in clips]
+    assert sorted(service.calls) == sorted((1, n) for n in prepared)  # the service: one long clip a call, unpadded
+    assert sorted(catalogue.calls) == [(1, 320 * HOP), (2, 288 * HOP)] and all(catalogue.masked)
+    for found in (got, alone):
+        assert passes_parity(found, want)
+        assert centred_cosines(found, want).min() > 0.9999 and plain_cosines(found, want).min() > 0.99999
+
+
+@pytest.fixture(scope="module")
+def real_codec() -> Any:
+    """The audio encoder of a random PE-Audio with the full-size codec (tests.small_pe_audio.REAL_CODEC: a
+    ~22,000-sample receptive field) under the small transformer, in memory. With the small codec a padding
+    the codec reads moves an embedding by ~5e-7 only (bench/pe_audio_buckets.py --parity): too little to tell."""
+    import torch
+    from transformers import PeAudioModel
+
+    from tests.small_pe_audio import REAL_CODEC, small_pe_audio_config
+
+    torch.manual_seed(0)
+    return PeAudioModel(small_pe_audio_config(REAL_CODEC)).eval().audio_encoder
+
+
+def test_either_half_of_the_padding_mask_dropped_fails(real_codec: Any) -> None:
+    """Issue 55: no test failed when the codec half of the mask (every codec activation zeroed past a clip's
+    end) was removed — with the small model it moves nothing measurable. On the full codec, clips of 5-12 hops
+    padded into one call equal each alone to float rounding (< 1e-6) only with both halves: without the codec
+    half (transformers' own batch mask) they differ by ~1e-2, without the transformer half by ~4e-2."""
+    import torch
+
+    from training.models.pretrained_pe_audio import masked_pooled
+
+    clips = [torch.from_numpy(c) for c in mixed_clips([5, 8, 12], seed=7)]
+    clips = [c[: (c.shape[0] // HOP) * HOP] for c in clips]  # hop multiples: the loader's reflect padding done
+    width = max(c.shape[0] for c in clips)
+    wave, mask = torch.zeros(len(clips), width), torch.zeros(len(clips), width, dtype=torch.int64)
+    for row, clip in enumerate(clips):
+        wave[row, : clip.shape[0]], mask[row, : clip.shape[0]] = clip, 1
+    with torch.no_grad():
+        alone = torch.cat([masked_pooled(real_codec, c[None], torch.ones(1, c.shape[0], dtype=torch.int64))
+                           for c in clips])
+
+        def worst(**halves: bool) -> float:
+            return float((masked_pooled(real_codec, wave, mask, **halves) - alone).abs().max())
+
+        both, no_codec, no_transformer = worst(), worst(codec=False), worst(transformer=False)
+    assert both < 1e-6, both
+    assert no_codec > 1e-4 and no_transformer > 1e-4, (no_codec, no_transformer)
+
+
 def test_manifest_refuses_a_padding_mask_without_whole_clips() -> None:
     from pydantic import ValidationError
 

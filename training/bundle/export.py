@@ -244,12 +244,13 @@ def export_encoders(
 
 
 def encode_bundle_audio(encoder: OnnxEncoder, waves: Sequence[np.ndarray], cfg: TrainConfig,
-                        frontend: fmt.AudioFrontendInfo | None) -> np.ndarray:
+                        frontend: fmt.AudioFrontendInfo | None, call_samples: int | None = None) -> np.ndarray:
     """What the service does to these clips with this bundle: a PE-Audio bundle (``reflect``) through its
-    ``audio_frontend`` (:func:`index.runtime.loader.encode_clips`), every other one zero/tile-padded and chunked."""
+    ``audio_frontend`` (:func:`index.runtime.loader.encode_clips`; ``call_samples``: its samples a call), every
+    other one zero/tile-padded and chunked."""
     if frontend is not None and frontend.padding == "reflect":
         return encode_clips(encoder, waves, clip_samples=clip_samples_of(cfg), embed_dim=cfg.model.embed_dim,
-                            frontend=frontend)
+                            frontend=frontend, max_call_samples=call_samples)
     return encode_waveforms(encoder, waves, clip_samples=clip_samples_of(cfg), embed_dim=cfg.model.embed_dim,
                             padding=short_clip_padding(cfg.frontend))
 
@@ -264,17 +265,19 @@ def embed_catalogue_audio(
     ``options.devices`` each device process loads ``encoder``'s file with ``providers`` (:func:`audio_spec`)."""
     clip_samples, padding = clip_samples_of(cfg), short_clip_padding(cfg.frontend)
     frontend = checkpoint_audio_frontend(cfg, model)
-    limits = (options or PassOptions()).limits
+    options = options or PassOptions()
     decode = DecodeCall(load_eval_waveform, kwargs={"sample_rate": cfg.frontend.sample_rate,
                                                     "clip_samples": clip_samples, "policy": cfg.data.eval_crop,
-                                                    "padding": padding, **limits.kwargs()},
+                                                    "padding": padding, **options.limits.kwargs()},
                         sample_rate=cfg.frontend.sample_rate)
-    return embed_clips(records, decode, lambda waves: encode_bundle_audio(encoder, waves, cfg, frontend),
+    call = options.codec_call_samples
+    return embed_clips(records, decode, lambda waves: encode_bundle_audio(encoder, waves, cfg, frontend, call),
                        dim=cfg.model.embed_dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files,
-                       options=options, clock=clock, spec=audio_spec(encoder, cfg, model, providers))
+                       options=options, clock=clock, spec=audio_spec(encoder, cfg, model, providers, call))
 
 
-def audio_spec(encoder: OnnxEncoder, cfg: TrainConfig, model: Any, providers: Sequence[str]) -> EncoderSpec:
+def audio_spec(encoder: OnnxEncoder, cfg: TrainConfig, model: Any, providers: Sequence[str],
+               call_samples: int | None = None) -> EncoderSpec:
     """What a device process of ``--devices`` loads to embed as :func:`encode_bundle_audio` does with
     ``encoder``: its file, the providers, and the bundle's preparation (PE-Audio's ``audio_frontend``, else
     the checkpoint's zero/tile padding)."""
@@ -282,7 +285,7 @@ def audio_spec(encoder: OnnxEncoder, cfg: TrainConfig, model: Any, providers: Se
     return EncoderSpec(path=str(encoder.path), embed_dim=cfg.model.embed_dim, clip_samples=clip_samples_of(cfg),
                        providers=tuple(providers),
                        frontend=frontend.model_dump(mode="json") if frontend is not None else None,
-                       padding=short_clip_padding(cfg.frontend))
+                       padding=short_clip_padding(cfg.frontend), call_samples=call_samples)
 
 
 def audio_plan(cfg: TrainConfig, model: Any = None) -> dict[str, Any]:
@@ -311,6 +314,7 @@ def reflect_frontend(cfg: TrainConfig, model: Any = None) -> fmt.AudioFrontendIn
 def embed_catalogue_on_ray(
     encoders: _Encoders, records: Sequence[ClipRecord], cfg: TrainConfig, options: RayOptions, model: Any = None,
     *, checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES, limits: DecodeLimits | None = None,
+    call_samples: int | None = None,
 ) -> PassResult:
     """The catalogue's clip embeddings as Ray Data jobs, one a chunk, checkpointed as in process (same vectors);
     each actor decodes under ``limits``."""
@@ -321,7 +325,7 @@ def embed_catalogue_on_ray(
         return embed_audio_files(
             paths, model_bytes, decode=decode, embed_dim=dim, sample_rate=cfg.frontend.sample_rate,
             clip_samples=clip_samples_of(cfg), policy=cfg.data.eval_crop, options=options,
-            padding=short_clip_padding(cfg.frontend), frontend=reflect_frontend(cfg, model),
+            padding=short_clip_padding(cfg.frontend), frontend=reflect_frontend(cfg, model), call_samples=call_samples,
         )
 
     return embed_clips_on_ray(records, run, dim=dim, checkpoint=checkpoint, chunk_files=chunk_files)
@@ -496,7 +500,8 @@ class TrainedSteps:
         def clips_pass(task: Callable[..., Advance]) -> PassResult:
             if ray is not None:
                 return embed_catalogue_on_ray(encoders, records, cfg, ray, ckpt.model, checkpoint=checkpoint,
-                                              chunk_files=self.chunk_files, limits=self.limits)
+                                              chunk_files=self.chunk_files, limits=self.limits,
+                                              call_samples=(self.pass_options or PassOptions()).codec_call_samples)
             clock = PassClock()
             return embed_catalogue_audio(audio, records, cfg, task("embedding clips", len(records), clock), ckpt.model,
                                          checkpoint=checkpoint, chunk_files=self.chunk_files,

@@ -172,10 +172,12 @@ class PretrainedEncoders:
         s = self.clap.settings
         return pad_short_clip(wave, s.clip_samples, s.padding, pad_multiple(self.clap))  # type: ignore[arg-type]
 
-    def encode_audio(self, waves: Sequence[np.ndarray]) -> np.ndarray:
+    def encode_audio(self, waves: Sequence[np.ndarray], *, max_call_samples: int | None = None) -> np.ndarray:
+        """``max_call_samples``: PE-Audio's samples a call (default the service's; a catalogue pass's
+        ``--codec-call-samples``)."""
         if isinstance(self.clap, PretrainedPeAudio):  # exactly the service's path (long clips whole)
             return encode_clips(self.audio, waves, clip_samples=self.clap.settings.clip_samples, embed_dim=self.dim,
-                                frontend=frontend_info(self.clap))
+                                frontend=frontend_info(self.clap), max_call_samples=max_call_samples)
         prepared = [self.prepare(w) for w in waves]
         return encode_waveforms(self.audio, prepared, clip_samples=self.clap.settings.clip_samples,
                                 embed_dim=self.dim, keep_short=keeps_short_clips(self.clap.settings.padding))
@@ -183,12 +185,14 @@ class PretrainedEncoders:
     def encode_text(self, texts: Sequence[str]) -> np.ndarray:
         return encode_texts(self.text, self.clap.tokenizer, texts, embed_dim=self.dim)
 
-    def spec(self) -> EncoderSpec:
+    def spec(self, call_samples: int | None = None) -> EncoderSpec:
         """What a device process of ``--devices`` loads to embed as :meth:`encode_audio` does: the audio file,
         the providers and the manifest's ``audio_frontend`` (:func:`index.runtime.loader.encode_clips` pads a
-        CLAP clip as :meth:`prepare` does, and runs PE-Audio's whole clips in length buckets)."""
+        CLAP clip as :meth:`prepare` does, and runs PE-Audio's whole clips in length buckets, ``call_samples``
+        a call)."""
         return EncoderSpec(path=str(self.audio.path), embed_dim=self.dim, clip_samples=self.clap.settings.clip_samples,
-                           providers=self.providers, frontend=frontend_info(self.clap).model_dump(mode="json"))
+                           providers=self.providers, frontend=frontend_info(self.clap).model_dump(mode="json"),
+                           call_samples=call_samples)
 
 
 def reference_window(model: Pretrained, window: np.ndarray) -> torch.Tensor:
@@ -313,10 +317,11 @@ def embed_catalogue_audio(encoders: PretrainedEncoders, records: Sequence[ClipRe
     """The catalogue's clip embeddings (:func:`training.bundle.parts.embed_clips`: decoded beside the
     encoder, checkpointed in chunks; undecodable clips skipped and listed); with ``options.devices`` each
     device process loads the encoder's file as :meth:`PretrainedEncoders.spec` says."""
-    limits = (options or PassOptions()).limits
-    decode = DecodeCall(decode_audio, kwargs={"sample_rate": rate, **limits.kwargs()}, sample_rate=rate)
-    return embed_clips(records, decode, encoders.encode_audio, dim=encoders.dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files,
-                       options=options, clock=clock, spec=encoders.spec())
+    options = options or PassOptions()
+    decode = DecodeCall(decode_audio, kwargs={"sample_rate": rate, **options.limits.kwargs()}, sample_rate=rate)
+    encode = functools.partial(encoders.encode_audio, max_call_samples=options.codec_call_samples)
+    return embed_clips(records, decode, encode, dim=encoders.dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files,
+                       options=options, clock=clock, spec=encoders.spec(options.codec_call_samples))
 
 
 def audio_plan(model: Pretrained) -> dict[str, Any]:
@@ -327,7 +332,8 @@ def audio_plan(model: Pretrained) -> dict[str, Any]:
 
 
 def _embed_on_ray(clap: Pretrained, encoders: PretrainedEncoders, records: Sequence[ClipRecord], options: RayOptions,
-                  checkpoint: EmbedCheckpoint | None, chunk_files: int, limits: DecodeLimits) -> PassResult:
+                  checkpoint: EmbedCheckpoint | None, chunk_files: int, limits: DecodeLimits,
+                  call_samples: int | None = None) -> PassResult:
     """The catalogue's clip embeddings on a Ray cluster, one job a chunk: each actor runs the served encoder
     file and prepares a clip as :meth:`PretrainedEncoders.encode_audio` does (the manifest's ``audio_frontend``:
     padding, then the chunk mean), so the vectors are the in-process pass's."""
@@ -337,7 +343,7 @@ def _embed_on_ray(clap: Pretrained, encoders: PretrainedEncoders, records: Seque
         return embed_audio_files(paths, model_bytes, decode=functools.partial(decode_whole, limits=limits),
                                  embed_dim=encoders.dim,
                                  sample_rate=s.sample_rate, clip_samples=s.clip_samples, policy="chunk",
-                                 options=options, frontend=frontend_info(clap))
+                                 options=options, frontend=frontend_info(clap), call_samples=call_samples)
 
     return embed_clips_on_ray(records, run, dim=encoders.dim, checkpoint=checkpoint, chunk_files=chunk_files)
 
@@ -481,7 +487,8 @@ class PretrainedSteps:
 
         def clips_pass(task: Callable[..., Advance]) -> PassResult:
             if ray is not None:
-                return _embed_on_ray(clap, served, records, ray, checkpoint, self.chunk_files, self.limits)
+                return _embed_on_ray(clap, served, records, ray, checkpoint, self.chunk_files, self.limits,
+                                     (self.pass_options or PassOptions()).codec_call_samples)
             clock = PassClock()
             return embed_catalogue_audio(passing, records, rate, task("embedding clips", len(records), clock),
                                          checkpoint=checkpoint, chunk_files=self.chunk_files,

@@ -84,7 +84,8 @@ class PeAudioSettings:
         return self.hop_length
 
 
-def masked_pooled(encoder: Any, waveform: Tensor, padding_mask: Tensor) -> Tensor:
+def masked_pooled(encoder: Any, waveform: Tensor, padding_mask: Tensor, *, codec: bool = True,
+                  transformer: bool = True) -> Tensor:
     """``PeAudioEncoder``'s ``pooler_output`` (B, hidden) of clips zero-padded to one length, each
     equal to that of the clip alone (its first ``padding_mask.sum()`` samples, a hop multiple).
 
@@ -98,24 +99,30 @@ def masked_pooled(encoder: Any, waveform: Tensor, padding_mask: Tensor) -> Tenso
     rest is ``PeAudioEncoder.forward`` with the frame mask (:mod:`transformers.models.pe_audio`), whose
     rotary positions start at each clip's start. Equal to the clip's own forward up to float rounding
     (tests/training/test_pe_audio_buckets.py); the loader pads clips into length buckets with it
-    (:func:`index.audio.frontend.bucket_length`)."""
+    (:func:`index.audio.frontend.bucket_length`).
+
+    ``codec`` / ``transformer`` False leave that half of the mask out (the codec then reads the padding; the
+    transformer attends to it): the ablations the tests and ``bench/pe_audio_buckets.py`` measure, never the
+    bundles' graph."""
     from transformers.masking_utils import create_bidirectional_mask
 
     embedder = encoder.embedder
-    codec = embedder.dac_encoder
+    dac = embedder.dac_encoder
     mask = padding_mask.to(waveform.dtype)
-    frames = mask[:, None, :]
-    hidden = codec.conv1(waveform[:, None, :] * frames) * frames
+    kept = mask if codec else torch.ones_like(mask)  # what the codec's activations are multiplied by
+    frames = kept[:, None, :]
+    hidden = dac.conv1(waveform[:, None, :] * frames) * frames
     stride = 1
-    for block, step in zip(codec.block, encoder.config.dac_config.downsampling_ratios, strict=True):
+    for block, step in zip(dac.block, encoder.config.dac_config.downsampling_ratios, strict=True):
         for unit in (block.res_unit1, block.res_unit2, block.res_unit3):
             hidden = unit(hidden) * frames
         stride *= int(step)
-        frames = mask[:, None, ::stride]
+        frames = kept[:, None, ::stride]
         hidden = block.conv1(block.snake1(hidden)) * frames
-    hidden = embedder.bottleneck(codec.conv2(codec.snake1(hidden)))
+    hidden = embedder.bottleneck(dac.conv2(dac.snake1(hidden)))
     embeds = embedder.data_proj(hidden.transpose(1, 2))
-    hidden, frame_mask = encoder.patch_embedder(embeds, padding_mask=frames[:, 0])
+    hop_mask = mask[:, ::stride] if transformer else torch.ones_like(mask[:, ::stride])
+    hidden, frame_mask = encoder.patch_embedder(embeds, padding_mask=hop_mask)
     attention = create_bidirectional_mask(config=encoder.config, inputs_embeds=hidden, attention_mask=frame_mask.bool())
     positions = encoder.rotary_emb(hidden, torch.arange(hidden.shape[1], device=hidden.device)[None, :])
     for layer in encoder.layers[: encoder.config.num_hidden_layers]:

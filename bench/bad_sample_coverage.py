@@ -32,8 +32,14 @@ from typing import Any
 
 import numpy as np
 import soundfile as sf
+import torch
+from torch.utils.data import DataLoader
 
 from bench.benchlib import cpu_model, publish_section
+from training.data.dataset import TrainBatch
+from training.data.epoch_plan import Layout, epoch_sequence, simulate_losses
+from training.data.shards import shard_manifest
+from training.data.stream import ShardStream, StreamBatches, open_corpus
 
 RATE, WORLD, WORKERS, BATCH = 16_000, 4, 8, 64
 START, END = "<!-- bench:bad_sample_coverage:start -->", "<!-- bench:bad_sample_coverage:end -->"
@@ -42,16 +48,12 @@ SHARD = 1000
 
 def one_shard(victim: int, clips: int, usable: int, *, seed: int = 0) -> set[int]:
     """Positions of epoch 0's sequence of ``clips`` samples of shard ``victim`` (shards of 1,000)."""
-    from training.data.epoch_plan import epoch_sequence
-
     order, _ = epoch_sequence([np.arange(SHARD)] * (usable // SHARD), seed=0, epoch=0)
     mine = np.flatnonzero(order == victim)
     return {int(p) for p in mine[np.random.default_rng(seed).permutation(len(mine))[:clips]]}
 
 
 def computed(usable: int = 400_000) -> list[dict[str, Any]]:
-    from training.data.epoch_plan import Layout, simulate_losses
-
     damages = {"0.1 % spread": set(random.Random(5).sample(range(usable), usable // 1000)),
                "5 % of shard 123": one_shard(123, 50, usable), "5 % of shard 7": one_shard(7, 50, usable)}
     rows = []
@@ -77,8 +79,6 @@ def computed(usable: int = 400_000) -> list[dict[str, Any]]:
 
 def make_shards(root: Path, clips: int) -> Path:
     """``clips`` short noise clips sharded by `tonearm data shard` (shards of 1,000), none damaged."""
-    from training.data.shards import shard_manifest
-
     (root / "audio").mkdir(parents=True)
     rng = np.random.default_rng(0)
     sources = []
@@ -111,10 +111,6 @@ def garble(folder: Path, bad_ids: set[str]) -> None:
 
 def _clips(got: Any) -> Any:
     """A TrainBatch of the clips alone (the lockstep reads no text)."""
-    import torch
-
-    from training.data.dataset import TrainBatch
-
     items, errors, extra = got
     rows = len(items)
     return TrainBatch(waveform=torch.zeros(rows, 1), input_ids=torch.zeros(1, rows, 1, dtype=torch.long),
@@ -127,11 +123,6 @@ def _clips(got: Any) -> Any:
 def rank_batches(url: str, rank: int, reserve: float) -> tuple[list[list[int]], int]:
     """(this rank's batches of epoch 0 as clip rows, reserve entries drawn): its stream through 8 loader
     worker processes and StreamBatches (the top-up from the rank's reserve), as training runs it."""
-    from torch.utils.data import DataLoader
-
-    from training.data.epoch_plan import Layout
-    from training.data.stream import ShardStream, StreamBatches, open_corpus
-
     corpus = open_corpus(url, languages=["eng"], drop_other_languages=False)
     stream = ShardStream(corpus, rank=rank, layout=Layout(WORLD, WORKERS, BATCH, 200, reserve), sample_rate=RATE,
                          clip_samples=RATE // 20, seed=0, languages=["eng"])
@@ -162,8 +153,6 @@ def real_streams(url: str, reserve: float, usable: int, bad: int) -> dict[str, A
 
 def real(clips: int, reserves: list[float]) -> list[dict[str, Any]]:
     import shutil
-
-    from training.data.epoch_plan import epoch_sequence
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

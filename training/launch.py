@@ -26,6 +26,7 @@ from training.config import ConfigError, TrainConfig, load_train_config
 from training.data.cluster_plan import Cluster, parse_bytes, plan_for
 from training.fatal import record_fatal, refuse_after_fatal
 from training.k8s_job import emit, pod_cluster
+from training.memory_plan import read_process_baseline
 from training.rundir import refuse_unless_chosen, train_command, train_overrides
 
 
@@ -78,7 +79,8 @@ def cli_plan(args: argparse.Namespace, cfg: TrainConfig) -> int:
     cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, cores_per_node=args.cores_per_node,
                       memory_per_node=memory,
                       shm_per_node=parse_bytes(args.shm_per_node) if args.shm_per_node else memory // 2,
-                      gpu_memory=parse_bytes(getattr(args, "gpu_memory", None) or "80Gi"))
+                      gpu_memory=parse_bytes(getattr(args, "gpu_memory", None) or "80Gi"),
+                      processes=read_process_baseline(getattr(args, "process_baseline", None)))
     for name in ("nodes", "gpus_per_node", "cores_per_node"):
         if getattr(cluster, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")

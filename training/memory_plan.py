@@ -66,6 +66,46 @@ WORKER_PSS = 16 * 2**20
 """PSS of one forked loader worker besides its shuffle buffer and batches (its own pages: the decoder's
 buffers, the Python objects it touched); the sum over a run's process tree grew by ~11 MiB a worker
 from 1 to 3 workers (training and validation, bench/plan_pss.py)."""
+PROCESS_BASELINE_ENV = "TONEARM_PROCESS_BASELINE"
+"""A calibration file (:func:`read_process_baseline`) the run's node check at start reads when no
+``--process-baseline`` is given (the plan reads it too)."""
+
+
+@dataclass(frozen=True)
+class ProcessBaseline:
+    """The processes' own memory the plan counts per rank: the training process's PSS besides what the
+    plan counts item by item, and each loader worker's. The defaults (:data:`MAIN_PROCESS_PSS`,
+    :data:`WORKER_PSS`) were measured on one machine; a process's own memory depends on the machine and
+    the installation (torch's libraries above all: the review found the plan 1.70–2.07× a run's PSS
+    elsewhere), so ``python -m training.memory_calibration`` measures it where the run will run and
+    writes a file for ``tonearm train --plan --process-baseline FILE`` (docs/training.md)."""
+
+    main: int = MAIN_PROCESS_PSS
+    worker: int = WORKER_PSS
+    source: str = "default: measured on one machine (calibrate with `python -m training.memory_calibration`)"
+
+    def processes(self, workers: int) -> int:
+        """A rank's processes: the training process and 2 × ``workers`` loader workers (validation
+        starts as many again beside the persistent training workers)."""
+        return self.main + 2 * workers * self.worker
+
+
+def read_process_baseline(path: str | Path | None = None) -> ProcessBaseline:
+    """The baseline of a calibration file (``path``, else ``$TONEARM_PROCESS_BASELINE``), else the default."""
+    import os
+
+    path = path or os.environ.get(PROCESS_BASELINE_ENV)
+    if not path:
+        return ProcessBaseline()
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return ProcessBaseline(main=int(data["main_pss"]), worker=int(data["worker_pss"]),
+                               source=f"calibrated: {path} ({data.get('machine', '?')}, {data.get('when', '?')})")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{path}: not a process calibration of `python -m training.memory_calibration` ({err})") \
+            from None
+
+
 KMEANS_POINTS_PER_CENTROID = 256
 """training.knowledge.KMEANS_POINTS_PER_CENTROID (not imported: that module imports faiss)."""
 DEFAULT_HF_CONFIG = {"hf_clap": "ClapConfig", "hf_ast": "ASTConfig", "hf_pe_audio": "PeAudioConfig"}

@@ -171,3 +171,59 @@ def test_an_override_with_brackets_reaches_tonearm_train_as_typed_and_a_bucket_r
     assert args[-len(typed):] == typed  # each one word, as typed
     assert not (tmp_path / "tonearm.args").exists()  # no export: CATALOGUE is empty for a bucket-only run
     assert "Not exported: tonearm export indexes a JSONL manifest" in done.stderr
+
+
+# --- the processes' baseline, calibrated per machine (issue 55, part 4 f) ------------------------------
+
+
+def test_the_calibration_fits_the_processes_from_two_runs_and_keeps_the_default_worker_within_noise() -> None:
+    from training.memory_calibration import fit
+    from training.memory_plan import WORKER_PSS
+
+    mib = 2**20
+    exact = [{"workers": 1, "residual": 400 * mib + 2 * 30 * mib}, {"workers": 3, "residual": 400 * mib + 6 * 30 * mib}]
+    assert fit(exact)[:2] == (400 * mib, 30 * mib)
+    noisy = [{"workers": 1, "residual": 810 * mib}, {"workers": 3, "residual": 706 * mib}]  # bench/plan_pss.py's
+    main, worker, how = fit(noisy)
+    assert worker == WORKER_PSS and "noise" in how and main == round((810 + 706) / 2 * mib - 4 * WORKER_PSS)
+
+
+def test_the_plan_and_the_node_check_count_the_processes_of_a_calibration_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The review: the plan was 1.70–2.07× a run's PSS on another machine (an 800 MiB constant from one
+    machine). A calibration file of that machine replaces the constant in `--plan` and in a run's node check."""
+    import json
+
+    from tests.deploy.test_manifests import metadata_corpus
+    from tonearm.cli import main
+    from training.config import ConfigError, load_train_config
+    from training.data.node_fit import refuse_unless_node_fits
+
+    mib = 2**20
+    calibration = tmp_path / "baseline.json"
+    calibration.write_text(json.dumps({"main_pss": 420 * mib, "worker_pss": 12 * mib, "machine": "test", "when": "now"}))
+    folder = metadata_corpus(tmp_path / "shards")
+    args = ["train", str(ROOT / "configs" / "default.yaml"), f"data.shards={folder}", "data.num_workers=2", "--plan",
+            "--nodes", "1", "--gpus-per-node", "1"]
+    assert main(args) == 0
+    default = capsys.readouterr().out
+    assert main([*args, "--process-baseline", str(calibration)]) == 0
+    calibrated = capsys.readouterr().out
+
+    def processes(text: str) -> str:
+        line = next(line for line in text.splitlines() if "processes: training + 2 × 2" in line)
+        return " ".join(line.split()[-2:])
+
+    assert processes(default) == "864.0 MiB" and processes(calibrated) == "468.0 MiB"  # 800 + 4 × 16, 420 + 4 × 12
+    assert f"calibrated: {calibration}" in calibrated and "default: measured on one machine" in default
+
+    cfg = load_train_config(ROOT / "configs" / "tiny.yaml", ["data.num_workers=4"])
+
+    def check() -> None:
+        refuse_unless_node_fits(cfg, workers=4, buffer_bytes=0, crop=128_000, index=0, ranks_on_node=1, shm=2**34,
+                                memory=700 * mib)
+
+    with pytest.raises(ConfigError, match="memory"):
+        check()  # the default: 800 + 2 × 4 × 16 MiB of processes alone are over 700 MiB
+    monkeypatch.setenv("TONEARM_PROCESS_BASELINE", str(calibration))
+    check()  # this machine's: 420 + 2 × 4 × 12 MiB and 16 MB of batches in flight fit

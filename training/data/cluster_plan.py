@@ -14,10 +14,11 @@ the node. The figures are the loader's own formulas, not a simulation:
 * shuffle buffers: workers × entries × crop bytes (float32 crops; a worker never holds more entries
   than its share of the epoch, so a small corpus caps them);
 * batches in flight, in shared memory: ``prefetch_factor`` × workers × batch × crop bytes;
-* the processes themselves (measured PSS, bench/plan_pss.py): the training process
-  (:data:`training.memory_plan.MAIN_PROCESS_PSS`) and each loader worker
-  (:data:`~training.memory_plan.WORKER_PSS`) — twice the workers, as validation starts its own
-  beside the persistent training workers.
+* the processes themselves (measured PSS, bench/plan_pss.py): the training process and each loader
+  worker (``Cluster.processes``, a :class:`training.memory_plan.ProcessBaseline`: the default, measured
+  on one machine, or a calibration of the machine the run runs on, ``python -m
+  training.memory_calibration``) — twice the workers, as validation starts its own beside the
+  persistent training workers.
 
 Then, per rank, what the run holds besides its data (:mod:`training.memory_plan`: the model built
 on the ``meta`` device from the config, its gradients and AdamW moments, distillation teachers and
@@ -40,6 +41,7 @@ from training.config import ConfigError, TrainConfig
 from training.data.epoch_plan import Layout, coverage
 from training.data.loader import shuffle_entries
 from training.data.node_fit import _gb
+from training.memory_plan import ProcessBaseline
 
 HOST_HEADROOM = 0.8
 """Share of a node's memory the plan may fill (the rest: torch and CUDA libraries, the OS)."""
@@ -65,6 +67,8 @@ class Cluster:
     memory_per_node: int
     shm_per_node: int
     gpu_memory: int = 80 * 2**30
+    processes: ProcessBaseline = ProcessBaseline()
+    """What a training process and a loader worker take of their own on these nodes (module doc)."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +110,6 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
     from training.data.stream import TRAIN_SPLIT, cached_corpus
     from training.evaluate import clip_samples
     from training.memory_plan import (
-        MAIN_PROCESS_PSS,
-        WORKER_PSS,
         count_knowledge,
         count_model,
         count_records,
@@ -140,7 +142,7 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
     index = records.resident
     buffers = buffer_bytes * max(1, workers)
     prefetch = cfg.data.prefetch_factor * max(1, workers) * cfg.optim.batch_size * crop if workers else 0
-    processes = MAIN_PROCESS_PSS + 2 * workers * WORKER_PSS  # validation's workers beside the training ones
+    processes = cluster.processes.processes(workers)  # validation's workers beside the training ones
     host = ranks * (index + buffers + prefetch + processes)
     shm = ranks * prefetch
     fits_host = host <= HOST_HEADROOM * cluster.memory_per_node
@@ -221,6 +223,8 @@ def plan_for(cfg: TrainConfig, cluster: Cluster) -> ClusterPlan:
         f"host memory per node, all counted: {_size(node_host)} of {_size(HOST_HEADROOM * cluster.memory_per_node)} — "
         f"{'fits' if fits_all_host else 'DOES NOT FIT'}",
         *[f"note: {note}" for note in model.notes],
+        f"processes: {_size(cluster.processes.main)} a training process, {_size(cluster.processes.worker)} a loader "
+        f"worker ({cluster.processes.source})",
         "not counted: activations, the CUDA context, torch's own resident memory (docs/training.md)",
     ]
     advice = []

@@ -3,7 +3,8 @@
 :func:`refuse_unless_node_fits` sets the per-node figures of ``tonearm train CONFIG --plan``
 (:mod:`training.data.cluster_plan`) for the run's own layout — batches in flight in /dev/shm, and
 per rank the corpus index, shuffle buffers, batches in flight and processes
-(:data:`training.memory_plan.MAIN_PROCESS_PSS`, :data:`~training.memory_plan.WORKER_PSS`) — against
+(:class:`training.memory_plan.ProcessBaseline`: the default, or a calibration file named by
+``$TONEARM_PROCESS_BASELINE``) — against
 the node's /dev/shm (:func:`shm_size`) and memory, and refuses with a :class:`ConfigError` naming the
 settings, before any step rather than as a dead loader worker mid-run. The stream calls it
 (:func:`training.data.stream.build_stream_loader`); the plan sits above it and shares its units.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import os
 
 from training.config import ConfigError, TrainConfig
-from training.memory_plan import MAIN_PROCESS_PSS, WORKER_PSS
+from training.memory_plan import read_process_baseline
 
 
 def _gb(value: float) -> str:
@@ -44,12 +45,13 @@ def refuse_unless_node_fits(cfg: TrainConfig, *, workers: int, buffer_bytes: int
             f"optim.batch_size={cfg.optim.batch_size} × {crop / 1e6:.2f} MB crops per rank): lower one of them or "
             "mount a larger /dev/shm (Kubernetes: the shm volume's sizeLimit; `tonearm train CONFIG --plan … "
             "--emit-k8s` sizes it)")
-    rank = index + buffer_bytes * max(1, workers) + prefetch + MAIN_PROCESS_PSS + 2 * workers * WORKER_PSS
+    processes = read_process_baseline().processes(workers)
+    rank = index + buffer_bytes * max(1, workers) + prefetch + processes
     if ranks_on_node * rank > memory:
         raise ConfigError(
             f"this node gives the job {_gb(memory)} of memory and {ranks_on_node} rank(s) need {_gb(ranks_on_node * rank)} "
             f"by the plan's count (per rank: corpus index {_gb(index)}, shuffle buffers {_gb(buffer_bytes * max(1, workers))} "
             f"— data.shuffle_buffer={cfg.data.shuffle_buffer} —, batches in flight {_gb(prefetch)}, processes "
-            f"{_gb(MAIN_PROCESS_PSS + 2 * workers * WORKER_PSS)} — data.num_workers={workers}): lower "
+            f"{_gb(processes)} — data.num_workers={workers}): lower "
             "data.shuffle_buffer / data.shuffle_buffer_bytes, data.num_workers or data.prefetch_factor, or give "
             "the pod more memory (`tonearm train CONFIG --plan … --emit-k8s` sizes it)")

@@ -18,22 +18,31 @@ user's real checkpoint would be, read by the same code:
   transformer 282 M, ModernBERT-large 321 M; ~34 s to create on 2 cores), its default
   ``PeAudioFeatureExtractor`` and a byte-level BPE trained here with ``[CLS]``-first ids.
 
-:func:`real_model_dir` builds a model at most once per session (a file lock and a done
-marker under the session's base temp dir), so every fixture that names it — in any
-conftest — shares the same folder. Import the fixtures into a conftest to use them.
+The fixtures take each folder from the per-machine cache of tests/model_cache.py
+(:func:`cached_model_dir`: built once per machine while :func:`model_key`'s inputs — the builder's
+source, the seed, the library versions — are unchanged; ``TONEARM_TEST_CACHE``), and so do the
+exports built from them (:func:`cached_export`: keyed also by the training/, index/ and tonearm/
+code, configs/real/ and the manifests). A session sees each entry as a view under its base temp
+dir (``base/real_models/NAME``), shared by every fixture that names it — in any conftest. Import
+the fixtures into a conftest to use them. :func:`real_model_dir` is the uncached build into a
+folder of the caller's (the benches, tests/bench/test_real_size_peers.py).
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import shutil
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests import model_cache
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -172,8 +181,8 @@ CLAP_TEXT_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
 """Persistent buffers of ``ClapTextModel`` that ``RobertaModel`` keeps non-persistent (an arange and zeros)."""
 
 
-def save_clap_text_roberta(directory: Path) -> None:
-    """The text tower of the ``clap`` folder beside it, saved as a plain ``RobertaModel`` folder.
+def save_clap_text_roberta(directory: Path, clap_dir: Path | None = None) -> None:
+    """The text tower of the ``clap`` folder beside it (or of ``clap_dir``), saved as a plain ``RobertaModel`` folder.
 
     ``ClapTextModel`` is RoBERTa under another name: its weights load strictly into
     ``RobertaModel(RobertaConfig(**text_config))`` (only the two index buffers of
@@ -188,7 +197,7 @@ def save_clap_text_roberta(directory: Path) -> None:
     import torch
     from transformers import ClapModel, RobertaConfig, RobertaModel
 
-    clap_dir = real_model_dir("clap", directory.parent.parent)
+    clap_dir = clap_dir or real_model_dir("clap", directory.parent.parent)
     clap = ClapModel.from_pretrained(clap_dir)
     state = clap.text_model.state_dict()
     for name in CLAP_TEXT_BUFFERS:
@@ -208,37 +217,146 @@ def save_clap_text_roberta(directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-BUILDERS: dict[str, Callable[[Path], None]] = {
+BUILDERS: dict[str, Callable[..., None]] = {
     "pe_audio": save_pe_audio, "clap": save_clap, "ast": save_ast, "xlmr": save_xlmr, "minilm": save_minilm, "marian": save_marian,
     "clap_text_roberta": save_clap_text_roberta,
 }
 
 
-def real_model_dir(name: str, base: Path) -> Path:
-    """``base/real_models/NAME``, built by :data:`BUILDERS` on first use (seed 0), shared after."""
+SEED = 0
+
+
+def build_model(name: str, directory: Path, **kwargs: Any) -> None:
+    """:data:`BUILDERS` ``[name]`` into ``directory`` from torch seed :data:`SEED` (what makes its bytes
+    the same on every run: part of :func:`model_key`)."""
     import torch
     import transformers
 
+    transformers.utils.logging.set_verbosity_error()
+    torch.manual_seed(SEED)
+    directory.mkdir(exist_ok=True)
+    BUILDERS[name](directory, **kwargs)
+
+
+def real_model_dir(name: str, base: Path) -> Path:
+    """``base/real_models/NAME``, built by :data:`BUILDERS` on first use (seed 0), shared after (uncached:
+    the benches' work folders; the test fixtures use :func:`cached_model_dir`)."""
     root = base / "real_models"
     root.mkdir(parents=True, exist_ok=True)
     directory, done = root / name, root / f"{name}.done"
     with (root / f"{name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            transformers.utils.logging.set_verbosity_error()
-            torch.manual_seed(0)
-            directory.mkdir(exist_ok=True)
-            BUILDERS[name](directory)
+            build_model(name, directory)
             done.touch()
     return directory
 
 
+# ----------------------------------------------------------------------------- the per-machine cache
+
+_BPE = [bpe_tokenizer, CAPTIONS]
+MODEL_INPUTS: dict[str, tuple[list[Any], tuple[str, ...]]] = {
+    "clap": ([save_clap, *_BPE], ("torch", "transformers", "tokenizers", "safetensors")),
+    "ast": ([save_ast], ("torch", "transformers", "safetensors")),
+    "xlmr": ([save_xlmr, XLMR_BASE, *_BPE], ("torch", "transformers", "tokenizers", "safetensors")),
+    "minilm": ([save_minilm, MINILM_L12_MULTILINGUAL, *_BPE], ("torch", "transformers", "tokenizers", "safetensors")),
+    "marian": ([save_marian, OPUS_MT_EN_DE, CAPTIONS], ("torch", "transformers", "sentencepiece", "safetensors")),
+    "pe_audio": ([save_pe_audio, *_BPE], ("torch", "transformers", "tokenizers", "safetensors")),
+    "clap_text_roberta": ([save_clap_text_roberta, CLAP_TEXT_BUFFERS], ("torch", "transformers", "safetensors")),
+}
+"""What decides each model folder's bytes besides the seed: the builder's source and the sources and
+data it uses, and the libraries that write it."""
+MODEL_DEPENDS = {"clap_text_roberta": "clap"}
+"""A model built from another model's folder: its key includes that model's key."""
+
+
+def model_inputs(name: str) -> dict[str, Any]:
+    """What decides model NAME's bytes (its cache key's inputs): its :data:`MODEL_INPUTS` (sources by their
+    text), :func:`build_model`'s source, the seed, the versions of the libraries it uses, and the key of
+    the model it is built from."""
+    sources, distributions = MODEL_INPUTS[name]
+    depends = MODEL_DEPENDS.get(name)
+    return {"model": name, "seed": SEED, "sources": [build_model, *sources],
+            "versions": model_cache.versions(*distributions), "depends": {depends: model_key(depends)} if depends else {}}
+
+
+@functools.cache
+def model_key(name: str) -> str:
+    """The cache key of model NAME (tests/model_cache.py): sha256 over :func:`model_inputs`."""
+    return model_cache.key_of(**model_inputs(name))
+
+
+def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The per-machine cache (``$TONEARM_TEST_CACHE``, default ``~/.cache/tonearm/test-models``; ``off``: one
+    under this session's base temp dir)."""
+    return model_cache.cache_root(tmp_path_factory.getbasetemp() / "test-models")
+
+
+def _cached_model(name: str, root: Path, view: Path | None = None) -> Path:
+    """Model NAME's cache entry (``view``: a view of it there), built when missing."""
+    def build(directory: Path) -> None:
+        depends = MODEL_DEPENDS.get(name)
+        if depends is None:
+            build_model(name, directory)
+            return
+        # the folder it is built from, as a view beside the scratch dir (hard links: no copy, and a
+        # concurrent prune of that entry cannot pull its files away mid-read)
+        with tempfile.TemporaryDirectory(dir=root, prefix=f".{depends}-view-") as scratch:
+            source = _cached_model(depends, root, Path(scratch) / depends)
+            build_model(name, directory, **{f"{depends}_dir": source})
+
+    return model_cache.cached(name, model_key(name), build, root=root, view=view, inputs=model_inputs(name))
+
+
+def cached_model_dir(name: str, base: Path, *, root: Path) -> Path:
+    """``base/real_models/NAME``: a view (tests/model_cache.py ``materialize``) of model NAME's entry in the
+    cache ``root``, built there when its :func:`model_key` has none; made once per ``base``."""
+    views = base / "real_models"
+    views.mkdir(parents=True, exist_ok=True)
+    directory, done = views / name, views / f"{name}.done"
+    with (views / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            _cached_model(name, root, directory)
+            done.touch()
+    return directory
+
+
+@functools.cache
+def code_digest() -> str:
+    """sha256 of the code and configs an export's bytes come from: training/, index/ and tonearm/
+    (*.py) and configs/default.yaml + configs/real/*.yaml (the presets extend default.yaml)."""
+    return model_cache.tree_digest(PRESETS.parents[1], ["training/**/*.py", "index/**/*.py", "tonearm/**/*.py",
+                                                        "configs/default.yaml", "configs/real/*.yaml"])
+
+
+EXPORT_DISTRIBUTIONS = ("torch", "transformers", "tokenizers", "sentencepiece", "safetensors", "numpy", "scipy",
+                        "onnx", "onnxruntime", "faiss-cpu", "soundfile", "soxr")
+"""The libraries whose versions an export's (or a training run's) output may depend on."""
+
+
+def cached_export(name: str, build: Callable[[Path], None], tmp_path_factory: pytest.TempPathFactory, *,
+                  models: Iterable[str], manifests: Iterable[Path], sources: Iterable[Any] = ()) -> Path:
+    """A view (under the session's base temp dir) of the cache entry NAME that ``build(directory)`` fills
+    (a training run, bundles), rebuilt when any input of its key changes: ``build``'s own source and
+    ``sources``, the keys of the ``models`` it reads, the ``manifests``' contents (audio by content),
+    :func:`code_digest` and :data:`EXPORT_DISTRIBUTIONS`' versions. Keyed by the code, the export code
+    still runs whenever it changed: a test of the export keeps guarding it."""
+    inputs = {"name": name, "sources": [build, *sources], "models": {m: model_key(m) for m in sorted(set(models))},
+              "manifests": [model_cache.manifest_digest(m) for m in manifests], "code": code_digest(),
+              "versions": model_cache.versions(*EXPORT_DISTRIBUTIONS)}
+    key = model_cache.key_of(**inputs)
+    return model_cache.cached(name, key, build, root=cache_root(tmp_path_factory), inputs=inputs,
+                              view=tmp_path_factory.getbasetemp() / name)
+
+
 def _fixture(name: str) -> Callable[[pytest.TempPathFactory], Path]:
     def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
-        return real_model_dir(name, tmp_path_factory.getbasetemp())
+        return cached_model_dir(name, tmp_path_factory.getbasetemp(), root=cache_root(tmp_path_factory))
 
     build.__name__ = f"real_{name}_dir"
-    build.__doc__ = f"Folder of the real-size random-weight {name!r} model (tests/real_size_models.py)."
+    build.__doc__ = (f"Folder of the real-size random-weight {name!r} model (tests/real_size_models.py), from the "
+                     "per-machine cache (tests/model_cache.py).")
     return pytest.fixture(scope="session")(build)
 
 
@@ -287,14 +405,27 @@ def real_train_manifest(tiny_corpus: Path, tmp_path_factory: pytest.TempPathFact
     return mini_manifest(tiny_corpus, tmp_path_factory.mktemp("real_train_manifest") / "manifest.jsonl", train=4)
 
 
+def only_bundle(bundles: Path) -> Path:
+    """The one bundle directory in ``bundles`` (a service started over it adds ``.items`` beside it)."""
+    (bundle,) = [p for p in bundles.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    return bundle
+
+
 @pytest.fixture(scope="session")
 def real_clap_pretrained_bundle(real_clap_dir: Path, real_manifest: Path,
                                 tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`tonearm export --pretrained` of the real-size CLAP folder over :func:`real_manifest` (48 kHz)."""
+    """`tonearm export --pretrained` of the real-size CLAP folder over :func:`real_manifest` (48 kHz).
+
+    Cached per machine (:func:`cached_export`): exported again whenever the export code, the CLAP
+    folder's key, the manifest or a library changes; otherwise the bundle of an earlier run. Its
+    parent holds only it (the service tests name it as their bundles directory)."""
     from training.bundle.pretrained import export_pretrained_bundle
 
-    return export_pretrained_bundle(real_clap_dir, manifest=real_manifest, out_dir=tmp_path_factory.mktemp("bundles"),
-                                    progress=False)
+    def build(directory: Path) -> None:
+        export_pretrained_bundle(real_clap_dir, manifest=real_manifest, out_dir=directory / "bundles", progress=False)
+
+    view = cached_export("clap_pretrained_bundle", build, tmp_path_factory, models=["clap"], manifests=[real_manifest])
+    return only_bundle(view / "bundles")
 
 
 def train_preset(name: str, model_dirs: dict[str, Path], manifest: Path, out_dir: Path, *, epochs: int = 2) -> Path:
@@ -326,23 +457,36 @@ class PresetRun:
 
 
 def _preset_fixture(name: str) -> Callable[..., PresetRun]:
-    def build(request: pytest.FixtureRequest, real_manifest: Path, real_train_manifest: Path,
-              tmp_path_factory: pytest.TempPathFactory) -> PresetRun:
+    def fixture(request: pytest.FixtureRequest, real_manifest: Path, real_train_manifest: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> PresetRun:
         from training.bundle.export import export_bundle
 
         dirs = {model: request.getfixturevalue(f"real_{model}_dir") for model in PRESET_MODELS[name].values()}
-        # two steps of batch 2 in one epoch (the same steps as two one-clip-pair epochs, one `last/` save)
-        run = train_preset(name, dirs, real_train_manifest, tmp_path_factory.mktemp(f"run_{name}"), epochs=1)
+
+        def build(directory: Path) -> None:
+            # two steps of batch 2 in one epoch (the same steps as two one-clip-pair epochs, one `last/` save)
+            run = train_preset(name, dirs, real_train_manifest, directory / "run", epochs=1)
+            checkpoint = run / "best" if (run / "best").is_dir() else run / "last"
+            export_bundle(checkpoint, manifest=real_manifest, out_dir=directory / "bundles", progress=False)
+            if checkpoint.name == "best":  # `last/` holds the same weights plus the optimizer: 4.2 GB for ast_xlmr
+                shutil.rmtree(run / "last")
+
+        view = cached_export(f"real_{name}_run", build, tmp_path_factory, models=list(dirs),
+                             manifests=[real_manifest, real_train_manifest], sources=[train_preset, PRESET_MODELS[name]])
+        run = view / "run"
         checkpoint = run / "best" if (run / "best").is_dir() else run / "last"
-        bundle = export_bundle(checkpoint, manifest=real_manifest, out_dir=tmp_path_factory.mktemp(f"bundles_{name}"),
-                               progress=False)
-        if checkpoint.name == "best":  # `last/` holds the same weights plus the optimizer: 4.2 GB for ast_xlmr
-            shutil.rmtree(run / "last")
+        bundle = only_bundle(view / "bundles")
         return PresetRun(name=name, run_dir=run, checkpoint=checkpoint, bundle=bundle, model_dirs=dirs)
 
-    build.__name__ = f"real_{name}_run"
-    build.__doc__ = f"configs/real/{name}.yaml at real size: two training steps, then `tonearm export`."
-    return pytest.fixture(scope="session")(build)
+    fixture.__name__ = f"real_{name}_run"
+    fixture.__doc__ = (
+        f"configs/real/{name}.yaml at real size: two training steps, then `tonearm export`.\n\n"
+        "The training run and the bundle are cached together per machine (:func:`cached_export`; the tests read\n"
+        "the run's metrics.jsonl and checkpoint weights and the bundle, nothing else of the run): trained and\n"
+        "exported again whenever the training/, index/ or tonearm/ code, a configs/real/ or the default config,\n"
+        "a model's key, the manifests or a library changes — so the tests of training and export still run that\n"
+        "code after every change to it — and read from an earlier run otherwise.")
+    return pytest.fixture(scope="session")(fixture)
 
 
 real_clap_run = _preset_fixture("clap")

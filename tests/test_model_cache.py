@@ -93,9 +93,12 @@ def test_a_build_runs_once_and_its_entry_is_read_only(tmp_path: Path) -> None:
     assert set(marker["files"]) == {"config.json", "sub/model.bin"}
     for path in (entry, entry / "sub", entry / "config.json", entry / "sub" / "model.bin"):
         assert model_cache.is_read_only(path), oct(path.stat().st_mode)
-    if os.geteuid() != 0:  # root ignores permission bits (the done marker's listing catches root's writes)
-        with pytest.raises(PermissionError):
-            (entry / "config.json").write_text("changed")
+    if os.access(entry / "config.json", os.W_OK):
+        return  # root (CAP_DAC_OVERRIDE) ignores the bits: the done marker's listing catches its writes
+    with pytest.raises(PermissionError):
+        (entry / "config.json").write_text("changed")
+    with pytest.raises(PermissionError):
+        (entry / "new_file").write_text("x")
 
 
 def test_a_build_that_raises_leaves_no_marker_and_no_half_folder(tmp_path: Path) -> None:

@@ -29,34 +29,48 @@ import pytest
 
 from index.bundle import format as fmt
 from index.runtime.loader import LoadedBundle
-from tests.real_size_models import mini_manifest, real_model_dir
+from tests.real_size_models import (
+    cache_root,
+    cached_export,
+    cached_model_dir,
+    mini_manifest,
+    only_bundle,
+)
 from tonearm.cli import main
 
+pytestmark = pytest.mark.timeout(1800)  # the first test's setup builds the model and its export on a cold cache
 RATE = 48_000
 
 
 @pytest.fixture(scope="module")
 def real_pe_audio_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The full-size random-weight folder (2.4 GB), for this module only: deleted when it ends,
-    so that it does not sit on the test run's disk beside the other real-size models."""
+    """The full-size random-weight folder (2.4 GB) from the per-machine cache (tests/model_cache.py; built
+    when its builder or a library changed), for this module only: its view (hard links) is deleted when
+    the module ends."""
     base = tmp_path_factory.mktemp("pe_audio_model")
-    yield real_model_dir("pe_audio", base)
+    yield cached_model_dir("pe_audio", base, root=cache_root(tmp_path_factory))
     shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def pe_bundle(real_pe_audio_dir: Path, tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The fp32 export of the full-size folder over three clips (one per split); 2.3 GB, deleted
-    when the module ends."""
+    """The fp32 `tonearm export --pretrained` of the full-size folder over three clips (one per split;
+    2.3 GB), cached per machine (tests/real_size_models.py ``cached_export``): exported again whenever the
+    export code, the model's key, the clips or a library changed. Its view is deleted when the module ends."""
     base = tmp_path_factory.mktemp("pe_audio")
     manifest = mini_manifest(tiny_corpus, base / "manifest.jsonl", per_split=1)
-    code = main(["export", "--pretrained", str(real_pe_audio_dir), "--data", str(manifest), "--out",
-                 str(base / "bundles"), "--languages", "eng"])
-    assert code == 0
-    gc.collect()
-    (path,) = [p for p in (base / "bundles").iterdir() if p.is_dir()]
+
+    def build(directory: Path) -> None:
+        code = main(["export", "--pretrained", str(real_pe_audio_dir), "--data", str(manifest), "--out",
+                     str(directory / "bundles"), "--languages", "eng"])
+        assert code == 0
+        gc.collect()
+
+    view = cached_export("pe_audio_bundle", build, tmp_path_factory, models=["pe_audio"], manifests=[manifest])
+    path = only_bundle(view / "bundles")
     yield path
     shutil.rmtree(base, ignore_errors=True)
+    shutil.rmtree(view, ignore_errors=True)
 
 
 def test_pe_audio_bundle_matches_the_model_through_the_service_path(real_pe_audio_dir: Path, pe_bundle: Path) -> None:

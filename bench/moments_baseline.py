@@ -264,10 +264,11 @@ def main() -> None:
     hours = sum(len(w) for w, _ in recordings) / SR / 3600
     placed = sum(len(p) for _, p in recordings)
     lines = [START, "## moments_baseline: window scores → moments, before and after issue 54 (held-out set)", "",
-             f"`flock /tmp/tonearm-heavy.lock python bench/moments_baseline.py --recordings {args.recordings} "
+             f"`flock /tmp/tonearm-heavy.lock python bench/moments_baseline.py "
+             f"{'' if args.bundle is None else f'--bundle {args.bundle} '}--recordings {args.recordings} "
              f"--long {args.long} --seed {args.seed}` on {cpu_model()}, 1-min load {load:.1f} at the start; "
              f"{dt.date.today().isoformat()}.", "",
-             f"- encoders: `{bundle_id}` ({'the demo bundle' if args.bundle is None else '`--bundle`'}; "
+             f"- encoders: `{bundle_id}` ({'the demo bundle' if args.bundle is None else 'a copy of the demo bundle'}; "
              f"window {window:g} s, hop {hop:g} s — the service's)",
              f"- clips: {where}",
              f"- {len(recordings)} recordings ({hours:.2f} h, 60–180 s each, {placed} clips on noise beds, each "
@@ -278,7 +279,9 @@ def main() -> None:
              *table(queries, methods, languages), "",
              "*before*: background = the recording's median window score, edges where the curve crosses half "
              "its height (`LEGACY_MOMENT_PARAMS`); *now*: the defaults of `index/moments/postprocess.py` "
-             "(docs/service.md, \"Moments\").", END]
+             "(docs/service.md, \"Moments\"). Its edge level (0.65) and background rule were chosen on other "
+             "data (this script at `--seed 1054`, and the test split of `synth --moments --size small --seed 100`) "
+             "before this seed was run.", END]
     publish_section("\n".join(lines) + "\n", start=START, end=END, write=not args.no_write)
 
 

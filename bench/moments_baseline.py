@@ -40,6 +40,17 @@ from typing import Any
 
 import numpy as np
 
+from index.audio.decode import decode_audio
+from index.languages import DEFAULT_LANGUAGES
+from index.metrics.moments import MomentQuery, moment_report
+from index.moments.postprocess import LEGACY_MOMENT_PARAMS, MomentParams, moments_from_scores
+from index.moments.windows import HOP_FRACTION, embed_windows
+from index.runtime.loader import LoadedBundle
+from service.settings import Settings
+from tonearm.demo import demo_root
+from training.data.manifest import load_manifest
+from training.data.synth import generate_corpus
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import bundle_or_demo, cpu_model, publish_section  # noqa: E402
 
@@ -145,8 +156,6 @@ def build_recordings(
 def score_queries(bundle: Any, recordings: Sequence[tuple[np.ndarray, list[Placed]]],
                   languages: Sequence[str]) -> list[Query]:
     """Every caption of every placed clip, asked of its recording (the windows scored by ``bundle``)."""
-    from index.moments.windows import HOP_FRACTION, embed_windows
-
     window = int(bundle.clip_samples)
     hop = max(1, int(round(window * HOP_FRACTION)))
     queries = []
@@ -177,8 +186,6 @@ def best_window(spans: np.ndarray, scores: np.ndarray) -> list[tuple[float, floa
 
 def answers(queries: Sequence[Query]) -> dict[str, list[list[tuple[float, float, float]]]]:
     """Each method's ranked moments per query."""
-    from index.moments.postprocess import LEGACY_MOMENT_PARAMS, MomentParams, moments_from_scores
-
     def run(params: MomentParams) -> list[list[tuple[float, float, float]]]:
         return [[(m.start, m.end, m.score) for m in moments_from_scores(q.spans, q.scores, params)] for q in queries]
 
@@ -189,8 +196,7 @@ def answers(queries: Sequence[Query]) -> dict[str, list[list[tuple[float, float,
 
 def report(queries: Sequence[Query], predicted: Sequence[Sequence[tuple[float, float, float]]],
            languages: Sequence[str]) -> dict[str, float]:
-    from index.metrics.moments import MomentQuery, moment_report
-
+    """The moment report of ``predicted`` against the queries' truth."""
     return moment_report([MomentQuery(q.language, q.truth, list(p)) for q, p in zip(queries, predicted, strict=True)],
                          languages)
 
@@ -216,12 +222,6 @@ def table(queries: Sequence[Query], methods: dict[str, list[list[tuple[float, fl
 
 def clip_source(tmp: Path) -> tuple[list[Any], str]:
     """The held-out clips and a line saying where they come from."""
-    from index.languages import DEFAULT_LANGUAGES
-    from service.settings import Settings
-    from tonearm.demo import demo_root
-    from training.data.manifest import load_manifest
-    from training.data.synth import generate_corpus
-
     demo = demo_root(Settings().home) / "corpus" / "manifest.jsonl"
     if demo.is_file():
         manifest, where = demo, f"the demo corpus's test split (`{demo.parent}`)"
@@ -239,10 +239,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=54)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-
-    from index.audio.decode import decode_audio
-    from index.languages import DEFAULT_LANGUAGES
-    from index.runtime.loader import LoadedBundle
 
     languages = list(DEFAULT_LANGUAGES)
     load = os.getloadavg()[0]

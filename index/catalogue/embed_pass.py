@@ -368,12 +368,27 @@ def visible_cuda_devices(value: str | None, gpus: Sequence[PhysicalGpu]) -> int:
     order — a GPU index (read as ``strtoul`` does), a GPU UUID or a unique prefix of one (``GPU-8932f937``),
     a MIG device's UUID (``MIG-…``) or ``MIG-<GPU UUID>/<GI>/<CI>`` — up to the first entry that names no
     device (``-1``, an index past the last GPU, an unknown or ambiguous UUID, an empty entry): the empty
-    string and ``-1`` see none. A device named twice makes the list see none."""
+    string and ``-1`` see none. A device named twice makes the list see none.
+
+    MIG (NVIDIA MIG User Guide, "CUDA Device Enumeration": with CUDA 11/R450 and CUDA 12/R525 "a single
+    CUDA process can only enumerate a single MIG device", however many are created or listed): all the MIG
+    devices a list names count as one device, the first of them, and a later MIG entry is passed over (it
+    is still read: an unknown one ends the list, one named twice makes it see none). A GPU in MIG mode —
+    one ``nvidia-smi -L`` lists MIG devices under — is not a CUDA device of its own: named by index or UUID,
+    or counted when the variable is unset, it stands for its MIG devices and so counts only as that one MIG
+    device (a process that names such a GPU by index sees one MIG device of it; two MIG GPUs by index are
+    still one device). Whole GPUs without MIG devices count one each beside it. The count is an upper bound
+    for ``--devices all``: it never plans more device processes than CUDA gives. A GPU in MIG mode with no
+    MIG device created is listed as a plain GPU by ``nvidia-smi -L`` and so still counts as one; CUDA gives
+    nothing for it, and its device process stops with its error."""
     if value is None:
-        return len(gpus)
+        return sum(1 for g in gpus if not g.migs) + (1 if any(g.migs for g in gpus) else 0)
     gpu_ids = [g.uuid for g in gpus]
     mig_ids = [m for g in gpus for m in g.migs]
+    mig_gpus = {i for i, g in enumerate(gpus) if g.migs}
     seen: list[str] = []
+    whole = 0
+    mig = False
     for raw in value.split(","):
         entry = raw.strip()
         named: str | None
@@ -393,7 +408,12 @@ def visible_cuda_devices(value: str | None, gpus: Sequence[PhysicalGpu]) -> int:
         if named in seen:
             return 0
         seen.append(named)
-    return len(seen)
+        index = gpu_ids.index(named) if named in gpu_ids else (int(named[1:]) if named.startswith("#") else None)
+        if index is None or index in mig_gpus:
+            mig = True  # a MIG device, or a GPU in MIG mode standing for its MIG devices
+        else:
+            whole += 1
+    return whole + (1 if mig else 0)
 
 
 def cuda_device_count() -> int:

@@ -130,7 +130,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--process-baseline", default=None, metavar="FILE",
                       help="with --plan: the processes' own memory measured on the training machine by `python -m "
                       "training.memory_calibration --out FILE` (default: $TONEARM_PROCESS_BASELINE, else a figure "
-                      "measured on one machine; docs/training.md)")
+                      "measured on one machine; docs/training.md); with --emit-k8s the Job carries the file in its "
+                      "ConfigMap and sets $TONEARM_PROCESS_BASELINE to it in the pods")
     plan.add_argument("--emit-k8s", action="store_true", help="(implies --plan) print the multi-node Kubernetes Job "
                       "(k8s/train-multinode/job.yaml: the config's ConfigMap and the Job) with the CPU, memory and "
                       "/dev/shm of this plan for a pod's share of each node, training from data.shards; the plan goes "

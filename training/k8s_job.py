@@ -30,6 +30,11 @@ The plan (:func:`training.data.cluster_plan.plan_for`, of the pod's share) → t
 * the config travels **inside the rendered objects**: a ConfigMap (:data:`CONFIG_MAP`) holds the
   config file as the renderer read it (its ``extends`` chain resolved: one self-contained file),
   mounted at :data:`CONFIG_PATH` — the pod never depends on a path typed where the Job was rendered;
+* ``--process-baseline FILE`` (a calibration of ``python -m training.memory_calibration``) travels the
+  same way: the file as read, under :data:`BASELINE_KEY` in that ConfigMap, and
+  ``TONEARM_PROCESS_BASELINE`` = :data:`BASELINE_PATH` in the container, so the pods' node check at
+  start counts the processes as the plan did; without the option the Job has neither (the pods use the
+  default figure);
 * the other overrides given travel in ``EXTRA``, each one shell word (``shlex``), and the script
   splits them with ``eval "set -- $EXTRA"`` under ``set -f``: ``data.languages=[eng,fra]`` reaches
   ``tonearm train`` as typed, never as a glob of the pod's working directory;
@@ -58,6 +63,7 @@ from typing import Any
 from training.config import ConfigError, read_config_tree
 from training.data.cluster_plan import Cluster, ClusterPlan, parse_bytes
 from training.fatal import FATAL_EXIT
+from training.memory_plan import PROCESS_BASELINE_ENV
 
 SHM_MARGIN = 1.25
 """/dev/shm given beyond the plan's batches in flight (collation and pinning copies, allocator slack)."""
@@ -75,6 +81,10 @@ CONFIG_MAP = f"{NAME}-config"
 CONFIG_KEY = "config.yaml"
 CONFIG_PATH = f"/etc/tonearm/{CONFIG_KEY}"
 """Where the pod reads its config: the ConfigMap mounted read-only."""
+BASELINE_KEY = "process-baseline.json"
+BASELINE_PATH = f"/etc/tonearm/{BASELINE_KEY}"
+"""Where the pod reads the process calibration (``--process-baseline``), ``$TONEARM_PROCESS_BASELINE``:
+the ConfigMap's key :data:`BASELINE_KEY`, mounted beside the config."""
 DAEMONSET_CPU = 1.0
 """Cores left for DaemonSets' requests (device plugin, log and metrics agents) by the default margin."""
 DAEMONSET_MEMORY = 2 * 2**30
@@ -188,10 +198,13 @@ def resources(plan: ClusterPlan, cluster: Cluster) -> dict[str, Any]:
 
 def job_manifest(plan: ClusterPlan, cluster: Cluster, *, config: str, shards: str, command: str,
                  extra: list[str] | None = None, min_nodes: int | None = None, run_id: str = "tonearm-mn-1",
-                 save_every_steps: int = 500, catalogue: str = "") -> dict[str, Any]:
+                 save_every_steps: int = 500, catalogue: str = "",
+                 process_baseline: str | None = None) -> dict[str, Any]:
     """The Job (a plain dict, as YAML gives it) of ``plan`` on ``cluster``, the pod's share of each node
     (module doc). ``config``: where the pod reads the config (:data:`CONFIG_PATH`, the ConfigMap of
-    :func:`config_map`); ``extra``: the other overrides, each passed as one word."""
+    :func:`config_map`); ``extra``: the other overrides, each passed as one word; ``process_baseline``:
+    where the pod reads a process calibration (:data:`BASELINE_PATH`), set as
+    ``$TONEARM_PROCESS_BASELINE`` (None: not set)."""
     sized = resources(plan, cluster)
     labels = {"app.kubernetes.io/name": "tonearm", "app.kubernetes.io/component": "train-multinode"}
     nodes = cluster.nodes
@@ -207,6 +220,7 @@ def job_manifest(plan: ClusterPlan, cluster: Cluster, *, config: str, shards: st
         {"name": "WORKERS", "value": str(sized["workers"])},
         {"name": "SAVE_EVERY_STEPS", "value": str(save_every_steps)},
         {"name": "TONEARM_FATAL_FILE", "value": FATAL_FILE},
+        *([{"name": PROCESS_BASELINE_ENV, "value": process_baseline}] if process_baseline else []),
         *({"name": key, "valueFrom": {"secretKeyRef": {"name": SECRET, "key": key, "optional": optional}}}
           for key, optional in (("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False),
                                 ("AWS_ENDPOINT_URL", True), ("AWS_DEFAULT_REGION", True))),
@@ -257,13 +271,18 @@ def job_manifest(plan: ClusterPlan, cluster: Cluster, *, config: str, shards: st
     }
 
 
-def config_map(text: str, *, source: str) -> dict[str, Any]:
+def config_map(text: str, *, source: str, baseline: tuple[str, str] | None = None) -> dict[str, Any]:
     """The ConfigMap of the run's config (``text``: one self-contained YAML file; ``source``: where it was
-    read, recorded in an annotation)."""
+    read, recorded in an annotation) and, when given, of a process calibration (``baseline``: (the
+    file's text, where it was read), under :data:`BASELINE_KEY`)."""
     labels = {"app.kubernetes.io/name": "tonearm", "app.kubernetes.io/component": "train-multinode"}
+    annotations = {"tonearm.dev/config-source": source}
+    data = {CONFIG_KEY: text}
+    if baseline is not None:
+        data[BASELINE_KEY], annotations["tonearm.dev/process-baseline-source"] = baseline
     return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": CONFIG_MAP, "labels": labels, "annotations": {"tonearm.dev/config-source": source}},
-            "data": {CONFIG_KEY: text}}
+            "metadata": {"name": CONFIG_MAP, "labels": labels, "annotations": annotations},
+            "data": data}
 
 
 def config_text(path: str | None) -> str:
@@ -319,8 +338,19 @@ JOB_SETTINGS = ("data.shards=", "data.manifest=", "out_dir=", "data.num_workers=
 
 def emit(args: Any, cfg: Any, plan: ClusterPlan, cluster: Cluster) -> str:
     """The YAML ``--emit-k8s`` prints for a plan that fits: the config's ConfigMap and the Job, of
-    ``cluster`` as a pod sees it (:func:`pod_cluster`)."""
+    ``cluster`` as a pod sees it (:func:`pod_cluster`); with ``--process-baseline FILE``, the file in the
+    ConfigMap and ``$TONEARM_PROCESS_BASELINE`` naming it in the pod (module doc)."""
     extra = [o for o in getattr(args, "overrides", []) if not o.startswith(JOB_SETTINGS)]
     command = "tonearm " + " ".join(shlex.quote(a) for a in getattr(args, "argv", []) or [])
-    job = job_manifest(plan, cluster, config=CONFIG_PATH, shards=str(cfg.data.shards), command=command, extra=extra)
-    return job_yaml(job, config_map(config_text(args.config), source=args.config or "defaults"))
+    calibration = getattr(args, "process_baseline", None)
+    baseline = (_read_text(calibration, "--process-baseline"), calibration) if calibration else None
+    job = job_manifest(plan, cluster, config=CONFIG_PATH, shards=str(cfg.data.shards), command=command, extra=extra,
+                       process_baseline=BASELINE_PATH if baseline else None)
+    return job_yaml(job, config_map(config_text(args.config), source=args.config or "defaults", baseline=baseline))
+
+
+def _read_text(path: str, option: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{option} {path}: cannot be read ({err})") from None

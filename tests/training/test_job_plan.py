@@ -227,3 +227,51 @@ def test_the_plan_and_the_node_check_count_the_processes_of_a_calibration_file(
         check()  # the default: 800 + 2 × 4 × 16 MiB of processes alone are over 700 MiB
     monkeypatch.setenv("TONEARM_PROCESS_BASELINE", str(calibration))
     check()  # this machine's: 420 + 2 × 4 × 12 MiB and 16 MB of batches in flight fit
+
+
+def test_the_job_carries_a_process_calibration_in_its_config_map_and_names_it_in_the_pod(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--emit-k8s --process-baseline FILE` (issue 55, part 4): the Job's pods check their node with the
+    figure the plan used — the file as read in the ConfigMap, $TONEARM_PROCESS_BASELINE naming where the
+    pod mounts it; without the option neither is there. Both renderings validate against the schema."""
+    import json
+
+    import kubernetes_validate
+
+    from tests.deploy.test_manifests import KUBERNETES_VERSION
+    from training.k8s_job import BASELINE_KEY, BASELINE_PATH, CONFIG_KEY
+    from training.memory_plan import PROCESS_BASELINE_ENV, read_process_baseline
+
+    mib = 2**20
+    calibration = tmp_path / "node-baseline.json"
+    text = json.dumps({"main_pss": 420 * mib, "worker_pss": 12 * mib, "machine": "a node", "when": "now"}, indent=1)
+    calibration.write_text(text + "\n")
+    config = str(ROOT / "configs" / "default.yaml")
+    config_map, job = emitted(tmp_path, capsys, config, "--process-baseline", str(calibration))
+    plain_map, plain_job = emitted(tmp_path, capsys, config)
+    for obj in (config_map, job, plain_map, plain_job):
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+    assert config_map["data"][BASELINE_KEY] == text + "\n" and set(config_map["data"]) == {CONFIG_KEY, BASELINE_KEY}
+    assert config_map["metadata"]["annotations"]["tonearm.dev/process-baseline-source"] == str(calibration)
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env[PROCESS_BASELINE_ENV] == BASELINE_PATH
+    volume = next(v for v in pod["volumes"] if v.get("configMap"))
+    mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"] and "items" not in volume["configMap"]
+    assert BASELINE_PATH == f"{mount['mountPath']}/{BASELINE_KEY}"
+    mounted = tmp_path / "pod" / BASELINE_KEY  # what the pod reads there: the calibration the plan used
+    mounted.parent.mkdir()
+    mounted.write_text(config_map["data"][BASELINE_KEY])
+    baseline = read_process_baseline(mounted)
+    assert (baseline.main, baseline.worker) == (420 * mib, 12 * mib)
+
+    # Without the option, nothing changes: the config alone, no variable.
+    assert set(plain_map["data"]) == {CONFIG_KEY} and "tonearm.dev/process-baseline-source" not in plain_map[
+        "metadata"]["annotations"]
+    (plain,) = plain_job["spec"]["template"]["spec"]["containers"]
+    assert PROCESS_BASELINE_ENV not in {e["name"] for e in plain["env"]}
+    assert plain_job["spec"] == {**job["spec"], "template": plain_job["spec"]["template"]}
+    assert plain["env"] == [e for e in container["env"] if e["name"] != PROCESS_BASELINE_ENV]

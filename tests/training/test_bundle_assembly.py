@@ -7,7 +7,9 @@
   the indices, held-out set or windows itself — both call ``assemble_bundle``;
 * behavioural: a small trained and a small pretrained export each build their manifest once, through
   :func:`training.bundle.assemble.bundle_manifest`, and their manifests have the same keys and the same
-  keys in every section both have.
+  keys in every section both have;
+* the steps' options: both exports' steps extend :class:`training.bundle.assemble.StepOptions` (the
+  quantization, providers, Ray, precision, chunk files, pass options and ``limits``), declared once.
 
 The exports: the tiny checkpoint and a small random CLAP folder (0.37 M parameters) over six clips,
 ~40 s together on 2 cores.
@@ -16,12 +18,18 @@ The exports: the tiny checkpoint and a small random CLAP folder (0.37 M paramete
 from __future__ import annotations
 
 import ast
+import dataclasses
+import inspect
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from training.bundle.assemble import StepOptions
+from training.bundle.export import TrainedSteps
+from training.bundle.pretrained import PretrainedSteps
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLE = ROOT / "training" / "bundle"
@@ -70,6 +78,19 @@ def test_the_bundle_folder_says_which_file_does_what() -> None:
     doc = training.bundle.__doc__ or ""
     files = sorted(p.stem for p in BUNDLE.glob("*.py") if p.stem != "__init__")
     assert [name for name in files if f"training.bundle.{name}" not in doc] == []
+
+
+@pytest.mark.parametrize(("steps", "own"), [(TrainedSteps, ["ckpt"]), (PretrainedSteps, ["clap", "languages"])],
+                         ids=["trained", "pretrained"])
+def test_both_exports_steps_take_their_options_from_one_base(steps: type, own: list[str]) -> None:
+    """The six options and ``limits`` were written out twice (TrainedSteps, PretrainedSteps)."""
+    shared = [f.name for f in dataclasses.fields(StepOptions)]
+    assert shared == ["quantize", "providers", "ray", "precision", "chunk_files", "pass_options"]
+    assert issubclass(steps, StepOptions) and "limits" not in vars(steps)
+    assert list(vars(steps).get("__annotations__", {})) == own  # only its model is its own
+    params = inspect.signature(steps).parameters
+    assert [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD] == own  # the model first
+    assert [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY] == shared
 
 
 # ----------------------------------------------------------------------------- behaviour

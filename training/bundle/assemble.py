@@ -29,11 +29,15 @@ from index.audio.decode import DecodeLimits
 from index.bundle import format as fmt
 from index.bundle.evalset import MAX_EVAL_CLIPS, EvalSet, write_eval_set
 from index.bundle.tokenizer import TextTokenizer
-from index.catalogue.checkpoint import Advance, PassResult, resumable
+from index.catalogue.checkpoint import CHUNK_FILES, Advance, PassResult, resumable
+from index.catalogue.embed_pass import PassOptions
+from index.catalogue.half_precision import Precision
 from index.catalogue.moment_windows import export_windows
+from index.catalogue.ray_embed import RayOptions
 from index.engines.faiss_index import parse_factory
 from index.runtime.loader import OUTPUTS, TEXT_INPUTS
 from training.bundle.parts import (
+    CPU,
     OPSET,
     canonical_hash,
     catalogue_records,
@@ -130,6 +134,27 @@ class CataloguePass:
     clips: Callable[[Callable[..., Advance]], PassResult]
     captions: Callable[[list[str], Callable[..., Advance]], np.ndarray]
     info: fmt.CataloguePassInfo | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOptions:
+    """The options both exports' steps take (:class:`training.bundle.export.TrainedSteps`,
+    :class:`training.bundle.pretrained.PretrainedSteps` extend it; keyword-only, so each keeps its own model
+    fields first): how the encoders are quantized, the ONNX Runtime providers, Ray, the catalogue pass's
+    precision, files per checkpointed chunk and the in-process pass's options."""
+
+    quantize: QuantizeConfig
+    providers: Sequence[str] = CPU
+    ray: RayOptions | None = None
+    precision: Precision = "fp32"
+    chunk_files: int = CHUNK_FILES
+    pass_options: PassOptions | None = None
+
+    @property
+    def limits(self) -> DecodeLimits:
+        """The decode limits of ``pass_options`` (default: :class:`index.catalogue.embed_pass.PassOptions`'s):
+        :attr:`ExportSteps.limits`."""
+        return (self.pass_options or PassOptions()).limits
 
 
 class ExportSteps(Protocol[E]):

@@ -77,6 +77,7 @@ from training.bundle.assemble import (
     CataloguePass,
     ModelDescription,
     StagedEncoders,
+    StepOptions,
     assemble_bundle,
     select_clips,
 )
@@ -452,29 +453,20 @@ def export_bundle(
     fingerprint = canonical_hash([model.weights_sha256, model.config, str(manifest.resolve()), index_factory,
                                   quantize.model_dump(mode="json") if quantize.encoders else False,
                                   *([sorted(splits)] if splits else []), *(["fp16"] if precision == "fp16" else [])])
-    steps = TrainedSteps(ckpt, quantize, providers=providers, ray=ray, precision=precision, chunk_files=chunk_files,
+    steps = TrainedSteps(ckpt, quantize=quantize, providers=providers, ray=ray, precision=precision, chunk_files=chunk_files,
                          pass_options=pass_options)
     return assemble_bundle(steps, model, clips, out_dir=out_dir, fingerprint=fingerprint,
                            index_factory=index_factory, providers=providers, progress=progress)
 
 
 @dataclass(frozen=True)
-class TrainedSteps:
+class TrainedSteps(StepOptions):
     """A checkpoint's own steps of the one assembly (:class:`training.bundle.assemble.ExportSteps`): its towers
     to ONNX, checked against PyTorch; the catalogue pass with the evaluation's preparation (in process, fp16
-    copies or on Ray); the held-out set prepared as `tonearm evaluate` does, and its report."""
+    copies or on Ray); the held-out set prepared as `tonearm evaluate` does, and its report. The options
+    (``quantize``, providers, Ray, precision, …, ``limits``) are :class:`training.bundle.assemble.StepOptions`'s."""
 
     ckpt: Checkpoint
-    quantize: QuantizeConfig
-    providers: Sequence[str] = CPU
-    ray: RayOptions | None = None
-    precision: Precision = "fp32"
-    chunk_files: int = CHUNK_FILES
-    pass_options: PassOptions | None = None
-
-    @property
-    def limits(self) -> DecodeLimits:
-        return (self.pass_options or PassOptions()).limits
 
     def write_encoders(self, staging: Path, scratch: Path, catalogue: Sequence[ClipRecord]) -> StagedEncoders[_Encoders]:
         encoders = export_encoders(self.ckpt, staging, scratch, records=catalogue, quantize=self.quantize,

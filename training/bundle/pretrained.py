@@ -85,6 +85,7 @@ from training.bundle.assemble import (
     CataloguePass,
     ModelDescription,
     StagedEncoders,
+    StepOptions,
     assemble_bundle,
     select_clips,
 )
@@ -424,7 +425,7 @@ def export_pretrained_bundle(
                                   langs, *([sorted(splits)] if splits else []),
                                   *([quantize.model_dump(mode="json")] if quantize.encoders else []),
                                   *(["fp16"] if precision == "fp16" else [])])
-    steps = PretrainedSteps(clap, langs, quantize, providers=providers, ray=ray, precision=precision,
+    steps = PretrainedSteps(clap, langs, quantize=quantize, providers=providers, ray=ray, precision=precision,
                             chunk_files=chunk_files, pass_options=pass_options)
     return assemble_bundle(steps, model, clips, out_dir=out_dir, fingerprint=fingerprint,
                            index_factory=index_factory, providers=providers, progress=progress)
@@ -435,25 +436,16 @@ Staged = tuple[PretrainedEncoders, PretrainedEncoders]
 
 
 @dataclass(frozen=True)
-class PretrainedSteps:
+class PretrainedSteps(StepOptions):
     """A pretrained folder's own steps of the one assembly (:class:`training.bundle.assemble.ExportSteps`).
 
     The fp32 encoders are held to :data:`MIN_COSINE` (and the centred :data:`MIN_CENTRED_COSINE`) against the
     model's own embeddings; a quantized encoder's recorded parity is its own cosine to the model (not held to
-    it) and its cost is measured on the held-out set against fp32."""
+    it) and its cost is measured on the held-out set against fp32. The options (``quantize``, providers, Ray,
+    precision, …, ``limits``) are :class:`training.bundle.assemble.StepOptions`'s."""
 
     clap: Pretrained
     languages: list[str]
-    quantize: QuantizeConfig
-    providers: Sequence[str] = CPU
-    ray: RayOptions | None = None
-    precision: Precision = "fp32"
-    chunk_files: int = CHUNK_FILES
-    pass_options: PassOptions | None = None
-
-    @property
-    def limits(self) -> DecodeLimits:
-        return (self.pass_options or PassOptions()).limits
 
     def write_encoders(self, staging: Path, scratch: Path, catalogue: Sequence[ClipRecord]) -> StagedEncoders[Staged]:
         clap, quantize, rate = self.clap, self.quantize, self.clap.settings.sample_rate

@@ -18,7 +18,7 @@ import io
 import math
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Literal, TypedDict, TypeVar
@@ -248,26 +248,30 @@ def check_decode_header(
             raise AudioTooLargeError(f"{name}: decoding needs ~{cost} bytes; the limit is {max_bytes}")
 
 
-def _read_mono(
+def _mono_blocks(
     source: Path | str | bytes, *, sample_rate: int | None, max_seconds: float | None, complete: bool = False,
     max_samples: int | None = None, max_bytes: int | None = None, min_sample_rate: int | None = None,
-) -> tuple[np.ndarray, int]:
-    """Decode to float32 mono — at ``sample_rate`` (streaming resampler) or at the file's own rate
-    (``None``) — block by block, with the limits checked from the header before decoding and again
-    as blocks arrive (a header may lie about its length: MP3 without a Xing/Info frame count)."""
+    output_grows: bool = True,
+) -> Iterator[tuple[np.ndarray, int]]:
+    """``(block, rate)`` of float32 mono — at ``sample_rate`` (streaming resampler) or at the file's own rate
+    (``None``) — :data:`DECODE_BLOCK_FRAMES` source frames at a time, with the limits checked from the header
+    before decoding and again as blocks arrive (a header may lie about its length: MP3 without a Xing/Info
+    frame count). A block may be a view of the decoder's buffer (valid until the next one is asked for) and
+    may be empty (the resampler's delay). ``output_grows`` (the caller keeps every block): ``max_bytes``
+    also bounds the frames decoded; a caller that keeps a bounded part checks ``max_bytes`` itself."""
     name = _describe(source)
     with _open(source) as f:
         rate, channels, declared = int(f.samplerate), int(f.channels), int(f.frames)
         target = rate if sample_rate is None else sample_rate
         check_decode_header(name, declared, channels, rate, target, max_seconds=max_seconds,
-                            max_samples=max_samples, max_bytes=max_bytes, min_sample_rate=min_sample_rate)
+                            max_samples=max_samples, max_bytes=max_bytes if output_grows else None,
+                            min_sample_rate=min_sample_rate)
         most = None if max_samples is None else max_samples // max(1, channels)
-        if max_bytes is not None:  # the output a decode may grow to (a header that lies about its frames)
+        if max_bytes is not None and output_grows:  # the output a decode may grow to (a header that lies)
             most = min(most if most is not None else sys.maxsize,
                        _frames_within(max_bytes, channels, rate, target))
         resampler = soxr.ResampleStream(rate, target, 1, dtype="float32", quality="HQ") if target != rate else None
         block = np.empty((DECODE_BLOCK_FRAMES, max(1, channels)), dtype=np.float32)
-        chunks: list[np.ndarray] = []
         decoded = 0
         while True:
             try:
@@ -286,18 +290,50 @@ def _read_mono(
             mono = downmix(data)
             if not np.all(np.isfinite(mono)):
                 raise AudioDecodeError(f"{name}: audio contains NaN or infinite samples")
-            if resampler is not None:
-                chunks.append(resampler.resample_chunk(mono, last=False))
-            else:
-                chunks.append(mono.copy() if channels == 1 else mono)  # one channel: a view of the block
+            yield (resampler.resample_chunk(mono, last=False) if resampler is not None else mono), target
         if complete:
             _check_complete(source, str(f.format), declared, decoded)
     if decoded == 0:
         raise AudioDecodeError(f"{name}: contains no audio samples")
     if resampler is not None:
-        chunks.append(resampler.resample_chunk(np.zeros(0, dtype=np.float32), last=True))
+        yield resampler.resample_chunk(np.zeros(0, dtype=np.float32), last=True), target
+
+
+def _read_mono(
+    source: Path | str | bytes, *, sample_rate: int | None, max_seconds: float | None, complete: bool = False,
+    max_samples: int | None = None, max_bytes: int | None = None, min_sample_rate: int | None = None,
+) -> tuple[np.ndarray, int]:
+    """The whole clip as float32 mono (:func:`_mono_blocks` concatenated) and its rate."""
+    chunks: list[np.ndarray] = []
+    target = sample_rate or 0
+    for mono, rate in _mono_blocks(source, sample_rate=sample_rate, max_seconds=max_seconds, complete=complete,
+                                   max_samples=max_samples, max_bytes=max_bytes, min_sample_rate=min_sample_rate):
+        target = rate
+        chunks.append(mono if mono.base is None else mono.copy())  # a view of the decoder's block: copied
     mono = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
     return np.ascontiguousarray(mono, dtype=np.float32), target
+
+
+def stream_estimate(channels: int, rate: int, sample_rate: int) -> int:
+    """Peak bytes :func:`decode_blocks` allocates at once, whatever the stream's length: one float32 block
+    of every channel, its mono mix, the resampled block and the resampler's state."""
+    out = resampled_length(DECODE_BLOCK_FRAMES, max(1, rate), sample_rate) + 1
+    return DECODE_BLOCK_FRAMES * (max(1, channels) + 1) * 4 + out * 4 + RESAMPLER_BYTES
+
+
+def decode_blocks(
+    source: Path | str | bytes, *, sample_rate: int, max_seconds: float | None = None, complete: bool = False,
+    max_samples: int | None = None, min_sample_rate: int | None = None,
+) -> Iterator[np.ndarray]:
+    """:func:`decode_audio` by blocks: float32 mono at ``sample_rate`` in [-1, 1], concatenating to what
+    :func:`decode_audio` returns (same limits and checks), one block of :data:`DECODE_BLOCK_FRAMES` source
+    frames at a time — so a recording of any length costs :func:`stream_estimate`, never its decoded length.
+    Each yielded array is the caller's (not reused); ``max_bytes`` does not apply (nothing grows)."""
+    for mono, _ in _mono_blocks(source, sample_rate=sample_rate, max_seconds=max_seconds, complete=complete,
+                                max_samples=max_samples, min_sample_rate=min_sample_rate, output_grows=False):
+        if mono.size:
+            out = mono.copy() if mono.base is not None else mono
+            yield np.clip(out, -1.0, 1.0, out=out)
 
 
 def _frames_within(max_bytes: int, channels: int, rate: int, sample_rate: int) -> int:

@@ -17,7 +17,7 @@ recordings whose best window scores highest; only those are post-processed
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,9 @@ LONG_RECORDING_WINDOWS = 2
 """A recording is *long* (indexed as windows) when it lasts more than this many windows; a shorter
 one is found by its clip vector, and is at most two windows long anyway."""
 ENCODE_BATCH = 16
+STREAM_CALL_SAMPLES = 1 << 20
+"""Most window samples one encoder call of :func:`embed_stream` takes (at least one window): ~65 s at 16 kHz,
+~22 s at 48 kHz — what bounds the windows a streamed recording holds at once (:func:`stream_embed_bytes`)."""
 
 
 def embed_windows(
@@ -55,6 +58,120 @@ def embed_windows(
     vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     spans = np.stack([starts, starts + window_samples], axis=1) / float(sample_rate)
     return spans, vectors
+
+
+@dataclass(frozen=True)
+class StreamedRecording:
+    """A recording embedded by blocks (:func:`embed_stream`): its length in samples, its clip vector and,
+    when it is long (more than :data:`LONG_RECORDING_WINDOWS` windows), its moment windows."""
+
+    samples: int
+    clip: np.ndarray
+    """(d,) L2-normalized: the clip embedding the bundle's encoder gives the whole waveform
+    (:func:`index.runtime.loader.encode_waveforms`: the mean of its non-overlapping windows, the last one
+    right-aligned to the end; a recording of at most one window is encoded whole)."""
+    spans: np.ndarray
+    """(n, 2) seconds of the moment windows (:func:`embed_windows`'s); (0, 2) for a recording that is not long."""
+    vectors: np.ndarray
+    """(n, d) L2-normalized window vectors; (0, 0) for a recording that is not long."""
+
+
+def _stream_starts(window: int, hop: int) -> Iterator[int]:
+    """Every start :func:`embed_stream` may need, increasing: the hop's multiples (moment windows) and the
+    window's (the clip's chunks)."""
+    at_hop, at_window = 0, 0
+    while True:
+        start = min(at_hop, at_window)
+        yield start
+        if at_hop == start:
+            at_hop += hop
+        if at_window == start:
+            at_window += window
+
+
+def windows_per_call(window_samples: int) -> int:
+    """Windows of one encoder call of :func:`embed_stream` (:data:`STREAM_CALL_SAMPLES`, at least one)."""
+    return max(1, min(ENCODE_BATCH, STREAM_CALL_SAMPLES // max(1, window_samples)))
+
+
+def stream_embed_bytes(window_samples: int, hop_samples: int, block_samples: int) -> int:
+    """Peak bytes :func:`embed_stream` holds besides its input blocks and the vectors: the samples kept for
+    the next call's windows (twice while they are joined to the blocks that arrived) and the encoder's
+    copies of one call's windows (the windowing's and the batch's), float32 — whatever the recording's length."""
+    per_call = windows_per_call(window_samples)
+    kept = window_samples + (per_call - 1) * hop_samples + block_samples
+    return 4 * (2 * kept + 2 * per_call * window_samples)
+
+
+def embed_stream(
+    blocks: Iterable[np.ndarray], *, sample_rate: int, window_samples: int, hop_samples: int,
+    encode: Callable[[Sequence[np.ndarray]], np.ndarray],
+) -> StreamedRecording:
+    """Embed a recording that arrives by blocks (:func:`index.audio.decode.decode_blocks`) without holding
+    it: windows are encoded as soon as their samples are there (:func:`windows_per_call` a call) and only
+    the samples later windows still need are kept (:func:`stream_embed_bytes`).
+
+    The same vectors as the whole waveform gives: the moment windows of :func:`embed_windows` (every
+    ``hop_samples``, the last one ending at the end; only for a recording longer than
+    :data:`LONG_RECORDING_WINDOWS` windows), and the clip vector of ``encode([waveform])`` for an encoder
+    that chunks and averages (``index.audio.decode.eval_chunks``: the L2-normalized mean of the windows at
+    multiples of ``window_samples``, the last one right-aligned) — each window's vector is ``encode``'s,
+    already normalized, as the bundle's encoders give it. A recording of at most one window is passed
+    to ``encode`` whole (its padding is the encoder's)."""
+    n, h = int(window_samples), int(hop_samples)
+    if n <= 0 or h <= 0 or h > n:
+        raise ValueError(f"need 0 < hop <= window, got window={n}, hop={h}")
+    per_call = windows_per_call(n)
+    starts = _stream_starts(n, h)
+    batch = [next(starts) for _ in range(per_call)]
+    kept = np.zeros(0, np.float32)  # samples from kept_at on
+    kept_at = 0
+    pending: list[np.ndarray] = []
+    total = 0
+    found: dict[int, np.ndarray] = {}
+
+    def run(todo: list[int]) -> None:
+        vectors = np.asarray(encode([kept[s - kept_at : s - kept_at + n] for s in todo]), dtype=np.float32)
+        found.update(zip(todo, vectors, strict=True))
+
+    for block in blocks:
+        pending.append(np.asarray(block, dtype=np.float32))
+        total += len(pending[-1])
+        while total >= batch[-1] + n:
+            kept = np.concatenate([kept, *pending])
+            pending = []
+            run(batch)
+            batch = [next(starts) for _ in range(per_call)]
+            kept, kept_at = kept[batch[0] - kept_at :].copy(), batch[0]
+    kept = np.concatenate([kept, *pending]) if pending else kept
+    if total < n:  # shorter than a window: the encoder's own handling (and padding) of the whole clip
+        if total == 0:
+            raise ValueError("the recording holds no samples")
+        clip = np.asarray(encode([kept]), dtype=np.float32)[0]
+        return StreamedRecording(total, _unit(clip), np.zeros((0, 2)), np.zeros((0, 0), np.float32))
+    last = total - n
+    rest = [s for s in batch if s <= last]  # every start up to the last is in this batch or done
+    todo = rest + ([last] if last not in found and last not in rest else [])
+    for first in range(0, len(todo), per_call):
+        run(todo[first : first + per_call])
+    chunk_starts = [s for s in found if s % n == 0 and s <= last]
+    if total % n:
+        chunk_starts.append(last)
+    clip = np.sum([found[s].astype(np.float64) for s in sorted(set(chunk_starts))], axis=0)
+    if total <= LONG_RECORDING_WINDOWS * n:
+        return StreamedRecording(total, _unit(clip), np.zeros((0, 2)), np.zeros((0, 0), np.float32))
+    moment_starts = sorted(s for s in found if s % h == 0 and s <= last)
+    if moment_starts[-1] != last:
+        moment_starts.append(last)
+    vectors = np.stack([found[s] for s in moment_starts]).astype(np.float32)
+    vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    spans = np.stack([np.asarray(moment_starts), np.asarray(moment_starts) + n], axis=1) / float(sample_rate)
+    return StreamedRecording(total, _unit(clip), spans, vectors)
+
+
+def _unit(vector: np.ndarray) -> np.ndarray:
+    vector = np.asarray(vector, dtype=np.float64)
+    return (vector / max(float(np.linalg.norm(vector)), 1e-12)).astype(np.float32)
 
 
 def write_windows(root: Path, recordings: Sequence[tuple[int, np.ndarray, np.ndarray]]) -> tuple[int, int]:

@@ -46,7 +46,7 @@ from index.items.embeddings import EmbeddingStore
 from index.items.embeddings import prune as prune_embeddings
 from index.items.log import AUDIO_DIR, ItemLog, ItemRecord
 from index.items.overlay import ItemOverlay, build_overlay
-from service.audio_input import check_upload_header, decode_upload, limits_of
+from service.audio_input import check_upload_header, decode_upload, embed_upload, item_limits_of
 from service.errors import ServiceError
 from service.settings import Settings
 
@@ -119,7 +119,7 @@ class ItemStore:
         self.settings = settings
         self.metrics = metrics
         """service.metrics.ServiceMetrics (quarantine and corrupt-line counts); None in tools."""
-        self.limits = limits_of(settings)  # the process's decode budget, shared with the upload routes
+        self.limits = item_limits_of(settings)  # the item writes' limits; the process's decode budget, shared
         self.quarantine: dict[str, Quarantined] = {}
         """Stored audio name → why it could not be embedded (retried when a bundle replays the log)."""
         self._quarantine_lock = threading.Lock()
@@ -137,6 +137,8 @@ class ItemStore:
         lock: threading.Lock = searcher.items_lock  # type: ignore[attr-defined]
         bundle = searcher.bundle  # type: ignore[attr-defined]
         searcher.catalogue_id = self.log.log_id  # type: ignore[attr-defined]  # cache keys: this log's results only
+        searcher.item_limits = self.limits  # type: ignore[attr-defined]  # its moment windows of long items: by blocks
+        windows = getattr(searcher, "keep_item_windows", None)
         with lock:
             for attempt in range(SYNC_TRIES):
                 history = self.log.history()
@@ -144,7 +146,7 @@ class ItemStore:
                 missing: list[str] = []
                 overlay = build_overlay(
                     current, history, clip_ids=searcher.clip_rows,  # type: ignore[attr-defined]
-                    embed_audio=functools.partial(self._embed_audio, bundle, missing=missing),
+                    embed_audio=functools.partial(self._embed_audio, bundle, missing=missing, windows=windows),
                     embed_text=lambda texts: _batched(bundle.encode_text, list(texts), bundle.embed_dim),
                 )
                 if missing and attempt < SYNC_TRIES - 1 and self.log.history().generation != history.generation:
@@ -215,7 +217,8 @@ class ItemStore:
             prune_embeddings(self.log.root, live)
         return done.compacted
 
-    def _embed_audio(self, bundle: object, records: Sequence[ItemRecord], *, missing: list[str]) -> np.ndarray:
+    def _embed_audio(self, bundle: object, records: Sequence[ItemRecord], *, missing: list[str],
+                     windows: WindowSink | None = None) -> np.ndarray:
         """The records' audio embeddings; a record that cannot be embedded is quarantined and gets a
         row of NaN (:data:`index.items.overlay.AudioEmbedder`: its row is added dead).
 
@@ -233,7 +236,7 @@ class ItemStore:
         todo = [row for row in range(len(records)) if not found[row]]
         for first in range(0, len(todo), EMBED_BATCH):
             batch = todo[first:first + EMBED_BATCH]
-            rows = self._embed_batch(bundle, records, batch, out, rate=rate, missing=missing)
+            rows = self._embed_batch(bundle, records, batch, out, rate=rate, missing=missing, windows=windows)
             stored.put([audios[row] for row in rows], out[rows], [self._audio_size(records[row]) for row in rows])
             with self._quarantine_lock:
                 for row in rows:
@@ -263,13 +266,29 @@ class ItemStore:
         return True
 
     def _embed_batch(self, bundle: object, records: Sequence[ItemRecord], batch: Sequence[int], out: np.ndarray, *,
-                     rate: int, missing: list[str]) -> list[int]:
-        """Decode and encode ``records[batch]`` into ``out``; the rows that decoded."""
-        waves, rows = [], []
+                     rate: int, missing: list[str], windows: WindowSink | None = None) -> list[int]:
+        """Decode and encode ``records[batch]`` into ``out``; the rows that decoded. A long recording (longer
+        than a search upload may be) is decoded and embedded by blocks on its own, never held whole
+        (:func:`service.audio_input.embed_upload`); its moment windows, computed in the same pass, go to
+        ``windows`` (the searcher's cache)."""
+        waves, rows, streamed = [], [], []
         for row in batch:
             record = records[row]
             try:
                 data = self.log.audio_path(record).read_bytes()
+                try:
+                    long = embed_upload(data, bundle, limits=self.limits)
+                except ServiceError:
+                    raise  # over a limit, undecodable, the budget full: handled below
+                except Exception as err:  # the encoder refused one of its windows
+                    self._quarantine(record, "embedding-failed", f"the encoder failed: {err}"[:300])
+                    continue
+                if long is not None:
+                    out[row] = long.clip
+                    streamed.append(row)
+                    if windows is not None:
+                        windows(record.id, record.audio or "", long.spans, long.vectors)
+                    continue
                 waves.append(decode_upload(data, sample_rate=rate, limits=self.limits).waveform)
                 rows.append(row)
             except FileNotFoundError:
@@ -291,7 +310,7 @@ class ItemStore:
                     out[row] = _batched(encode, [wave], out.shape[1])[0]
                 except Exception as err:
                     self._quarantine(records[row], "embedding-failed", f"the encoder failed: {err}"[:300])
-        return rows
+        return sorted(rows + streamed)
 
     # ------------------------------------------------------------------ follower
 
@@ -337,6 +356,10 @@ class ItemStore:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+
+WindowSink = Callable[[str, str, np.ndarray, np.ndarray], None]
+"""``(item id, stored audio, spans, vectors)``: a long item's moment windows, computed while it is embedded."""
 
 
 def _batched(encode: Callable[[list], np.ndarray], inputs: list, dim: int) -> np.ndarray:

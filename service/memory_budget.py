@@ -235,11 +235,13 @@ TMP_VOLUME_BYTES = 64 << 20
 def upload_memory_bytes(settings: Any, *, waiting: int = WAITING_CONNECTIONS) -> int:
     """The most the uploads in flight may add to a replica (docs/service.md, "Memory: the pod's limit"):
     the budget, the one copy of a body made on the event loop at a time (``b"".join``, a file part's
-    read: ``TONEARM_MAX_UPLOAD_BYTES`` + 64 KiB) plus the multipart buffers' over-allocation (an eighth of
-    the bodies' share), and the connections waiting for room."""
+    read: the largest file an upload may send — ``POST /v1/items``'s, ``TONEARM_MAX_ITEM_UPLOAD_BYTES`` as
+    applied, or ``TONEARM_MAX_UPLOAD_BYTES`` — + 64 KiB) plus the multipart buffers' over-allocation (an eighth
+    of the bodies' share), and the connections waiting for room."""
     budget = int(settings.decode_memory_bytes)
     bodies = budget - budget // RESERVE_FRACTION
-    copies = int(settings.max_upload_bytes) + (64 << 10) + bodies // 8
+    largest = max(int(settings.max_upload_bytes), int(getattr(settings, "item_upload_limit", 0)))
+    copies = largest + (64 << 10) + bodies // 8
     return budget + copies + waiting * WAITING_CONNECTION_BYTES
 
 

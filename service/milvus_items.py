@@ -57,7 +57,7 @@ from index.items.milvus_store import (
     flushed_together,
 )
 from index.items.overlay import AddedItem
-from service.audio_input import DecodedAudio, decode_upload, limits_of
+from service.audio_input import DecodedAudio, decode_upload, embed_upload, item_limits_of
 from service.errors import ServiceError
 from service.searcher import index_calls
 from service.settings import Settings
@@ -223,7 +223,7 @@ class MilvusCatalogue:
         self.settings = settings
         self.target = target
         self.metrics = metrics
-        self.limits = limits_of(settings)
+        self.limits = item_limits_of(settings)
         self.records = MilvusItemStore(target, dim=RECORD_DIM, name=RECORDS_NAME)
         self.audio = AudioStore(audio_url)
         self._stores: dict[str, MilvusItemStore] = {}
@@ -300,13 +300,24 @@ class MilvusCatalogue:
         bundle = searcher.bundle
         good: list[tuple[Record, np.ndarray]] = []
         bad: list[tuple[Record, str, str]] = []
+        streamed: list[tuple[Record, np.ndarray]] = []  # long recordings: embedded by blocks from their bytes
         for i, record in enumerate(records):
-            if waves is not None:
+            if waves is not None and waves[i].size:
                 good.append((record, waves[i]))
                 continue
             key = record.item.audio
             try:
                 data = self.audio.read(key)
+                try:
+                    long = embed_upload(data, bundle, limits=self.limits)
+                except ServiceError:
+                    raise
+                except Exception as err:  # the encoder refused one of its windows
+                    bad.append((record, "embedding-failed", f"the encoder failed: {err}"[:300]))
+                    continue
+                if long is not None:
+                    streamed.append((record, long.clip))
+                    continue
                 good.append((record, decode_upload(data, sample_rate=int(bundle.sample_rate), limits=self.limits).waveform))
             except FileNotFoundError:
                 bad.append((record, "missing-audio", f"stored audio {key} is missing from {self.audio.url}"))
@@ -326,7 +337,7 @@ class MilvusCatalogue:
                     except Exception as err:
                         vectors.append(None)
                         bad.append((record, "embedding-failed", f"the encoder failed: {err}"[:300]))
-        live = [(record, vec) for (record, _), vec in zip(good, vectors, strict=True) if vec is not None]
+        live = [(record, vec) for (record, _), vec in zip(good, vectors, strict=True) if vec is not None] + streamed
         store.put([(r.id, v, r.item.metadata) for r, v in live],
                   docs=[{"digest": r.digest, "audio": r.item.audio, "at": r.item.added_at,
                          "metadata": r.item.metadata, "captions": r.item.captions} for r, _ in live])

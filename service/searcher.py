@@ -19,7 +19,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from index.audio.decode import decode_audio
 from index.engines.filters import (
     Filter,
     FilterError,
@@ -40,6 +39,7 @@ from index.metrics.retrieval import (
     t2a_ranks_from_embeddings,
 )
 from index.moments.windows import HOP_FRACTION, LONG_RECORDING_WINDOWS, WindowIndex, embed_windows
+from service.audio_input import AudioLimits, decode_upload, embed_upload
 from service.cache import (
     QueryCache,
     cache_key,
@@ -52,6 +52,8 @@ from service.cache import (
 from service.errors import ServiceError
 from service.gate import eval_data, evaluate
 
+UNLIMITED = AudioLimits(max_seconds=float("inf"), max_sample_rate=1 << 30, max_channels=1 << 16)
+"""A searcher's item limits before service.items set them (an added item's audio decoded whole, as before)."""
 INDEX_RETRY_AFTER_S = 1
 """Retry-After of ``index-unavailable``: Milvus outages are retried by clients, not by workers."""
 
@@ -304,6 +306,8 @@ class Searcher:
         reuse an id never share entries)."""
         self._item_windows: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
         self._item_windows_lock = threading.Lock()
+        self.item_limits: AudioLimits | None = None
+        """The item writes' limits (service.items sets them): a long added item's windows are embedded by blocks."""
 
     # ------------------------------------------------------------------ filters
 
@@ -816,12 +820,7 @@ class Searcher:
                 item = items.items[int(row)]
                 key = (item.id, item.audio)
                 if key not in self._item_windows:
-                    path = stored_audio(item.audio)
-                    wave = decode_audio(path, sample_rate=rate) if path is not None and path.is_file() else np.zeros(0)
-                    found = (embed_windows(wave, sample_rate=rate, window_samples=window,
-                                           hop_samples=max(1, round(window * HOP_FRACTION)), encode=self.bundle.encode_audio)
-                             if len(wave) > LONG_RECORDING_WINDOWS * window else (np.zeros((0, 2)), np.zeros((0, 0))))
-                    self._item_windows[key] = found
+                    self._item_windows[key] = self._embed_item_windows(stored_audio(item.audio), rate, window)
                 s, v = self._item_windows[key]
                 if len(s):
                     rows.append(np.full(len(s), row, dtype=np.float64))
@@ -831,6 +830,36 @@ class Searcher:
             return None
         table = np.column_stack([np.concatenate(rows), np.concatenate(spans)])
         return WindowIndex(np.concatenate(vectors).astype(np.float32), table)
+
+    def keep_item_windows(self, item_id: str, audio: str, spans: np.ndarray, vectors: np.ndarray) -> None:
+        """A long added item's windows, embedded with its clip vector in one pass by blocks (service.items)."""
+        with self._item_windows_lock:
+            self._item_windows[(item_id, audio)] = (spans, vectors)
+
+    def _embed_item_windows(self, path: Path | None, rate: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+        """One stored item's windows: by blocks within the memory budget when it is longer than a search upload
+        (:func:`service.audio_input.embed_upload`), else decoded whole; none when it cannot be decoded (the
+        item sync quarantines it)."""
+        none = (np.zeros((0, 2)), np.zeros((0, 0)))
+        if path is None or not path.is_file():
+            return none
+        limits = self.item_limits or UNLIMITED
+        try:
+            data = path.read_bytes()
+            long = embed_upload(data, self.bundle, limits=limits)
+            if long is not None:
+                return long.spans, long.vectors
+            wave = decode_upload(data, sample_rate=rate, limits=limits).waveform
+        except ServiceError as err:
+            if err.slug == "overloaded":
+                raise
+            return none
+        except OSError:
+            return none
+        if len(wave) <= LONG_RECORDING_WINDOWS * window:
+            return none
+        return embed_windows(wave, sample_rate=rate, window_samples=window,
+                             hop_samples=max(1, round(window * HOP_FRACTION)), encode=self.bundle.encode_audio)
 
     def moment_resolution(self) -> tuple[float, float]:
         """``(window, hop)`` seconds of the moment windows: the model's window, half of it."""

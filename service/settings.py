@@ -15,6 +15,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from index.errors import TonearmError
+from service.memory_budget import RESERVE_FRACTION
 
 
 class SettingsError(TonearmError):
@@ -180,7 +181,24 @@ class Settings(BaseSettings):
 
     # --- request limits (query length, k and batch size are API constants: service/limits.py) ---
     max_upload_bytes: int = Field(default=10 * 1024 * 1024, ge=1024)
+    """Most bytes of one search upload (`search/audio`, `search/similar`, `search/moments/audio`) and of each
+    file of `items:batch` (whose body may hold 8 of them)."""
     max_audio_seconds: float = Field(default=60.0, gt=0)
+    """Longest search upload (its duration, from the header and counted while decoding). Item writes have
+    their own limit, `max_item_audio_seconds`."""
+    max_item_audio_seconds: float = Field(default=3600.0, gt=0)
+    """Longest recording an item write (`POST /v1/items`, `items:batch`) takes: an hour by default. Items
+    longer than `max_audio_seconds` are decoded and embedded by blocks (docs/service.md, "Long recordings"),
+    so their length costs time, not memory."""
+    max_item_upload_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    """Most bytes of the audio file of `POST /v1/items` (one item; a batch's files keep `max_upload_bytes`
+    each): 64 MiB holds an hour of 128-kbit/s MP3 (57.6 MB) or of Vorbis at ~140 kbit/s — an hour of WAV or
+    FLAC does not fit; send it compressed. The body is held in the memory budget like every upload's: the
+    limit applied is at most what the bodies may hold (three quarters of `decode_memory_bytes`, less 64 KiB of
+    form; :attr:`item_upload_limit`)."""
+    max_item_decode_samples: int = Field(default=3600 * 192_000 * 2, ge=1000)
+    """`max_decode_samples` of item writes (frames × channels: the CPU a decode costs): an hour of 192-kHz
+    stereo by default."""
     max_sample_rate: int = Field(default=192_000, ge=8000)
     max_channels: int = Field(default=8, ge=1)
     max_decode_samples: int = Field(default=60 * 192_000 * 2, ge=1000)
@@ -249,6 +267,14 @@ class Settings(BaseSettings):
                 "that learns activations over Redis pub/sub"
             )
         return self
+
+    @property
+    def item_upload_limit(self) -> int:
+        """The byte limit of an item's audio file: `max_item_upload_bytes`, or less when the bodies' share of
+        `decode_memory_bytes` (three quarters) cannot hold it with 64 KiB of form (a body is read into the
+        budget: a larger one could never be held)."""
+        bodies = self.decode_memory_bytes - self.decode_memory_bytes // RESERVE_FRACTION
+        return max(self.max_upload_bytes, min(self.max_item_upload_bytes, bodies - (64 << 10)))
 
     @property
     def items_in_milvus(self) -> bool:

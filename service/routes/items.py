@@ -35,7 +35,7 @@ from index.items.log import (
     check_metadata,
     check_text,
 )
-from service.audio_input import DecodedAudio, decode_for_request, limits_of
+from service.audio_input import DecodedAudio, decode_for_request, item_limits_of
 from service.deps import ItemsWriterDep, PoolDep, RegistryDep, SearcherDep, SettingsDep, StateDep
 from service.errors import ServiceError
 from service.ids import PathId, addressed_id, id_schema
@@ -196,7 +196,9 @@ async def _read_form(request: Request, settings: Any, lease: UploadLease, *,
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
         raise ServiceError("bad-upload", "send a multipart/form-data body: a `file` part, `id` and `metadata` fields")
-    limit = settings.max_upload_bytes * (1 if max_files == 1 else BATCH_BYTES_FACTOR) + MULTIPART_OVERHEAD
+    # one item: its own byte limit (an hour of compressed audio); a batch: 8 search uploads' worth, each file one
+    per_file = settings.item_upload_limit if max_files == 1 else settings.max_upload_bytes
+    limit = (per_file if max_files == 1 else settings.max_upload_bytes * BATCH_BYTES_FACTOR) + MULTIPART_OVERHEAD
     stream: AsyncGenerator[bytes, None] = _limited_stream(request, limit, lease)
     parser = _AudioPartsParser(request.headers, stream, max_files=max_files, max_fields=4,
                              max_part_size=FORM_FIELD_BYTES)
@@ -213,8 +215,8 @@ async def _read_form(request: Request, settings: Any, lease: UploadLease, *,
                     raise ServiceError("bad-upload", f"unexpected file part {name!r}; audio goes in `file` parts")
                 data = await value.read()
                 await value.close()  # the spool's copy goes now: one copy of each part is held
-                if len(data) > settings.max_upload_bytes:
-                    raise ServiceError("upload-too-large", f"file part exceeds the limit of {settings.max_upload_bytes} bytes")
+                if len(data) > per_file:
+                    raise ServiceError("upload-too-large", f"file part exceeds the limit of {per_file} bytes")
                 files.append(data)
             else:
                 fields.setdefault(name, []).append(value)
@@ -231,8 +233,8 @@ async def _decode_item(store: ItemStore | MilvusCatalogue, searcher: Searcher, d
     """An item's upload decoded within the memory budget. The file log's store embeds the stored audio
     itself (its sync): only the duration and format are kept. The Milvus store embeds the waveform: it
     stays held by ``lease`` until the request ends."""
-    keep = isinstance(store, MilvusCatalogue)
-    audio = await decode_for_request(data, sample_rate=searcher.bundle.sample_rate, limits=limits_of(settings),
+    keep = isinstance(store, MilvusCatalogue)  # a long item is never held whole: embedded from its bytes by blocks
+    audio = await decode_for_request(data, sample_rate=searcher.bundle.sample_rate, limits=item_limits_of(settings),
                                      lease=lease, run=pool.run, keep=keep)
     return audio if keep else replace(audio, waveform=NO_WAVEFORM)
 

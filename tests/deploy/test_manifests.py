@@ -399,7 +399,8 @@ def test_configmap_sets_only_real_settings_and_the_milvus_deadlines(name):
 
 # ---------------------------------------------------------------- items (issue 47)
 
-ITEM_LIMITS = ("TONEARM_MAX_UPLOAD_BYTES", "TONEARM_MAX_AUDIO_SECONDS", "TONEARM_MAX_SAMPLE_RATE", "TONEARM_MAX_CHANNELS")
+ITEM_LIMITS = ("TONEARM_MAX_UPLOAD_BYTES", "TONEARM_MAX_AUDIO_SECONDS", "TONEARM_MAX_ITEM_UPLOAD_BYTES",
+               "TONEARM_MAX_ITEM_AUDIO_SECONDS", "TONEARM_MAX_SAMPLE_RATE", "TONEARM_MAX_CHANNELS")
 
 
 def item_problems(objects: list[dict[str, Any]]) -> list[str]:

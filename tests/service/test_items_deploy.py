@@ -236,7 +236,7 @@ def test_items_that_cannot_be_embedded_are_quarantined_and_block_neither_readine
     os.truncate(items / AUDIO_DIR / by_id["clip-rain"].audio, 100)  # a torn upload: undecodable too
 
     lowered = make_settings(bundles_dir=fake_bundles, bundle="fake-a", gate_metric="t2a_R@1_mean", items_poll_s=10,
-                            max_audio_seconds=2.0)
+                            max_item_audio_seconds=2.0)  # the item limit judges stored items
     with caplog.at_level("ERROR"), running_client(create_app(lowered, opener=fake_opener)) as client:
         assert client.get("/readyz").status_code == 200
         found = _ids(client, "dog bell rain siren", k=20)

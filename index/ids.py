@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import sys
 import unicodedata
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from index.errors import BundleError, DataError
 
@@ -150,3 +150,40 @@ def check_catalogue_ids(ids: Iterable[str], where: str) -> None:
     if problems:
         raise BundleError(f"{where}: clip ids outside the id grammar (docs/service.md, \"Ids\"): "
                           + "; ".join(problems) + " — rename those clips (or their files) and rebuild")
+
+
+def shown_id(item_id: str) -> str:
+    """``item_id`` as it may be shown (a log line, a manifest's ``skipped_clips``): every character the grammar
+    refuses as invisible or invalid (control, format, separator, surrogate, noncharacter, invisible filler)
+    written as a ``\\uXXXX`` escape, never raw; everything else as it is."""
+    def show(char: str) -> str:  # a backslash doubled too: an escape shown is never one the name held
+        if (char == "\\" or unicodedata.category(char) in REFUSED_CATEGORIES or char in INVISIBLE_FILLERS
+                or is_noncharacter(char)):
+            return char.encode("unicode_escape").decode("ascii")
+        return char
+
+    return "".join(map(show, item_id))
+
+
+def catalogue_ids(ids: Sequence[str]) -> tuple[dict[int, str], dict[int, tuple[str, str]]]:
+    """The grammar applied to a catalogue's clip ids before it is embedded (`tonearm export`, `export --pretrained`,
+    `tonearm index`): ``(kept, skipped)``, both keyed by position in ``ids``. ``kept``: the id as the bundle
+    stores it, in NFC (:func:`check_id` with ``new``); ``skipped``: ``(id as shown, reason)`` of each id the
+    grammar refuses (the reason names the rule; :func:`shown_id`) and of each id equal to an earlier one once
+    in NFC (the first is kept) — the manifest's ``skipped_clips``."""
+    kept: dict[int, str] = {}
+    skipped: dict[int, tuple[str, str]] = {}
+    first: dict[str, str] = {}
+    for position, clip_id in enumerate(ids):
+        try:
+            stored = check_id(clip_id, new=True)
+        except ItemIdError as err:
+            skipped[position] = (shown_id(clip_id), f"id outside the id grammar (docs/service.md, \"Ids\"): {err}")
+            continue
+        if stored in first:
+            skipped[position] = (shown_id(clip_id), f"in Unicode NFC the same id as the earlier clip {shown_id(first[stored])!r} "
+                                 "(docs/service.md, \"Ids\"): the first is kept")
+            continue
+        first[stored] = clip_id
+        kept[position] = stored
+    return kept, skipped

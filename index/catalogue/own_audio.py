@@ -5,9 +5,11 @@ re-checksummed) and indexes every file under ``AUDIO_DIR`` (recursively) in one 
 formats the service accepts as uploads (index.audio.formats: WAV, FLAC, OGG, MP3, recognised
 by content) whose whole stream decodes; other files are reported once and skipped. It has no captions,
 so it has no caption index and no held-out set (docs/bundle.md, "Index-only
-bundles"): text→audio search works, audio→text search does not. Clip ids and
-uris are the files' POSIX paths relative to ``AUDIO_DIR``, which the manifest
-records as the audio root. Torch-free: needs only the service extra.
+bundles"): text→audio search works, audio→text search does not. A clip's uri is its file's POSIX path
+relative to ``AUDIO_DIR``, which the manifest records as the audio root, and its id that path in Unicode
+NFC, under the id grammar (:func:`index.ids.catalogue_ids`, docs/service.md "Ids"): a file whose path the
+grammar refuses, or whose path equals an earlier file's once in NFC, is skipped before the embedding pass
+and listed in ``skipped_clips`` with the rule it breaks. Torch-free: needs only the service extra.
 
 Per-file metadata (:mod:`index.items.file_metadata`): ``AUDIO_DIR/metadata.jsonl`` or ``metadata.csv``
 (or ``--metadata PATH``) is read and checked before anything is embedded, is not itself indexed,
@@ -43,6 +45,7 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from index.audio.decode import DecodeLimits, decode_audio
@@ -74,6 +77,7 @@ from index.catalogue.half_precision import (
 from index.catalogue.ray_embed import RayOptions, ray_options_from_args
 from index.engines.faiss_ondisk import build_and_save
 from index.errors import AudioDecodeError, BundleError, TonearmError
+from index.ids import catalogue_ids
 from index.items.file_metadata import find_metadata_file, read_file_metadata
 from index.moments.windows import index_recordings, write_bundle_windows
 from index.runtime.loader import AUDIO_INPUTS, LoadedBundle, device_providers, encode_clips
@@ -88,7 +92,8 @@ class IndexedFolder:
     path: Path
     clip_ids: list[str]
     skipped: list[tuple[str, str]]
-    """(relative path, reason) of every file that could not be decoded."""
+    """(clip id, reason) of every file that could not be decoded or whose path is outside the id grammar
+    (then its path as :func:`index.ids.shown_id` shows it), in folder order."""
     published: dict[str, Any] | None = None
     """With ``milvus``: what the Milvus registry recorded (sizes, index type, recall@10)."""
 
@@ -100,6 +105,41 @@ class MilvusPublish:
     target: Any
     """An :class:`index.engines.milvus_index.MilvusTarget` (a Milvus server: workers in other processes write to it)."""
     index_type: str = "FLAT"
+
+
+@dataclass(frozen=True)
+class FolderClips:
+    """The files of a folder a pass embeds, under the id grammar (:func:`folder_clips`)."""
+
+    files: list[Path]
+    ids: list[str]
+    """Each file's clip id: its path relative to the folder, in NFC."""
+    uris: dict[str, str]
+    """Clip id → the file's path relative to the folder as the file system spells it (the bundle's ``uri``)."""
+    refused: list[tuple[int, str, str]]
+    """(position among the folder's files, path as shown, reason) of the files the grammar skips."""
+    position: dict[str, int]
+    """Clip id → position among the folder's files (the skipped files are listed in folder order)."""
+
+    def in_order(self, skipped: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The pass's ``skipped`` (clip id, reason) and the refused ids together, in folder order."""
+        rows = [(self.position[c], c, r) for c, r in skipped] + self.refused
+        return [(c, r) for _, c, r in sorted(rows, key=lambda row: row[0])]
+
+
+def folder_clips(audio_dir: Path, files: Sequence[Path]) -> FolderClips:
+    """``files`` (under ``audio_dir``) with their clip ids in NFC; those whose path the grammar refuses or
+    that repeat an earlier file's id once in NFC set aside, before anything is embedded (a bundle holds
+    only ids every store and route takes: :func:`index.bundle.format.publish` checks them again)."""
+    rels = [path.relative_to(audio_dir).as_posix() for path in files]
+    kept, skipped = catalogue_ids(rels)
+    if skipped:
+        log.warning("%d files are skipped for their names, outside the id grammar or NFC duplicates "
+                    "(docs/service.md, \"Ids\"; manifest: skipped_clips)", len(skipped))
+    return FolderClips(files=[files[i] for i in kept], ids=list(kept.values()),
+                       uris={clip_id: rels[i] for i, clip_id in kept.items()},
+                       refused=[(i, shown, reason) for i, (shown, reason) in skipped.items()],
+                       position={clip_id: i for i, clip_id in kept.items()})
 
 
 def audio_files(audio_dir: Path, metadata: Path | None = None) -> list[Path]:
@@ -137,10 +177,12 @@ def index_folder(
         raise TonearmError("--milvus-uri needs --ray: without Ray, build the bundle and run `tonearm bundle publish`")
     options = pass_options or PassOptions()
     table = find_metadata_file(audio_dir, Path(metadata) if metadata is not None else None)
-    files = audio_files(audio_dir, table)
-    metas = read_file_metadata(table, [p.relative_to(audio_dir).as_posix() for p in files]) if table else {}
+    every = audio_files(audio_dir, table)
+    metas = read_file_metadata(table, [p.relative_to(audio_dir).as_posix() for p in every]) if table else {}
+    folder = folder_clips(audio_dir, every)
+    files = folder.files
     if milvus is not None and ray is not None:
-        return _index_into_milvus(audio_dir, source, out, files, ray, milvus, metas, options)
+        return _index_into_milvus(audio_dir, source, out, folder, len(every), ray, milvus, metas, options)
     if precision != "fp32" and ray is not None:
         check_precision_options(precision, None, ray=True)
     bundle = LoadedBundle.open(source, verify=True, providers=providers)
@@ -160,26 +202,27 @@ def index_folder(
                     bundle.encode_audio, max_call_samples=options.codec_call_samples)
                 encoder_path = source / manifest.audio_encoder.file
                 if precision == "fp16":
-                    encode, catalogue_pass, encoder_path = _half_encoder(bundle, source, audio_dir, files,
+                    encode, catalogue_pass, encoder_path = _half_encoder(bundle, source, files,
                                                                          Path(scratch), providers, options)
                 spec = EncoderSpec(
                     path=str(encoder_path), embed_dim=bundle.embed_dim, clip_samples=bundle.clip_samples,
                     providers=tuple(providers or bundle.onnx_providers), frontend=frontend,
                     call_samples=options.codec_call_samples)
-                clip_ids, embeddings, skipped = _embed(bundle, audio_dir, files, progress=progress,
+                clip_ids, embeddings, skipped = _embed(bundle, folder, progress=progress,
                                                        checkpoint=checkpoint, chunk_files=chunk_files, encode=encode,
                                                        options=options, spec=spec)
-                windows = index_recordings([audio_dir / c for c in clip_ids], sample_rate=bundle.sample_rate,
+                windows = index_recordings([audio_dir / folder.uris[c] for c in clip_ids], sample_rate=bundle.sample_rate,
                                            window_samples=bundle.clip_samples, decode=limited(options.limits),
                                            encode=encode)
         else:
-            clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, audio_dir, files, ray, options,
+            clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, folder, ray, options,
                                                           checkpoint=checkpoint, chunk_files=chunk_files)
             windows = []  # long recordings' windows: in-process passes only (docs/bundle.md, "Moments")
     finally:
         bundle.close()
+    skipped = folder.in_order(skipped)
     if not clip_ids:
-        raise TonearmError(f"{audio_dir}: no decodable audio file among {len(files)} files")
+        raise TonearmError(f"{audio_dir}: no decodable audio file among {len(every)} files")
     manifest = bundle.manifest
     with fmt.staged_bundle(out.parent, out.name) as staging:
         built = build_and_save(embeddings, staging / fmt.AUDIO_INDEX)  # lists on disk when large
@@ -190,7 +233,7 @@ def index_folder(
         moments = (write_bundle_windows(staging, windows, sample_rate=manifest.sample_rate,
                                         window_samples=manifest.clip_samples) if windows else None)
         path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index, metas=metas,
-                             catalogue_pass=catalogue_pass, skipped=skipped, moments=moments)
+                             uris=folder.uris, catalogue_pass=catalogue_pass, skipped=skipped, moments=moments)
     checkpoint.remove()
     return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped)
 
@@ -198,16 +241,17 @@ def index_folder(
 def _write_bundle(
     staging: Path, source: Path, manifest: fmt.BundleManifest, audio_dir: Path, bundle_id: str,
     clip_ids: list[str], audio_index: fmt.IndexInfo, milvus_only: fmt.MilvusOnlyInfo | None = None,
-    *, metas: dict[str, dict[str, Any]] | None = None, catalogue_pass: fmt.CataloguePassInfo | None = None,
-    skipped: Sequence[tuple[str, str]] = (), moments: fmt.MomentsInfo | None = None,
+    *, metas: dict[str, dict[str, Any]] | None = None, uris: dict[str, str] | None = None,
+    catalogue_pass: fmt.CataloguePassInfo | None = None, skipped: Sequence[tuple[str, str]] = (),
+    moments: fmt.MomentsInfo | None = None,
 ) -> Path:
-    """Encoders, tokenizer, ids (with each clip's ``metas`` row as its ``metadata``) and manifest of the
-    index-only bundle into ``staging``; publish it."""
+    """Encoders, tokenizer, ids (each clip's uri its file's path, ``uris``; with its ``metas`` row as its
+    ``metadata``) and manifest of the index-only bundle into ``staging``; publish it."""
     for name in {manifest.audio_encoder.file, manifest.text_encoder.file, manifest.tokenizer.file}:
         shutil.copyfile(source / name, staging / name)
     with (staging / fmt.AUDIO_IDS).open("w", encoding="utf-8") as handle:
         for clip_id in clip_ids:
-            handle.write(json.dumps(clip_item(clip_id, metas), ensure_ascii=False) + "\n")
+            handle.write(json.dumps(clip_item(clip_id, metas, (uris or {}).get(clip_id)), ensure_ascii=False) + "\n")
     new = manifest.model_copy(update={
         "bundle_id": bundle_id,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -224,17 +268,19 @@ def _write_bundle(
     return fmt.publish(staging, fmt.BundleManifest.model_validate(new.model_dump()))
 
 
-def clip_item(clip_id: str, metas: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
-    """A clip's row of ``audio_ids.jsonl`` (uri = id: both are the path relative to the audio root),
-    with its ``metas`` row as its ``metadata``; what filters and the Milvus layout read."""
-    row: dict[str, Any] = {"id": clip_id, "uri": clip_id, "captions": {}}
-    if metas and clip_id in metas:
-        row["metadata"] = metas[clip_id]
+def clip_item(clip_id: str, metas: dict[str, dict[str, Any]] | None, uri: str | None = None) -> dict[str, Any]:
+    """A clip's row of ``audio_ids.jsonl``: ``uri`` the file's path relative to the audio root (default: the id,
+    that path in NFC), with its ``metas`` row (keyed by that path) as its ``metadata``; what filters and the
+    Milvus layout read."""
+    uri = uri or clip_id
+    row: dict[str, Any] = {"id": clip_id, "uri": uri, "captions": {}}
+    if metas and uri in metas:
+        row["metadata"] = metas[uri]
     return row
 
 
 def _half_encoder(
-    bundle: LoadedBundle, source: Path, audio_dir: Path, files: list[Path], scratch: Path,
+    bundle: LoadedBundle, source: Path, files: list[Path], scratch: Path,
     providers: Sequence[str] | None, options: PassOptions,
 ) -> tuple[Callable[[Sequence[np.ndarray]], np.ndarray], fmt.CataloguePassInfo, Path]:
     """The fp16 copy of ``bundle``'s audio encoder as an encode function, after the parity gate on the
@@ -266,8 +312,8 @@ def _half_encoder(
 
 
 def _index_into_milvus(
-    audio_dir: Path, source: Path, out: Path, files: list[Path], ray: RayOptions, milvus: MilvusPublish,
-    metas: dict[str, dict[str, Any]], options: PassOptions,
+    audio_dir: Path, source: Path, out: Path, folder: FolderClips, n_files: int, ray: RayOptions,
+    milvus: MilvusPublish, metas: dict[str, dict[str, Any]], options: PassOptions,
 ) -> IndexedFolder:
     """The Ray pass with each actor writing its vectors into Milvus (module docstring).
 
@@ -281,21 +327,22 @@ def _index_into_milvus(
 
     milvus_index.check_new_bundle(milvus.target, out.name, milvus.index_type)
     candidates: list[Path] = []
+    rels: list[str] = []
     skipped: list[tuple[str, str]] = []
-    for path in files:
+    for path, clip_id in zip(folder.files, folder.ids, strict=True):
         try:
             check_format(path)
             candidates.append(path)
+            rels.append(clip_id)
         except AudioDecodeError as err:
-            skipped.append((path.relative_to(audio_dir).as_posix(), str(err).removeprefix(f"{path}: ")))
+            skipped.append((clip_id, str(err).removeprefix(f"{path}: ")))
     if not candidates:
-        raise TonearmError(f"{audio_dir}: no decodable audio file among {len(files)} files")
+        raise TonearmError(f"{audio_dir}: no decodable audio file among {n_files} files")
     manifest = fmt.verify_files(source)
     LoadedBundle.open(source, verify=False).close()  # the encoders load here before any worker starts
     connect(ray.address)  # the cluster is reachable before anything is created in Milvus
     target, index_type, dim = milvus.target, milvus.index_type, manifest.embed_dim
-    rels = [path.relative_to(audio_dir).as_posix() for path in candidates]
-    items = [clip_item(rel, metas) for rel in rels]
+    items = [clip_item(rel, metas, folder.uris[rel]) for rel in rels]
     written_fields, row_metas = milvus_index.catalogue_metas(items)
     sink = milvus_index.begin_audio_publish(target, out.name, dim=dim, index_type=index_type, n=len(candidates))
     done = embed_audio_files(
@@ -304,12 +351,11 @@ def _index_into_milvus(
         metas=row_metas, frontend=manifest.audio_frontend, call_samples=options.codec_call_samples,
     )
     gaps = [i for i, error in enumerate(done.errors) if error]
-    position = {path.relative_to(audio_dir).as_posix(): i for i, path in enumerate(files)}
-    skipped = sorted(skipped + [(rels[i], done.errors[i].removeprefix(f"{candidates[i]}: ")) for i in gaps],
-                     key=lambda item: position[item[0]])  # in file order, as the single-process path lists them
+    # in file order, as the single-process path lists them
+    skipped = folder.in_order(skipped + [(rels[i], done.errors[i].removeprefix(f"{candidates[i]}: ")) for i in gaps])
     clip_ids = [rel for rel, error in zip(rels, done.errors, strict=True) if not error]
     if not clip_ids:
-        raise TonearmError(f"{audio_dir}: no decodable audio file among {len(files)} files")
+        raise TonearmError(f"{audio_dir}: no decodable audio file among {n_files} files")
     with fmt.staged_bundle(out.parent, out.name) as staging:
         kept = milvus_index.kept_fields(written_fields, [item for item, error in zip(items, done.errors, strict=True)
                                                          if not error])
@@ -320,7 +366,8 @@ def _index_into_milvus(
             ann_recall_at_10=float(info["recall_at_10"]["audio"]),
         )
         only = fmt.MilvusOnlyInfo(uri=target.uri, index_type=index_type, gaps=gaps)
-        path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index, only, metas=metas)
+        path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index, only, metas=metas,
+                             uris=folder.uris, skipped=skipped)
     return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped, published=info)
 
 
@@ -346,7 +393,7 @@ def limited(limits: DecodeLimits) -> Callable[[Path, int], np.ndarray]:
 
 
 def _embed(
-    bundle: LoadedBundle, audio_dir: Path, files: list[Path], *, progress: bool,
+    bundle: LoadedBundle, folder: FolderClips, *, progress: bool,
     checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
     encode: Callable[[Sequence[np.ndarray]], np.ndarray] | None = None, options: PassOptions | None = None,
     spec: EncoderSpec | None = None,
@@ -359,7 +406,7 @@ def _embed(
     encode = encode or bundle.encode_audio
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[speed]}"))
-    rels = [p.relative_to(audio_dir).as_posix() for p in files]
+    files, rels = folder.files, folder.ids
     clock = PassClock()
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("embedding audio", total=len(files), speed="")
@@ -384,7 +431,7 @@ def _embed(
 
 
 def _embed_on_ray(
-    bundle: LoadedBundle, source: Path, audio_dir: Path, files: list[Path], options: RayOptions,
+    bundle: LoadedBundle, source: Path, folder: FolderClips, options: RayOptions,
     pass_options: PassOptions, *, checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
 ) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
     """The pass as Ray Data jobs, one a chunk of ``chunk_files`` files, checkpointed in ``checkpoint`` as the
@@ -394,7 +441,7 @@ def _embed_on_ray(
     from index.catalogue.ray_embed import embed_audio_files
 
     model = (source / bundle.manifest.audio_encoder.file).read_bytes()
-    rels = [path.relative_to(audio_dir).as_posix() for path in files]
+    files, rels = folder.files, folder.ids
     rate = PassRate(len(files))
 
     def advance(n: int, /, *, resumed: bool = False) -> None:
@@ -441,7 +488,7 @@ def cli_index(args: argparse.Namespace) -> int:
                           pass_options=pass_options_from_args(args))
     console = Console()
     for rel, reason in result.skipped:
-        console.print(f"[yellow]skipped[/yellow] {rel}: {reason}", highlight=False, soft_wrap=True)
+        console.print(f"[yellow]skipped[/yellow] {escape(rel)}: {escape(reason)}", highlight=False, soft_wrap=True)
     console.print(
         f"[green]OK[/green] {result.path}: {len(result.clip_ids)} files indexed, {len(result.skipped)} skipped "
         "(no captions: text→audio search only)", highlight=False, soft_wrap=True,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Generic, Literal, Protocol, TypeVar
@@ -42,6 +42,7 @@ from training.bundle.parts import (
     canonical_hash,
     catalogue_records,
     embed_catalogue,
+    grammar_records,
     held_out_records,
     make_bundle_id,
     partial_base,
@@ -92,6 +93,8 @@ class ClipSelection:
     split: str
     """The held-out split (``test``, else ``val``)."""
     held_out: list[ClipRecord]
+    refused: list[tuple[str, str]] = field(default_factory=list)
+    """(id as shown, reason) of the clips the id grammar left out of ``catalogue`` (:func:`select_clips`)."""
 
     @property
     def held_out_moments(self) -> list[ClipRecord]:
@@ -102,13 +105,15 @@ class ClipSelection:
 def select_clips(all_records: Sequence[ClipRecord], *, manifest: Path, splits: Sequence[str] | None,
                  index_factory: str | None, embed_dim: int) -> ClipSelection:
     """The catalogue (every clip, or those of ``splits``) and the held-out set (from every clip); the index
-    factory is checked here, before the slow steps."""
-    catalogue = catalogue_records(all_records, splits, manifest)
+    factory is checked here, before the slow steps. The catalogue's ids follow the id grammar
+    (:func:`training.bundle.parts.grammar_records`): stored in NFC; a clip whose id the grammar refuses, or
+    that repeats an earlier clip's id once in NFC, is left out and listed in ``skipped_clips``."""
+    catalogue, refused = grammar_records(catalogue_records(all_records, splits, manifest))
     if index_factory is not None:
         parse_factory(index_factory, embed_dim)
     split, held_out = held_out_records(all_records)
     return ClipSelection(manifest=manifest, all_records=list(all_records), catalogue=catalogue, split=split,
-                         held_out=held_out)
+                         held_out=held_out, refused=refused)
 
 
 @dataclass(frozen=True)
@@ -214,7 +219,7 @@ def _write_sections(steps: ExportSteps[E], model: ModelDescription, clips: ClipS
     staged = steps.write_encoders(staging, scratch, clips.catalogue)
     passing = steps.catalogue_pass(staged.handle, clips.catalogue, scratch, partial)
     done = embed_catalogue(clips.catalogue, model.languages, source_manifest=clips.manifest, progress=progress,
-                           clips=passing.clips, captions=passing.captions)
+                           clips=passing.clips, captions=passing.captions, refused=clips.refused)
     indices = write_catalogue(staging, done.audio, done.text, done.records, done.text_items, done.ranges,
                               index_factory=index_factory, source_manifest=clips.manifest)
     eval_set = steps.held_out(clips.held_out)

@@ -21,7 +21,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ from index.catalogue.half_precision import (
 )
 from index.engines.faiss_index import BuiltIndex
 from index.errors import BundleError
+from index.ids import catalogue_ids
 from index.metrics.report import METRIC_CONVENTION
 from index.runtime.loader import OnnxEncoder
 from training.bundle.onnx_export import external_data_file
@@ -207,6 +208,16 @@ def catalogue_records(records: Sequence[ClipRecord], splits: Sequence[str] | Non
     return [r for r in records if r.split in splits]
 
 
+def grammar_records(records: Sequence[ClipRecord]) -> tuple[list[ClipRecord], list[tuple[str, str]]]:
+    """The catalogue under the id grammar, before anything is embedded (:func:`index.ids.catalogue_ids`,
+    docs/service.md "Ids"): each record with its id in NFC, and ``(id as shown, reason)`` of the records
+    left out — an id the grammar refuses, or one equal to an earlier record's once in NFC (the first is
+    kept) — which the manifest lists in ``skipped_clips`` with the clips that could not be decoded."""
+    kept, refused = catalogue_ids([r.id for r in records])
+    return ([records[i] if records[i].id == clip_id else replace(records[i], id=clip_id)
+             for i, clip_id in kept.items()], list(refused.values()))
+
+
 
 def quantize_config(args: argparse.Namespace) -> QuantizeConfig:
     """``--quantize``, ``--quantize-text`` (alias of ``--quantize text``), the precision and the loss policy."""
@@ -318,14 +329,19 @@ def _quiet(_n: int, /, *, resumed: bool = False) -> None:
     return None
 
 
-def skipped_info(skipped: Sequence[tuple[str, str]]) -> list[fmt.SkippedClip] | None:
-    """The manifest's ``skipped_clips`` (None when every clip was embedded); each one logged."""
-    for clip_id, reason in skipped:
+def skipped_info(skipped: Sequence[tuple[str, str]],
+                 refused: Sequence[tuple[str, str]] = ()) -> list[fmt.SkippedClip] | None:
+    """The manifest's ``skipped_clips`` (None when every clip was embedded): the clips whose ids the grammar
+    refused (``refused``, :func:`grammar_records`) and those the pass could not decode; each one logged."""
+    for clip_id, reason in [*refused, *skipped]:
         log.warning("skipped catalogue clip %s: %s", clip_id, reason)
     if skipped:
         log.warning("%d catalogue clips could not be decoded and are not indexed (manifest: skipped_clips)",
                     len(skipped))
-    return [fmt.SkippedClip(id=c, reason=r) for c, r in skipped] or None
+    if refused:
+        log.warning("%d catalogue clips are not indexed for their ids: outside the id grammar, or an earlier "
+                    "clip's id once in NFC (docs/service.md, \"Ids\"; manifest: skipped_clips)", len(refused))
+    return [fmt.SkippedClip(id=c, reason=r) for c, r in [*refused, *skipped]] or None
 
 
 def first_decodable(records: Sequence[ClipRecord], decode: Callable[[Any], np.ndarray], n: int = 1) -> list[np.ndarray]:
@@ -373,13 +389,15 @@ class Catalogue:
 
 def embed_catalogue(records: Sequence[ClipRecord], languages: Sequence[str], *, source_manifest: Path, progress: bool,
                     clips: Callable[[Callable[..., Advance]], PassResult],
-                    captions: Callable[[list[str], Callable[..., Advance]], np.ndarray]) -> Catalogue:
+                    captions: Callable[[list[str], Callable[..., Advance]], np.ndarray],
+                    refused: Sequence[tuple[str, str]] = ()) -> Catalogue:
     """The one catalogue pass of every export, trained or pretrained, in process or on Ray: ``clips(task)``
     embeds the clips (``task``: :func:`progress`'s), the clips that could not be decoded are left out (and
-    logged), then ``captions(texts, task)`` embeds the captions of the clips kept."""
+    logged), then ``captions(texts, task)`` embeds the captions of the clips kept. ``refused``: the clips the
+    id grammar left out before the pass (:func:`grammar_records`), listed first in ``skipped_clips``."""
     with progress_bar(progress) as task:
         done = clips(task)
-        skipped = skipped_info(done.skipped)
+        skipped = skipped_info(done.skipped, refused)
         kept = kept_records(records, done)
         if not kept:
             raise BundleError(f"{source_manifest}: none of the catalogue's clips could be decoded")

@@ -12,7 +12,9 @@ service can tell them apart without importing pymilvus:
   ``index-unavailable`` with ``Retry-After``, for every request until it answers again;
 * :class:`IndexTimeout` — one call ran past its deadline while the backend still answers (its
   probe did): that call fails alone, the service answers 504 ``index-timeout`` for that request;
-* :class:`BundleNotPublished` — the bundle's vectors are not in the backend: the user publishes.
+* :class:`BundleNotPublished` — the bundle's vectors are not in the backend: the user publishes;
+* :class:`IndexInputRefused` — the backend answers but refuses a value of the call (a string longer than
+  its VARCHAR field): the caller's input, the service answers 422 ``validation-error``, never a retry.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ class BundleNotPublished(BundleError):
 
 class IndexBackendError(TonearmError):
     """The index backend (Milvus) answered an operation with an error that is not transient."""
+
+
+class IndexInputRefused(IndexBackendError):
+    """The index backend refused a value of the call (an id or string longer than its field, a parameter it
+    calls invalid): the input is wrong, not the backend; retrying the same input fails the same way."""
 
 
 class IndexUnavailable(IndexBackendError):

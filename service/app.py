@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 import tonearm
-from index.errors import BundleError
+from index.errors import BundleError, IndexBackendError
 from service.allocator import PeriodicTrim, limit_arenas
 from service.apidocs import install_api_docs
 from service.batching import BatchMetrics
@@ -39,6 +39,7 @@ from service.metrics import GcPauses, LatencyMiddleware, ServiceMetrics
 from service.openapi_contract import install_language_enums
 from service.pubsub import ActivationBus
 from service.routes import audio, bundles, demo, diagnostics, health, items, search
+from service.searcher import index_problem
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, IndexBackendError):  # an index store call outside `index_calls`: still not a bug
+            log.error("index backend error on %s: %s", request.url.path, exc)
+            mapped = index_problem(exc)
+            return _problem(mapped.slug, mapped.detail, request, **mapped.extra)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):  # not a bug: a full volume
             log.error("no room to store the request on %s: %s", request.url.path, exc)
             return _problem("insufficient-storage", f"no space left to store the request ({exc.strerror})", request)

@@ -34,6 +34,7 @@ depends on the shared catalogue, which has no cheap version to key them by); tex
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -361,7 +362,7 @@ class MilvusCatalogue:
         records, waves, out = [], [], []
         for item_id, data, audio, metadata, captions in entries:
             meta = check_metadata(metadata, max_fields=RECORD_MAX_FIELDS)
-            key = self.audio.put(data, audio.format.lower())
+            key = self._put_audio(data, audio.format.lower())
             at = _now()
             doc = {"audio": key, "at": at, "metadata": meta, "captions": captions,
                    "digest": record_digest(key, meta, captions)}
@@ -373,6 +374,22 @@ class MilvusCatalogue:
             self._embed_into(searcher, self.bundle_store(searcher), records, waves)
             self._sync_serving(registry, searcher, records)
         return out
+
+    def _put_audio(self, data: bytes, audio_format: str) -> str:
+        """:meth:`AudioStore.put`; an object store that cannot take it (unreachable, refusing credentials, a
+        volume turned read-only) is ServiceError ``items-unavailable`` (503), a full volume stays the OSError
+        the app answers 507 ``insufficient-storage``."""
+        try:
+            return self.audio.put(data, audio_format)
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            reason = err.strerror or str(err) or type(err).__name__
+        except Exception as err:  # botocore / fsspec errors of an object store: not OSErrors
+            reason = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+        log.error("items: the audio store %s refused an upload: %s", self.audio.url, reason)
+        raise ServiceError("items-unavailable", f"the item audio store ({self.audio.url}) cannot take the upload: "
+                           f"{reason}")
 
     def delete(self, registry: Any, searcher: Any, item_id: str) -> ItemRecord:
         """Record the delete (a takedown of the id everywhere) and apply it to the serving bundle."""

@@ -27,7 +27,7 @@ from index.engines.filters import (
     merged_kinds,
     parse_filter,
 )
-from index.errors import IndexBackendError, IndexTimeout
+from index.errors import IndexBackendError, IndexInputRefused, IndexTimeout
 from index.items.overlay import AddedItem, ItemOverlay, merge_top_k
 from index.languages import ENGLISH
 from index.metrics.report import METRIC_CONVENTION
@@ -66,9 +66,12 @@ def index_unavailable(err: BaseException | str) -> ServiceError:
 
 
 def index_problem(err: BaseException) -> ServiceError:
-    """An index backend failure as a problem: one call past its deadline while Milvus answers
-    others (:class:`IndexTimeout`) → 504 ``index-timeout``; anything else → 503
+    """An index backend failure as a problem: a value Milvus refuses (:class:`IndexInputRefused`: an id
+    over its key's bytes) → 422 ``validation-error``, the caller's input; one call past its deadline while
+    Milvus answers others (:class:`IndexTimeout`) → 504 ``index-timeout``; anything else → 503
     ``index-unavailable``; both with Retry-After."""
+    if isinstance(err, IndexInputRefused):
+        return ServiceError("validation-error", f"the index backend refused the input: {err}")
     if isinstance(err, IndexTimeout):
         return ServiceError(
             "index-timeout", f"{err}; retry after {INDEX_RETRY_AFTER_S} s", retry_after=INDEX_RETRY_AFTER_S

@@ -78,6 +78,7 @@ from index.errors import (
     BundleError,
     BundleNotPublished,
     IndexBackendError,
+    IndexInputRefused,
     IndexTimeout,
     IndexUnavailable,
     TonearmError,
@@ -385,6 +386,29 @@ def _deadline(err: BaseException) -> bool:
     return False
 
 
+INVALID_PARAMETER = 1100
+"""Milvus's error code for a value it refuses (2.3+, ``ErrParameterInvalid``): 2.3.5 answers an upsert of a
+768-byte id into a 512-byte VARCHAR key with it ("the length (768) of 0th string exceeds max length (512):
+invalid parameter")."""
+
+
+def _refused_input(err: BaseException) -> bool:
+    """Milvus answered, refusing a value of the call: code :data:`INVALID_PARAMETER`, a string over its
+    field's ``max_length`` (milvus-lite says "value length 513 exceeds max_length=512", under its own code), or
+    pymilvus's client-side check of a row's values (DataNotMatchException)."""
+    from pymilvus.exceptions import DataNotMatchException
+
+    for cause in (err, err.__cause__):
+        if cause is None:
+            continue
+        if isinstance(cause, DataNotMatchException) or _code(cause) == INVALID_PARAMETER:
+            return True
+        text = _reason(cause).lower()
+        if "exceeds max_length" in text or "exceeds max length" in text:
+            return True
+    return False
+
+
 def _transient(err: BaseException) -> bool:
     """Unreachable, past its deadline, or not loaded yet: worth retrying later."""
     import grpc
@@ -403,7 +427,8 @@ def _transient(err: BaseException) -> bool:
 
 @contextmanager
 def _mapped(what: str, target: MilvusTarget) -> Iterator[None]:
-    """Turn pymilvus / grpc failures into :class:`IndexUnavailable` / :class:`IndexBackendError`."""
+    """Turn pymilvus / grpc failures into :class:`IndexUnavailable` / :class:`IndexBackendError` (a value
+    Milvus refuses: :class:`IndexInputRefused`)."""
     try:
         yield
     except TonearmError:
@@ -418,6 +443,8 @@ def _mapped(what: str, target: MilvusTarget) -> Iterator[None]:
                                f"{target.timeout_s:g} s deadline") from None
         if _transient(err):
             raise IndexUnavailable(message) from None
+        if _refused_input(err):
+            raise IndexInputRefused(message) from None
         raise IndexBackendError(message) from None
 
 

@@ -37,7 +37,8 @@ forgotten: a deliberate simplification).
 the next search of any other. **Ties** are ordered by score, then id (fetch ``k`` + margin and widen
 while the last fetched hit ties the ``k``-th), as :class:`index.engines.milvus_index.MilvusVectorIndex` does.
 Errors are mapped in this module (:class:`index.errors.IndexUnavailable` /
-:class:`index.errors.IndexBackendError`, filters :class:`index.engines.filters.FilterError`).
+:class:`index.errors.IndexBackendError`, a value Milvus refuses — an id over the key's 512 bytes —
+:class:`index.errors.IndexInputRefused`, filters :class:`index.engines.filters.FilterError`).
 
 pymilvus is imported lazily (through :class:`index.engines.milvus_index.MilvusTarget`).
 """
@@ -79,7 +80,7 @@ from index.engines.milvus_index import (
     is_lite,
     search_params,
 )
-from index.errors import IndexBackendError, TonearmError
+from index.errors import IndexBackendError, IndexInputRefused, TonearmError
 from index.ids import MAX_ID_BYTES
 
 log = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ def flush_each_write(target: MilvusTarget, mode: str) -> bool:
 def _literal_id(item_id: str) -> str:
     text = milvus_string(item_id)
     if text is None or not item_id or len(item_id.encode("utf-8")) > ID_MAX:
-        raise TonearmError(f"item id {item_id!r} cannot be stored in Milvus (empty, over {ID_MAX} bytes, "
+        raise IndexInputRefused(f"item id {item_id!r} cannot be stored in Milvus (empty, over {ID_MAX} bytes, "
                            "or holding a control character or lone surrogate)")
     return text
 

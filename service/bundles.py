@@ -73,6 +73,7 @@ class BundleSummary:
     embed_dim: int | None = None
     n_clips: int | None = None
     indices: dict[str, dict[str, Any]] | None = None
+    moment_scorer: str | None = None  # head | windows
     error: str | None = None
 
 
@@ -337,6 +338,7 @@ class BundleRegistry:
                 for name, info in (("audio", m.audio_index), ("text", m.text_index))
                 if info is not None
             },
+            moment_scorer="head" if m.moment_head is not None else "windows",
         )
 
     # ------------------------------------------------------------------ loading

@@ -160,7 +160,9 @@ class MomentHitOut(BaseModel):
     id: str = Field(description="The recording's clip id.", examples=["walk-017.wav"])
     start: float = Field(description="Start of the moment, seconds from the recording's start.", examples=[12.5])
     end: float = Field(description="End of the moment, seconds from the recording's start.", examples=[18.0])
-    score: float = Field(description="Cosine similarity of the query and the moment's best window.", examples=[0.42])
+    score: float = Field(description="The moment's score: the cosine of the query and its best window (`scorer` "
+                                     "`windows`), or the moment head's relevance probability (`scorer` `head`).",
+                         examples=[0.42])
     uri: str | None = Field(None, description="Recording location recorded at indexing, when known.")
 
 
@@ -171,6 +173,11 @@ class MomentSearchResponse(BaseModel):
     duration_seconds: float | None = Field(None, description="Decoded duration of the snippet (audio query).")
     window_seconds: float = Field(description="The index's window: boundaries are resolved to about half of it.")
     hop_seconds: float = Field(description="Seconds between the starts of consecutive windows.")
+    scorer: Literal["head", "windows"] = Field(
+        description="What placed and scored the moments: `head`, the bundle's trained moment head (scores are its "
+                    "relevance probabilities, 0–1), or `windows`, the sliding-window scorer (scores are cosines of "
+                    "the query and the moment's best window). docs/service.md, Moments.",
+        examples=["windows"])
     hits: list[MomentHitOut] = Field(description="Moments, best first; several may come from one recording.")
 
 
@@ -256,6 +263,9 @@ class BundleOut(BaseModel):
     embed_dim: int | None = None
     n_clips: int | None = None
     indices: dict[str, IndexOut] | None = Field(None, description="`audio` (clips) and `text` (captions) indices.")
+    moment_scorer: Literal["head", "windows"] | None = Field(
+        None, description="What `/v1/search/moments` scores with on this bundle: `head` (it carries a trained "
+                          "moment head, `tonearm train-moments`) or `windows` (the sliding-window scorer).")
     error: str | None = None
 
 

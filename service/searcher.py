@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -796,7 +796,8 @@ class Searcher:
                                "or add long recordings with POST /v1/items")
         mask = items.bundle_mask(clip_filter.allowed if clip_filter is not None else None)
         query = np.asarray(embedding, dtype=np.float32).reshape(-1)
-        hits = (self.visible(lambda m: windows.search(query, k, allowed_rows=m, min_score=min_score),
+        head = getattr(self.bundle, "moment_head", None)  # the bundle's trained head, else the sliding windows
+        hits = (self.visible(lambda m: windows.search(query, k, allowed_rows=m, min_score=min_score, head=head),
                              lambda found: np.array([h.row for h in found], np.int64), mask)
                 if windows is not None else [])
         results = []
@@ -806,7 +807,7 @@ class Searcher:
                                         score=hit.score, uri=item.get("uri")))
         if added is not None:
             allowed = items.alive if clip_filter is None or clip_filter.added is None else items.alive & clip_filter.added
-            for hit in added.search(query, k, allowed_rows=allowed, min_score=min_score):
+            for hit in added.search(query, k, allowed_rows=allowed, min_score=min_score, head=head):
                 results.append(MomentResult(id=items.items[hit.row].id, start=round(hit.start, 3),
                                             end=round(hit.end, 3), score=hit.score, uri=None))
             results.sort(key=lambda r: -r.score)
@@ -863,6 +864,11 @@ class Searcher:
             return none
         return embed_windows(wave, sample_rate=rate, window_samples=window,
                              hop_samples=max(1, round(window * HOP_FRACTION)), encode=self.bundle.encode_audio)
+
+    def moment_scorer(self) -> Literal["head", "windows"]:
+        """What scores the moments of :meth:`search_moments`: ``head`` (the bundle's trained moment head) or
+        ``windows`` (the sliding-window scorer)."""
+        return "head" if getattr(self.bundle, "moment_head", None) is not None else "windows"
 
     def moment_resolution(self) -> tuple[float, float]:
         """``(window, hop)`` seconds of the moment windows: the model's window, half of it."""

@@ -401,12 +401,13 @@ def _add_items(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train_moments(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train-moments", help="train the temporal moment head on a bundle's window embeddings "
-                                             "(docs/objectives.md, Moments)")
+    p = sub.add_parser("train-moments", help="train the temporal moment head on a bundle's window embeddings and "
+                                             "write a new bundle that carries it (docs/objectives.md, Moments)")
     p.add_argument("--bundle", required=True, help="bundle whose frozen encoders embed the windows and captions")
     p.add_argument("--manifest", required=True, help="manifest with moments (tonearm synth --moments)")
     p.add_argument("--split", default="train")
-    p.add_argument("--out", required=True, help="folder for moment_head.onnx + moment_head.json")
+    p.add_argument("--out", help="the new bundle's directory: the input bundle's files (untouched) plus the head "
+                                  "(default: <bundle id>-head-s<seed> beside the input; docs/bundle.md, Moment head)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=600)
     p.set_defaults(handler=_lazy("training.moment_head:cli_train_moments", "train"))

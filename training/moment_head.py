@@ -5,8 +5,9 @@ Features come from the bundle's own ONNX encoders and the windows of the sliding
 the head sees exactly what the index stores. Each (recording, language, caption) of the manifest's
 moments (docs/corpus.md, "Moments") is one training example; the objective is built by the
 registry (``moment_span``, training/objectives/moment_span.py). The head is exported to
-``OUT/moment_head.onnx`` (checked against torch with onnxruntime at export) and
-``OUT/moment_head.json``; :mod:`index.moments.head` runs it without torch.
+``moment_head.onnx`` (checked against torch with onnxruntime at export) and ``moment_head.json``, added
+to a new bundle (the input's files plus the head, :func:`index.bundle.format.publish_with_moment_head`);
+:mod:`index.moments.head` runs it without torch, the service when the bundle it serves has one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from index.moments.head import HEAD_INFO, HEAD_ONNX
+from index.audio.decode import decode_audio
+from index.bundle.format import encoder_digests, publish_with_moment_head
+from index.languages import DEFAULT_LANGUAGES
+from index.moments.evaluate import moment_queries
+from index.moments.head import HEAD_INFO, HEAD_ONNX, MomentHeadModel
+from index.moments.windows import HOP_FRACTION, embed_windows
+from index.runtime.loader import LoadedBundle
+from training.data.manifest import load_manifest
 from training.models.moment_head import MomentHead
 from training.objectives.registry import build_moment_loss
 
@@ -44,10 +53,6 @@ class MomentExample:
 
 def bundle_examples(bundle: Any, records: Sequence[Any], languages: Sequence[str]) -> list[MomentExample]:
     """One example per (recording, language, caption text) of ``records``' moments."""
-    from index.audio.decode import decode_audio
-    from index.moments.evaluate import moment_queries
-    from index.moments.windows import HOP_FRACTION, embed_windows
-
     window = int(bundle.clip_samples)
     hop = max(1, int(round(window * HOP_FRACTION)))
     out = []
@@ -123,8 +128,6 @@ def train_head(examples: Sequence[MomentExample], *, seed: int = 0, steps: int =
 def export_head(head: MomentHead, out_dir: Path, *, window_seconds: float, hop_seconds: float,
                 extra: dict[str, Any] | None = None) -> Path:
     """Write ``moment_head.onnx`` + ``moment_head.json``; checks onnxruntime against torch (atol 1e-4)."""
-    from index.moments.head import MomentHeadModel
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     d = head.project.in_features - 1
@@ -148,22 +151,30 @@ def export_head(head: MomentHead, out_dir: Path, *, window_seconds: float, hop_s
 
 
 def cli_train_moments(args: argparse.Namespace) -> int:
-    """``tonearm train-moments --bundle DIR --manifest M --out DIR [--split train] [--seed N] [--steps N]``."""
-    from index.languages import DEFAULT_LANGUAGES
-    from index.runtime.loader import LoadedBundle
-    from training.data.manifest import load_manifest
+    """``tonearm train-moments --bundle DIR --manifest M [--out NEW_BUNDLE] [--split train] [--seed N] [--steps N]``.
 
+    Writes a new bundle (``--out``, default ``<bundle>-head-s<seed>`` beside the input): the input bundle's
+    files (hard links, else copies; the input is not touched) plus the head, recorded in its manifest's
+    ``moment_head`` with the sha256 of the encoders it was trained on (docs/bundle.md, "Moment head")."""
+    source = Path(args.bundle)
     records = load_manifest(Path(args.manifest), languages=DEFAULT_LANGUAGES, split=args.split)
-    bundle = LoadedBundle.open(Path(args.bundle))
+    bundle = LoadedBundle.open(source)
     try:
         examples = bundle_examples(bundle, [r for r in records if r.moments], DEFAULT_LANGUAGES)
+        digests = encoder_digests(bundle.manifest)
+        source_id = bundle.bundle_id
     finally:
         bundle.close()
     log.info("moment head: %d examples from %d recordings", len(examples), len({e.recording for e in examples}))
     head = train_head(examples, seed=args.seed, steps=args.steps)
     window = float(examples[0].spans[0, 1] - examples[0].spans[0, 0])
     hop = float(examples[0].spans[1, 0] - examples[0].spans[0, 0]) if len(examples[0].spans) > 1 else window
-    path = export_head(head, Path(args.out), window_seconds=window, hop_seconds=hop,
-                       extra={"bundle": str(args.bundle), "seed": args.seed, "steps": args.steps})
-    log.info("wrote the moment head to %s", path)
+    out = Path(args.out) if args.out else source.parent / f"{source_id}-head-s{args.seed}"
+    training = {"data_manifest": str(Path(args.manifest).resolve()), "split": args.split, "seed": args.seed,
+                "steps": args.steps, "examples": len(examples)}
+    with tempfile.TemporaryDirectory(prefix="moment-head-") as folder:
+        export_head(head, Path(folder), window_seconds=window, hop_seconds=hop,
+                    extra={"bundle": source_id, "encoder_sha256": digests, **training})
+        path = publish_with_moment_head(source, Path(folder), out.parent, out.name, training=training)
+    log.info("wrote bundle %s: %s plus its moment head", path, source_id)
     return 0

@@ -27,6 +27,7 @@ import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -47,12 +48,15 @@ AUDIO_IDS = "audio_ids.jsonl"
 TEXT_INDEX = "text.faiss"
 TEXT_IDS = "text_ids.jsonl"
 EVAL_DIR = "eval"
+MOMENT_HEAD = "moment_head.onnx"
+MOMENT_HEAD_INFO = "moment_head.json"
 
 _ZERO_HASH = "0" * 64
-OMITTED_WHEN_NONE = ("catalogue_pass", "skipped_clips")
+OMITTED_WHEN_NONE = ("catalogue_pass", "skipped_clips", "moment_head")
 """Manifest fields added after format version 1 was fixed: written only when set."""
 _HASH_KEY = '"manifest_sha256": "'
 _CHUNK = 1 << 20
+_READ_ONLY = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
 
 
 class _Frozen(BaseModel):
@@ -250,6 +254,26 @@ class MomentsInfo(_Frozen):
     recordings with moments in the data manifest; None when it has none."""
 
 
+class MomentHeadInfo(_Frozen):
+    """A trained temporal moment head (`tonearm train-moments`, docs/objectives.md "Moments"): the service scores
+    moments with it instead of the sliding windows (docs/service.md, "Moments")."""
+
+    file: str = MOMENT_HEAD
+    """The head's ONNX graph (:mod:`index.moments.head`)."""
+    info_file: str = MOMENT_HEAD_INFO
+    """Its JSON description; its ``encoder_sha256`` must equal this section's."""
+    encoder_sha256: dict[str, str]
+    """sha256 of the audio and text encoder files whose embeddings the head was trained on; checked against
+    this bundle's ``files`` at load (:func:`check_moment_head`): a head trained for other encoders is refused."""
+    embed_dim: int = Field(ge=1)
+    window_seconds: float = Field(gt=0)
+    hop_seconds: float = Field(gt=0)
+    source_bundle: str
+    """The bundle it was trained on and added to (this bundle is that one plus the head)."""
+    training: dict[str, Any] = Field(default_factory=dict)
+    """How it was trained (data manifest, split, seed, steps, examples)."""
+
+
 class BundleManifest(_Frozen):
     """Schema of ``manifest.json`` (docs/bundle.md)."""
 
@@ -289,6 +313,8 @@ class BundleManifest(_Frozen):
 
     moments: MomentsInfo | None = None
     """Set when the catalogue's long recordings are indexed as windows; None: clips only."""
+    moment_head: MomentHeadInfo | None = None
+    """Set when the bundle carries a trained moment head (`tonearm train-moments`); None: sliding windows."""
     files: dict[str, FileEntry]
     manifest_sha256: str = _ZERO_HASH
     """sha256 of this file's bytes with this value replaced by 64 zeros."""
@@ -404,6 +430,96 @@ def verify_files(root: Path) -> BundleManifest:
     return manifest
 
 
+# ----------------------------------------------------------------------------- moment head
+
+
+def encoder_digests(manifest: BundleManifest) -> dict[str, str]:
+    """``{"audio": sha256, "text": sha256}`` of the bundle's encoder files (what a moment head is trained on)."""
+    out = {}
+    for kind, encoder in (("audio", manifest.audio_encoder), ("text", manifest.text_encoder)):
+        entry = manifest.files.get(encoder.file)
+        if entry is None:
+            raise BundleError(f"bundle {manifest.bundle_id}: {encoder.file} is not listed in {MANIFEST_NAME}")
+        out[kind] = entry.sha256
+    return out
+
+
+def check_moment_head(root: Path, manifest: BundleManifest) -> None:
+    """Raise :class:`BundleError` unless the bundle's moment head (if any) was trained on its own encoders,
+    for its embedding width and its moment windows' window and hop."""
+    head = manifest.moment_head
+    if head is None:
+        return
+    where = Path(root) / MANIFEST_NAME
+    try:
+        described = json.loads((Path(root) / head.info_file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BundleError(f"{Path(root) / head.info_file}: cannot read the moment head's description ({err})") from None
+    if described.get("encoder_sha256") != dict(head.encoder_sha256):
+        raise BundleError(f"{Path(root) / head.info_file}: encoder_sha256 differs from moment_head.encoder_sha256 "
+                          f"in {where}")
+    own = encoder_digests(manifest)
+    for kind in ("audio", "text"):
+        trained = head.encoder_sha256.get(kind)
+        if trained != own[kind]:
+            raise BundleError(
+                f"{where}: the moment head was trained on another {kind} encoder (sha256 {str(trained)[:12]}…, this "
+                f"bundle's {own[kind][:12]}…, from {head.source_bundle}): its scores mean nothing here; train one "
+                "for this bundle with `tonearm train-moments`")
+    if head.embed_dim != manifest.embed_dim:
+        raise BundleError(f"{where}: moment head embed_dim {head.embed_dim} != the bundle's {manifest.embed_dim}")
+    moments = manifest.moments
+    if moments is not None and (abs(moments.window_seconds - head.window_seconds) > 1e-6
+                                or abs(moments.hop_seconds - head.hop_seconds) > 1e-6):
+        raise BundleError(f"{where}: moment head trained on {head.window_seconds} s windows every {head.hop_seconds} s, "
+                          f"the bundle's are {moments.window_seconds} s every {moments.hop_seconds} s")
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)  # bundles are read-only once published: sharing the inode changes neither
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def publish_with_moment_head(source: Path, head_dir: Path, parent: Path, bundle_id: str, *,
+                             training: dict[str, Any] | None = None, check: bool = True) -> Path:
+    """A new bundle ``parent/bundle_id``: every file of the ``source`` bundle (hard links where the filesystem
+    allows, else copies; the source is not touched) plus the moment head of ``head_dir`` (``moment_head.onnx``
+    and ``moment_head.json``, whose ``encoder_sha256`` names the encoders it was trained on). A head of an
+    earlier training is replaced. ``check`` refuses, before publishing, a head trained for other encoders."""
+    source = Path(source)
+    manifest = verify_files(source)
+    head_dir = Path(head_dir)
+    try:
+        described = json.loads((head_dir / MOMENT_HEAD_INFO).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BundleError(f"{head_dir / MOMENT_HEAD_INFO}: cannot read the moment head ({err})") from None
+    try:
+        head = MomentHeadInfo(encoder_sha256=described.get("encoder_sha256") or {}, embed_dim=described["embed_dim"],
+                              window_seconds=described["window_seconds"], hop_seconds=described["hop_seconds"],
+                              source_bundle=manifest.bundle_id, training=training or {})
+    except (KeyError, ValidationError) as err:
+        raise BundleError(f"{head_dir / MOMENT_HEAD_INFO}: not a moment head description ({err})") from None
+    body = manifest.model_dump(mode="json")
+    body.update(bundle_id=bundle_id, moment_head=head.model_dump(mode="json"), manifest_sha256=_ZERO_HASH,
+                created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
+    try:
+        derived = BundleManifest.model_validate(body)
+    except ValidationError as err:
+        raise BundleError(f"bundle id {bundle_id!r}: {err.errors()[0]['msg']}") from None
+    with staged_bundle(parent, bundle_id) as staging:
+        for rel in manifest.files:
+            if rel not in (MOMENT_HEAD, MOMENT_HEAD_INFO):
+                _link_or_copy(source / rel, staging / rel)
+        for name in (MOMENT_HEAD, MOMENT_HEAD_INFO):
+            shutil.copyfile(head_dir / name, staging / name)
+        if check:
+            check_moment_head(staging, derived.model_copy(update={"files": checksum_files(staging)}))
+        return publish(staging, derived)
+
+
 # ----------------------------------------------------------------------------- atomic publish
 
 
@@ -422,7 +538,8 @@ def _seal(staging: Path) -> None:
         for name in filenames:
             file_path = Path(dirpath) / name
             fsync_path(file_path)
-            file_path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+            if stat.S_IMODE(file_path.stat().st_mode) != _READ_ONLY:  # a hard link of a published file already is
+                file_path.chmod(_READ_ONLY)
         fsync_path(Path(dirpath))
 
 

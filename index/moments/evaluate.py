@@ -21,6 +21,7 @@ import numpy as np
 from index.audio.decode import decode_audio
 from index.errors import DataError
 from index.metrics.moments import MOMENT_METRICS, MomentQuery, moment_report
+from index.moments.head import MomentHeadModel
 from index.moments.postprocess import MomentParams, moments_from_scores
 from index.moments.windows import HOP_FRACTION, embed_windows
 
@@ -42,10 +43,19 @@ def moment_queries(moments: Sequence[Any]) -> dict[tuple[str, str], list[tuple[f
 def evaluate_moments(
     bundle: Any, records: Sequence[Any], *, languages: Sequence[str], params: MomentParams | None = None
 ) -> dict[str, float]:
-    """The moment report of ``bundle`` (a :class:`index.runtime.loader.LoadedBundle`) on ``records`` with moments."""
+    """The sliding-window moment report of ``bundle`` (a :class:`index.runtime.loader.LoadedBundle`) on ``records``."""
+    return evaluate_moment_scorers(bundle, records, languages=languages, params=params)["windows"]
+
+
+def evaluate_moment_scorers(
+    bundle: Any, records: Sequence[Any], *, languages: Sequence[str], params: MomentParams | None = None,
+    head: MomentHeadModel | None = None,
+) -> dict[str, dict[str, float]]:
+    """``{"windows": report}``, plus ``"head": report`` with ``head`` (the bundle's trained moment head): both
+    scorers on the same queries and the same window embeddings, encoded once."""
     window = int(bundle.clip_samples)
     hop = max(1, int(round(window * HOP_FRACTION)))
-    queries: list[MomentQuery] = []
+    queries: dict[str, list[MomentQuery]] = {"windows": [], **({"head": []} if head is not None else {})}
     for record in records:
         asked = {key: spans for key, spans in moment_queries(record.moments).items() if key[0] in languages}
         if not asked:
@@ -58,13 +68,16 @@ def evaluate_moments(
         keys = list(asked)
         texts = np.asarray(bundle.encode_text([text for _, text in keys]), dtype=np.float32)
         scores = texts @ np.asarray(vectors, dtype=np.float32).T
-        for (lang, _), row, truth in zip(keys, scores, asked.values(), strict=True):
+        for (lang, _), text, row, truth in zip(keys, texts, scores, asked.values(), strict=True):
             found = moments_from_scores(spans, row, params)
-            queries.append(MomentQuery(lang, truth, [(m.start, m.end, m.score) for m in found]))
-    if not queries:
+            queries["windows"].append(MomentQuery(lang, truth, [(m.start, m.end, m.score) for m in found]))
+            if head is not None:
+                placed = head.moments(spans, vectors, text)
+                queries["head"].append(MomentQuery(lang, truth, [(m.start, m.end, m.score) for m in placed]))
+    if not queries["windows"]:
         raise DataError("no clip of the evaluated split has moments in the requested languages "
                         "(docs/corpus.md, 'Moments')")
-    return moment_report(queries, languages)
+    return {scorer: moment_report(asked, languages) for scorer, asked in queries.items()}
 
 
 def format_moment_report(report: dict[str, float], languages: Sequence[str]) -> str:
@@ -79,3 +92,19 @@ def format_moment_report(report: dict[str, float], languages: Sequence[str]) -> 
         lines.append(f"| {lang} | {count} | {cells} |")
     return "\n".join(lines) + "\n\nmAP is mAP@[0.5:0.95] (docs/metrics.md, 'Moments'); sliding-window baseline.\n"
 
+
+
+def format_moment_comparison(reports: dict[str, dict[str, float]], languages: Sequence[str]) -> str:
+    """Both scorers side by side: one row per language (and the mean), each metric as windows → head, in %."""
+    base, head = reports["windows"], reports["head"]
+    cells = [f"{m} windows | {m} head" for m in MOMENT_METRICS]
+    lines = ["| language | queries | " + " | ".join(cells) + " |", "|" + "---|" * (2 * len(MOMENT_METRICS) + 2)]
+    for lang in [*languages, "mean"]:
+        if f"moment_R1@0.5_{lang}" not in base:
+            continue
+        count = "" if lang == "mean" else str(int(base[f"moment_n_queries_{lang}"]))
+        values = " | ".join(f"{100 * base[f'moment_{m}_{lang}']:.1f} | {100 * head[f'moment_{m}_{lang}']:.1f}"
+                            for m in MOMENT_METRICS)
+        lines.append(f"| {lang} | {count} | {values} |")
+    return ("\n".join(lines) + "\n\nmAP is mAP@[0.5:0.95] (docs/metrics.md, 'Moments'); *windows*: the sliding-window "
+            "scorer, *head*: the bundle's trained moment head, on the same queries and window embeddings.\n")

@@ -15,11 +15,12 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from index.bundle.format import MOMENT_HEAD as HEAD_ONNX
+from index.bundle.format import MOMENT_HEAD_INFO as HEAD_INFO
 from index.errors import BundleError
 from index.moments.postprocess import Moment, non_maximum_suppression
 
-HEAD_ONNX = "moment_head.onnx"
-HEAD_INFO = "moment_head.json"
+__all__ = ["HEAD_INFO", "HEAD_ONNX", "MomentHeadModel"]
 
 
 @dataclass

@@ -25,6 +25,7 @@ import numpy as np
 
 from index.bundle.format import MomentsInfo
 from index.errors import BundleError
+from index.moments.head import MomentHeadModel
 from index.moments.postprocess import MomentParams, moments_from_scores, window_spans
 
 WINDOWS_FILE = "moments/windows.npy"
@@ -225,9 +226,13 @@ class WindowIndex:
 
     def search(
         self, query: np.ndarray, k: int, *, allowed_rows: np.ndarray | None = None, min_score: float | None = None,
-        params: MomentParams | None = None,
+        params: MomentParams | None = None, head: MomentHeadModel | None = None,
     ) -> list[MomentHit]:
-        """Top-``k`` moments for one query vector; ``allowed_rows``: a boolean mask over catalogue rows."""
+        """Top-``k`` moments for one query vector; ``allowed_rows``: a boolean mask over catalogue rows.
+
+        The ``k`` recordings whose best window scores highest go on; their moments come from ``head`` (the
+        bundle's trained moment head: scores are its relevance probabilities, ``min_score`` applies to them)
+        or, without one, from the sliding-window scorer (cosines)."""
         if not self.n_recordings:
             return []
         scores = self.vectors @ np.asarray(query, dtype=np.float32).reshape(-1)
@@ -241,10 +246,12 @@ class WindowIndex:
         order = np.argsort(-best, kind="stable")[:k]
         hits: list[MomentHit] = []
         for r in order:
-            if not np.isfinite(best[r]) or (min_score is not None and best[r] < min_score):
+            if not np.isfinite(best[r]) or (head is None and min_score is not None and best[r] < min_score):
                 continue
             a, b = self._starts[r], self._stops[r]
-            for moment in moments_from_scores(self.spans[a:b], scores[a:b], params):
+            found = (moments_from_scores(self.spans[a:b], scores[a:b], params) if head is None
+                     else head.moments(self.spans[a:b], self.vectors[a:b], query))
+            for moment in found:
                 if min_score is None or moment.score >= min_score:
                     hits.append(MomentHit(int(rows[r]), moment.start, moment.end, moment.score))
         hits.sort(key=lambda h: (-h.score, h.row, h.start))

@@ -34,7 +34,7 @@ from index.audio.frontend import (
 )
 from index.bundle import format as fmt
 from index.bundle.evalset import EvalSet, read_eval_set, read_jsonl
-from index.bundle.format import BundleManifest, read_manifest, verify_files
+from index.bundle.format import BundleManifest, check_moment_head, read_manifest, verify_files
 from index.bundle.tokenizer import TextTokenizer
 from index.engines.faiss_index import DEFAULT_MMAP_THRESHOLD
 from index.engines.filters import Filter
@@ -47,6 +47,7 @@ from index.engines.vector_index import (
 )
 from index.engines.vector_index import FaissVectorIndex as FaissVectorIndex  # re-exported
 from index.errors import BundleError, TonearmError
+from index.moments.head import MomentHeadModel
 from index.runtime.gpu_io import on_cuda, provider_entries, run_bound
 from index.runtime.length_groups import length_groups
 
@@ -391,6 +392,9 @@ class LoadedBundle:
         self.has_captions = manifest.text_index is not None
         """False for an index-only bundle (`tonearm index`): audio→text search is impossible."""
         self.milvus: Any = None
+        self.moment_head: MomentHeadModel | None = None
+        """The trained moment head (`tonearm train-moments`), checked against the encoders at open; None: the
+        moment search uses the sliding-window scorer."""
         self._clip_rows: np.ndarray | None = None  # clip row of each caption row (filtered caption search)
         """The :class:`index.engines.milvus_index.MilvusTarget` the vectors live in (None: FAISS in the bundle)."""
 
@@ -404,6 +408,11 @@ class LoadedBundle:
 
             self._moment_windows = WindowIndex.load(self.path)
         return self._moment_windows
+
+    @property
+    def moment_scorer(self) -> Literal["head", "windows"]:
+        """What scores moments: the trained head when the bundle carries one, else the sliding windows."""
+        return "head" if self.moment_head is not None else "windows"
 
     @property
     def onnx_providers(self) -> list[str]:
@@ -481,6 +490,9 @@ class LoadedBundle:
         try:
             bundle._check_text_items()
             bundle._check_audio_inputs()
+            if manifest.moment_head is not None:
+                check_moment_head(root, manifest)  # a head trained for other encoders is refused
+                bundle.moment_head = MomentHeadModel.load(root)
         except BundleError:
             bundle.close()
             raise

@@ -337,7 +337,7 @@ async def search_similar_item(
 def _moments_response(searcher: Searcher, hits: list[MomentResult], **fields: Any) -> MomentSearchResponse:
     window, hop = searcher.moment_resolution()
     return MomentSearchResponse(
-        bundle_id=searcher.bundle_id, window_seconds=window, hop_seconds=hop,
+        bundle_id=searcher.bundle_id, window_seconds=window, hop_seconds=hop, scorer=searcher.moment_scorer(),
         hits=[MomentHitOut(id=h.id, start=h.start, end=h.end, score=h.score, uri=h.uri) for h in hits], **fields,
     )
 
@@ -357,7 +357,8 @@ async def search_moments(
     Each recording longer than the model's window is indexed as windows; the query scores every
     window, adjacent windows near the recording's best are merged into a moment whose boundaries
     are refined at half its peak, and overlapping moments are suppressed (docs/service.md, Moments).
-    Several hits may come from one recording."""
+    A bundle carrying a trained moment head places and scores the moments with it instead; `scorer`
+    says which (`head` or `windows`). Several hits may come from one recording."""
 
     def run() -> list[MomentResult]:
         searcher.check_language(body.lang)

@@ -2,7 +2,8 @@
 baseline on constructed window embeddings, and the ONNX export equals torch's forward (onnxruntime).
 
 Cost: ~8 s on idle cores (a 32-wide head, 80 steps on 96 short synthetic sequences; held out: baseline
-R1@0.7 72.5 % → head 97.5 %), plus ~10 s for the CLI test beside the shared tiny bundle.
+R1@0.7 72.5 % → head 97.5 %), plus ~15 s for the CLI test beside the shared tiny bundle (train-moments writes a new bundle, which
+`tonearm evaluate --moments` then measures with both scorers).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from index.bundle.format import encoder_digests, read_manifest, verify_files
 from index.metrics.moments import MomentQuery, moment_report
 from index.moments.head import MomentHeadModel
 from index.moments.postprocess import moments_from_scores, window_spans
+from index.runtime.loader import LoadedBundle
 from training.config import ConfigError
 from training.moment_head import MomentExample, export_head, train_head
 from training.objectives.moment_span import MomentSpanLoss, generalized_iou_1d
@@ -113,15 +116,27 @@ def test_train_moments_cli_on_a_bundle(tiny_bundle, tmp_path) -> None:
     from index.audio.decode import decode_audio
     from index.languages import DEFAULT_LANGUAGES
     from index.moments.windows import HOP_FRACTION, embed_windows
-    from index.runtime.loader import LoadedBundle
     from tonearm.cli import main
     from training.data.manifest import load_manifest
 
     corpus = tmp_path / "corpus"
     assert main(["synth", "--moments", "--size", "tiny", "--seed", "1", "--out", str(corpus)]) == 0
-    out = tmp_path / "head"
+    out = tmp_path / "bundles" / "tiny-with-head"
+    before = _snapshot(tiny_bundle)
     assert main(["train-moments", "--bundle", str(tiny_bundle), "--manifest", str(corpus / "manifest.jsonl"),
                  "--out", str(out), "--steps", "5"]) == 0
+    assert _snapshot(tiny_bundle) == before  # the input bundle is untouched: bundles are immutable
+    # a new bundle: the input's files plus the head, trained on (and checked against) the input's encoders
+    source, derived = read_manifest(tiny_bundle), verify_files(out)
+    assert derived.bundle_id == "tiny-with-head" != source.bundle_id
+    assert derived.moment_head is not None and derived.moment_head.source_bundle == source.bundle_id
+    assert derived.moment_head.encoder_sha256 == encoder_digests(source) == encoder_digests(derived)
+    assert set(derived.files) == set(source.files) | {"moment_head.onnx", "moment_head.json"}
+    with_head = LoadedBundle.open(out)
+    try:
+        assert with_head.moment_scorer == "head"
+    finally:
+        with_head.close()
     info = json.loads((out / "moment_head.json").read_text())
     model = MomentHeadModel.load(out)
     record = load_manifest(corpus / "manifest.jsonl", languages=DEFAULT_LANGUAGES, split="test")[0]
@@ -139,3 +154,17 @@ def test_train_moments_cli_on_a_bundle(tiny_bundle, tmp_path) -> None:
     found = model.moments(spans, windows, text)
     assert found and all(spans[0, 0] <= m.start < m.end <= spans[-1, 1] for m in found)
     assert [m.score for m in found] == sorted((m.score for m in found), reverse=True)
+    # `tonearm evaluate --moments` on the bundle with a head: both scorers, side by side, per language
+    report = tmp_path / "report"
+    assert main(["evaluate", str(out), "--data", str(corpus / "manifest.jsonl"), "--moments", "--split", "test",
+                 "--out", str(report)]) == 0
+    table = (report / "moments.md").read_text()
+    assert "R1@0.5 windows | R1@0.5 head" in table and "| fra |" in table
+    windows, head = (json.loads((report / name).read_text()) for name in ("moments.json", "moments-head.json"))
+    assert set(windows) == set(head) and head["moment_n_queries_fra"] == windows["moment_n_queries_fra"] > 0
+
+
+def _snapshot(root) -> dict[str, object]:
+    """Every file of a directory: (size, mtime, mode), and the manifest's bytes by its hash."""
+    return {p.relative_to(root).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_mode)
+            for p in sorted(root.rglob("*")) if p.is_file()} | {"manifest": hash((root / "manifest.json").read_bytes())}

@@ -35,6 +35,13 @@ def cli_verify(args: argparse.Namespace) -> int:
     else:
         console.print(f"  held-out set: {manifest.eval_set.n_clips} clips, {manifest.eval_set.n_captions} captions "
                       f"({manifest.eval_set.split})")
+    head = manifest.moment_head
+    if head is not None:
+        console.print(f"  moments: scored by the trained moment head ({head.file}, trained on "
+                      f"{head.source_bundle}'s encoders, checked), {head.window_seconds:g}-s windows every "
+                      f"{head.hop_seconds:g} s")
+    elif manifest.moments is not None:
+        console.print("  moments: scored by the sliding windows (no moment head: `tonearm train-moments` adds one)")
     return 0
 
 

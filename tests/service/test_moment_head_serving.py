@@ -25,6 +25,7 @@ from index.runtime.loader import LoadedBundle
 from service.app import create_app
 from tests.service.conftest import ADMIN, make_settings, running_client
 from tests.service.test_moments_search import LENGTH, long_recording, moment_bundles  # noqa: F401 - fixtures
+from tonearm.cli import main as tonearm_main
 from training.models.moment_head import MomentHead
 from training.moment_head import export_head
 
@@ -74,6 +75,13 @@ def test_the_moment_search_uses_the_head_when_the_bundle_has_one_and_says_so(
             assert listed["walks"]["moment_scorer"] == "windows"
             schema = client.get("/openapi.json").json()["components"]["schemas"]["MomentSearchResponse"]
             assert schema["properties"]["scorer"]["enum"] == ["head", "windows"]
+
+
+def test_bundle_verify_reports_the_moment_scorer(head_bundles: Path, capsys: pytest.CaptureFixture) -> None:
+    assert tonearm_main(["bundle", "verify", str(head_bundles / "walks-head")]) == 0
+    assert "moments: scored by the trained moment head" in capsys.readouterr().out
+    assert tonearm_main(["bundle", "verify", str(head_bundles / "walks")]) == 0
+    assert "moments: scored by the sliding windows" in capsys.readouterr().out
 
 
 def test_a_head_trained_for_other_encoders_is_refused(head_bundles: Path, tmp_path: Path) -> None:

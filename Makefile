@@ -18,8 +18,10 @@ test:
 	@# one (README "Set-up": disk); the real-size models and their exports are built once per machine
 	@# into ~/.cache/tonearm/test-models ($$TONEARM_TEST_CACHE; "off": per run; tests/model_cache.py)
 	@# and hard-linked from there. --slowest: the 30 slowest tests and setups with what each guards.
+	@# -n 2: two workers (pytest-xdist), tests sharing a heavy resource on one (tests/conftest.py).
+	@# PYTEST_ARGS: more pytest options, e.g. PYTEST_ARGS='-k milvus' or '--junitxml=FILE'.
 	@# (directories made writable first: with TONEARM_TEST_CACHE=off the read-only entries are in it)
-	.venv/bin/python -m pytest -q --slowest=30 --basetemp=.pytest-tmp \
+	.venv/bin/python -m pytest -q -n 2 --dist loadgroup --slowest=30 --basetemp=.pytest-tmp $(PYTEST_ARGS) \
 		&& find .pytest-tmp -type d -exec chmod u+w {} + && rm -rf .pytest-tmp
 
 lint:

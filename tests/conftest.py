@@ -6,8 +6,10 @@ part's tests (training, export, service). Treat them as read-only.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -68,11 +70,74 @@ DEMO_TEST_TIMEOUT = 600
 """Wall-clock limit of a real-demo test's own body; the build it may wait for is not under it."""
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# ---------------------------------------------------------------- two workers (pytest-xdist, `make test`)
+
+SHARED_RESOURCE_GROUPS: dict[str, tuple[frozenset[str], str]] = {
+    "demo": (frozenset({"demo_home"}), "demo"),
+    "milvus": (frozenset({"milvus_server", "milvus_uri"}), "milvus"),
+    "real_size": (frozenset({"real_pe_audio_dir", "pe_bundle", "real_clap_pretrained_bundle"}), "real_size"),
+}
+"""xdist group → (fixtures, a word of the test file's name) that put a test in it. A group runs on one
+worker, so that what its tests share is built, held and waited for once: the real demo build; the
+session's Milvus server (a second one would idle at a quarter of a core); the full-size random-weight
+models, several GB each, that two workers would otherwise both hold. Fixtures a test takes through
+``request.getfixturevalue`` are not in its closure, hence the file names."""
+
+
+SHARED_RESOURCE_GROUPS_ORDER = ("real_size", "milvus", "demo")
+"""The order the groups are handed out in, before every test file: the longest first (measured
+2026-11-29: real-size ~18 min on a fresh test-model cache and ~3 min warm, Milvus ~12 min, the demo's
+tests ~2 min — after the Milvus group its background build has had time to finish)."""
+
+
+def _shared_resource_group(item: pytest.Item) -> str | None:
+    names = set(getattr(item, "fixturenames", ()))
+    path = item.nodeid.split("::", 1)[0]
+    for group, (fixtures, file_word) in SHARED_RESOURCE_GROUPS.items():
+        real_size = group == "real_size" and any(n.startswith("real_") and n.endswith(("_dir", "_run")) for n in names)
+        if names & fixtures or real_size or file_word in Path(path).name:
+            return group
+    return None
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own (the hook takes the first answer)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Work units of a test file, or of a shared-resource group (:data:`SHARED_RESOURCE_GROUPS`): a
+    file's module fixtures (servers, bundles) are built by one worker, not both; the largest units
+    are handed out first (xdist's ``loadscope`` order)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFileOrGroup(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):  # xdist's loadgroup suffix: nodeid@group
+                return nodeid.rsplit("@", 1)[-1]
+            return nodeid.split("::", 1)[0]
+
+        def _assign_work_unit(self, node: object) -> None:
+            # the groups first, longest first (on a fresh cache the real-size group builds for ~18 min):
+            # started last, one worker would run it alone at the end
+            if not getattr(self, "_groups_first", False):
+                for group in reversed(SHARED_RESOURCE_GROUPS_ORDER):
+                    if group in self.workqueue:
+                        self.workqueue.move_to_end(group, last=False)
+                self._groups_first = True
+            super()._assign_work_unit(node)
+
+    return ByFileOrGroup(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the mark into the node id's suffix
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests using ``demo_home`` time only their body: the demo build they may wait for (5 min
     idle, 30+ min at load 10) is watched for progress by the fixture instead of a clock. When
     any collected test needs the demo and it is not built yet, its build starts now in the
-    background (:func:`_start_background_demo_build`)."""
+    background (:func:`_start_background_demo_build`). Under xdist, tests that share a heavy
+    resource are marked for one worker (:data:`SHARED_RESOURCE_GROUPS`)."""
+    if getattr(config.option, "loadgroup", False):  # an xdist worker of `--dist loadgroup`
+        for item in items:
+            group = _shared_resource_group(item)
+            if group is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
     wanted = False
     for item in items:
         if "demo_home" in getattr(item, "fixturenames", ()):
@@ -98,7 +163,8 @@ def _start_background_demo_build() -> None:
     of the time) instead of adding its 5 minutes to the run; the weight of nice 19 leaves busy
     tests their cores. ``demo_home`` then waits for this build: a second builder waits for the
     build lock and reuses the result (tonearm/demo.py), and the fixture's watchdog follows the
-    same build log."""
+    same build log. Under xdist every worker collects every test and comes here: the first starts
+    the build and records its pid (:func:`_builder_pid_file`), the others see it running."""
     global _background_build
     from tonearm.demo import build_log_path, cached_demo_bundle
 
@@ -107,26 +173,70 @@ def _start_background_demo_build() -> None:
         return
     log = build_log_path(home)
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log.parent / "builder.out", "ab") as sink:
-        _background_build = subprocess.Popen([sys.executable, "-m", "tonearm.demo", "--home", str(home)],
-                                             stdout=sink, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(19))
+    with open(_builder_pid_file(), "a+") as pid_file:
+        fcntl.flock(pid_file, fcntl.LOCK_EX)  # two workers collecting at once start one build
+        pid_file.seek(0)
+        if _running_builder(pid_file.read().strip()) is not None:
+            return
+        with open(log.parent / "builder.out", "ab") as sink:
+            _background_build = subprocess.Popen([sys.executable, "-m", "tonearm.demo", "--home", str(home)],
+                                                 stdout=sink, stderr=subprocess.STDOUT,
+                                                 preexec_fn=lambda: os.nice(19))
+        pid_file.seek(0)
+        pid_file.truncate()
+        pid_file.write(str(_background_build.pid))
+
+
+def _builder_pid_file() -> Path:
+    """Where this session's background demo build leaves its pid: beside the build log."""
+    from tonearm.demo import build_log_path
+
+    return build_log_path(_demo_test_home()).parent / "builder.pid"
+
+
+def _running_builder(pid_text: str) -> int | None:
+    """The pid when it is a live ``tonearm.demo`` process (a stale file's pid may be anyone's now)."""
+    try:
+        cmdline = Path(f"/proc/{int(pid_text)}/cmdline").read_bytes()
+    except (ValueError, OSError):
+        return None
+    return int(pid_text) if b"tonearm.demo" in cmdline else None
+
+
+def _xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """xdist controller: a worker's changed cache entries (its exit status does not reach ours)."""
+    _changed_cache_entries.extend(Path(p) for p in getattr(node, "workeroutput", {}).get(CHANGED_CACHE_KEY, []))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A background demo build still running (no demo test reached, e.g. after -x) is stopped.
-    A per-machine cache entry (tests/model_cache.py) that changed while this session used it fails
-    the run (its marker is dropped: the next run rebuilds it)."""
-    global _changed_cache_entries
-    if _background_build is not None and _background_build.poll() is None:
-        _background_build.terminate()
-        _background_build.wait(timeout=30)
+    """A background demo build still running (no demo test reached, e.g. after -x) is stopped — by
+    the process that runs the session as a whole (under xdist the controller: a worker that ends
+    early must not stop the build another worker's demo tests wait for). A per-machine cache entry
+    (tests/model_cache.py) that changed while this session used it fails the run (its marker is
+    dropped: the next run rebuilds it)."""
     from tests.model_cache import changed_entries
 
-    _changed_cache_entries = changed_entries()
-    if _changed_cache_entries:
+    if not _xdist_worker(session.config):
+        builder = _background_build.pid if _background_build is not None else None
+        if builder is None and _builder_pid_file().is_file():
+            builder = _running_builder(_builder_pid_file().read_text(encoding="utf-8").strip())
+        if builder is not None and _running_builder(str(builder)) is not None:
+            os.kill(builder, signal.SIGTERM)
+            if _background_build is not None:
+                _background_build.wait(timeout=30)
+    _changed_cache_entries.extend(changed_entries())
+    if _xdist_worker(session.config):
+        session.config.workeroutput[CHANGED_CACHE_KEY] = [str(p) for p in _changed_cache_entries]  # type: ignore[attr-defined]
+    elif _changed_cache_entries:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+CHANGED_CACHE_KEY = "tonearm-changed-cache-entries"
 _changed_cache_entries: list[Path] = []
 
 
@@ -172,6 +282,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 GUARD_CHARS = 150
 """A docstring's first paragraph is cut to this many characters in the summary."""
+GUARD_PROPERTY, FIXTURES_PROPERTY = "tonearm-guards", "tonearm-fixtures"
+"""The ``user_properties`` names under which a report carries its guard and its setup's fixtures."""
 
 
 def _first_paragraph(doc: str | None) -> str:
@@ -208,6 +320,18 @@ class SlowestSummary:
             self.running = None
 
     @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+        """What the summary needs rides on the report (``user_properties`` are sent from an xdist
+        worker to the controller, which prints the summary): the guard, and a setup's fixtures."""
+        report: pytest.TestReport = yield
+        if report.when == "call":
+            report.user_properties.append((GUARD_PROPERTY, self.guards.get(item.nodeid, "")))
+        elif report.when == "setup":
+            built = [list(f) for f in self.fixtures.get(item.nodeid, [])]
+            report.user_properties.append((FIXTURES_PROPERTY, built))
+        return report
+
+    @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[object], request: pytest.FixtureRequest) -> object:
         self.stack.append(0.0)
         start = time.perf_counter()
@@ -229,12 +353,14 @@ class SlowestSummary:
         slowest = sorted(reports, key=lambda r: r.duration, reverse=True)[: self.count]
         terminalreporter.write_sep("=", f"{len(slowest)} slowest test calls and setups, and what each guards")
         for report in slowest:
+            carried = dict(report.user_properties)
             write(f"{report.duration:7.1f}s {report.when:<5} {report.nodeid}")
             if report.when == "call":
-                write(f"{'':15}guards: {self.guards.get(report.nodeid) or '(no docstring)'}")
+                write(f"{'':15}guards: {carried.get(GUARD_PROPERTY) or '(no docstring)'}")
                 continue
-            # a setup: the fixtures it built (a session fixture is charged to the first test that needs it)
-            built = sorted(self.fixtures.get(report.nodeid, []), reverse=True)
+            # a setup: the fixtures it built (a session fixture is charged to the first test of each
+            # process that needs it: under xdist, of each worker)
+            built = sorted((tuple(f) for f in carried.get(FIXTURES_PROPERTY, [])), reverse=True)
             for own, name, guard in [f for f in built if f[0] >= 0.1 * report.duration][:4] or built[:1]:
                 write(f"{'':15}{own:6.1f}s fixture {name}: {guard or '(no docstring)'}")
         total = sum(r.duration for r in reports)
@@ -248,7 +374,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Names the cache entries this session changed (:func:`pytest_sessionfinish` failed the run)."""
+    """Names the cache entries this session changed (:func:`pytest_sessionfinish` failed the run;
+    under xdist the controller prints what its workers reported)."""
     if _changed_cache_entries:
         terminalreporter.write_sep("=", "cache entries changed by this session (tests must not write into them)",
                                    red=True)

@@ -21,7 +21,7 @@ test:
 	@# -n 2: two workers (pytest-xdist), tests sharing a heavy resource on one (tests/conftest.py).
 	@# PYTEST_ARGS: more pytest options, e.g. PYTEST_ARGS='-k milvus' or '--junitxml=FILE'.
 	@# (directories made writable first: with TONEARM_TEST_CACHE=off the read-only entries are in it)
-	.venv/bin/python -m pytest -q -n 2 --dist loadgroup --slowest=30 --basetemp=.pytest-tmp $(PYTEST_ARGS) \
+	.venv/bin/python -m pytest -q -n 2 --dist loadscope --slowest=30 --basetemp=.pytest-tmp $(PYTEST_ARGS) \
 		&& find .pytest-tmp -type d -exec chmod u+w {} + && rm -rf .pytest-tmp
 
 lint:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import fcntl
 import gc
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,18 +102,29 @@ def _shared_resource_group(item: pytest.Item) -> str | None:
     return None
 
 
+GROUPS_FILE_ENV = "TONEARM_XDIST_GROUPS_FILE"
+"""Where the workers leave each grouped test's group for the controller's scheduler (set by the
+controller in :func:`pytest_configure`; the workers inherit it). xdist's own ``xdist_group`` mark
+cannot carry it: it renames the node id, which pytest 9.2 no longer lets a plugin do."""
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own (the hook takes the first answer)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Work units of a test file, or of a shared-resource group (:data:`SHARED_RESOURCE_GROUPS`): a
-    file's module fixtures (servers, bundles) are built by one worker, not both; the largest units
-    are handed out first (xdist's ``loadscope`` order)."""
+    """``--dist loadscope`` (`make test`): work units of a test file, or of a shared-resource group
+    (:data:`SHARED_RESOURCE_GROUPS`) — a file's module fixtures (servers, bundles) are built by one
+    worker, not both; the groups are handed out first, then the files with the most tests."""
+    if config.getvalue("dist") != "loadscope":
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class ByFileOrGroup(LoadScopeScheduling):  # type: ignore[misc]
+        groups: dict[str, str] | None = None
+
         def _split_scope(self, nodeid: str) -> str:
-            if nodeid.rfind("@") > nodeid.rfind("]"):  # xdist's loadgroup suffix: nodeid@group
-                return nodeid.rsplit("@", 1)[-1]
-            return nodeid.split("::", 1)[0]
+            if self.groups is None:  # written by the workers before they sent their collections
+                path = Path(os.environ[GROUPS_FILE_ENV])
+                self.groups = json.loads(path.read_text(encoding="utf-8")) if path.stat().st_size else {}
+            return self.groups.get(nodeid) or nodeid.split("::", 1)[0]
 
         def _assign_work_unit(self, node: object) -> None:
             # the groups first, longest first (on a fresh cache the real-size group builds for ~18 min):
@@ -126,18 +139,24 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     return ByFileOrGroup(config, log)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the mark into the node id's suffix
+def _write_groups(items: list[pytest.Item]) -> None:
+    """An xdist worker: each grouped test's group, for the controller (both workers write the same)."""
+    groups = {item.nodeid: group for item in items if (group := _shared_resource_group(item)) is not None}
+    path = Path(os.environ[GROUPS_FILE_ENV])
+    partial = path.with_name(f"{path.name}.{os.environ.get('PYTEST_XDIST_WORKER', 'w')}")
+    partial.write_text(json.dumps(groups), encoding="utf-8")
+    os.replace(partial, path)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests using ``demo_home`` time only their body: the demo build they may wait for (5 min
     idle, 30+ min at load 10) is watched for progress by the fixture instead of a clock. When
     any collected test needs the demo and it is not built yet, its build starts now in the
-    background (:func:`_start_background_demo_build`). Under xdist, tests that share a heavy
-    resource are marked for one worker (:data:`SHARED_RESOURCE_GROUPS`)."""
-    if getattr(config.option, "loadgroup", False):  # an xdist worker of `--dist loadgroup`
-        for item in items:
-            group = _shared_resource_group(item)
-            if group is not None:
-                item.add_marker(pytest.mark.xdist_group(group))
+    background (:func:`_start_background_demo_build`). Under xdist, the tests that share a heavy
+    resource are named for the scheduler (:data:`SHARED_RESOURCE_GROUPS`)."""
+    if _xdist_worker(config) and GROUPS_FILE_ENV in os.environ:
+        _write_groups(items)
     wanted = False
     for item in items:
         if "demo_home" in getattr(item, "fixturenames", ()):
@@ -371,6 +390,15 @@ def pytest_configure(config: pytest.Config) -> None:
     count = config.getoption("--slowest")
     if count:
         config.pluginmanager.register(SlowestSummary(count), "tonearm-slowest")
+    if config.getoption("numprocesses", None) and not _xdist_worker(config):  # the xdist controller
+        handle, path = tempfile.mkstemp(prefix="tonearm-xdist-groups-", suffix=".json")
+        os.close(handle)
+        os.environ[GROUPS_FILE_ENV] = path  # the workers, started after this, inherit it
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not _xdist_worker(config) and GROUPS_FILE_ENV in os.environ:
+        Path(os.environ.pop(GROUPS_FILE_ENV)).unlink(missing_ok=True)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

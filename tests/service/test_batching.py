@@ -295,6 +295,10 @@ def test_backpressure_and_disconnects_over_http(fake_bundles, uvicorn_runner):
         problem = assert_problem(refused, 503, "overloaded")
         assert refused.headers["retry-after"] == "1" and "queue is full" in problem["detail"]
         wait_until(lambda: "gone siren" in results, what="the impatient client to give up")
+        # ...and for the server to have seen it go (its handler ends as a 499, after marking the queued
+        # job): on a busy machine the event loop may see the disconnect only after the release below
+        wait_until(lambda: 'status="499"' in httpx.get(server.url + "/metrics", timeout=5).text,
+                   what="the server to see the client's disconnect")
         bundle.release.set()
         for thread in threads:
             thread.join(30)

@@ -391,14 +391,20 @@ def pytest_configure(config: pytest.Config) -> None:
     if count:
         config.pluginmanager.register(SlowestSummary(count), "tonearm-slowest")
     if config.getoption("numprocesses", None) and not _xdist_worker(config):  # the xdist controller
+        global _groups_file
         handle, path = tempfile.mkstemp(prefix="tonearm-xdist-groups-", suffix=".json")
         os.close(handle)
         os.environ[GROUPS_FILE_ENV] = path  # the workers, started after this, inherit it
+        _groups_file = Path(path)
+
+
+_groups_file: Path | None = None
+"""The groups file this process made (only the xdist controller makes one, and only it deletes it)."""
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if not _xdist_worker(config) and GROUPS_FILE_ENV in os.environ:
-        Path(os.environ.pop(GROUPS_FILE_ENV)).unlink(missing_ok=True)
+    if _groups_file is not None:
+        _groups_file.unlink(missing_ok=True)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -152,14 +152,15 @@ def _brute_force(k: int) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_partitioned_kbs_equal_the_whole_kb(world: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import training.objectives.ask  # noqa: F401 - imported once here, inherited by the forked ranks
     from training import knowledge
 
-    monkeypatch.setattr(knowledge, "KMEANS_POINTS_PER_CENTROID", SAMPLE_CAP)
+    monkeypatch.setattr(knowledge, "KMEANS_POINTS_PER_CENTROID", SAMPLE_CAP)  # the single-process build here
     assert SAMPLE_CAP * 5 < len(_data()[2])
     out = str(tmp_path / "kb")
-    # fork: the children inherit the imports (torch, faiss, training) instead of repeating them (~3 s each)
-    mp.start_processes(_worker, args=(world, free_port(), out), nprocs=world, join=True, start_method="fork")
+    # spawn, not fork: rank 0 runs faiss's K-Means (OpenMP), and a child forked from a test process whose
+    # OpenMP pool (libgomp) or gRPC threads were busy can hang in it (seen under xdist: rank 0 silent until
+    # gloo's 60-s timeout); each rank imports torch, faiss and training itself (~3 s) and sets the cap
+    mp.start_processes(_worker, args=(world, free_port(), out), nprocs=world, join=True, start_method="spawn")
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
     audio, text, clip = _data()
     alone = _build(audio, text, clip)

@@ -38,7 +38,8 @@ from index.metrics.retrieval import (
     mean_rank_variance,
     t2a_ranks_from_embeddings,
 )
-from index.moments.windows import HOP_FRACTION, LONG_RECORDING_WINDOWS, WindowIndex, embed_windows
+from index.moments.sources import Allowed, Key, WindowSource, search_sources
+from index.moments.windows import HOP_FRACTION, LONG_RECORDING_WINDOWS, ExactWindows, embed_windows
 from service.audio_input import AudioLimits, decode_upload, embed_upload
 from service.cache import (
     QueryCache,
@@ -311,6 +312,12 @@ class Searcher:
         self._item_windows_lock = threading.Lock()
         self.item_limits: AudioLimits | None = None
         """The item writes' limits (service.items sets them): a long added item's windows are embedded by blocks."""
+        self.bundle_window_source: WindowSource | None = None
+        """The bundle's moment windows in the engine (the Milvus wiring sets it when the bundle's windows were
+        published); None: ``bundle.moment_windows()`` (in memory, or FAISS over a memory-mapped file)."""
+        self.milvus_item_windows: WindowSource | None = None
+        """The added items' moment windows in Milvus, keyed by item id (the Milvus wiring sets it); None: the
+        file backend's stored item windows (:meth:`added_window_source`)."""
 
     # ------------------------------------------------------------------ filters
 
@@ -783,57 +790,116 @@ class Searcher:
         self, embedding: np.ndarray, *, k: int, min_score: float | None = None, clip_filter: ClipFilter | None = None,
         stored_audio: Callable[[str], Path | None] | None = None,
     ) -> list[MomentResult]:
-        """Top-``k`` moments of the bundle's long recordings for one query vector (text or audio),
-        best first (:mod:`index.moments.windows`); ``no-moment-index`` when the bundle has none.
+        """Top-``k`` moments of the bundle's long recordings and the added items' for one query vector (text or
+        audio), best first (:func:`index.moments.sources.search_sources` over :meth:`moment_sources`);
+        ``no-moment-index`` when neither has any.
         ``stored_audio``: the item log's file of an added item's audio (its long recordings join in)."""
-        opener = getattr(self.bundle, "moment_windows", None)
-        windows = opener() if callable(opener) else None
         items = clip_filter.items if clip_filter is not None and clip_filter.items is not None else self.items
-        added = self._added_windows(items, stored_audio) if items.size and stored_audio is not None else None
-        if windows is None and added is None:
+        sources = self.moment_sources(items, clip_filter, stored_audio)
+        if not sources:
             raise ServiceError("no-moment-index", f"bundle {self.bundle_id} indexes no recording longer than "
                                "two windows: build it with `tonearm index` or `tonearm export` from long recordings, "
                                "or add long recordings with POST /v1/items")
-        mask = items.bundle_mask(clip_filter.allowed if clip_filter is not None else None)
         query = np.asarray(embedding, dtype=np.float32).reshape(-1)
         head = getattr(self.bundle, "moment_head", None)  # the bundle's trained head, else the sliding windows
-        hits = (self.visible(lambda m: windows.search(query, k, allowed_rows=m, min_score=min_score, head=head),
-                             lambda found: np.array([h.row for h in found], np.int64), mask)
-                if windows is not None else [])
+        with index_calls():
+            hits = search_sources(query, k, [source for source, _, _ in sources],
+                                  allowed=[keep for _, keep, _ in sources], min_score=min_score, head=head)
         results = []
         for hit in hits:
-            item = self.bundle.audio_items[hit.row]
-            results.append(MomentResult(id=str(item["id"]), start=round(hit.start, 3), end=round(hit.end, 3),
-                                        score=hit.score, uri=item.get("uri")))
-        if added is not None:
-            allowed = items.alive if clip_filter is None or clip_filter.added is None else items.alive & clip_filter.added
-            for hit in added.search(query, k, allowed_rows=allowed, min_score=min_score, head=head):
-                results.append(MomentResult(id=items.items[hit.row].id, start=round(hit.start, 3),
-                                            end=round(hit.end, 3), score=hit.score, uri=None))
-            results.sort(key=lambda r: -r.score)
-        return results[:k]
+            if sources[hit.source][2] == "bundle":
+                item = self.bundle.audio_items[int(hit.key)]
+                item_id, uri = str(item["id"]), item.get("uri")
+            else:
+                item_id, uri = str(hit.key), None
+            results.append(MomentResult(id=item_id, start=round(hit.start, 3), end=round(hit.end, 3),
+                                        score=hit.score, uri=uri))
+        return results
 
-    def _added_windows(self, items: ItemOverlay, stored_audio: Callable[[str], Path | None]) -> WindowIndex | None:
-        """The windows of the live added items that are long recordings, embedded on first use (each
-        item's stored audio once per bundle: the cache is keyed by id and content)."""
+    def moment_sources(
+        self, items: ItemOverlay, clip_filter: ClipFilter | None, stored_audio: Callable[[str], Path | None] | None = None,
+    ) -> list[tuple[WindowSource, Allowed | None, Literal["bundle", "items"]]]:
+        """The window sources a moment query reads, each with what it may return: the bundle's
+        (:attr:`bundle_window_source` when set — Milvus — else ``bundle.moment_windows()``) without the clips the
+        filter refuses or an added item hides, and the added items' (:attr:`milvus_item_windows` when set,
+        else :meth:`added_window_source`) that are live and pass the filter."""
+        sources: list[tuple[WindowSource, Allowed | None, Literal["bundle", "items"]]] = []
+        bundle_windows = self.bundle_window_source
+        if bundle_windows is None:
+            opener = getattr(self.bundle, "moment_windows", None)
+            bundle_windows = opener() if callable(opener) else None
+        if bundle_windows is not None:
+            mask = items.bundle_mask(clip_filter.allowed if clip_filter is not None else None)
+            sources.append((bundle_windows, self._bundle_allowed(mask), "bundle"))
+        if self.milvus_item_windows is not None:
+            sources.append((self.milvus_item_windows, self._engine_items_allowed(clip_filter), "items"))
+        else:
+            added = self.added_window_source(items, stored_audio)
+            if added is not None:
+                sources.append((added, _overlay_allowed(items, clip_filter), "items"))
+        return sources
+
+    def _bundle_allowed(self, mask: np.ndarray | None) -> Allowed | None:
+        """Bundle recordings (rows) a moment query may return: those ``mask`` allows and, with the engine's
+        items, that no added item hides (asked of the engine about the candidates only)."""
+        engine = self.engine_items
+        if mask is None and engine is None:
+            return None
+
+        def allowed(keys: Sequence[Key]) -> np.ndarray:
+            rows = np.asarray(keys, dtype=np.int64)
+            ok = np.ones(len(rows), dtype=bool)
+            if mask is not None:
+                ok = rows < len(mask)
+                ok[ok] = mask[rows[ok]]
+            if engine is not None and ok.any():
+                ids = {int(r): str(self.bundle.audio_items[int(r)]["id"]) for r in rows[ok]}
+                hidden = engine.hidden_among(set(ids.values()))
+                if hidden:
+                    ok &= np.array([ids.get(int(r)) not in hidden for r in rows], dtype=bool)
+            return ok
+
+        return allowed
+
+    def _engine_items_allowed(self, clip_filter: ClipFilter | None) -> Allowed:
+        """Added items (ids) in the engine a moment query may return: live ones, passing the filter."""
+        engine = self.engine_items
+
+        def allowed(keys: Sequence[Key]) -> np.ndarray:
+            ids = [str(key) for key in keys]
+            if engine is None:
+                return np.zeros(len(ids), dtype=bool)
+            live = engine.items(ids)
+            ok = np.array([i in live for i in ids], dtype=bool)
+            if clip_filter is not None and ok.any():
+                found = [i for i in ids if i in live]
+                passes = MetadataTable.from_items([live[i].row_metadata() for i in found]).mask(
+                    clip_filter.filter, fields=self.catalogue_fields())
+                passing = {i for i, p in zip(found, passes, strict=True) if p}
+                ok &= np.array([i in passing for i in ids], dtype=bool)
+            return ok
+
+        return allowed
+
+    def added_window_source(
+        self, items: ItemOverlay, stored_audio: Callable[[str], Path | None] | None = None,
+    ) -> ExactWindows | None:
+        """The windows of the live added items that are long recordings, keyed by item id (None: none)."""
+        if not items.size or stored_audio is None:
+            return None
         window = int(self.bundle.clip_samples)  # type: ignore[attr-defined]
-        rate = int(self.bundle.sample_rate)
-        rows, spans, vectors = [], [], []
+        rate = int(self.bundle.sample_rate)  # type: ignore[attr-defined]
+        recordings = []
         with self._item_windows_lock:
             for row in np.flatnonzero(items.alive):
                 item = items.items[int(row)]
                 key = (item.id, item.audio)
                 if key not in self._item_windows:
                     self._item_windows[key] = self._embed_item_windows(stored_audio(item.audio), rate, window)
-                s, v = self._item_windows[key]
-                if len(s):
-                    rows.append(np.full(len(s), row, dtype=np.float64))
-                    spans.append(s)
-                    vectors.append(v)
-        if not rows:
-            return None
-        table = np.column_stack([np.concatenate(rows), np.concatenate(spans)])
-        return WindowIndex(np.concatenate(vectors).astype(np.float32), table)
+                spans, vectors = self._item_windows[key]
+                recordings.append((item.id, spans, vectors))
+        found = ExactWindows.of_recordings(recordings, int(self.bundle.embed_dim))
+        return found if found.n_recordings else None
 
     def keep_item_windows(self, item_id: str, audio: str, spans: np.ndarray, vectors: np.ndarray) -> None:
         """A long added item's windows, embedded with its clip vector in one pass by blocks (service.items)."""
@@ -964,6 +1030,18 @@ class Searcher:
             target = scores[i, found[0]] if found.size else -np.inf
             ranks[i] = int(np.count_nonzero(scores[i][rows[i] >= 0] >= target))
         return ranks
+
+
+def _overlay_allowed(items: ItemOverlay, clip_filter: ClipFilter | None) -> Allowed:
+    """Added items (ids) of the overlay a moment query may return: live at its version, passing the filter."""
+    live = items.alive if clip_filter is None or clip_filter.added is None else items.alive & clip_filter.added
+    row_of = items.row_of
+
+    def allowed(keys: Sequence[Key]) -> np.ndarray:
+        rows = [row_of.get(str(key)) for key in keys]
+        return np.array([row is not None and bool(live[row]) for row in rows], dtype=bool)
+
+    return allowed
 
 
 def _gap_dis(by_lang: dict[str, np.ndarray]) -> tuple[dict[str, float], dict[str, float]]:

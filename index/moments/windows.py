@@ -17,6 +17,7 @@ recordings whose best window scores highest; only those are post-processed
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,8 @@ import numpy as np
 from index.bundle.format import MomentsInfo
 from index.errors import BundleError
 from index.moments.head import MomentHeadModel
-from index.moments.postprocess import MomentParams, moments_from_scores, window_spans
+from index.moments.postprocess import MomentParams, window_spans
+from index.moments.sources import Allowed, Key, search_sources
 
 WINDOWS_FILE = "moments/windows.npy"
 SPANS_FILE = "moments/spans.npy"
@@ -199,10 +201,20 @@ class MomentHit:
     score: float
 
 
-class WindowIndex:
-    """The bundle's windows, searched exactly (module docstring)."""
+ALLOWED_CHUNK = 64
+"""Recordings :meth:`ExactWindows.best_recordings` hands ``allowed`` at a time (at least ``n``): a filter that
+asks the engine (hidden clips on Milvus) is asked about the next best few, not about every recording."""
 
-    def __init__(self, vectors: np.ndarray, spans: np.ndarray) -> None:
+
+class ExactWindows:
+    """Windows searched exactly, in memory (module docstring): a bundle's below
+    :data:`index.moments.faiss_windows.FAISS_MIN_WINDOWS`, the added items' on the file backend.
+
+    ``vectors`` (W, d) and ``spans`` (W, 3) as the bundle stores them (the first column says whose window it
+    is, windows of one recording adjacent in time order); ``keys``: the :data:`index.moments.sources.Key` of each
+    recording in storage order (default: the first column, a bundle's audio-index rows)."""
+
+    def __init__(self, vectors: np.ndarray, spans: np.ndarray, keys: Sequence[Key] | None = None) -> None:
         if vectors.ndim != 2 or spans.shape != (len(vectors), 3):
             raise BundleError(f"moment windows: {vectors.shape} vectors do not match {spans.shape} spans")
         self.vectors = vectors
@@ -211,53 +223,91 @@ class WindowIndex:
         starts = np.flatnonzero(np.diff(self.rows, prepend=-1)) if len(self.rows) else np.zeros(0, dtype=np.int64)
         self._starts = starts
         self._stops = np.append(starts[1:], len(self.rows)).astype(np.int64)
+        self.keys: list[Key] = [int(r) for r in self.rows[starts]] if keys is None else list(keys)
+        if len(self.keys) != len(starts):
+            raise BundleError(f"moment windows: {len(self.keys)} keys for {len(starts)} recordings")
+        self._position = {key: i for i, key in enumerate(self.keys)}
 
     @classmethod
-    def load(cls, root: Path) -> WindowIndex:
+    def load(cls, root: Path) -> ExactWindows:
         return cls(np.load(root / WINDOWS_FILE, allow_pickle=False), np.load(root / SPANS_FILE, allow_pickle=False))
+
+    @classmethod
+    def of_recordings(cls, recordings: Sequence[tuple[Key, np.ndarray, np.ndarray]], dim: int) -> ExactWindows:
+        """The windows of ``(key, spans (m, 2), vectors (m, d))`` recordings (those without windows left out)."""
+        kept = [(key, s, v) for key, s, v in recordings if len(s)]
+        if not kept:
+            return cls(np.zeros((0, dim), np.float32), np.zeros((0, 3)), [])
+        table = np.concatenate([np.column_stack([np.full(len(s), i, np.float64), s])
+                                for i, (_, s, _) in enumerate(kept)])
+        vectors = np.concatenate([v for _, _, v in kept]).astype(np.float32, copy=False)
+        return cls(vectors, table, [key for key, _, _ in kept])
 
     @property
     def n_recordings(self) -> int:
         return len(self._starts)
 
+    @property
+    def n_windows(self) -> int:
+        return len(self.rows)
+
     def recording_rows(self) -> np.ndarray:
         """The catalogue rows that have windows, in storage order."""
         return self.rows[self._starts]
+
+    def best_recordings(self, query: np.ndarray, n: int, allowed: Allowed | None = None) -> list[tuple[Key, float]]:
+        """:meth:`index.moments.sources.WindowSource.best_recordings`: every window scored (one matrix-vector
+        product), the recordings ranked by their best one; ``allowed`` asked about the best in order."""
+        if not self.n_recordings or n <= 0:
+            return []
+        scores = self.vectors @ np.asarray(query, dtype=np.float32).reshape(-1)
+        best = np.maximum.reduceat(scores, self._starts)
+        order = np.argsort(-best, kind="stable")
+        if allowed is None:
+            return [(self.keys[r], float(best[r])) for r in order[:n]]
+        found: list[tuple[Key, float]] = []
+        step = max(n, ALLOWED_CHUNK)
+        for first in range(0, len(order), step):
+            chunk = order[first : first + step]
+            ok = np.asarray(allowed([self.keys[r] for r in chunk]), dtype=bool)
+            found.extend((self.keys[r], float(best[r])) for r in chunk[ok])
+            if len(found) >= n:
+                break
+        return found[:n]
+
+    def windows_of(self, keys: Sequence[Key]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`index.moments.sources.WindowSource.windows_of` (a key it does not hold: no windows)."""
+        out = []
+        for key in keys:
+            r = self._position.get(key)
+            if r is None:
+                out.append((np.zeros((0, 2)), np.zeros((0, self.vectors.shape[1]), np.float32)))
+                continue
+            a, b = self._starts[r], self._stops[r]
+            out.append((self.spans[a:b], self.vectors[a:b]))
+        return out
 
     def search(
         self, query: np.ndarray, k: int, *, allowed_rows: np.ndarray | None = None, min_score: float | None = None,
         params: MomentParams | None = None, head: MomentHeadModel | None = None,
     ) -> list[MomentHit]:
-        """Top-``k`` moments for one query vector; ``allowed_rows``: a boolean mask over catalogue rows.
-
-        The ``k`` recordings whose best window scores highest go on; their moments come from ``head`` (the
-        bundle's trained moment head: scores are its relevance probabilities, ``min_score`` applies to them)
-        or, without one, from the sliding-window scorer (cosines)."""
-        if not self.n_recordings:
-            return []
-        scores = self.vectors @ np.asarray(query, dtype=np.float32).reshape(-1)
-        best = np.maximum.reduceat(scores, self._starts)
-        rows = self.recording_rows()
-        if allowed_rows is not None:
-            inside = rows < len(allowed_rows)
-            ok = np.zeros(len(rows), dtype=bool)
-            ok[inside] = allowed_rows[rows[inside]]
-            best = np.where(ok, best, -np.inf)
-        order = np.argsort(-best, kind="stable")[:k]
-        hits: list[MomentHit] = []
-        for r in order:
-            if not np.isfinite(best[r]) or (head is None and min_score is not None and best[r] < min_score):
-                continue
-            a, b = self._starts[r], self._stops[r]
-            found = (moments_from_scores(self.spans[a:b], scores[a:b], params) if head is None
-                     else head.moments(self.spans[a:b], self.vectors[a:b], query))
-            for moment in found:
-                if min_score is None or moment.score >= min_score:
-                    hits.append(MomentHit(int(rows[r]), moment.start, moment.end, moment.score))
-        hits.sort(key=lambda h: (-h.score, h.row, h.start))
-        return hits[:k]
+        """Top-``k`` moments of this source alone (:func:`index.moments.sources.search_sources`);
+        ``allowed_rows``: a boolean mask over catalogue rows (keys that are rows)."""
+        keep = None if allowed_rows is None else functools.partial(_rows_allowed, allowed_rows)
+        hits = search_sources(query, k, [self], allowed=[keep], min_score=min_score, params=params, head=head)
+        return [MomentHit(int(h.key), h.start, h.end, h.score) for h in hits]
 
 
+WindowIndex = ExactWindows
+"""The name before window sources (bench/moments_cost.py, older callers)."""
+
+
+def _rows_allowed(mask: np.ndarray, keys: Sequence[Key]) -> np.ndarray:
+    """The keys (catalogue rows) that ``mask`` allows; a row past its end is not."""
+    rows = np.asarray(keys, dtype=np.int64)
+    ok = rows < len(mask)
+    ok[ok] = mask[rows[ok]]
+    return ok
 
 
 def index_recordings(

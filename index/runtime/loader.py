@@ -399,14 +399,14 @@ class LoadedBundle:
         """The :class:`index.engines.milvus_index.MilvusTarget` the vectors live in (None: FAISS in the bundle)."""
 
     def moment_windows(self) -> Any:
-        """The :class:`index.moments.windows.WindowIndex` of the long recordings (None: the bundle has none);
+        """The :class:`index.moments.windows.ExactWindows` of the long recordings (None: the bundle has none);
         loaded on first use (the files were checksummed when the bundle was opened)."""
         if self.manifest.moments is None:
             return None
         if getattr(self, "_moment_windows", None) is None:
-            from index.moments.windows import WindowIndex
+            from index.moments.windows import ExactWindows
 
-            self._moment_windows = WindowIndex.load(self.path)
+            self._moment_windows = ExactWindows.load(self.path)
         return self._moment_windows
 
     @property

@@ -46,6 +46,7 @@ from index.items.embeddings import EmbeddingStore
 from index.items.embeddings import prune as prune_embeddings
 from index.items.log import AUDIO_DIR, ItemLog, ItemRecord
 from index.items.overlay import ItemOverlay, build_overlay
+from index.moments.windows import HOP_FRACTION, LONG_RECORDING_WINDOWS, embed_windows
 from service.audio_input import check_upload_header, decode_upload, embed_upload, item_limits_of
 from service.errors import ServiceError
 from service.settings import Settings
@@ -137,7 +138,7 @@ class ItemStore:
         lock: threading.Lock = searcher.items_lock  # type: ignore[attr-defined]
         bundle = searcher.bundle  # type: ignore[attr-defined]
         searcher.catalogue_id = self.log.log_id  # type: ignore[attr-defined]  # cache keys: this log's results only
-        searcher.item_limits = self.limits  # type: ignore[attr-defined]  # its moment windows of long items: by blocks
+        searcher.item_limits = self.limits  # type: ignore[attr-defined]
         windows = getattr(searcher, "keep_item_windows", None)
         with lock:
             for attempt in range(SYNC_TRIES):
@@ -152,6 +153,9 @@ class ItemStore:
                 if missing and attempt < SYNC_TRIES - 1 and self.log.history().generation != history.generation:
                     continue  # a compaction replaced the log meanwhile and removed that audio: replay the new file
                 searcher.items = overlay  # type: ignore[attr-defined]
+                retain = getattr(searcher, "retain_item_windows", None)
+                if retain is not None:  # the windows of deleted or replaced items go
+                    retain(overlay)
                 self._report(overlay)
                 return overlay
         raise AssertionError("unreachable")
@@ -220,7 +224,10 @@ class ItemStore:
     def _embed_audio(self, bundle: object, records: Sequence[ItemRecord], *, missing: list[str],
                      windows: WindowSink | None = None) -> np.ndarray:
         """The records' audio embeddings; a record that cannot be embedded is quarantined and gets a
-        row of NaN (:data:`index.items.overlay.AudioEmbedder`: its row is added dead).
+        row of NaN (:data:`index.items.overlay.AudioEmbedder`: its row is added dead). Each record's moment
+        windows (none for a recording of at most two windows) are read or computed with its vector, stored
+        beside it (:mod:`index.items.embeddings`) and handed to ``windows`` (the searcher's): a moment query
+        never embeds.
 
         Decoded :data:`EMBED_BATCH` records at a time and encoded before the next are decoded: a replay
         (replica start, a swap's re-embedding) passes every record of the log, and holding all their
@@ -229,15 +236,28 @@ class ItemStore:
         stored = embedding_store(self.log.root, bundle)
         audios = [record.audio for record in records]
         found, out, sizes = stored.get(audios)  # embedded before, by this replica or another: not decoded again
+        held_windows = stored.get_windows(audios)
         for held in np.flatnonzero(found).tolist():
-            if not self._still_valid(records[held], int(sizes[held]), rate):
-                found[held] = False
+            entry = held_windows[held]
+            if entry is None or entry[0] != sizes[held] or not self._still_valid(records[held], int(sizes[held]), rate):
+                found[held] = False  # no windows kept (a store from before them), or stale: embedded again
                 out[held] = np.nan
+            elif windows is not None:
+                windows(records[held].id, audios[held] or "", entry[1], entry[2])
         todo = [row for row in range(len(records)) if not found[row]]
         for first in range(0, len(todo), EMBED_BATCH):
             batch = todo[first:first + EMBED_BATCH]
-            rows = self._embed_batch(bundle, records, batch, out, rate=rate, missing=missing, windows=windows)
-            stored.put([audios[row] for row in rows], out[rows], [self._audio_size(records[row]) for row in rows])
+            computed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+            rows = self._embed_batch(bundle, records, batch, out, rate=rate, missing=missing, windows=computed)
+            audio_sizes = [self._audio_size(records[row]) for row in rows]
+            stored.put([audios[row] for row in rows], out[rows], audio_sizes)
+            for row, audio_size in zip(rows, audio_sizes, strict=True):
+                if np.isnan(out[row]).any() or row not in computed:
+                    continue
+                spans, vectors = computed[row]
+                stored.put_windows(audios[row] or "", spans, vectors, audio_size)
+                if windows is not None:
+                    windows(records[row].id, audios[row] or "", spans, vectors)
             with self._quarantine_lock:
                 for row in rows:
                     if not np.isnan(out[row]).any():
@@ -266,11 +286,12 @@ class ItemStore:
         return True
 
     def _embed_batch(self, bundle: object, records: Sequence[ItemRecord], batch: Sequence[int], out: np.ndarray, *,
-                     rate: int, missing: list[str], windows: WindowSink | None = None) -> list[int]:
+                     rate: int, missing: list[str], windows: dict[int, tuple[np.ndarray, np.ndarray]]) -> list[int]:
         """Decode and encode ``records[batch]`` into ``out``; the rows that decoded. A long recording (longer
         than a search upload may be) is decoded and embedded by blocks on its own, never held whole
-        (:func:`service.audio_input.embed_upload`); its moment windows, computed in the same pass, go to
-        ``windows`` (the searcher's cache)."""
+        (:func:`service.audio_input.embed_upload`), its moment windows computed in the same pass; a recording
+        decoded whole gets its windows from its waveform (:func:`index.moments.windows.embed_windows`; none when
+        it lasts at most two windows). ``windows``: row → ``(spans, vectors)``, filled here."""
         waves, rows, streamed = [], [], []
         for row in batch:
             record = records[row]
@@ -286,8 +307,8 @@ class ItemStore:
                 if long is not None:
                     out[row] = long.clip
                     streamed.append(row)
-                    if windows is not None:
-                        windows(record.id, record.audio or "", long.spans, long.vectors)
+                    windows[row] = ((long.spans, long.vectors) if len(long.spans)
+                                    else (np.zeros((0, 2)), np.zeros((0, out.shape[1]), np.float32)))
                     continue
                 waves.append(decode_upload(data, sample_rate=rate, limits=self.limits).waveform)
                 rows.append(row)
@@ -310,6 +331,19 @@ class ItemStore:
                     out[row] = _batched(encode, [wave], out.shape[1])[0]
                 except Exception as err:
                     self._quarantine(records[row], "embedding-failed", f"the encoder failed: {err}"[:300])
+        window = int(bundle.clip_samples)  # type: ignore[attr-defined]
+        for row, wave in zip(rows, waves, strict=True):
+            if np.isnan(out[row]).any():
+                continue
+            if len(wave) <= LONG_RECORDING_WINDOWS * window:  # found by its clip vector: no windows
+                windows[row] = (np.zeros((0, 2)), np.zeros((0, out.shape[1]), np.float32))
+                continue
+            try:
+                windows[row] = embed_windows(wave, sample_rate=rate, window_samples=window,
+                                             hop_samples=max(1, round(window * HOP_FRACTION)), encode=encode)
+            except Exception as err:  # the encoder refused a window: not searchable, as a failed clip vector
+                out[row] = np.nan
+                self._quarantine(records[row], "embedding-failed", f"the encoder failed on a window: {err}"[:300])
         return sorted(rows + streamed)
 
     # ------------------------------------------------------------------ follower
@@ -359,7 +393,8 @@ class ItemStore:
 
 
 WindowSink = Callable[[str, str, np.ndarray, np.ndarray], None]
-"""``(item id, stored audio, spans, vectors)``: a long item's moment windows, computed while it is embedded."""
+"""``(item id, stored audio, spans, vectors)``: an item's moment windows (none: (0, 2) spans), computed while it is
+embedded or read with its stored vector."""
 
 
 def _batched(encode: Callable[[list], np.ndarray], inputs: list, dim: int) -> np.ndarray:

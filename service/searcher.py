@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -39,8 +40,8 @@ from index.metrics.retrieval import (
     t2a_ranks_from_embeddings,
 )
 from index.moments.sources import Allowed, Key, WindowSource, search_sources
-from index.moments.windows import HOP_FRACTION, LONG_RECORDING_WINDOWS, ExactWindows, embed_windows
-from service.audio_input import AudioLimits, decode_upload, embed_upload
+from index.moments.windows import HOP_FRACTION, ExactWindows
+from service.audio_input import AudioLimits
 from service.cache import (
     QueryCache,
     cache_key,
@@ -53,8 +54,8 @@ from service.cache import (
 from service.errors import ServiceError
 from service.gate import eval_data, evaluate
 
-UNLIMITED = AudioLimits(max_seconds=float("inf"), max_sample_rate=1 << 30, max_channels=1 << 16)
-"""A searcher's item limits before service.items set them (an added item's audio decoded whole, as before)."""
+log = logging.getLogger(__name__)
+
 INDEX_RETRY_AFTER_S = 1
 """Retry-After of ``index-unavailable``: Milvus outages are retried by clients, not by workers."""
 
@@ -308,10 +309,14 @@ class Searcher:
         self.cache_bundle = f"{self.bundle_id}.{manifest_sha[:16]}" if manifest_sha else self.bundle_id
         """The bundle's part of every cache key: its id and its manifest's hash (two bundles that
         reuse an id never share entries)."""
-        self._item_windows: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+        self._item_windows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        """Stored audio name → its moment windows (:meth:`keep_item_windows`), for the live added items."""
         self._item_windows_lock = threading.Lock()
+        self._added_source: tuple[ItemOverlay, ExactWindows | None] | None = None
+        """The added items' window source of the last overlay asked about (:meth:`added_window_source`)."""
+        self._windows_missing: set[str] = set()
         self.item_limits: AudioLimits | None = None
-        """The item writes' limits (service.items sets them): a long added item's windows are embedded by blocks."""
+        """The item writes' limits (service.items sets them)."""
         self.bundle_window_source: WindowSource | None = None
         """The bundle's moment windows in the engine (the Milvus wiring sets it when the bundle's windows were
         published); None: ``bundle.moment_windows()`` (in memory, or FAISS over a memory-mapped file)."""
@@ -792,10 +797,10 @@ class Searcher:
     ) -> list[MomentResult]:
         """Top-``k`` moments of the bundle's long recordings and the added items' for one query vector (text or
         audio), best first (:func:`index.moments.sources.search_sources` over :meth:`moment_sources`);
-        ``no-moment-index`` when neither has any.
-        ``stored_audio``: the item log's file of an added item's audio (its long recordings join in)."""
+        ``no-moment-index`` when neither has any. No window is embedded here: an added item's were computed when
+        it was written (service.items); ``stored_audio`` is not read (the routes' older argument)."""
         items = clip_filter.items if clip_filter is not None and clip_filter.items is not None else self.items
-        sources = self.moment_sources(items, clip_filter, stored_audio)
+        sources = self.moment_sources(items, clip_filter)
         if not sources:
             raise ServiceError("no-moment-index", f"bundle {self.bundle_id} indexes no recording longer than "
                                "two windows: build it with `tonearm index` or `tonearm export` from long recordings, "
@@ -817,7 +822,7 @@ class Searcher:
         return results
 
     def moment_sources(
-        self, items: ItemOverlay, clip_filter: ClipFilter | None, stored_audio: Callable[[str], Path | None] | None = None,
+        self, items: ItemOverlay, clip_filter: ClipFilter | None,
     ) -> list[tuple[WindowSource, Allowed | None, Literal["bundle", "items"]]]:
         """The window sources a moment query reads, each with what it may return: the bundle's
         (:attr:`bundle_window_source` when set — Milvus — else ``bundle.moment_windows()``) without the clips the
@@ -834,7 +839,7 @@ class Searcher:
         if self.milvus_item_windows is not None:
             sources.append((self.milvus_item_windows, self._engine_items_allowed(clip_filter), "items"))
         else:
-            added = self.added_window_source(items, stored_audio)
+            added = self.added_window_source(items)
             if added is not None:
                 sources.append((added, _overlay_allowed(items, clip_filter), "items"))
         return sources
@@ -881,55 +886,44 @@ class Searcher:
 
         return allowed
 
-    def added_window_source(
-        self, items: ItemOverlay, stored_audio: Callable[[str], Path | None] | None = None,
-    ) -> ExactWindows | None:
-        """The windows of the live added items that are long recordings, keyed by item id (None: none)."""
-        if not items.size or stored_audio is None:
-            return None
-        window = int(self.bundle.clip_samples)  # type: ignore[attr-defined]
-        rate = int(self.bundle.sample_rate)  # type: ignore[attr-defined]
-        recordings = []
+    def added_window_source(self, items: ItemOverlay) -> ExactWindows | None:
+        """The windows of ``items``' live added items, keyed by item id (None: none has windows): built from the
+        windows service.items computed or read when it embedded them (:meth:`keep_item_windows`), once per
+        overlay version. Nothing is embedded here; a live item whose windows are unknown is a bug, logged."""
         with self._item_windows_lock:
+            cached = self._added_source
+            if cached is not None and cached[0] is items:
+                return cached[1]
+            recordings = []
             for row in np.flatnonzero(items.alive):
                 item = items.items[int(row)]
-                key = (item.id, item.audio)
-                if key not in self._item_windows:
-                    self._item_windows[key] = self._embed_item_windows(stored_audio(item.audio), rate, window)
-                spans, vectors = self._item_windows[key]
-                recordings.append((item.id, spans, vectors))
-        found = ExactWindows.of_recordings(recordings, int(self.bundle.embed_dim))
-        return found if found.n_recordings else None
+                held = self._item_windows.get(item.audio)
+                if held is None:
+                    if items is self.items and item.audio not in self._windows_missing:
+                        self._windows_missing.add(item.audio)
+                        log.error("added item %r (audio %s) is live without moment windows: its moments are not "
+                                  "searched (service.items computes them when it embeds an item)", item.id, item.audio)
+                    continue
+                recordings.append((item.id, *held))
+            found = ExactWindows.of_recordings(recordings, int(self.bundle.embed_dim))
+            source = found if found.n_recordings else None
+            self._added_source = (items, source)
+            return source
 
     def keep_item_windows(self, item_id: str, audio: str, spans: np.ndarray, vectors: np.ndarray) -> None:
-        """A long added item's windows, embedded with its clip vector in one pass by blocks (service.items)."""
+        """An added item's moment windows (none: (0, 2) spans), computed when it was embedded or read with its
+        stored vector (service.items, :mod:`index.items.embeddings`); kept per stored audio."""
         with self._item_windows_lock:
-            self._item_windows[(item_id, audio)] = (spans, vectors)
+            self._item_windows[audio] = (np.asarray(spans, np.float64), np.asarray(vectors, np.float32))
+            self._windows_missing.discard(audio)
 
-    def _embed_item_windows(self, path: Path | None, rate: int, window: int) -> tuple[np.ndarray, np.ndarray]:
-        """One stored item's windows: by blocks within the memory budget when it is longer than a search upload
-        (:func:`service.audio_input.embed_upload`), else decoded whole; none when it cannot be decoded (the
-        item sync quarantines it)."""
-        none = (np.zeros((0, 2)), np.zeros((0, 0)))
-        if path is None or not path.is_file():
-            return none
-        limits = self.item_limits or UNLIMITED
-        try:
-            data = path.read_bytes()
-            long = embed_upload(data, self.bundle, limits=limits)
-            if long is not None:
-                return long.spans, long.vectors
-            wave = decode_upload(data, sample_rate=rate, limits=limits).waveform
-        except ServiceError as err:
-            if err.slug == "overloaded":
-                raise
-            return none
-        except OSError:
-            return none
-        if len(wave) <= LONG_RECORDING_WINDOWS * window:
-            return none
-        return embed_windows(wave, sample_rate=rate, window_samples=window,
-                             hop_samples=max(1, round(window * HOP_FRACTION)), encode=self.bundle.encode_audio)
+    def retain_item_windows(self, items: ItemOverlay) -> None:
+        """Forget the windows of audio no live item of ``items`` holds (deleted or replaced items; service.items
+        calls it when ``items`` went live)."""
+        live = {items.items[int(row)].audio for row in np.flatnonzero(items.alive)}
+        with self._item_windows_lock:
+            for audio in [a for a in self._item_windows if a not in live]:
+                del self._item_windows[audio]
 
     def moment_scorer(self) -> Literal["head", "windows"]:
         """What scores the moments of :meth:`search_moments`: ``head`` (the bundle's trained moment head) or

@@ -31,3 +31,33 @@ def test_prune_keeps_only_live_audio_of_every_bundle(tmp_path):
     left = sorted(p.name for p in (tmp_path / EMBEDDINGS_DIR).rglob("*.f32"))
     assert left == ["live.wav.f32", "live.wav.f32"]
     assert prune(tmp_path, set()) == 2 and not any((tmp_path / EMBEDDINGS_DIR).iterdir())
+
+
+def test_windows_entries_round_trip_beside_the_vector_and_a_torn_one_is_never_trusted(tmp_path):
+    """Issue 54 part 4: an item's moment windows are kept with its clip vector (none is an entry too)."""
+    store = EmbeddingStore(tmp_path, "b1", 4)
+    spans = np.array([[0.0, 1.0], [0.5, 1.5], [1.0, 2.0]])
+    vectors = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert store.put_windows("long.wav", spans, vectors, 1234)
+    assert store.put_windows("short.wav", np.zeros((0, 2)), np.zeros((0, 0), np.float32), 56)
+    long, short, absent, nothing = store.get_windows(["long.wav", "short.wav", "absent.wav", None])
+    assert long is not None and long[0] == 1234
+    np.testing.assert_array_equal(long[1], spans)
+    np.testing.assert_array_equal(long[2], vectors)
+    assert short is not None and short[0] == 56 and short[1].shape == (0, 2) and short[2].shape == (0, 4)
+    assert absent is None and nothing is None
+    assert not store.put_windows("odd.wav", spans, np.ones((3, 5), np.float32), 1)  # another dimension
+    entry = store._path("long.wav", ".win")
+    entry.write_bytes(entry.read_bytes()[:-4])  # torn
+    assert store.get_windows(["long.wav"]) == [None]
+    assert EmbeddingStore(tmp_path, "b1", 8).get_windows(["short.wav"]) == [None]  # another dimension's reader
+
+
+def test_prune_removes_the_windows_with_the_vectors(tmp_path):
+    store = EmbeddingStore(tmp_path, "b1", 2)
+    for name in ("live.wav", "dead.wav"):
+        store.put([name], np.ones((1, 2), np.float32), [1])
+        store.put_windows(name, np.zeros((1, 2)), np.ones((1, 2), np.float32), 1)
+    assert prune(tmp_path, {"live.wav"}) == 2
+    left = sorted(p.name for p in (tmp_path / EMBEDDINGS_DIR).rglob("*.*"))
+    assert left == ["live.wav.f32", "live.wav.win"]

@@ -15,6 +15,7 @@ with two backends below this module: FAISS in the bundle (:mod:`index.engines.ve
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -47,7 +48,9 @@ from index.engines.vector_index import (
 )
 from index.engines.vector_index import FaissVectorIndex as FaissVectorIndex  # re-exported
 from index.errors import BundleError, TonearmError
+from index.moments.faiss_windows import FAISS_MIN_WINDOWS, MOMENT_INDEX_DIR, FaissWindows
 from index.moments.head import MomentHeadModel
+from index.moments.windows import ExactWindows
 from index.runtime.gpu_io import on_cuda, provider_entries, run_bound
 from index.runtime.length_groups import length_groups
 
@@ -395,19 +398,31 @@ class LoadedBundle:
         self.moment_head: MomentHeadModel | None = None
         """The trained moment head (`tonearm train-moments`), checked against the encoders at open; None: the
         moment search uses the sliding-window scorer."""
+        self._moment_windows: ExactWindows | FaissWindows | None = None
+        self._moment_lock = threading.Lock()
         self._clip_rows: np.ndarray | None = None  # clip row of each caption row (filtered caption search)
         """The :class:`index.engines.milvus_index.MilvusTarget` the vectors live in (None: FAISS in the bundle)."""
 
     def moment_windows(self) -> Any:
-        """The :class:`index.moments.windows.ExactWindows` of the long recordings (None: the bundle has none);
-        loaded on first use (the files were checksummed when the bundle was opened)."""
-        if self.manifest.moments is None:
+        """The bundle's moment windows as a :class:`index.moments.sources.WindowSource` (None: the bundle has none):
+        an :class:`index.moments.windows.ExactWindows` in memory, or from
+        :data:`index.moments.faiss_windows.FAISS_MIN_WINDOWS` windows a
+        :class:`index.moments.faiss_windows.FaissWindows` (memory-mapped, its index built once and kept under
+        ``<bundles dir>/.moment-index``, docs/bundle.md "Moments"). Opened once (:meth:`warmup` does it before
+        the bundle goes live); the files were checksummed when the bundle was opened."""
+        moments = self.manifest.moments
+        if moments is None:
             return None
-        if getattr(self, "_moment_windows", None) is None:
-            from index.moments.windows import ExactWindows
-
-            self._moment_windows = ExactWindows.load(self.path)
-        return self._moment_windows
+        with self._moment_lock:
+            if self._moment_windows is None:
+                if moments.n_windows >= FAISS_MIN_WINDOWS:
+                    entry = self.manifest.files.get(moments.windows_file)
+                    key = f"{entry.sha256[:24]}-{moments.n_windows}" if entry is not None else None
+                    self._moment_windows = FaissWindows(self.path, cache_dir=self.path.parent / MOMENT_INDEX_DIR,
+                                                        key=key)
+                else:
+                    self._moment_windows = ExactWindows.load(self.path)
+            return self._moment_windows
 
     @property
     def moment_scorer(self) -> Literal["head", "windows"]:
@@ -652,6 +667,9 @@ class LoadedBundle:
         if self.has_captions:
             self.search_text(audio, 1, languages=self.languages[:1])
             self.search_text(audio, 1)
+        moments = self.manifest.moments
+        if self.milvus is None and moments is not None and moments.n_windows >= FAISS_MIN_WINDOWS:
+            self.moment_windows()  # the ANN index is built (or read) before traffic, never on a query
 
 
 def filtered_search(

@@ -1,0 +1,112 @@
+"""index/moments/faiss_windows.py and sources.py: the bundle's windows behind an ANN index (issue 54, part 4).
+
+A synthetic set of many recordings (not one): 600 recordings of 40 windows (24,000 windows, 64-d) in 20 scenes,
+each a drifting background with, in a third of them, a 4-window event. The exact source (ExactWindows) is the reference; the
+FAISS source must return the same top moment for ≥ 95 % of the queries (event queries and random ones), read its
+vectors memory-mapped, and save its index so that the next open reads it. ~7 s of CPU (two index builds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from index.moments.faiss_windows import FaissWindows, build_index, subquantizers
+from index.moments.sources import search_sources
+from index.moments.windows import ExactWindows, write_windows
+
+DIM, RECORDINGS, WINDOWS = 64, 600, 40
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+
+def _noise(rng: np.random.Generator, size, norm: float) -> np.ndarray:
+    """Gaussian noise of about ``norm`` per vector."""
+    return rng.normal(scale=norm / np.sqrt(DIM), size=size)
+
+
+@pytest.fixture(scope="module")
+def many_recordings(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    """A folder with moments/windows.npy and spans.npy of the synthetic set; the queries (60 of events, 40 of
+    scenes: many recordings compete for those)."""
+    rng = np.random.default_rng(54)
+    scenes = _unit(rng.normal(size=(20, DIM)))
+    events = _unit(rng.normal(size=(RECORDINGS // 3, DIM)))
+    recordings = []
+    for r in range(RECORDINGS):
+        base = scenes[r % 20] + _noise(rng, DIM, 0.6)
+        vectors = _unit(base + np.cumsum(_noise(rng, (WINDOWS, DIM), 0.15), axis=0))  # a background that drifts
+        if r % 3 == 0:
+            at = int(rng.integers(0, WINDOWS - 4))
+            vectors[at : at + 4] = _unit(events[r // 3] + _noise(rng, (4, DIM), 0.4))
+        starts = np.arange(WINDOWS) * 0.5
+        recordings.append((r * 2 + 1, np.column_stack([starts, starts + 1.0]), vectors))  # rows with gaps
+    root = tmp_path_factory.mktemp("many_recordings")  # the index cache of the tests below: root / "cache"
+    assert write_windows(root, recordings) == (RECORDINGS * WINDOWS, RECORDINGS)
+    queries = np.concatenate([_unit(events[:60] + _noise(rng, (60, DIM), 0.3)),
+                              _unit(scenes[rng.integers(0, 20, 40)] + _noise(rng, (40, DIM), 0.5))])
+    return root, queries
+
+
+def test_faiss_windows_top_moment_agrees_with_exact_search(many_recordings) -> None:
+    root, queries = many_recordings
+    exact = ExactWindows.load(root)
+    ann = FaissWindows(root, cache_dir=root / "cache")
+    assert ann.n_recordings == RECORDINGS
+    agree = 0
+    for query in queries:
+        (want,) = search_sources(query, 1, [exact])
+        (got,) = search_sources(query, 1, [ann])
+        agree += (got.key, got.start, got.end) == (want.key, want.start, want.end)
+        assert got.score <= want.score + 1e-6  # an ANN answer never beats the exact one
+    recall = agree / len(queries)
+    print(f"top-moment recall of FaissWindows against exact search: {recall:.3f} over {len(queries)} queries")
+    assert recall >= 0.95
+
+    # k = 10: the moments come from recordings the exact search ranks near the top too
+    hits = search_sources(queries[0], 10, [ann])
+    assert len(hits) == 10 and hits[0].score >= hits[-1].score
+
+
+def test_faiss_windows_reads_the_vectors_memory_mapped_and_only_the_candidates_rows(many_recordings,
+                                                                                    tmp_path: Path) -> None:
+    root, queries = many_recordings
+    first = FaissWindows(root, cache_dir=tmp_path)
+    assert first.build_seconds > 0 and list(tmp_path.glob("*.faiss"))
+    again = FaissWindows(root, cache_dir=tmp_path)
+    assert again.build_seconds == 0.0, "the saved index was not read"
+    assert isinstance(again.vectors, np.memmap) and isinstance(again.spans, np.memmap)
+    assert again.index.ntotal == first.index.ntotal == RECORDINGS * WINDOWS
+
+    exact = ExactWindows.load(root)
+    keys = [1, 601, 1199]
+    for (spans, vectors), (want_spans, want_vectors) in zip(again.windows_of(keys), exact.windows_of(keys), strict=True):
+        assert not isinstance(vectors, np.memmap)  # a copy of these rows, not a view of the file
+        np.testing.assert_array_equal(spans, want_spans)
+        np.testing.assert_array_equal(vectors, want_vectors)
+    assert again.windows_of([2])[0][0].shape == (0, 2)  # a row without windows
+
+
+def test_an_allowed_filter_is_asked_about_candidates_and_honoured(many_recordings) -> None:
+    root, queries = many_recordings
+    ann = FaissWindows(root, cache_dir=root / "cache")
+    asked: list[int] = []
+
+    def only_high_rows(keys):
+        asked.extend(int(k) for k in keys)
+        return np.asarray(keys) > 1000  # 100 of the 600 recordings
+
+    found = ann.best_recordings(queries[0], 5, only_high_rows)
+    assert len(found) == 5 and all(int(k) > 1000 for k, _ in found)
+    assert len(asked) < RECORDINGS  # candidates only, never every recording
+    exact = [k for k, _ in ExactWindows.load(root).best_recordings(queries[0], 5, only_high_rows)]
+    assert [k for k, _ in found][:1] == exact[:1]
+
+
+def test_subquantizers_divide_the_dimension() -> None:
+    assert subquantizers(512) == 64 and subquantizers(64) == 8 and subquantizers(100) == 10 and subquantizers(3) == 1
+    index = build_index(np.eye(8, dtype=np.float32).repeat(40, axis=0), nlist=2)
+    assert index.ntotal == 320

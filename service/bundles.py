@@ -74,6 +74,7 @@ class BundleSummary:
     n_clips: int | None = None
     indices: dict[str, dict[str, Any]] | None = None
     moment_scorer: str | None = None  # head | windows
+    moments_heldout: dict[str, dict[str, float]] | None = None  # {"windows": report, "head": report}
     error: str | None = None
 
 
@@ -202,6 +203,14 @@ def milvus_target(settings: Settings, *, items: bool = False) -> Any:
         probe_timeout_s=settings.milvus_probe_timeout_s, probe_attempts=settings.milvus_probe_attempts,
         hold_off_s=settings.milvus_hold_off_s, recall_batch=settings.milvus_recall_batch,
     )
+
+
+def _moments_heldout(manifest: Any) -> dict[str, dict[str, float]] | None:
+    """Both scorers' held-out moment reports, side by side (None when the bundle has neither)."""
+    found = {"windows": manifest.moments.heldout if manifest.moments is not None else None,
+             "head": manifest.moment_head.heldout if manifest.moment_head is not None else None}
+    kept = {scorer: dict(report) for scorer, report in found.items() if report}
+    return kept or None
 
 
 def thresholds_from(settings: Settings) -> GateThresholds:
@@ -339,6 +348,7 @@ class BundleRegistry:
                 if info is not None
             },
             moment_scorer="head" if m.moment_head is not None else "windows",
+            moments_heldout=_moments_heldout(m),
         )
 
     # ------------------------------------------------------------------ loading

@@ -266,6 +266,10 @@ class BundleOut(BaseModel):
     moment_scorer: Literal["head", "windows"] | None = Field(
         None, description="What `/v1/search/moments` scores with on this bundle: `head` (it carries a trained "
                           "moment head, `tonearm train-moments`) or `windows` (the sliding-window scorer).")
+    moments_heldout: dict[Literal["windows", "head"], dict[str, float]] | None = Field(
+        None, description="The bundle's held-out moment report per scorer, on the same queries: `windows` "
+                          "(`moments.heldout`) and, with a trained head, `head` (`moment_head.heldout`); keys "
+                          "`moment_{R1@0.5,R1@0.7,mAP,…}_{lang|mean}` (docs/metrics.md). Null: none was measured.")
     error: str | None = None
 
 

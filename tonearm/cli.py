@@ -406,6 +406,9 @@ def _add_train_moments(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bundle", required=True, help="bundle whose frozen encoders embed the windows and captions")
     p.add_argument("--manifest", required=True, help="manifest with moments (tonearm synth --moments)")
     p.add_argument("--split", default="train")
+    p.add_argument("--heldout-split", default="test",
+                   help="the manifest's split whose recordings with moments measure both scorers side by side, "
+                        "kept in the new bundle for the quality gate ('none': skip; docs/bundle.md, Moment head)")
     p.add_argument("--out", help="the new bundle's directory: the input bundle's files (untouched) plus the head "
                                   "(default: <bundle id>-head-s<seed> beside the input; docs/bundle.md, Moment head)")
     p.add_argument("--seed", type=int, default=0)

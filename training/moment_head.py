@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 from index.audio.decode import decode_audio
-from index.bundle.format import encoder_digests, publish_with_moment_head
+from index.bundle.evalset import write_moment_set
+from index.bundle.format import EVAL_DIR, encoder_digests, publish_with_moment_head, read_manifest
 from index.languages import DEFAULT_LANGUAGES
-from index.moments.evaluate import moment_queries
+from index.moments.evaluate import evaluate_moment_set, moment_queries, moment_set_from_records
 from index.moments.head import HEAD_INFO, HEAD_ONNX, MomentHeadModel
 from index.moments.windows import HOP_FRACTION, embed_windows
 from index.runtime.loader import LoadedBundle
@@ -150,31 +151,62 @@ def export_head(head: MomentHead, out_dir: Path, *, window_seconds: float, hop_s
     return out_dir / HEAD_ONNX
 
 
+def attach_moment_head(source: Path, train_records: Sequence[Any], out: Path, *, seed: int = 0, steps: int = 300,
+                       heldout_records: Sequence[Any] = (), training: dict[str, Any] | None = None) -> Path:
+    """Train a head on ``train_records``' moments with ``source``'s frozen encoders and publish ``out``: the source
+    bundle plus the head. With ``heldout_records`` (recordings with moments it was not trained on) both scorers
+    are measured on them, side by side (``moments.heldout`` and ``moment_head.heldout``), and the recordings
+    with their queries are kept in ``eval/`` for the quality gate (:func:`index.bundle.evalset.write_moment_set`)."""
+    source, out = Path(source), Path(out)
+    bundle = LoadedBundle.open(source)
+    try:
+        languages = [lang for lang in DEFAULT_LANGUAGES if lang in bundle.languages]
+        examples = bundle_examples(bundle, [r for r in train_records if r.moments], languages)
+        digests = encoder_digests(bundle.manifest)
+        source_id, rate = bundle.bundle_id, bundle.sample_rate
+        log.info("moment head: %d examples from %d recordings", len(examples), len({e.recording for e in examples}))
+        head = train_head(examples, seed=seed, steps=steps)
+        window = float(examples[0].spans[0, 1] - examples[0].spans[0, 0])
+        hop = float(examples[0].spans[1, 0] - examples[0].spans[0, 0]) if len(examples[0].spans) > 1 else window
+        described = {**(training or {}), "seed": seed, "steps": steps, "examples": len(examples)}
+        with tempfile.TemporaryDirectory(prefix="moment-head-") as folder:
+            export_head(head, Path(folder), window_seconds=window, hop_seconds=hop,
+                        extra={"bundle": source_id, "encoder_sha256": digests, **described})
+            moment_set = moment_set_from_records([r for r in heldout_records if r.moments], sample_rate=rate,
+                                                 languages=languages)
+            reports = None
+            if moment_set.queries:
+                reports = evaluate_moment_set(bundle, moment_set, languages=languages,
+                                              head=MomentHeadModel.load(Path(folder)))
+                write_moment_set(Path(folder) / EVAL_DIR, moment_set)
+                described["heldout_recordings"] = len(moment_set.recording_ids)
+                log.info("moment head held out on %d recordings (%d queries): R1@0.7 windows %.3f, head %.3f",
+                         len(moment_set.recording_ids), len(moment_set.queries),
+                         reports["windows"]["moment_R1@0.7_mean"], reports["head"]["moment_R1@0.7_mean"])
+            path = publish_with_moment_head(source, Path(folder), out.parent, out.name, training=described,
+                                            heldout=reports)
+    finally:
+        bundle.close()
+    log.info("wrote bundle %s: %s plus its moment head", path, source_id)
+    return path
+
+
 def cli_train_moments(args: argparse.Namespace) -> int:
-    """``tonearm train-moments --bundle DIR --manifest M [--out NEW_BUNDLE] [--split train] [--seed N] [--steps N]``.
+    """``tonearm train-moments --bundle DIR --manifest M [--out NEW_BUNDLE] [--split train] [--heldout-split test]
+    [--seed N] [--steps N]``.
 
     Writes a new bundle (``--out``, default ``<bundle>-head-s<seed>`` beside the input): the input bundle's
     files (hard links, else copies; the input is not touched) plus the head, recorded in its manifest's
-    ``moment_head`` with the sha256 of the encoders it was trained on (docs/bundle.md, "Moment head")."""
+    ``moment_head`` with the sha256 of the encoders it was trained on (docs/bundle.md, "Moment head"); both
+    scorers' report on ``--heldout-split`` (``none``: skipped) in ``moments.heldout`` and ``moment_head.heldout``."""
     source = Path(args.bundle)
-    records = load_manifest(Path(args.manifest), languages=DEFAULT_LANGUAGES, split=args.split)
-    bundle = LoadedBundle.open(source)
-    try:
-        examples = bundle_examples(bundle, [r for r in records if r.moments], DEFAULT_LANGUAGES)
-        digests = encoder_digests(bundle.manifest)
-        source_id = bundle.bundle_id
-    finally:
-        bundle.close()
-    log.info("moment head: %d examples from %d recordings", len(examples), len({e.recording for e in examples}))
-    head = train_head(examples, seed=args.seed, steps=args.steps)
-    window = float(examples[0].spans[0, 1] - examples[0].spans[0, 0])
-    hop = float(examples[0].spans[1, 0] - examples[0].spans[0, 0]) if len(examples[0].spans) > 1 else window
-    out = Path(args.out) if args.out else source.parent / f"{source_id}-head-s{args.seed}"
-    training = {"data_manifest": str(Path(args.manifest).resolve()), "split": args.split, "seed": args.seed,
-                "steps": args.steps, "examples": len(examples)}
-    with tempfile.TemporaryDirectory(prefix="moment-head-") as folder:
-        export_head(head, Path(folder), window_seconds=window, hop_seconds=hop,
-                    extra={"bundle": source_id, "encoder_sha256": digests, **training})
-        path = publish_with_moment_head(source, Path(folder), out.parent, out.name, training=training)
-    log.info("wrote bundle %s: %s plus its moment head", path, source_id)
+    manifest = Path(args.manifest)
+    records = load_manifest(manifest, languages=DEFAULT_LANGUAGES, split=args.split)
+    heldout_split = getattr(args, "heldout_split", "none")
+    heldout = [] if heldout_split == "none" else load_manifest(manifest, languages=DEFAULT_LANGUAGES,
+                                                                split=heldout_split)
+    out = Path(args.out) if args.out else source.parent / f"{read_manifest(source).bundle_id}-head-s{args.seed}"
+    training = {"data_manifest": str(manifest.resolve()), "split": args.split, "heldout_split": heldout_split}
+    attach_moment_head(source, records, out, seed=args.seed, steps=args.steps, heldout_records=heldout,
+                       training=training)
     return 0

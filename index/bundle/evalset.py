@@ -177,3 +177,89 @@ def read_eval_set(directory: Path) -> EvalSet:
         )
     except ValueError as err:
         raise BundleError(f"{directory / CAPTIONS}: inconsistent eval set ({err})") from None
+
+
+# ----------------------------------------------------------------------------- the held-out moment set
+
+MOMENT_WAVEFORMS = "moment_waveforms.npy"
+MOMENT_RECORDINGS = "moment_recordings.jsonl"
+MOMENT_QUERIES = "moment_queries.jsonl"
+MOMENT_SET_FILES = (MOMENT_WAVEFORMS, MOMENT_RECORDINGS, MOMENT_QUERIES)
+"""Optional files of ``eval/``: the long recordings whose moment report is the manifest's ``moments.heldout``
+(and ``moment_head.heldout``), kept so that the quality gate can ask any bundle the same moment queries."""
+
+
+@dataclass(frozen=True)
+class MomentQuerySpec:
+    """One held-out moment query: a caption asked of one recording, and its ground-truth spans (seconds)."""
+
+    recording: int
+    lang: str
+    text: str
+    spans: list[tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class MomentSet:
+    """Held-out long recordings (float32 at ``sample_rate``) and the moment queries asked of them."""
+
+    recording_ids: list[str]
+    waveforms: list[np.ndarray]
+    queries: list[MomentQuerySpec]
+    sample_rate: int
+
+    def __post_init__(self) -> None:
+        if len(self.waveforms) != len(self.recording_ids):
+            raise ValueError(f"{len(self.waveforms)} waveforms for {len(self.recording_ids)} recording ids")
+        if any(not 0 <= q.recording < len(self.recording_ids) for q in self.queries):
+            raise ValueError("moment query recording rows out of range")
+
+    def languages(self) -> list[str]:
+        return sorted({q.lang for q in self.queries})
+
+
+def write_moment_set(directory: Path, moment_set: MomentSet) -> None:
+    """Write ``moment_set`` into ``directory`` (created) as int16 waveforms and two JSONL files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lengths = [len(w) for w in moment_set.waveforms]
+    matrix = np.zeros((len(lengths), max(lengths, default=0)), dtype=np.int16)
+    for row, wave in enumerate(moment_set.waveforms):
+        matrix[row, : len(wave)] = to_int16(wave)
+    np.save(directory / MOMENT_WAVEFORMS, matrix, allow_pickle=False)
+    _write_jsonl(directory / MOMENT_RECORDINGS,
+                 ({"id": rid, "num_samples": n, "sample_rate": moment_set.sample_rate}
+                  for rid, n in zip(moment_set.recording_ids, lengths, strict=True)))
+    _write_jsonl(directory / MOMENT_QUERIES,
+                 ({"recording": q.recording, "lang": q.lang, "text": q.text, "spans": [list(s) for s in q.spans]}
+                  for q in moment_set.queries))
+
+
+def read_moment_set(directory: Path) -> MomentSet | None:
+    """The moment set written by :func:`write_moment_set`; None when ``directory`` has none."""
+    if not (directory / MOMENT_QUERIES).is_file():
+        return None
+    path = directory / MOMENT_WAVEFORMS
+    try:
+        matrix = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise BundleError(f"{path}: cannot read ({err})") from None
+    recordings = read_jsonl(directory / MOMENT_RECORDINGS, required=("id", "num_samples", "sample_rate"))
+    queries = read_jsonl(directory / MOMENT_QUERIES, required=("recording", "lang", "text", "spans"))
+    if matrix.dtype != np.int16 or matrix.ndim != 2 or len(matrix) != len(recordings):
+        raise BundleError(f"{path}: expected int16 ({len(recordings)}, T), got {matrix.dtype} {matrix.shape}")
+    if any(not 0 < int(r["num_samples"]) <= matrix.shape[1] for r in recordings):
+        raise BundleError(f"{directory / MOMENT_RECORDINGS}: num_samples out of range for {path}")
+    rates = {int(r["sample_rate"]) for r in recordings}
+    if len(rates) > 1:
+        raise BundleError(f"{directory / MOMENT_RECORDINGS}: recordings at several sample rates {sorted(rates)}")
+    try:
+        return MomentSet(
+            recording_ids=[str(r["id"]) for r in recordings],
+            waveforms=[matrix[row, : int(r["num_samples"])].astype(np.float32) / _SCALE
+                       for row, r in enumerate(recordings)],
+            queries=[MomentQuerySpec(int(q["recording"]), str(q["lang"]), str(q["text"]),
+                                     [(float(s), float(e)) for s, e in q["spans"]]) for q in queries],
+            sample_rate=rates.pop() if rates else 0,
+        )
+    except (TypeError, ValueError) as err:
+        raise BundleError(f"{directory / MOMENT_QUERIES}: inconsistent moment set ({err})") from None

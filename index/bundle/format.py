@@ -272,6 +272,9 @@ class MomentHeadInfo(_Frozen):
     """The bundle it was trained on and added to (this bundle is that one plus the head)."""
     training: dict[str, Any] = Field(default_factory=dict)
     """How it was trained (data manifest, split, seed, steps, examples)."""
+    heldout: dict[str, float] | None = None
+    """The head's moment report on the same held-out queries as ``moments.heldout`` (the sliding windows'):
+    both scorers side by side; None when the head was trained without a held-out split with moments."""
 
 
 class BundleManifest(_Frozen):
@@ -484,11 +487,15 @@ def _link_or_copy(source: Path, target: Path) -> None:
 
 
 def publish_with_moment_head(source: Path, head_dir: Path, parent: Path, bundle_id: str, *,
-                             training: dict[str, Any] | None = None, check: bool = True) -> Path:
+                             training: dict[str, Any] | None = None, check: bool = True,
+                             heldout: dict[str, dict[str, float]] | None = None) -> Path:
     """A new bundle ``parent/bundle_id``: every file of the ``source`` bundle (hard links where the filesystem
     allows, else copies; the source is not touched) plus the moment head of ``head_dir`` (``moment_head.onnx``
-    and ``moment_head.json``, whose ``encoder_sha256`` names the encoders it was trained on). A head of an
-    earlier training is replaced. ``check`` refuses, before publishing, a head trained for other encoders."""
+    and ``moment_head.json``, whose ``encoder_sha256`` names the encoders it was trained on) and any other file
+    under ``head_dir`` (the held-out moment set, ``eval/moment_*``), each replacing the source's file of that
+    name. A head of an earlier training is replaced. ``heldout`` (``{"windows": report, "head": report}`` on the
+    same queries) becomes ``moments.heldout`` and ``moment_head.heldout``, both scorers side by side. ``check``
+    refuses, before publishing, a head trained for other encoders."""
     source = Path(source)
     manifest = verify_files(source)
     head_dir = Path(head_dir)
@@ -499,22 +506,29 @@ def publish_with_moment_head(source: Path, head_dir: Path, parent: Path, bundle_
     try:
         head = MomentHeadInfo(encoder_sha256=described.get("encoder_sha256") or {}, embed_dim=described["embed_dim"],
                               window_seconds=described["window_seconds"], hop_seconds=described["hop_seconds"],
-                              source_bundle=manifest.bundle_id, training=training or {})
+                              source_bundle=manifest.bundle_id, training=training or {},
+                              heldout=(heldout or {}).get("head"))
     except (KeyError, ValidationError) as err:
         raise BundleError(f"{head_dir / MOMENT_HEAD_INFO}: not a moment head description ({err})") from None
     body = manifest.model_dump(mode="json")
     body.update(bundle_id=bundle_id, moment_head=head.model_dump(mode="json"), manifest_sha256=_ZERO_HASH,
                 created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
+    if heldout and body.get("moments") is not None:  # the windows' report on the head's held-out queries
+        body["moments"]["heldout"] = heldout.get("windows")
     try:
         derived = BundleManifest.model_validate(body)
     except ValidationError as err:
         raise BundleError(f"bundle id {bundle_id!r}: {err.errors()[0]['msg']}") from None
+    added = sorted(p.relative_to(head_dir).as_posix() for p in head_dir.rglob("*") if p.is_file())
+    if MOMENT_HEAD not in added:
+        raise BundleError(f"{head_dir}: no {MOMENT_HEAD} beside {MOMENT_HEAD_INFO}")
     with staged_bundle(parent, bundle_id) as staging:
         for rel in manifest.files:
-            if rel not in (MOMENT_HEAD, MOMENT_HEAD_INFO):
+            if rel not in added:
                 _link_or_copy(source / rel, staging / rel)
-        for name in (MOMENT_HEAD, MOMENT_HEAD_INFO):
-            shutil.copyfile(head_dir / name, staging / name)
+        for rel in added:
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(head_dir / rel, staging / rel)
         if check:
             check_moment_head(staging, derived.model_copy(update={"files": checksum_files(staging)}))
         return publish(staging, derived)

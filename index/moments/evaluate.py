@@ -13,12 +13,14 @@ own recording (moment retrieval, not the choice of the recording).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import soxr
 
 from index.audio.decode import decode_audio
+from index.bundle.evalset import MomentQuerySpec, MomentSet
 from index.errors import DataError
 from index.metrics.moments import MOMENT_METRICS, MomentQuery, moment_report
 from index.moments.head import MomentHeadModel
@@ -53,14 +55,65 @@ def evaluate_moment_scorers(
 ) -> dict[str, dict[str, float]]:
     """``{"windows": report}``, plus ``"head": report`` with ``head`` (the bundle's trained moment head): both
     scorers on the same queries and the same window embeddings, encoded once."""
-    window = int(bundle.clip_samples)
-    hop = max(1, int(round(window * HOP_FRACTION)))
-    queries: dict[str, list[MomentQuery]] = {"windows": [], **({"head": []} if head is not None else {})}
+    def asked(record: Any) -> dict[tuple[str, str], list[tuple[float, float]]]:
+        return {key: spans for key, spans in moment_queries(record.moments).items() if key[0] in languages}
+
+    recordings = ((lambda r=record: decode_audio(r.audio, sample_rate=bundle.sample_rate), asked(record))
+                  for record in records)
+    return _score_recordings(bundle, recordings, languages=languages, params=params, head=head)
+
+
+def moment_set_from_records(records: Sequence[Any], *, sample_rate: int, languages: Sequence[str]) -> MomentSet:
+    """The held-out moment set a bundle keeps (``eval/moment_*``, :mod:`index.bundle.evalset`): each record with
+    moments decoded at ``sample_rate``, each of its (language, caption) a query with its spans."""
+    ids: list[str] = []
+    waves: list[np.ndarray] = []
+    queries: list[MomentQuerySpec] = []
     for record in records:
         asked = {key: spans for key, spans in moment_queries(record.moments).items() if key[0] in languages}
         if not asked:
             continue
-        wave = decode_audio(record.audio, sample_rate=bundle.sample_rate)
+        for (lang, text), spans in asked.items():
+            queries.append(MomentQuerySpec(len(ids), lang, text, list(spans)))
+        ids.append(str(record.id))
+        waves.append(decode_audio(record.audio, sample_rate=sample_rate))
+    return MomentSet(ids, waves, queries, sample_rate)
+
+
+def evaluate_moment_set(
+    bundle: Any, moment_set: MomentSet, *, languages: Sequence[str], params: MomentParams | None = None,
+    head: MomentHeadModel | None = None,
+) -> dict[str, dict[str, float]]:
+    """:func:`evaluate_moment_scorers` on a stored moment set (resampled to ``bundle``'s rate when it differs):
+    what the quality gate asks each bundle (docs/service.md, "Quality gate")."""
+    rate = int(bundle.sample_rate)
+
+    def wave(row: int) -> np.ndarray:
+        found = moment_set.waveforms[row]
+        if not moment_set.sample_rate or moment_set.sample_rate == rate:
+            return found
+        return soxr.resample(found, moment_set.sample_rate, rate, quality="HQ").astype(np.float32)
+
+    by_row: dict[int, dict[tuple[str, str], list[tuple[float, float]]]] = {}
+    for q in moment_set.queries:
+        if q.lang in languages:
+            by_row.setdefault(q.recording, {})[(q.lang, q.text)] = list(q.spans)
+    recordings = ((lambda r=row: wave(r), asked) for row, asked in sorted(by_row.items()))
+    return _score_recordings(bundle, recordings, languages=languages, params=params, head=head)
+
+
+def _score_recordings(
+    bundle: Any, recordings: Iterable[tuple[Callable[[], np.ndarray], dict[tuple[str, str], list[tuple[float, float]]]]],
+    *, languages: Sequence[str], params: MomentParams | None, head: MomentHeadModel | None,
+) -> dict[str, dict[str, float]]:
+    """Each (lazily decoded recording, its queries): windows embedded once, scored by the windows and the head."""
+    window = int(bundle.clip_samples)
+    hop = max(1, int(round(window * HOP_FRACTION)))
+    queries: dict[str, list[MomentQuery]] = {"windows": [], **({"head": []} if head is not None else {})}
+    for load, asked in recordings:
+        if not asked:
+            continue
+        wave = load()
         spans, vectors = embed_windows(wave, sample_rate=bundle.sample_rate, window_samples=window, hop_samples=hop,
                                        encode=bundle.encode_audio)
         if not len(spans):  # a recording no longer than one window: the whole of it is the only moment

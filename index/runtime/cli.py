@@ -8,8 +8,10 @@ from pathlib import Path
 
 from rich.console import Console
 
+from index.bundle.format import BundleManifest
 from index.errors import BundleError
 from index.metrics.report import format_report_rich
+from index.moments.evaluate import format_moment_comparison, format_moment_report
 from index.runtime.evaluate import evaluate_bundle, max_report_difference
 from index.runtime.loader import LoadedBundle
 from index.runtime.verify import verify_bundle
@@ -42,7 +44,24 @@ def cli_verify(args: argparse.Namespace) -> int:
                       f"{head.hop_seconds:g} s")
     elif manifest.moments is not None:
         console.print("  moments: scored by the sliding windows (no moment head: `tonearm train-moments` adds one)")
+    _print_moment_heldout(console, manifest)
     return 0
+
+
+def _print_moment_heldout(console: Console, manifest: BundleManifest) -> None:
+    """The held-out moment report: both scorers side by side per language when the bundle has a head."""
+    windows = manifest.moments.heldout if manifest.moments is not None else None
+    head = manifest.moment_head.heldout if manifest.moment_head is not None else None
+    languages = list(manifest.languages)
+    if windows and head:
+        table = format_moment_comparison({"windows": windows, "head": head}, languages)
+    elif windows or head:
+        table = format_moment_report(windows or head or {}, languages)
+    else:
+        return
+    console.print("  held-out moments (%):")
+    console.print("\n".join("    " + line for line in table.strip().splitlines()), markup=False, highlight=False,
+                  soft_wrap=True)  # a table row is one line, whatever the terminal's width
 
 
 def cli_eval(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from index.bundle.evalset import MOMENT_SET_FILES, read_moment_set
 from index.bundle.format import encoder_digests, read_manifest, verify_files
 from index.metrics.moments import MomentQuery, moment_report
 from index.moments.head import MomentHeadModel
@@ -131,7 +132,12 @@ def test_train_moments_cli_on_a_bundle(tiny_bundle, tmp_path) -> None:
     assert derived.bundle_id == "tiny-with-head" != source.bundle_id
     assert derived.moment_head is not None and derived.moment_head.source_bundle == source.bundle_id
     assert derived.moment_head.encoder_sha256 == encoder_digests(source) == encoder_digests(derived)
-    assert set(derived.files) == set(source.files) | {"moment_head.onnx", "moment_head.json"}
+    kept = {f"eval/{name}" for name in MOMENT_SET_FILES}  # the held-out recordings, for the quality gate
+    assert set(derived.files) == set(source.files) | {"moment_head.onnx", "moment_head.json"} | kept
+    # both scorers measured on the test split (--heldout-split's default), kept with the bundle
+    moment_set = read_moment_set(out / "eval")
+    assert moment_set is not None and len(moment_set.recording_ids) == 4 and moment_set.queries
+    assert derived.moment_head.heldout is not None and derived.moment_head.heldout["moment_n_queries_fra"] > 0
     with_head = LoadedBundle.open(out)
     try:
         assert with_head.moment_scorer == "head"

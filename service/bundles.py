@@ -224,6 +224,8 @@ def thresholds_from(settings: Settings) -> GateThresholds:
         bootstrap_samples=settings.gate_bootstrap_samples,
         seed=settings.gate_seed,
         gate_set=settings.gate_set,
+        moment_metric=settings.gate_moment_metric,
+        max_moment_drop=settings.gate_max_moment_drop,
     )
 
 

@@ -19,6 +19,14 @@ Like with like (decided here, docs/service.md "Quality gate"):
 - text→audio MRV must not rise above ``active × gate_max_mrv_ratio + gate_mrv_slack``
   (point values on the same set).
 - An index-only candidate (no held-out set: `tonearm index`) is refused without ``--force``.
+- **Moments, like recall.** When the gate set's bundle keeps held-out moment queries (``eval/moment_*``:
+  long recordings with captioned spans, written by `tonearm train-moments` and the demo build) and both
+  bundles answer moments (windows or a trained head), each bundle answers them with the scorer it serves
+  (its head if it has one, else the sliding windows) and the candidate is refused when its
+  ``gate_moment_metric`` (default ``moment_R1@0.7_mean``) is below the active's by more than
+  ``gate_max_moment_drop`` (point values: the moment set is a few recordings, too few queries per
+  recording for a bootstrap over recordings). A candidate that answers no moments while the active
+  does is refused without ``--force`` (its moment route would answer 409 after the swap).
 
 The verdict names the set, its size, each metric for both bundles and the interval; it is
 returned to the caller whether the bundle was activated or not.
@@ -35,12 +43,16 @@ from typing import Any
 
 import numpy as np
 
+from index.bundle.evalset import MomentSet, read_moment_set
+from index.bundle.format import EVAL_DIR
 from index.metrics.paired import PairedInterval, QueryTable, paired_bootstrap, query_table
 from index.metrics.retrieval import retrieval_report
+from index.moments.evaluate import evaluate_moment_set
 
 MRV_KEY = "mrv_t2a"
 SHOWN = ("t2a_R@1_mean", "t2a_R@10_mean", "a2t_R@10_mean", "t2a_mAP@10_mean", MRV_KEY)
 FORCE_HINT = "activate it anyway with --force (HTTP: \"force\": true)"
+MOMENT_SHOWN = ("moment_R1@0.5_mean", "moment_R1@0.7_mean", "moment_mAP_mean")
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,8 @@ class GateSet:
     data: EvalData
     source: str  # "active-held-out" | "configured"
     name: str
+    moments: MomentSet | None = None
+    """The long recordings and moment queries kept beside the held-out clips, if any."""
 
     def describe(self, languages: Sequence[str]) -> dict[str, Any]:
         keep = np.isin(self.data.lang, list(languages))
@@ -80,6 +94,8 @@ class GateThresholds:
     bootstrap_samples: int = 2000
     seed: int = 0
     gate_set: Path | None = None
+    moment_metric: str = "moment_R1@0.7_mean"
+    max_moment_drop: float = 0.05
 
 
 @dataclass
@@ -93,12 +109,13 @@ class GateVerdict:
     compared_to: str | None = None
     set: dict[str, Any] | None = None
     interval: dict[str, Any] | None = None
+    moments: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "passed": self.passed, "forced": self.forced, "reasons": list(self.reasons),
             "languages": list(self.languages), "candidate": dict(self.candidate), "active": dict(self.active),
-            "compared_to": self.compared_to, "set": self.set, "interval": self.interval,
+            "compared_to": self.compared_to, "set": self.set, "interval": self.interval, "moments": self.moments,
         }
 
 
@@ -133,7 +150,7 @@ def configured_set(path: Path) -> GateSet:
     raw = read_eval_set(path / EVAL_DIR)
     data = EvalData(raw.waveforms, list(raw.captions), raw.clip, raw.lang.astype(str), raw.group,
                     sample_rate=manifest.sample_rate)
-    return GateSet(data=data, source="configured", name=str(path))
+    return GateSet(data=data, source="configured", name=str(path), moments=read_moment_set(path / EVAL_DIR))
 
 
 def _waveforms_for(bundle: Any, data: EvalData) -> list[np.ndarray]:
@@ -170,6 +187,7 @@ def evaluate(bundle: Any, data: EvalData, languages: Sequence[str]) -> dict[str,
 _MEMO: OrderedDict[tuple[Any, ...], tuple[dict[str, float], QueryTable]] = OrderedDict()
 _MEMO_SIZE = 4
 _MEMO_LOCK = threading.Lock()
+_MOMENT_MEMO: OrderedDict[tuple[Any, ...], dict[str, float]] = OrderedDict()
 
 
 def evaluate_with_table(
@@ -234,8 +252,79 @@ def _gate_set(active: Any, thresholds: GateThresholds) -> GateSet | str:
     if getattr(getattr(active, "manifest", None), "eval_set", True) is None:
         return (f"the active bundle {active.bundle_id} has no held-out set (an index-only bundle) and no "
                 f"gate set is configured (TONEARM_GATE_SET=BUNDLE_DIR), so the gate cannot compare; {FORCE_HINT}")
+    root = getattr(active, "path", None)
+    moments = read_moment_set(Path(root) / EVAL_DIR) if root is not None else None
     return GateSet(data=eval_data(active), source="active-held-out",
-                   name=f"held-out set of the active bundle {active.bundle_id}")
+                   name=f"held-out set of the active bundle {active.bundle_id}", moments=moments)
+
+
+def answers_moments(bundle: Any) -> bool:
+    """Whether ``bundle`` answers `/v1/search/moments` by itself: it holds windows or a trained moment head."""
+    manifest = getattr(bundle, "manifest", None)
+    return manifest is not None and (getattr(manifest, "moments", None) is not None
+                                     or getattr(manifest, "moment_head", None) is not None)
+
+
+def scorer_of(bundle: Any) -> str:
+    return "head" if getattr(bundle, "moment_head", None) is not None else "windows"
+
+
+def evaluate_moments(bundle: Any, moment_set: MomentSet, languages: Sequence[str], *,
+                     set_name: str | None = None) -> dict[str, float]:
+    """The moment report of ``bundle`` on ``moment_set`` with the scorer it serves (remembered per bundle and
+    set with ``set_name``, as :func:`evaluate_with_table`)."""
+    key = (bundle.bundle_id, set_name, tuple(languages), "moments") if set_name else None
+    with _MEMO_LOCK:
+        if key is not None and key in _MOMENT_MEMO:
+            return _MOMENT_MEMO[key]
+    head = getattr(bundle, "moment_head", None)
+    reports = evaluate_moment_set(bundle, moment_set, languages=languages, head=head)
+    report = reports["head" if head is not None else "windows"]
+    if key is not None:
+        with _MEMO_LOCK:
+            _MOMENT_MEMO[key] = report
+            while len(_MOMENT_MEMO) > _MEMO_SIZE:
+                _MOMENT_MEMO.popitem(last=False)
+    return report
+
+
+def judge_moments(candidate: dict[str, float], active: dict[str, float], thresholds: GateThresholds) -> list[str]:
+    """The moment rule: reasons to reject (empty = pass)."""
+    metric = thresholds.moment_metric
+    if metric not in candidate or metric not in active:
+        return []
+    drop = active[metric] - candidate[metric]
+    if drop <= thresholds.max_moment_drop + 1e-12:
+        return []
+    return [f"{metric} drops from {active[metric]:.4f} to {candidate[metric]:.4f} on the gate set's moment queries "
+            f"(−{drop:.4f} > allowed {thresholds.max_moment_drop:.4f}, TONEARM_GATE_MAX_MOMENT_DROP)"]
+
+
+def _compare_moments(candidate: Any, active: Any, found: GateSet, languages: Sequence[str],
+                     thresholds: GateThresholds) -> tuple[list[str], dict[str, Any] | None]:
+    """Reasons and the verdict's ``moments`` part: refused when the active answers moments and the candidate
+    does not; both answers compared when both do and the gate set has moment queries in ``languages``."""
+    if answers_moments(active) and not answers_moments(candidate):
+        return [f"the active bundle {active.bundle_id} answers moment queries (/v1/search/moments) and the "
+                "candidate has neither moment windows nor a moment head: after the swap the route would answer "
+                f"409 no-moment-index; {FORCE_HINT}"], None
+    moment_set = found.moments
+    if moment_set is None or not answers_moments(candidate) or not answers_moments(active):
+        return [], None
+    asked = [lang for lang in languages if lang in moment_set.languages()]
+    if not asked:
+        return [], None
+    cand = evaluate_moments(candidate, moment_set, asked)
+    act = evaluate_moments(active, moment_set, asked, set_name=found.name)
+    keys = (thresholds.moment_metric, *MOMENT_SHOWN)
+    shown = {
+        "metric": thresholds.moment_metric, "max_drop": thresholds.max_moment_drop,
+        "candidate": {k: cand[k] for k in keys if k in cand}, "active": {k: act[k] for k in keys if k in act},
+        "candidate_scorer": scorer_of(candidate), "active_scorer": scorer_of(active),
+        "n_recordings": len(moment_set.recording_ids),
+        "n_queries": sum(1 for q in moment_set.queries if q.lang in asked),
+    }
+    return judge_moments(cand, act, thresholds), shown
 
 
 def run_gate(candidate: Any, active: Any | None, thresholds: GateThresholds, *, force: bool) -> GateVerdict:
@@ -269,6 +358,8 @@ def run_gate(candidate: Any, active: Any | None, thresholds: GateThresholds, *, 
             f"set (TONEARM_GATE_SET) or {FORCE_HINT}"
         )
     reasons += judge(cand_report, act_report, thresholds, interval)
+    moment_reasons, moments = _compare_moments(candidate, active, found, languages, thresholds)
+    reasons += moment_reasons
     keys = (thresholds.metric, *SHOWN)
     return GateVerdict(
         passed=not reasons or force,
@@ -280,4 +371,5 @@ def run_gate(candidate: Any, active: Any | None, thresholds: GateThresholds, *, 
         compared_to=active.bundle_id,
         set=found.describe(languages),
         interval={"metric": thresholds.metric, **asdict(interval)},
+        moments=moments,
     )

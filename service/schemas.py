@@ -303,6 +303,17 @@ class GateIntervalOut(BaseModel):
     unit: str = Field(description="What the bootstrap resamples (clips).")
 
 
+class GateMomentsOut(BaseModel):
+    metric: str = Field(description="The compared moment metric (TONEARM_GATE_MOMENT_METRIC).")
+    max_drop: float = Field(description="The largest drop allowed (TONEARM_GATE_MAX_MOMENT_DROP).")
+    candidate: dict[str, float] = Field(description="The candidate's moment metrics (means over the languages).")
+    active: dict[str, float]
+    candidate_scorer: Literal["head", "windows"]
+    active_scorer: Literal["head", "windows"]
+    n_recordings: int
+    n_queries: int = Field(description="Moment queries in the compared languages.")
+
+
 class GateVerdictOut(BaseModel):
     passed: bool
     forced: bool
@@ -313,6 +324,9 @@ class GateVerdictOut(BaseModel):
     compared_to: str | None
     set: GateSetOut | None = None
     interval: GateIntervalOut | None = None
+    moments: GateMomentsOut | None = Field(
+        None, description="The moment comparison, when the gate set has moment queries and both bundles answer "
+                          "moments (docs/service.md, \"Quality gate\").")
 
 
 class ActivationResponse(BaseModel):

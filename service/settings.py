@@ -240,6 +240,12 @@ class Settings(BaseSettings):
     gate_max_mrv_ratio: float = Field(default=1.10, ge=1)
     gate_mrv_slack: float = Field(default=1.0, ge=0)
     """Reject when candidate MRV > active MRV × ratio + slack (rank², slack absorbs tiny-set noise)."""
+    gate_moment_metric: str = Field(default="moment_R1@0.7_mean",
+                                    pattern=r"^moment_(R1@0\.5|R1@0\.7|mAP|mAP@0\.5|mAP@0\.75)_mean$")
+    """Moment metric compared by the gate when the gate set has moment queries (index.metrics.moments)."""
+    gate_max_moment_drop: float = Field(default=0.05, ge=0, le=1)
+    """Reject when the candidate's moment metric is lower than the active's by more than this (point values:
+    each bundle answers the gate set's moment queries with the scorer it serves them with)."""
 
     @model_validator(mode="after")
     def _check_safety(self) -> Settings:

@@ -185,8 +185,11 @@ async function findMoments(event) {
       body: JSON.stringify({ query, lang: $("lang").value, k: 5 }),
     });
     renderMoments(body.hits);
+    // which scorer answered (the response's `scorer`): the bundle's trained moment head, or the sliding windows
+    const scorer = body.scorer === "head" ? "the trained moment head" : "the sliding windows";
+    $("moments").dataset.scorer = body.scorer;
     setStatus("moments-status",
-              `${body.hits.length} moment${body.hits.length === 1 ? "" : "s"} for “${query}” (windows of ${body.window_seconds} s every ${body.hop_seconds} s).`);
+              `${body.hits.length} moment${body.hits.length === 1 ? "" : "s"} for “${query}”, scored by ${scorer} (windows of ${body.window_seconds} s every ${body.hop_seconds} s).`);
   } catch (err) {
     setStatus("moments-status", `Moment search failed: ${err.message}`, true);
   }

@@ -17,6 +17,7 @@ import pytest
 
 from service.app import create_app
 from tests.service.conftest import make_settings
+from tests.service.test_demo_moments import readme_moment_query
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FRENCH_QUERY = "Un oiseau chante tout près deux fois, avec des pauses."
@@ -138,6 +139,13 @@ def test_demo_page_end_to_end(browser, tiny_bundle: Path, tiny_corpus: Path, uvi
         assert problems == []
 
 
+def _readme_moment_query() -> tuple[str, str]:
+    """The README's moment query (its language is the page's, French) and the recording it names first."""
+    body, recording, _, _ = readme_moment_query()
+    assert body["lang"] == "fra"
+    return body["query"], recording
+
+
 @pytest.mark.slow
 def test_demo_page_on_the_real_demo_finds_what_the_readme_promises(browser, demo_home: Path, uvicorn_runner,
                                                                    tmp_path: Path) -> None:
@@ -187,6 +195,17 @@ def test_demo_page_on_the_real_demo_finds_what_the_readme_promises(browser, demo
         assert "MRV" in page.inner_text("#rank-caption")
         page.evaluate("document.getElementById('consistency-title').scrollIntoView()")
         page.screenshot(path=str(shots / "demo-2-consistency.png"), full_page=False)
+
+        # the README's moment query: the demo's trained head answers, and the page says so
+        moment_query, recording = _readme_moment_query()
+        page.fill("#moment-query", moment_query)
+        page.click("#moments-button")
+        page.wait_for_selector("#moments li .timeline .mark.current")
+        assert page.inner_text("#moments li .hit-id >> nth=0").startswith(recording)
+        assert "scored by the trained moment head" in page.inner_text("#moments-status")
+        assert page.get_attribute("#moments", "data-scorer") == "head"
+        page.evaluate("document.getElementById('moments-title').scrollIntoView()")
+        page.screenshot(path=str(shots / "demo-4-moments.png"), full_page=False)
 
         page.set_viewport_size({"width": 375, "height": 800})
         page.evaluate("window.scrollTo(0, 0)")

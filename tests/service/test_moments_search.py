@@ -167,6 +167,9 @@ def test_the_demo_page_shows_the_moments_on_a_timeline_and_plays_from_start(
         page.wait_for_selector("#moments li .timeline .mark.current")
         first = page.locator("#moments li").first
         assert "walk.wav" in first.inner_text()
+        # the scorer that answered: this bundle has no trained head
+        assert "scored by the sliding windows" in page.inner_text("#moments-status")
+        assert page.get_attribute("#moments", "data-scorer") == "windows"
         start = float(page.evaluate("() => document.querySelector('#moments li audio').currentTime"))
         label = first.locator("button").inner_text()  # "Play from m:ss.s"
         minutes, seconds = label.removeprefix("Play from ").split(":")

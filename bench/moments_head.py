@@ -1,6 +1,7 @@
 """Moment retrieval: the sliding-window baseline against the trained temporal head (issue 50, SPEC §19).
 
     flock /tmp/tonearm-heavy.lock python bench/moments_head.py [--bundle DIR] [--size small] [--seeds 0 1 2]
+    flock /tmp/tonearm-heavy.lock python bench/moments_head.py --heldout beds [--recordings 20 --long 8 --bed-seed 54]
 
 1. renders a moment corpus (`tonearm synth --moments --size SIZE --seed 100`: the ``train`` split trains
    the head, the ``test`` split is the held-out set — other recordings, other scenes);
@@ -13,6 +14,12 @@
    docs/results' verdict rule: *inconclusive* when the mean ± std intervals overlap or a side has one
    seed, else *reproduced* (head better) or *not reproduced*; writes the `moments_head` section of
    docs/BENCHMARKS.md (``--no-write`` prints it only).
+
+``--heldout beds`` (issue 54) keeps step 1's training but holds out a set that is **not the generator's**:
+bench/moments_baseline.py's recordings (the demo corpus's test clips laid at random times on noise beds,
+some repeated over most of a recording), every caption of a placed clip asked of its recording; it
+compares the head (each seed), the sliding windows (the service's scorer without a head) and the best
+single window, for short and long events, and writes the ``moments_head_beds`` section.
 """
 
 from __future__ import annotations
@@ -24,10 +31,24 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from index.audio.decode import decode_audio
+from index.languages import DEFAULT_LANGUAGES
+from index.metrics.moments import MomentQuery, moment_report
+from index.moments.head import MomentHeadModel
+from index.moments.postprocess import moments_from_scores
+from index.moments.windows import HOP_FRACTION, embed_windows
+from index.runtime.loader import LoadedBundle
+from training.data.manifest import load_manifest
+from training.data.synth_moments import generate_moment_corpus
+from training.moment_head import MomentExample, bundle_examples, export_head, train_head
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moments_baseline import SR, best_window, build_recordings, clip_source  # noqa: E402
+
 from benchlib import bundle_or_demo, cpu_model, publish_section  # noqa: E402
 
 START = "<!-- bench:moments_head:start -->"
@@ -50,17 +71,17 @@ def main() -> None:
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--heldout", choices=["synth", "beds"], default="synth",
+                        help="synth: the corpus's test split; beds: bench/moments_baseline.py's set (not the generator's)")
+    parser.add_argument("--recordings", type=int, default=20, help="--heldout beds: recordings of 2-4 short clips")
+    parser.add_argument("--long", type=int, default=8, help="--heldout beds: recordings with one clip repeated")
+    parser.add_argument("--bed-seed", type=int, default=54, help="--heldout beds: seed of the recordings")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    if args.heldout == "beds":
+        beds_main(args)
+        return
 
-    from index.languages import DEFAULT_LANGUAGES
-    from index.metrics.moments import MomentQuery, moment_report
-    from index.moments.head import MomentHeadModel
-    from index.moments.postprocess import moments_from_scores
-    from index.runtime.loader import LoadedBundle
-    from training.data.manifest import load_manifest
-    from training.data.synth_moments import generate_moment_corpus
-    from training.moment_head import bundle_examples, export_head, train_head
 
     languages = list(DEFAULT_LANGUAGES)
     bundle_dir = bundle_or_demo(args.bundle)
@@ -137,6 +158,138 @@ def main() -> None:
         lines.append(f"| {lang} | " + " | ".join(cells) + " |")
     lines.append(END)
     publish_section("\n".join(lines) + "\n", start=START, end=END, write=not args.no_write)
+
+
+BEDS_START = "<!-- bench:moments_head_beds:start -->"
+BEDS_END = "<!-- bench:moments_head_beds:end -->"
+
+
+def beds_main(args: argparse.Namespace) -> None:
+    """``--heldout beds``: heads trained on `synth --moments`, judged on recordings the generator did not make."""
+
+
+    languages = list(DEFAULT_LANGUAGES)
+    bundle_dir = bundle_or_demo(args.bundle)
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="moments-head-beds-") as tmp:
+        t0 = time.monotonic()
+        manifest = generate_moment_corpus(size=args.size, seed=100, out_dir=Path(tmp) / "corpus", progress=False)
+        clips, where = clip_source(Path(tmp))
+        recordings = build_recordings(clips, seed=args.bed_seed, n_short=args.recordings, n_long=args.long,
+                                      decode=lambda path: decode_audio(path, sample_rate=SR))
+        t_build = time.monotonic() - t0
+        records = [r for r in load_manifest(manifest, languages=languages) if r.split == "train"]
+        bundle = LoadedBundle.open(bundle_dir)
+        try:
+            if bundle.sample_rate != SR:
+                raise SystemExit(f"{bundle_dir}: --heldout beds needs a {SR}-Hz bundle (the beds' rate)")
+            train = bundle_examples(bundle, records, languages)
+            test, kinds = bed_examples(bundle, recordings, languages)
+            window, bundle_id = bundle.clip_samples / bundle.sample_rate, bundle.bundle_id
+        finally:
+            bundle.close()
+        t_embed = time.monotonic() - t0 - t_build
+        hop = float(test[0].spans[1, 0] - test[0].spans[0, 0])
+        answers: dict[str, list[list[list[tuple[float, float, float]]]]] = {
+            "sliding windows (the service without a head)": [[
+                [tuple(m) for m in moments_from_scores(e.spans, e.windows @ e.text)] for e in test]],
+            "best single window": [[best_window(e.spans, e.windows @ e.text) for e in test]],
+            "trained head": []}
+        train_seconds = []
+        for seed in args.seeds:
+            t1 = time.monotonic()
+            head = train_head(train, seed=seed, steps=args.steps)
+            train_seconds.append(time.monotonic() - t1)
+            folder = Path(tmp) / f"head-{seed}"
+            export_head(head, folder, window_seconds=window, hop_seconds=hop)
+            model = MomentHeadModel.load(folder)
+            answers["trained head"].append([[tuple(m) for m in model.moments(e.spans, e.windows, e.text)]
+                                            for e in test])
+        train_hours = sum(r.meta["duration"] for r in records) / 3600
+    bed_hours = sum(len(w) for w, _ in recordings) / SR / 3600
+
+    def reports(kind: str) -> dict[str, list[dict[str, float]]]:
+        picked = [i for i, k in enumerate(kinds) if kind in (k, "all")]
+        return {name: [moment_report([MomentQuery(test[i].language, test[i].truth, list(run[i])) for i in picked],
+                                     languages) for run in runs] for name, runs in answers.items()}
+
+    def stat(values: list[dict[str, float]], key: str) -> tuple[float, float, int]:
+        got = np.array([v[key] for v in values])
+        return float(got.mean()), float(got.std()), len(got)
+
+    def cell(s: tuple[float, float, int]) -> str:
+        return f"{100 * s[0]:.1f}" if s[2] == 1 else f"{100 * s[0]:.1f} ± {100 * s[1]:.1f}"
+
+    by_kind = {kind: reports(kind) for kind in ("short", "long", "all")}
+    counts = {kind: sum(1 for k in kinds if kind in (k, "all")) for kind in ("short", "long", "all")}
+    lines = [BEDS_START, "## moments_head_beds: head vs baseline on a held-out set that is not the generator's "
+             "(issue 54)", "",
+             f"`flock /tmp/tonearm-heavy.lock python bench/moments_head.py --heldout beds "
+             f"{'' if args.bundle is None else f'--bundle {args.bundle} '}--size {args.size} --seeds "
+             f"{' '.join(map(str, args.seeds))} --steps {args.steps} --recordings {args.recordings} --long {args.long} "
+             f"--bed-seed {args.bed_seed}` on {cpu_model()}, {os.cpu_count()} cores, 1-min load {load:.1f} at the "
+             f"start; {dt.date.today().isoformat()}.", "",
+             f"- encoders: `{bundle_id}` (frozen; window {window:g} s, hop {hop:g} s — the service's)",
+             f"- head: `tonearm train-moments`' code on the train split of `synth --moments --size {args.size} "
+             f"--seed 100` ({len(records)} recordings, {train_hours:.2f} h, {len(train)} examples), {args.steps} "
+             f"steps, seeds {', '.join(map(str, args.seeds))}; exported to ONNX and run by onnxruntime",
+             f"- held out (not the generator's, bench/moments_baseline.py's set at `--seed {args.bed_seed}`): clips "
+             f"of {where} laid on noise beds — {len(recordings)} recordings ({bed_hours:.2f} h, 60–180 s): "
+             f"{args.recordings} with 2–4 clips (*short* events), {args.long} with one clip repeated over 55–85 % of "
+             f"the recording (*long* events) beside a short one; every caption of a placed clip asked of its "
+             f"recording ({counts['all']} queries, 8 languages)",
+             f"- time: synth + beds {t_build:.0f} s, embedding {t_embed:.0f} s, head training "
+             f"{np.mean(train_seconds):.0f} s a seed",
+             "- metrics: mean of the 8 languages (%); the windows and the best window are deterministic, the "
+             "head is mean ± std (population) over seeds; verdict (docs/results) of the head against the "
+             "sliding windows: *inconclusive* when the mean ± std intervals overlap", "",
+             "| answer | events | queries | " + " | ".join(name for _, name in METRICS) + " |",
+             "|---|---|---:|" + "---:|" * len(METRICS)]
+    for name in answers:
+        for kind in ("short", "long", "all"):
+            cells = " | ".join(cell(stat(by_kind[kind][name], f"moment_{key}_mean")) for key, _ in METRICS)
+            lines.append(f"| {name} | {kind} | {counts[kind]} | {cells} |")
+    windows_name, head_name = next(iter(answers)), "trained head"
+    lines += ["", "| metric (all events) | sliding windows | head | margin | verdict |", "|---|---:|---:|---:|---|"]
+    for key, name in METRICS:
+        w = stat(by_kind["all"][windows_name], f"moment_{key}_mean")
+        h = stat(by_kind["all"][head_name], f"moment_{key}_mean")
+        lines.append(f"| {name} | {cell(w)} | {cell(h)} | {100 * (h[0] - w[0]):+.1f} | "
+                     f"**{verdict(h, (w[0], 0.0, h[2]))}** |")
+    lines += ["", "Per language, all events (sliding windows → head, %):", "",
+              "| language | " + " | ".join(name for _, name in METRICS) + " |", "|---|" + "---:|" * len(METRICS)]
+    for lang in languages:
+        cells = [f"{cell(stat(by_kind['all'][windows_name], f'moment_{k}_{lang}'))} → "
+                 f"{cell(stat(by_kind['all'][head_name], f'moment_{k}_{lang}'))}" for k, _ in METRICS]
+        lines.append(f"| {lang} | " + " | ".join(cells) + " |")
+    lines.append(BEDS_END)
+    publish_section("\n".join(lines) + "\n", start=BEDS_START, end=BEDS_END, write=not args.no_write)
+
+
+def bed_examples(bundle: Any, recordings: list[tuple[np.ndarray, list[Any]]],
+                 languages: list[str]) -> tuple[list[Any], list[str]]:
+    """Every caption of every placed clip, asked of its recording, as the head's examples; and each one's kind
+    (``long`` when a placed clip repeated over most of the recording carries the caption)."""
+
+    window = int(bundle.clip_samples)
+    hop = max(1, int(round(window * HOP_FRACTION)))
+    examples, kinds = [], []
+    for r, (wave, placed) in enumerate(recordings):
+        spans, vectors = embed_windows(wave, sample_rate=bundle.sample_rate, window_samples=window,
+                                       hop_samples=hop, encode=bundle.encode_audio)
+        asked: dict[tuple[str, str], list[Any]] = {}
+        for p in placed:
+            for lang in languages:
+                for text in p.captions.get(lang, []):
+                    asked.setdefault((lang, text), []).append(p)
+        keys = list(asked)
+        texts = np.asarray(bundle.encode_text([t for _, t in keys]), dtype=np.float32)
+        for key, text in zip(keys, texts, strict=True):
+            truth = asked[key]
+            examples.append(MomentExample(spans, vectors, text, [(p.start, p.end) for p in truth], key[0],
+                                          f"bed-{r}"))
+            kinds.append("long" if any(p.long for p in truth) else "short")
+    return examples, kinds
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from index.bundle.format import read_manifest
+from index.engines.milvus_windows import published_windows
 from index.errors import BundleError, BundleNotPublished, IndexBackendError
 from service.allocator import freeze_long_lived, trim
 from service.cache import QueryCache
@@ -381,6 +382,11 @@ class BundleRegistry:
             bundle, cache=self.cache, key_prefix=self.settings.key_prefix,
             max_query_chars=QUERY_MAX_CHARS,
         )
+        try:  # served from Milvus: the moment windows too, when publish wrote them (no copy held here)
+            searcher.bundle_window_source = published_windows(bundle)
+        except IndexBackendError as err:
+            bundle.close()
+            raise index_unavailable(err) from None
         return _Entry(bundle=bundle, searcher=searcher)
 
     # ------------------------------------------------------------------ activation
@@ -584,5 +590,8 @@ def _check_and_warm(bundle: Any) -> None:
 def _close(entry: _Entry) -> None:
     try:
         entry.bundle.close()
+        release = getattr(entry.searcher.bundle_window_source, "release", None)  # its windows' Milvus memory
+        if callable(release):
+            release()
     except Exception:  # closing must not break a swap
         log.exception("closing bundle %s failed", entry.bundle_id)

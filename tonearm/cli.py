@@ -326,7 +326,7 @@ def _add_bundle(sub: argparse._SubParsersAction) -> None:
     publish.add_argument("--milvus-token-env", metavar="VAR", help="environment variable holding the Milvus token")
     publish.add_argument("--milvus-index", default="FLAT", choices=("FLAT", "IVF_FLAT", "HNSW", "AUTOINDEX"),
                          help="Milvus index type of the collections (FLAT = exact)")
-    publish.set_defaults(handler=_lazy("index.engines.milvus_index:cli_publish", "milvus"))
+    publish.set_defaults(handler=_lazy("index.engines.milvus_windows:cli_publish", "milvus"))
     for name, help_text in (
         ("list", "bundles known to a running service"),
         ("activate", "activate a bundle on a running service (runs the quality gate)"),

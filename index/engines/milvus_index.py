@@ -61,7 +61,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -644,13 +644,20 @@ def kept_fields(written: Mapping[str, str], kept_items: Sequence[Mapping[str, An
     return {name: kind for name, kind in fields.items() if written.get(name) == kind}
 
 
-def publish(bundle_dir: Path, target: MilvusTarget, *, index_type: str = "FLAT") -> bool:
+PublishStep = Callable[[Path, BundleManifest, np.ndarray], dict[str, Any]]
+"""More collections a publish writes before it registers the bundle (``(bundle dir, manifest, caption vectors)``
+→ entries merged into the registry row): :func:`index.engines.milvus_windows.publish_windows`, the moment windows."""
+
+
+def publish(bundle_dir: Path, target: MilvusTarget, *, index_type: str = "FLAT",
+            steps: Sequence[PublishStep] = ()) -> bool:
     """Write a bundle's vectors to Milvus; False when it was already published (nothing written).
 
     The recall@10 of each collection against the bundle's exact vectors is measured on up to
     :data:`RECALL_QUERIES` queries (captions for the audio collection, clips for the text one;
     an index-only bundle, which has no captions and an empty text collection: clips for the
-    audio one) and recorded with the build and search parameters in the registry."""
+    audio one) and recorded with the build and search parameters in the registry. ``steps`` write
+    further collections (the moment windows) before the registry row, which stays the last write."""
     _check_index_type(index_type)
     root = Path(bundle_dir)
     manifest = read_manifest(root)
@@ -679,6 +686,8 @@ def publish(bundle_dir: Path, target: MilvusTarget, *, index_type: str = "FLAT")
                                       index_type=index_type, build=build)
             sample = _recall_sample(queries)
             info["recall_at_10"][kind] = _measure_recall(index, sample, exact_top(vectors, sample, 10))
+        for step in steps:
+            info.update(step(root, manifest, text))
         _register(target, manifest.bundle_id, info)
     return True
 
@@ -1117,14 +1126,15 @@ def target_from_args(uri: str, token_env: str | None) -> MilvusTarget:
     return MilvusTarget(uri=uri, token=token, **target_options_from_env())
 
 
-def cli_publish(args: argparse.Namespace) -> int:
-    """`tonearm bundle publish BUNDLE --milvus-uri URI [--milvus-token-env VAR] [--milvus-index TYPE]`."""
+def cli_publish(args: argparse.Namespace, *, steps: Sequence[PublishStep] = ()) -> int:
+    """`tonearm bundle publish BUNDLE --milvus-uri URI [--milvus-token-env VAR] [--milvus-index TYPE]`
+    (``steps``: :func:`publish`'s; the command runs :func:`index.engines.milvus_windows.cli_publish`)."""
     root = Path(args.bundle)
     if not (root / fmt.MANIFEST_NAME).is_file():
         raise BundleError(f"{root}: not a bundle directory (no {fmt.MANIFEST_NAME})")
     target = target_from_args(args.milvus_uri, args.milvus_token_env)
     manifest = read_manifest(root)
-    written = publish(root, target, index_type=args.milvus_index)
+    written = publish(root, target, index_type=args.milvus_index, steps=steps)
     info = published_info(target, manifest.bundle_id) or {}
     state = "published" if written else "already published (nothing written)"
     Console().print(
@@ -1133,5 +1143,11 @@ def cli_publish(args: argparse.Namespace) -> int:
         f"({info.get('n_text', '?')} captions); {info.get('index_type', '?')} "
         f"recall@10 {info.get('recall_at_10', {})}", highlight=False, soft_wrap=True,
     )
+    windows = info.get("windows")
+    if windows:
+        Console().print(
+            f"{manifest.bundle_id}: {windows['n_windows']:,} moment windows of {windows['n_recordings']:,} recordings in "
+            f"{target.collection(manifest.bundle_id, 'windows')} ({windows['index_type']}, best-recording recall@10 "
+            f"{windows['recall_at_10']})", highlight=False, soft_wrap=True)
     return 0
 

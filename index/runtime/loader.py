@@ -35,7 +35,7 @@ from index.audio.frontend import (
 )
 from index.bundle import format as fmt
 from index.bundle.evalset import EvalSet, read_eval_set, read_jsonl
-from index.bundle.format import BundleManifest, check_moment_head, read_manifest, verify_files
+from index.bundle.format import BundleManifest, check_files, check_moment_head, read_manifest
 from index.bundle.tokenizer import TextTokenizer
 from index.engines.faiss_index import DEFAULT_MMAP_THRESHOLD
 from index.engines.filters import Filter
@@ -362,6 +362,16 @@ def _read_items(path: Path, *, required: Sequence[str], expected: int) -> list[d
     return items
 
 
+def _files_to_verify(root: Path, manifest: BundleManifest, *, milvus: bool) -> dict[str, Any]:
+    """Every file of the manifest; served from Milvus, the moment windows may be absent: `tonearm bundle publish`
+    wrote them to Milvus, whose copy the replica reads (it keeps none, docs/service.md "Moments on the Milvus
+    backend"). Present, they are checked like any file."""
+    if not milvus or manifest.moments is None:
+        return dict(manifest.files)
+    optional = {manifest.moments.windows_file, manifest.moments.spans_file}
+    return {rel: entry for rel, entry in manifest.files.items() if rel not in optional or (root / rel).exists()}
+
+
 class LoadedBundle:
     """A bundle ready to serve: encoders, indices, ids and the held-out set (numpy in/out)."""
 
@@ -459,7 +469,9 @@ class LoadedBundle:
         ``intra_op_threads``). Raises :class:`BundleError` naming the offending file.
         """
         root = Path(path)
-        manifest = verify_files(root) if verify else read_manifest(root)
+        manifest = read_manifest(root)
+        if verify:
+            check_files(root, _files_to_verify(root, manifest, milvus=milvus is not None))
         providers = check_providers(providers) if providers else providers_for(device)
         dim = manifest.embed_dim
         audio_index: VectorIndex

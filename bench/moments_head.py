@@ -38,13 +38,19 @@ import numpy as np
 from index.audio.decode import decode_audio
 from index.languages import DEFAULT_LANGUAGES
 from index.metrics.moments import MomentQuery, moment_report
-from index.moments.head import MomentHeadModel
+from index.moments.head import LONGER_THAN, MomentHeadModel
 from index.moments.postprocess import moments_from_scores
 from index.moments.windows import HOP_FRACTION, embed_windows
 from index.runtime.loader import LoadedBundle
 from training.data.manifest import load_manifest
 from training.data.synth_moments import generate_moment_corpus
-from training.moment_head import MomentExample, bundle_examples, export_head, train_head
+from training.moment_head import (
+    MomentExample,
+    bundle_examples,
+    export_head,
+    longest_moment,
+    train_head,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moments_baseline import SR, best_window, build_recordings, clip_source  # noqa: E402
@@ -194,17 +200,21 @@ def beds_main(args: argparse.Namespace) -> None:
             "sliding windows (the service without a head)": [[
                 [tuple(m) for m in moments_from_scores(e.spans, e.windows @ e.text)] for e in test]],
             "best single window": [[best_window(e.spans, e.windows @ e.text) for e in test]],
-            "trained head": []}
+            "trained head, its own spans only": [], "trained head": []}
         train_seconds = []
+        longest = longest_moment(train)
         for seed in args.seeds:
             t1 = time.monotonic()
             head = train_head(train, seed=seed, steps=args.steps)
             train_seconds.append(time.monotonic() - t1)
             folder = Path(tmp) / f"head-{seed}"
-            export_head(head, folder, window_seconds=window, hop_seconds=hop)
-            model = MomentHeadModel.load(folder)
-            answers["trained head"].append([[tuple(m) for m in model.moments(e.spans, e.windows, e.text)]
-                                            for e in test])
+            export_head(head, folder, window_seconds=window, hop_seconds=hop,
+                        extra={"longest_moment_seconds": longest})
+            model = MomentHeadModel.load(folder)  # as served: stretches longer than it learned from its curve
+            spans_only = MomentHeadModel(model.session, {**model.info, "longest_moment_seconds": None})
+            for name, scorer in (("trained head", model), ("trained head, its own spans only", spans_only)):
+                answers[name].append([[tuple(m) for m in scorer.moments(e.spans, e.windows, e.text)]
+                                      for e in test])
         train_hours = sum(r.meta["duration"] for r in records) / 3600
     bed_hours = sum(len(w) for w, _ in recordings) / SR / 3600
 
@@ -232,7 +242,10 @@ def beds_main(args: argparse.Namespace) -> None:
              f"- encoders: `{bundle_id}` (frozen; window {window:g} s, hop {hop:g} s — the service's)",
              f"- head: `tonearm train-moments`' code on the train split of `synth --moments --size {args.size} "
              f"--seed 100` ({len(records)} recordings, {train_hours:.2f} h, {len(train)} examples), {args.steps} "
-             f"steps, seeds {', '.join(map(str, args.seeds))}; exported to ONNX and run by onnxruntime",
+             f"steps, seeds {', '.join(map(str, args.seeds))}; exported to ONNX and run by onnxruntime; its "
+             f"training moments last at most {longest:g} s. *trained head*: as served (index/moments/head.py: a "
+             f"stretch of its relevance curve longer than {LONGER_THAN:g} × that is a moment too); *its own spans "
+             "only*: without that",
              f"- held out (not the generator's, bench/moments_baseline.py's set at `--seed {args.bed_seed}`): clips "
              f"of {where} laid on noise beds — {len(recordings)} recordings ({bed_hours:.2f} h, 60–180 s): "
              f"{args.recordings} with 2–4 clips (*short* events), {args.long} with one clip repeated over 55–85 % of "

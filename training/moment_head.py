@@ -151,6 +151,12 @@ def export_head(head: MomentHead, out_dir: Path, *, window_seconds: float, hop_s
     return out_dir / HEAD_ONNX
 
 
+def longest_moment(examples: Sequence[MomentExample]) -> float:
+    """The longest ground-truth moment among ``examples`` (seconds): past it the served head's spans are not
+    what it learned (:meth:`index.moments.head.MomentHeadModel.moments`)."""
+    return round(max((end - start for e in examples for start, end in e.truth), default=0.0), 3)
+
+
 def attach_moment_head(source: Path, train_records: Sequence[Any], out: Path, *, seed: int = 0, steps: int = 300,
                        heldout_records: Sequence[Any] = (), training: dict[str, Any] | None = None) -> Path:
     """Train a head on ``train_records``' moments with ``source``'s frozen encoders and publish ``out``: the source
@@ -168,7 +174,8 @@ def attach_moment_head(source: Path, train_records: Sequence[Any], out: Path, *,
         head = train_head(examples, seed=seed, steps=steps)
         window = float(examples[0].spans[0, 1] - examples[0].spans[0, 0])
         hop = float(examples[0].spans[1, 0] - examples[0].spans[0, 0]) if len(examples[0].spans) > 1 else window
-        described = {**(training or {}), "seed": seed, "steps": steps, "examples": len(examples)}
+        described = {**(training or {}), "seed": seed, "steps": steps, "examples": len(examples),
+                     "longest_moment_seconds": longest_moment(examples)}
         with tempfile.TemporaryDirectory(prefix="moment-head-") as folder:
             export_head(head, Path(folder), window_seconds=window, hop_seconds=hop,
                         extra={"bundle": source_id, "encoder_sha256": digests, **described})

@@ -18,9 +18,13 @@ import onnxruntime as ort
 from index.bundle.format import MOMENT_HEAD as HEAD_ONNX
 from index.bundle.format import MOMENT_HEAD_INFO as HEAD_INFO
 from index.errors import BundleError
-from index.moments.postprocess import Moment, non_maximum_suppression
+from index.moments.postprocess import Moment, moments_from_scores, non_maximum_suppression
 
-__all__ = ["HEAD_INFO", "HEAD_ONNX", "MomentHeadModel"]
+__all__ = ["HEAD_INFO", "HEAD_ONNX", "LONGER_THAN", "MomentHeadModel"]
+
+LONGER_THAN = 1.5
+"""A stretch of high relevance replaces the head's spans inside it when it is this many times longer than the
+longest moment the head was trained on (:meth:`MomentHeadModel._longer_runs`)."""
 
 
 @dataclass
@@ -59,4 +63,22 @@ class MomentHeadModel:
         scores = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
         proposals = [Moment(float(s), float(e), float(p)) for s, e, p in zip(starts, ends, scores, strict=True)
                      if e > s]
-        return non_maximum_suppression(proposals, nms_iou, limit)
+        return non_maximum_suppression([*self._longer_runs(spans, scores), *proposals], nms_iou, limit)
+
+    def _longer_runs(self, spans: np.ndarray, scores: np.ndarray) -> list[Moment]:
+        """Stretches of the head's relevance curve longer than any moment it was trained on, as moments.
+
+        The head places a moment around each window with spans it learned from its training moments; an
+        event far longer (a sound covering most of a recording, when it was trained on events of seconds)
+        gets spans of the trained lengths inside it, and none of them is the event. Its relevance stays high
+        over the whole event, though: the sliding windows' merge and refinement
+        (:func:`index.moments.postprocess.moments_from_scores`) over the curve of probabilities give that
+        stretch, which ranks before the spans inside it (same best window, a hair more). Only stretches
+        longer than ``LONGER_THAN`` × the longest trained moment (``longest_moment_seconds`` in
+        ``moment_head.json``; a head without it keeps its own spans only)."""
+        longest = float(self.info.get("longest_moment_seconds") or 0.0)
+        if longest <= 0.0 or len(spans) < 3:
+            return []
+        runs = moments_from_scores(spans, scores)
+        return [Moment(m.start, m.end, min(1.0, m.score + 1e-6)) for m in runs
+                if m.end - m.start > LONGER_THAN * longest]

@@ -15,6 +15,10 @@ One logic for every catalogue pass — `tonearm index` (:mod:`index.catalogue.ow
   skip) whose key is still in the catalogue, whatever chunk it was saved in; only the rest is embedded,
   and :func:`embed_in_chunks` logs how many were reused and why the rest were not (new or changed
   content; another pass: which of its settings changed). Chunks of another pass are deleted.
+* **Windows.** A clips pass that windows its long recordings (:mod:`index.catalogue.pass_windows`) saves
+  each long file's moment windows in the chunk of its clip vector, under the same key: a resumed pass
+  neither decodes a finished file again nor loses its windows. Chunks saved by a pass that did not window
+  are another pass (the window settings are part of the pass digest).
 * **Loss.** An interruption costs at most the chunk in progress; a clip that cannot be decoded is
   skipped and listed (the caller records it in the bundle), never a reason to drop chunks; a pass refused
   by a check (:func:`resumable`) keeps its chunks for the rerun. The folder goes once the bundle is published.
@@ -59,16 +63,23 @@ class Item:
     key: str
 
 
+Windows = tuple[np.ndarray, np.ndarray]
+"""A long recording's moment windows: ``(spans (n, 2) seconds, vectors (n, d))``
+(:func:`index.moments.windows.embed_windows`)."""
+
+
 @dataclass(frozen=True)
 class Chunk:
     """Vectors of the embedded items (``clip_ids``/``keys`` row by row) and the skipped ones
-    (``(clip id, reason)``, with their keys in ``skipped_keys``)."""
+    (``(clip id, reason)``, with their keys in ``skipped_keys``); ``windows``: the moment windows of the
+    long recordings among the embedded items, by clip id (:mod:`index.catalogue.pass_windows`)."""
 
     clip_ids: list[str]
     embeddings: np.ndarray
     skipped: list[tuple[str, str]]
     keys: list[str] = field(default_factory=list)
     skipped_keys: list[str] = field(default_factory=list)
+    windows: dict[str, Windows] = field(default_factory=dict)
 
 
 def content_key(path: Path) -> str:
@@ -158,24 +169,31 @@ class EmbedCheckpoint:
     def _path(self, number: int) -> Path:
         return self.folder / f"chunk-{number:06d}.npz"
 
-    def load_all(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-        """Every saved vector and skip reason by content key (no skip when ``retry_skips``: the decode limits
-        changed; a later chunk's skip or vector of a key replaces an earlier one's)."""
+    def load_all(self) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, Windows]]:
+        """Every saved vector, skip reason and long recording's windows by content key (no skip when
+        ``retry_skips``: the decode limits changed; a later chunk's skip or vector of a key replaces an
+        earlier one's)."""
         vectors: dict[str, np.ndarray] = {}
         skips: dict[str, str] = {}
+        windows: dict[str, Windows] = {}
         for path in self.chunk_paths():
             try:
                 with np.load(path, allow_pickle=False) as data:
-                    for key, vector in zip(data["keys"], np.asarray(data["embeddings"], np.float32), strict=True):
-                        vectors[str(key)] = vector
-                    for key, reason in zip(data["skipped_keys"], data["skipped_reason"], strict=True):
-                        skips[str(key)] = str(reason)
+                    found = dict(zip(data["keys"].tolist(), np.asarray(data["embeddings"], np.float32), strict=True))
+                    reasons = dict(zip(data["skipped_keys"].tolist(), data["skipped_reason"].tolist(), strict=True))
+                    long = _saved_windows(data) if "window_keys" in data.files else {}
             except (OSError, ValueError, KeyError) as err:  # written atomically, so only a foreign file
                 log.warning("resume: %s unreadable (%s); its items are embedded again", path, err)
+                continue
+            for key, vector in found.items():
+                vectors[str(key)] = vector
+                windows.pop(str(key), None)  # this chunk's own windows of the key (or none) replace older ones
+            skips.update((str(k), str(r)) for k, r in reasons.items())
+            windows.update(long)
         if self.retry_skips and skips:
             log.info("resume: %d saved skips tried again: the decode limits changed", len(skips))
             skips = {}
-        return vectors, skips
+        return vectors, skips, windows
 
     def next_number(self) -> int:
         numbers = [int(p.stem.split("-")[1]) for p in self.chunk_paths()]
@@ -183,17 +201,34 @@ class EmbedCheckpoint:
 
     def save(self, number: int, chunk: Chunk) -> None:
         tmp = self.folder / f".chunk-{number:06d}.tmp.npz"
+        key_of = dict(zip(chunk.clip_ids, chunk.keys, strict=True))
+        long = [(key_of[c], w) for c, w in chunk.windows.items()]
+        dim = chunk.embeddings.shape[1] if chunk.embeddings.ndim == 2 else 0
         np.savez(tmp, keys=np.asarray(chunk.keys, dtype=str), clip_ids=np.asarray(chunk.clip_ids, dtype=str),
                  embeddings=chunk.embeddings,
                  skipped_keys=np.asarray(chunk.skipped_keys, dtype=str),
                  skipped_rel=np.asarray([s[0] for s in chunk.skipped], dtype=str),
-                 skipped_reason=np.asarray([s[1] for s in chunk.skipped], dtype=str))
+                 skipped_reason=np.asarray([s[1] for s in chunk.skipped], dtype=str),
+                 window_keys=np.asarray([k for k, _ in long], dtype=str),
+                 window_counts=np.asarray([len(w[0]) for _, w in long], dtype=np.int64),
+                 window_spans=np.concatenate([w[0] for _, w in long]) if long else np.zeros((0, 2)),
+                 window_vectors=(np.concatenate([w[1] for _, w in long]).astype(np.float32) if long
+                                 else np.zeros((0, dim), np.float32)))
         with tmp.open("rb") as handle:
             os.fsync(handle.fileno())
         tmp.replace(self._path(number))
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _saved_windows(data: Any) -> dict[str, Windows]:
+    """The windows a chunk file holds, by content key."""
+    ends = np.cumsum(data["window_counts"])
+    spans, vectors = np.asarray(data["window_spans"], np.float64), np.asarray(data["window_vectors"], np.float32)
+    return {str(key): (spans[end - n : end], vectors[end - n : end])
+            for key, n, end in zip(data["window_keys"].tolist(), data["window_counts"].tolist(), ends.tolist(),
+                                   strict=True)}
 
 
 class Advance(Protocol):
@@ -209,13 +244,15 @@ keys left empty: the driver fills them), calling ``advance(n)`` as it goes."""
 
 @dataclass(frozen=True)
 class PassResult:
-    """A whole pass: the embedded items in item order, the skipped ones, and what resume reused."""
+    """A whole pass: the embedded items in item order, the skipped ones, what resume reused, and the
+    moment windows of the long recordings among the embedded items, by clip id (a pass that windows)."""
 
     clip_ids: list[str]
     embeddings: np.ndarray
     skipped: list[tuple[str, str]]
     reused: int = 0
     embedded: int = 0
+    windows: dict[str, Windows] = field(default_factory=dict)
 
 
 def embed_in_chunks(items: Sequence[Item] | int, embed: EmbedChunk, *, dim: int, checkpoint: EmbedCheckpoint | None,
@@ -228,7 +265,7 @@ def embed_in_chunks(items: Sequence[Item] | int, embed: EmbedChunk, *, dim: int,
         raise ValueError(f"chunk_files must be >= 1, got {chunk_files}")
     if isinstance(items, int):
         items = [Item(str(i), f"#{i}") for i in range(items)]
-    vectors, skips = checkpoint.load_all() if checkpoint is not None else ({}, {})
+    vectors, skips, windows = checkpoint.load_all() if checkpoint is not None else ({}, {}, {})
     todo = [i for i, item in enumerate(items) if item.key not in vectors and item.key not in skips]
     reused = len(items) - len(todo)
     if checkpoint is not None:
@@ -245,31 +282,35 @@ def embed_in_chunks(items: Sequence[Item] | int, embed: EmbedChunk, *, dim: int,
         chunk = embed(chosen, advance)
         by_id = {items[i].clip_id: items[i].key for i in chosen}
         chunk = Chunk(chunk.clip_ids, chunk.embeddings, chunk.skipped, keys=[by_id[c] for c in chunk.clip_ids],
-                      skipped_keys=[by_id[s[0]] for s in chunk.skipped])
+                      skipped_keys=[by_id[s[0]] for s in chunk.skipped], windows=chunk.windows)
         if checkpoint is not None:
             checkpoint.save(number, chunk)
             number += 1
         for key, vector in zip(chunk.keys, chunk.embeddings, strict=True):
             vectors[key] = vector
+        windows.update((by_id[c], w) for c, w in chunk.windows.items())
         skips.update(zip(chunk.skipped_keys, (s[1] for s in chunk.skipped), strict=True))
     clip_ids: list[str] = []
     rows: list[np.ndarray] = []
     skipped: list[tuple[str, str]] = []
+    kept_windows: dict[str, Windows] = {}
     for item in items:
         if item.key in vectors:
             clip_ids.append(item.clip_id)
             rows.append(vectors[item.key])
+            if item.key in windows:
+                kept_windows[item.clip_id] = windows[item.key]
         else:
             skipped.append((item.clip_id, skips[item.key]))
     embeddings = np.stack(rows).astype(np.float32) if rows else np.zeros((0, dim), np.float32)
-    return PassResult(clip_ids, embeddings, skipped, reused=reused, embedded=len(todo))
+    return PassResult(clip_ids, embeddings, skipped, reused=reused, embedded=len(todo), windows=kept_windows)
 
 
 class PassRate:
     """A pass's progress text: this run's clips/s (items loaded from a checkpoint left out), the time
     left at that rate, and — given a clock (:class:`index.catalogue.embed_pass.PassClock`) — the time spent
-    waiting for decoded clips and the encoder's busy fraction, e.g.
-    ``12.3 clips/s, 4.5 min left, decode wait 3 %, encoder busy 95 %``."""
+    waiting for decoded clips, the encoder's busy fraction and the moment windows of the long files embedded,
+    e.g. ``12.3 clips/s, 4.5 min left, decode wait 3 %, encoder busy 95 %, 840 moment windows of 7 long files``."""
 
     def __init__(self, total: int, clock: Any = None) -> None:
         self.total, self.done, self.embedded = total, 0, 0
@@ -289,9 +330,8 @@ class PassRate:
         rate = self.rate
         left = f"{(self.total - self.done) / rate / 60:.1f} min left" if rate > 0 else "? left"
         text = f"{rate:.1f} clips/s, {left}"
-        if self.clock is not None and self.clock.elapsed() > 0:
-            text += f", {self.clock.describe()}"
-        return text
+        described = self.clock.describe() if self.clock is not None and self.clock.elapsed() > 0 else ""
+        return f"{text}, {described}" if described else text
 
 
 @contextmanager

@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 
 from index.audio.decode import DecodeLimits
-from index.catalogue.checkpoint import Chunk, EmbedChunk
+from index.catalogue.checkpoint import Chunk, EmbedChunk, Windows
+from index.catalogue.pass_windows import Decoded, encode_windows
 from index.errors import AudioDecodeError, TonearmError
 
 BATCH_SAMPLES = 16 * 480_000
@@ -103,13 +104,22 @@ def default_decode_workers(encoder_threads: int = 1) -> int:
 
 
 class PassClock:
-    """Wall time of a pass, the time it waited for decoded clips and the time its encoder ran."""
+    """Wall time of a pass, the time it waited for decoded clips and the time its encoder ran, and the moment
+    windows it embedded (:mod:`index.catalogue.pass_windows`). ``timed`` False: a pass whose decoding and
+    encoding run elsewhere (Ray), which only counts the windows."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, timed: bool = True) -> None:
         self.began = time.monotonic()
+        self.timed = timed
         self.decode_wait = 0.0
         self.encode_busy = 0.0
         self.clips = 0
+        self.windows = 0
+        self.long_files = 0
+
+    def count_windows(self, windows: int, files: int = 1) -> None:
+        self.windows += windows
+        self.long_files += files
 
     def elapsed(self) -> float:
         return time.monotonic() - self.began
@@ -119,13 +129,24 @@ class PassClock:
 
     def describe(self) -> str:
         elapsed = max(self.elapsed(), 1e-9)
-        return f"decode wait {100 * self.decode_wait / elapsed:.0f} %, encoder busy {100 * self.busy_fraction():.0f} %"
+        parts = [f"decode wait {100 * self.decode_wait / elapsed:.0f} %, encoder busy {100 * self.busy_fraction():.0f} %"
+                 ] if self.timed else []
+        if self.long_files:
+            parts.append(f"{self.windows} moment windows of {self.long_files} long files")
+        return ", ".join(parts)
 
 
-def _decode_one(decode: Callable[[Any], np.ndarray], path: Any) -> tuple[np.ndarray | None, str]:
-    """In a worker: the waveform, or None and why it cannot be decoded."""
+Decoding = np.ndarray | Decoded
+"""What a pass's decode function returns: the clip's waveform, or with its windows' recording (a
+:class:`~index.catalogue.pass_windows.WindowedDecode`)."""
+
+
+def _decode_one(decode: Callable[[Any], Decoding], path: Any) -> tuple[Decoding | None, str]:
+    """In a worker: the waveform (or :class:`~index.catalogue.pass_windows.Decoded`), or None and why it cannot
+    be decoded."""
     try:
-        return np.ascontiguousarray(decode(path), dtype=np.float32), ""
+        found = decode(path)
+        return (found if isinstance(found, Decoded) else np.ascontiguousarray(found, dtype=np.float32)), ""
     except AudioDecodeError as err:
         return None, str(err).removeprefix(f"{path}: ")
 
@@ -140,7 +161,7 @@ class Decoder:
     handed to a worker) from then until it is yielded; a file alone may pass the budget (its own limits
     bound it), so the most held is max(budget, one file's ``limits.max_bytes``)."""
 
-    def __init__(self, decode: Callable[[Any], np.ndarray], options: PassOptions, clock: PassClock, *,
+    def __init__(self, decode: Callable[[Any], Decoding], options: PassOptions, clock: PassClock, *,
                  threads: bool = False) -> None:
         self.decode, self.options, self.clock, self.threads = decode, options, clock, threads
         self.pool: Executor | None = None
@@ -166,8 +187,9 @@ class Decoder:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
 
-    def imap(self, paths: Sequence[Any]) -> Iterator[tuple[np.ndarray | None, str]]:
-        """``(waveform or None, reason)`` per path, in order."""
+    def imap(self, paths: Sequence[Any]) -> Iterator[tuple[Decoding | None, str]]:
+        """``(waveform or None, reason)`` per path, in order (a :class:`~index.catalogue.pass_windows.Decoded`
+        when the decode function windows)."""
         if self.pool is None:
             for path in paths:
                 began = time.monotonic()
@@ -176,7 +198,7 @@ class Decoder:
                 yield found
             return
         pool, budget = self.pool, self.options.decode_memory
-        pending: deque[tuple[Future[tuple[np.ndarray | None, str]], int]] = deque()
+        pending: deque[tuple[Future[tuple[Decoding | None, str]], int]] = deque()
         queue = iter(paths)
         waiting: tuple[Any, int] | None = None
 
@@ -227,16 +249,20 @@ def length_batches(lengths: Sequence[int], batch_samples: int) -> list[list[int]
 Encode = Callable[[list[np.ndarray]], np.ndarray]
 
 
-def clip_embedder(ids: Sequence[str], sources: Sequence[Any], decode: Callable[[Any], np.ndarray], encode: Encode, *,
+def clip_embedder(ids: Sequence[str], sources: Sequence[Any], decode: Callable[[Any], Decoding], encode: Encode, *,
                   dim: int, decoder: Decoder) -> EmbedChunk:
     """The :data:`~index.catalogue.checkpoint.EmbedChunk` of a clips pass: the chunk's ``sources`` decoded by
     ``decoder`` and encoded by ``encode`` (waves → (n, d)) in length-sorted calls of the pass's budget;
-    a clip that cannot be decoded is skipped with its reason."""
+    a clip that cannot be decoded is skipped with its reason. With a windowing decode
+    (:class:`~index.catalogue.pass_windows.WindowedDecode`) a long recording's moment windows are encoded by
+    ``encode`` as soon as it is decoded, and go into the chunk beside its clip vector."""
     clock, options = decoder.clock, decoder.options
+    plan = getattr(decode, "plan", None)
 
     def embed(indices: Sequence[int], advance: Callable[[int], None]) -> Chunk:
         kept: list[int] = []
         vectors: dict[int, np.ndarray] = {}
+        windows: dict[str, Windows] = {}
         skipped: list[tuple[str, str]] = []
         window: list[tuple[int, np.ndarray]] = []
 
@@ -252,11 +278,14 @@ def clip_embedder(ids: Sequence[str], sources: Sequence[Any], decode: Callable[[
             advance(len(window))
             window.clear()
 
-        for i, (wave, reason) in zip(indices, decoder.imap([sources[i] for i in indices]), strict=True):
-            if wave is None:
+        for i, (found, reason) in zip(indices, decoder.imap([sources[i] for i in indices]), strict=True):
+            if found is None:
                 skipped.append((ids[i], reason))
                 advance(1)
                 continue
+            wave = found.clip if isinstance(found, Decoded) else found
+            if isinstance(found, Decoded) and found.whole is not None and plan is not None:
+                windows[ids[i]] = encode_windows(plan, found.whole, lambda w: encode(list(w)), clock)  # held once
             kept.append(i)
             window.append((i, wave))
             if len(window) >= options.prefetch or sum(len(w) for _, w in window) >= options.batch_samples:
@@ -264,7 +293,7 @@ def clip_embedder(ids: Sequence[str], sources: Sequence[Any], decode: Callable[[
         if window:
             flush()
         embeddings = np.stack([vectors[i] for i in kept]).astype(np.float32) if kept else np.zeros((0, dim), np.float32)
-        return Chunk([ids[i] for i in kept], embeddings, skipped)
+        return Chunk([ids[i] for i in kept], embeddings, skipped, windows=windows)
 
     return embed
 
@@ -435,7 +464,7 @@ _DEVICE: dict[str, Any] = {}
 error that stopped them (``error``), reported by :func:`_device_ready`."""
 
 
-def _start_device(spec: EncoderSpec, decode: Callable[[Any], np.ndarray], options: PassOptions,
+def _start_device(spec: EncoderSpec, decode: Callable[[Any], Decoding], options: PassOptions,
                   device_id: int) -> None:
     try:
         clock = PassClock()
@@ -453,13 +482,17 @@ def _device_ready() -> str:
     return str(_DEVICE.get("error", ""))
 
 
-def _embed_on_device(ids: Sequence[str], sources: Sequence[Any], indices: Sequence[int]) -> tuple[Chunk, float, float]:
-    """In a device process: its share of a chunk, and its encoder-busy and decode-wait seconds."""
+def _embed_on_device(ids: Sequence[str], sources: Sequence[Any],
+                     indices: Sequence[int]) -> tuple[Chunk, float, float, int, int]:
+    """In a device process: its share of a chunk, its encoder-busy and decode-wait seconds, and the moment
+    windows and long files it embedded."""
     decoder: Decoder = _DEVICE["decoder"]
-    before_busy, before_wait = decoder.clock.encode_busy, decoder.clock.decode_wait
+    clock = decoder.clock
+    before = clock.encode_busy, clock.decode_wait, clock.windows, clock.long_files
     embed = clip_embedder(ids, sources, decoder.decode, _DEVICE["encode"], dim=_DEVICE["dim"], decoder=decoder)
     chunk = embed(list(indices), lambda _n: None)
-    return chunk, decoder.clock.encode_busy - before_busy, decoder.clock.decode_wait - before_wait
+    return (chunk, clock.encode_busy - before[0], clock.decode_wait - before[1], clock.windows - before[2],
+            clock.long_files - before[3])
 
 
 class DevicePool:
@@ -472,7 +505,7 @@ class DevicePool:
     (CUDA libraries missing, a bad ``device_id``, its process killed) stops the pass before any chunk, with a
     :class:`DeviceError` naming each such device and its error."""
 
-    def __init__(self, spec: EncoderSpec, devices: Sequence[int], decode: Callable[[Any], np.ndarray],
+    def __init__(self, spec: EncoderSpec, devices: Sequence[int], decode: Callable[[Any], Decoding],
                  options: PassOptions, clock: PassClock) -> None:
         self.spec, self.devices, self.decode, self.clock = spec, list(devices), decode, clock
         share = max(0, options.decode_workers // max(1, len(self.devices)))
@@ -531,16 +564,18 @@ class DevicePool:
             wall = time.monotonic() - began
             self.clock.encode_busy += wall * (sum(p[1] for p in parts) / max(wall * len(parts), 1e-9))
             self.clock.decode_wait += wall * (sum(p[2] for p in parts) / max(wall * len(parts), 1e-9))
+            self.clock.count_windows(sum(p[3] for p in parts), sum(p[4] for p in parts))
             advance(len(indices))
             chunks = [p[0] for p in parts]
             dim = self.spec.embed_dim
             embeddings = (np.concatenate([c.embeddings for c in chunks]) if chunks else np.zeros((0, dim), np.float32))
-            return Chunk([c for ch in chunks for c in ch.clip_ids], embeddings, [s for ch in chunks for s in ch.skipped])
+            return Chunk([c for ch in chunks for c in ch.clip_ids], embeddings, [s for ch in chunks for s in ch.skipped],
+                         windows={c: w for ch in chunks for c, w in ch.windows.items()})
 
         return embed
 
 
-def pass_embedder(ids: Sequence[str], sources: Sequence[Any], decode: Callable[[Any], np.ndarray], encode: Encode, *,
+def pass_embedder(ids: Sequence[str], sources: Sequence[Any], decode: Callable[[Any], Decoding], encode: Encode, *,
                   dim: int, options: PassOptions, clock: PassClock, spec: EncoderSpec | None,
                   stack: Any) -> EmbedChunk:
     """The pass's :data:`~index.catalogue.checkpoint.EmbedChunk`: on ``options.devices`` (one process each,

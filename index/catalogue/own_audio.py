@@ -19,6 +19,11 @@ With ``ray`` (`tonearm index --ray [ADDRESS]`) the decoding and embedding run as
 (:mod:`index.catalogue.ray_embed`), one a chunk, checkpointed and resumed as in this process; the bundle
 written is the same.
 
+A file longer than two of the model's windows is also indexed as moment windows (docs/bundle.md, "Moments"),
+embedded by the process that decodes and embeds its clip vector — in this process, a device process of
+``--devices`` or a Ray actor — from that one decode, and checkpointed with it
+(:mod:`index.catalogue.pass_windows`).
+
 With ``milvus`` as well (`tonearm index --ray --milvus-uri URI`) each Ray actor writes its own
 vectors into the bundle's Milvus collection and the driver never holds them: the collection
 is then indexed, its recall measured and the bundle registered exactly as `tonearm bundle
@@ -56,6 +61,7 @@ from index.catalogue.checkpoint import (
     Chunk,
     EmbedCheckpoint,
     PassRate,
+    Windows,
     embed_in_chunks,
     file_items,
     pass_digest,
@@ -74,12 +80,13 @@ from index.catalogue.half_precision import (
     check_precision_options,
     probe_waves,
 )
+from index.catalogue.pass_windows import WindowedDecode, WindowPlan, bundle_windows
 from index.catalogue.ray_embed import RayOptions, ray_options_from_args
 from index.engines.faiss_ondisk import build_and_save
 from index.errors import AudioDecodeError, BundleError, TonearmError
 from index.ids import catalogue_ids
 from index.items.file_metadata import find_metadata_file, read_file_metadata
-from index.moments.windows import index_recordings, write_bundle_windows
+from index.moments.windows import write_bundle_windows
 from index.runtime.loader import AUDIO_INPUTS, LoadedBundle, device_providers, encode_clips
 
 log = logging.getLogger(__name__)
@@ -190,9 +197,10 @@ def index_folder(
     try:
         manifest = bundle.manifest
         frontend = manifest.audio_frontend.model_dump(mode="json") if manifest.audio_frontend is not None else None
+        plan = WindowPlan(bundle.sample_rate, bundle.clip_samples)
         describe = {"encoder": manifest.files[manifest.audio_encoder.file].sha256,
                     "sample_rate": bundle.sample_rate, "clip_samples": bundle.clip_samples, "audio_frontend": frontend,
-                    **({"precision": precision} if precision != "fp32" else {})}
+                    "moments": plan.describe(), **({"precision": precision} if precision != "fp32" else {})}
         # in this process and on Ray alike (the same vectors to float tolerance: either resumes the other's chunks)
         checkpoint = EmbedCheckpoint(out, pass_digest(**describe), describe=describe,
                                      skips_under=options.limits.describe())
@@ -208,16 +216,13 @@ def index_folder(
                     path=str(encoder_path), embed_dim=bundle.embed_dim, clip_samples=bundle.clip_samples,
                     providers=tuple(providers or bundle.onnx_providers), frontend=frontend,
                     call_samples=options.codec_call_samples)
-                clip_ids, embeddings, skipped = _embed(bundle, folder, progress=progress,
-                                                       checkpoint=checkpoint, chunk_files=chunk_files, encode=encode,
-                                                       options=options, spec=spec)
-                windows = index_recordings([audio_dir / folder.uris[c] for c in clip_ids], sample_rate=bundle.sample_rate,
-                                           window_samples=bundle.clip_samples, decode=limited(options.limits),
-                                           encode=encode)
+                clip_ids, embeddings, skipped, long = _embed(bundle, folder, progress=progress,
+                                                             checkpoint=checkpoint, chunk_files=chunk_files,
+                                                             encode=encode, options=options, spec=spec)
         else:
-            clip_ids, embeddings, skipped = _embed_on_ray(bundle, source, folder, ray, options,
-                                                          checkpoint=checkpoint, chunk_files=chunk_files)
-            windows = []  # long recordings' windows: in-process passes only (docs/bundle.md, "Moments")
+            clip_ids, embeddings, skipped, long = _embed_on_ray(bundle, source, folder, ray, options,
+                                                                checkpoint=checkpoint, chunk_files=chunk_files)
+        windows = bundle_windows(clip_ids, long)  # keyed by the rows of the audio index written below
     finally:
         bundle.close()
     skipped = folder.in_order(skipped)
@@ -397,11 +402,12 @@ def _embed(
     checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
     encode: Callable[[Sequence[np.ndarray]], np.ndarray] | None = None, options: PassOptions | None = None,
     spec: EncoderSpec | None = None,
-) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
+) -> tuple[list[str], np.ndarray, list[tuple[str, str]], dict[str, Windows]]:
     """The pass in chunks of ``chunk_files`` files (:func:`index.catalogue.checkpoint.embed_in_chunks`); a file
     whose content a chunk in ``checkpoint`` holds is reused, not embedded; the files decoded beside the
-    encoder (:func:`index.catalogue.embed_pass.clip_embedder`). Progress: files done, clips/s of this run, the
-    time left at that rate, the decode wait and the encoder's busy fraction (bar and log). ``encode``: the
+    encoder (:func:`index.catalogue.embed_pass.clip_embedder`), a long one's moment windows embedded from
+    the same decode (by clip id). Progress: files done, clips/s of this run, the time left at that rate, the
+    decode wait, the encoder's busy fraction and the moment windows embedded (bar and log). ``encode``: the
     waveforms' vectors (default: the bundle's own audio encoder)."""
     encode = encode or bundle.encode_audio
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -421,28 +427,31 @@ def _embed(
                 logged = rate.done
 
         limits = (options or PassOptions()).limits
-        decode = DecodeCall(decode_file, args=(bundle.sample_rate, limits), sample_rate=bundle.sample_rate)
+        decode = WindowedDecode(DecodeCall(decode_file, args=(bundle.sample_rate, limits), sample_rate=bundle.sample_rate),
+                                WindowPlan(bundle.sample_rate, bundle.clip_samples))
         with ExitStack() as stack:
             embed = pass_embedder(rels, files, decode, lambda waves: encode(waves), dim=bundle.embed_dim,
                                   options=options or PassOptions(), clock=clock, spec=spec, stack=stack)
             done = embed_in_chunks(file_items(rels, files), embed, dim=bundle.embed_dim, checkpoint=checkpoint,
                                    chunk_files=chunk_files, advance=advance, what="files")
-    return done.clip_ids, done.embeddings, done.skipped
+    return done.clip_ids, done.embeddings, done.skipped, done.windows
 
 
 def _embed_on_ray(
     bundle: LoadedBundle, source: Path, folder: FolderClips, options: RayOptions,
     pass_options: PassOptions, *, checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
-) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
+) -> tuple[list[str], np.ndarray, list[tuple[str, str]], dict[str, Windows]]:
     """The pass as Ray Data jobs, one a chunk of ``chunk_files`` files, checkpointed in ``checkpoint`` as the
-    in-process pass is (:func:`index.catalogue.checkpoint.embed_in_chunks`: a rerun reuses every saved vector and
-    skip whose file's content is unchanged, in this process or on Ray); a file a worker could not decode is
-    skipped with the reason."""
+    in-process pass is (:func:`index.catalogue.checkpoint.embed_in_chunks`: a rerun reuses every saved vector,
+    window and skip whose file's content is unchanged, in this process or on Ray); a file a worker could not
+    decode is skipped with the reason; the actors window the long files (by clip id)."""
     from index.catalogue.ray_embed import embed_audio_files
 
     model = (source / bundle.manifest.audio_encoder.file).read_bytes()
     files, rels = folder.files, folder.ids
-    rate = PassRate(len(files))
+    plan = WindowPlan(bundle.sample_rate, bundle.clip_samples)
+    clock = PassClock(timed=False)  # the actors decode and encode: this process counts the windows only
+    rate = PassRate(len(files), clock)
 
     def advance(n: int, /, *, resumed: bool = False) -> None:
         rate.add(n, resumed=resumed)
@@ -453,16 +462,18 @@ def _embed_on_ray(
         done = embed_audio_files(chosen, model, decode=limited(pass_options.limits), embed_dim=bundle.embed_dim,
                                  sample_rate=bundle.sample_rate, clip_samples=bundle.clip_samples, policy="chunk",
                                  options=options, frontend=bundle.manifest.audio_frontend,
-                                 call_samples=pass_options.codec_call_samples)
+                                 call_samples=pass_options.codec_call_samples, windows=plan)
         kept = [k for k, error in enumerate(done.errors) if not error]
+        long = {rels[indices[k]]: found for k, found in enumerate(done.windows or []) if found is not None}
+        clock.count_windows(sum(len(w[0]) for w in long.values()), len(long))
         step(len(indices))
         return Chunk([rels[indices[k]] for k in kept], np.asarray(done.embeddings[kept], np.float32),
                      [(rels[i], error.removeprefix(f"{files[i]}: "))
-                      for i, error in zip(indices, done.errors, strict=True) if error])
+                      for i, error in zip(indices, done.errors, strict=True) if error], windows=long)
 
     done = embed_in_chunks(file_items(rels, files), embed, dim=bundle.embed_dim, checkpoint=checkpoint,
                            chunk_files=chunk_files, advance=advance, what="files")
-    return done.clip_ids, done.embeddings, done.skipped
+    return done.clip_ids, done.embeddings, done.skipped, done.windows
 
 
 def cli_index(args: argparse.Namespace) -> int:

@@ -11,6 +11,10 @@ A pass over files (or captions) becomes one Ray Data pipeline::
   the encoder's bytes (shipped through the object store, so workers need no copy of
   the bundle); ``intra_op_num_threads`` equals the CPUs the actor reserves, so N
   actors on N cores do not oversubscribe.
+* With a :class:`~index.catalogue.pass_windows.WindowPlan` an actor also embeds the moment windows of each
+  long recording it decodes (the decode of its clip vector: one decode per file) and returns them beside
+  the vector (:func:`~index.catalogue.pass_windows.serialize_windows`); the caller checkpoints them with
+  the chunk, as the in-process pass does.
 * Actors decode and embed exactly as the single-process path does (the caller's own
   ``decode`` function, under the pass's decode limits, then :func:`index.bundle.evalset.prepare_waveform` and
   :func:`index.runtime.loader.encode_waveforms` / :func:`index.runtime.loader.encode_texts`), so the
@@ -34,6 +38,7 @@ must be readable at the same path on every worker (a shared volume); docs/deploy
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -53,6 +58,8 @@ from index.audio.frontend import Padding
 from index.bundle.evalset import prepare_waveform
 from index.bundle.format import AudioFrontendInfo
 from index.bundle.tokenizer import TextTokenizer
+from index.catalogue.checkpoint import Windows
+from index.catalogue.pass_windows import WindowPlan, deserialize_windows, serialize_windows
 from index.catalogue.ray_connect import connect
 from index.errors import AudioDecodeError, TonearmError
 from index.runtime.loader import (
@@ -166,8 +173,10 @@ class AudioEmbedder:
 
     def __init__(self, model: Any, *, decode: Decode, embed_dim: int, sample_rate: int, clip_samples: int,
                  policy: Policy, threads: int, sink: Sink | None = None, padding: Padding = "pad",
-                 frontend: AudioFrontendInfo | None = None, device: str = "cpu", call_samples: int | None = None) -> None:
+                 frontend: AudioFrontendInfo | None = None, device: str = "cpu", call_samples: int | None = None,
+                 windows: WindowPlan | None = None) -> None:
         self.encoder = _session(model, AUDIO_INPUTS, embed_dim, threads, device)
+        self.windows = windows  # long recordings' moment windows, from the decode of their clip vector
         self.call_samples = call_samples  # a whole-clip encoder's samples a call (PassOptions.codec_call_samples)
         self.decode = decode
         self.sink = sink
@@ -179,13 +188,16 @@ class AudioEmbedder:
         self.timeline: list[tuple[str, int, float, float]] = []
         """(``decode`` / ``encode``, group, began, ended) of the last call (time.monotonic; what the tests read)."""
 
-    def _decoded(self, path: str, group: int) -> tuple[np.ndarray | None, str]:
+    def _decoded(self, path: str, group: int) -> tuple[np.ndarray | None, np.ndarray | None, str]:
+        """(the clip's prepared waveform, the whole recording when it is long and windowed, error)."""
         began = time.monotonic()
         try:
             wave = self.decode(Path(path), self.sample_rate)
-            return prepare_waveform(wave, clip_samples=self.clip_samples, policy=self.policy, padding=self.padding), ""
+            whole = wave if self.windows is not None and self.windows.is_long(len(wave)) else None
+            prepared = prepare_waveform(wave, clip_samples=self.clip_samples, policy=self.policy, padding=self.padding)
+            return prepared, whole, ""
         except AudioDecodeError as err:
-            return None, str(err)
+            return None, None, str(err)
         finally:
             self.timeline.append(("decode", group, began, time.monotonic()))
 
@@ -200,6 +212,9 @@ class AudioEmbedder:
         finally:
             self.timeline.append(("encode", group, began, time.monotonic()))
 
+    def _encode_windows(self, windows: Sequence[np.ndarray], group: int) -> np.ndarray:
+        return self._encode(list(windows), group)
+
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         began = time.time()
         self.timeline = []
@@ -207,30 +222,38 @@ class AudioEmbedder:
         groups = [list(range(s, min(s + AUDIO_GROUP_FILES, len(paths)))) for s in range(0, len(paths), AUDIO_GROUP_FILES)]
         errors = [""] * len(paths)
         out = np.zeros((len(paths), self.embed_dim), np.float32)
+        windows = [b""] * len(paths)
 
-        def submit(g: int) -> list[Future[tuple[np.ndarray | None, str]]]:
+        def submit(g: int) -> list[Future[tuple[np.ndarray | None, np.ndarray | None, str]]]:
             return [self.decoding.submit(self._decoded, paths[i], g) for i in groups[g]] if g < len(groups) else []
 
         pending = submit(0)
         for g, rows in enumerate(groups):
             following = submit(g + 1)  # decoded by the threads while this group is encoded here
-            waves, kept = [], []
+            waves, kept, long = [], [], []
             for row, future in zip(rows, pending, strict=True):
-                wave, error = future.result()
+                wave, whole, error = future.result()
                 if wave is None:
                     errors[row] = error
                 else:
                     waves.append(wave)
                     kept.append(row)
+                    if whole is not None:
+                        long.append((row, whole))
             if waves:
                 out[kept] = self._encode(waves, g)
+            if long and self.windows is not None:  # only then is a recording kept whole
+                encode = functools.partial(self._encode_windows, group=g)
+                for row, whole in long:
+                    windows[row] = serialize_windows(self.windows.embed(whole, encode))
             pending = following
         ok = np.array([not e for e in errors], dtype=bool)
         if self.sink is not None:  # written from here: only row numbers and errors go back to the driver
             metas = [json.loads(str(meta)) for meta in batch["meta"][ok]]
             self.sink(batch["row"][ok].astype(np.int64), out[ok], metas)
             out = out[:, :0]
-        return {"row": batch["row"], "embedding": out, "error": np.array(errors, dtype=object),
+        found = {"windows": np.array(windows, dtype=object)} if self.windows is not None and self.sink is None else {}
+        return {"row": batch["row"], "embedding": out, "error": np.array(errors, dtype=object), **found,
                 **_stamps(len(errors), began)}
 
 
@@ -268,6 +291,8 @@ class RayEmbedded:
     busy_s: float = 0.0
     """From the first actor call's start to the last one's end: the pool's working span, without
     the pass's fixed costs (actor start, session creation) — rows / busy_s is its throughput."""
+    windows: list[Windows | None] | None = None
+    """With a :class:`~index.catalogue.pass_windows.WindowPlan`: each row's moment windows (None: not long)."""
 
 
 def pool_size(options: RayOptions, resources: dict[str, float]) -> int:
@@ -308,6 +333,7 @@ def _run(rows: list[dict[str, Any]], actor: type, constructor: dict[str, Any], *
     dataset = build_dataset(rows, actor, constructor, batch_size=batch_size, options=options, workers=workers)
     embeddings = np.zeros((len(rows), 0 if constructor.get("sink") is not None else dim), np.float32)
     errors = [""] * len(rows)
+    windows: list[Windows | None] | None = [None] * len(rows) if constructor.get("windows") is not None else None
     seen: set[int] = set()
     first, last = float("inf"), 0.0
     try:
@@ -317,13 +343,17 @@ def _run(rows: list[dict[str, Any]], actor: type, constructor: dict[str, Any], *
             embeddings[order] = batch["embedding"]
             for row, error in zip(order, batch.get("error", [""] * len(order)), strict=True):
                 errors[int(row)] = str(error)
+            if windows is not None and "windows" in batch:
+                for row, data in zip(order, batch["windows"], strict=True):
+                    windows[int(row)] = deserialize_windows(bytes(data), dim)
             seen.update(int(w) for w in batch["worker"])
             if advance is not None:
                 advance(len(order))
     except ray.exceptions.RayError as err:
         raise _worker_error(err) from None
     log.info("Ray pass: %d rows on %d worker processes (pool of %d)", len(rows), len(seen), workers)
-    return RayEmbedded(embeddings=embeddings, errors=errors, workers=len(seen), busy_s=max(0.0, last - first))
+    return RayEmbedded(embeddings=embeddings, errors=errors, workers=len(seen), busy_s=max(0.0, last - first),
+                       windows=windows)
 
 
 def _worker_error(err: BaseException) -> TonearmError:
@@ -345,8 +375,9 @@ def embed_audio_files(paths: Sequence[Path | str], model: bytes, *, decode: Deco
                       advance: Callable[[int], None] | None = None, sink: Sink | None = None,
                       metas: Sequence[dict[str, Any]] | None = None,
                       padding: Padding = "pad", frontend: AudioFrontendInfo | None = None,
-                      call_samples: int | None = None) -> RayEmbedded:
-    """Clip embeddings of ``paths`` (decoded, prepared with ``policy``, chunk-averaged) on Ray.
+                      call_samples: int | None = None, windows: WindowPlan | None = None) -> RayEmbedded:
+    """Clip embeddings of ``paths`` (decoded, prepared with ``policy``, chunk-averaged) on Ray; with
+    ``windows`` also the moment windows of the long recordings among them (``RayEmbedded.windows``).
 
     ``sink``: each actor writes its vectors there (row = position in ``paths``) with ``metas[row]``
     (the row's metadata object; ``{}`` when not given) and the driver gets none back
@@ -356,7 +387,7 @@ def embed_audio_files(paths: Sequence[Path | str], model: bytes, *, decode: Deco
     ray = connect(options.address)
     constructor = {"model": ray.put(model), "decode": decode, "embed_dim": embed_dim, "sample_rate": sample_rate,
                    "clip_samples": clip_samples, "policy": policy, "sink": sink, "padding": padding,
-                   "frontend": frontend, "call_samples": call_samples}
+                   "frontend": frontend, "call_samples": call_samples, "windows": windows if sink is None else None}
     rows: list[dict[str, Any]] = [{"row": i, "path": str(p)} for i, p in enumerate(paths)]
     if metas is not None and len(metas) != len(rows):
         raise ValueError(f"{len(metas)} metadata objects for {len(rows)} files")

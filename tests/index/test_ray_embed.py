@@ -221,6 +221,26 @@ def test_pretrained_export_on_ray_writes_the_single_process_bundle(
         _assert_same_index(exported, local, kind)
 
 
+def test_index_on_ray_writes_the_windows_of_long_files(
+    ray_address: str, ray_home: Path, tiny_bundle: Path, tmp_path: Path
+) -> None:
+    """Issue 54, part 5: `tonearm index --ray` windows the long files on the actors, from the decode of their clip
+    vector (it wrote no windows before); the bundle's windows are the in-process pass's, counted in the progress."""
+    from tests.index.test_pass_windows import bundle_windows_of, write_long_folder
+
+    folder = write_long_folder(tmp_path / "sounds", read_manifest(tiny_bundle).sample_rate)
+    local = index_folder(folder, tiny_bundle, tmp_path / "local")
+    run = tonearm("-v", "index", str(folder), "--bundle", str(tiny_bundle), "--out", str(tmp_path / "on-ray"),
+                  "--ray", ray_address, "--ray-workers", "2", home=ray_home)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "11 moment windows of 2 long files" in run.stderr
+    spans, vectors = bundle_windows_of(tmp_path / "on-ray")
+    want_spans, want_vectors = bundle_windows_of(local.path)
+    assert len(want_spans) == 11
+    np.testing.assert_array_equal(spans, want_spans)
+    np.testing.assert_allclose(vectors, want_vectors, atol=2e-5)
+
+
 def test_unreachable_cluster_is_a_user_error(ray_home: Path, tiny_bundle: Path, tmp_path: Path) -> None:
     _ray_binary()
     sf.write(tmp_path / "a.wav", np.zeros(1600, np.float32), read_manifest(tiny_bundle).sample_rate)

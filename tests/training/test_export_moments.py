@@ -4,7 +4,10 @@ measures the sliding-window baseline on them (SPEC §19, docs/bundle.md and docs
 from __future__ import annotations
 
 import json
+import traceback
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +26,9 @@ RATE = 16000
 @pytest.fixture(scope="module")
 def exported(tiny_checkpoint: Path, tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Three test clips, and one long recording of those clips three times over, with a moment per
-    scene (the same caption on the three repeats: one query, three ground-truth windows)."""
+    scene (the same caption on the three repeats: one query, three ground-truth windows). The catalogue
+    pass's reads of each file are counted (``pass_reads``: the samples of a SoundFile read from the code of
+    ``index/catalogue``, the held-out moment report's own decodes left out)."""
     from training.bundle.export import export_bundle
 
     tmp = tmp_path_factory.mktemp("export_moments")
@@ -39,8 +44,29 @@ def exported(tiny_checkpoint: Path, tiny_corpus: Path, tmp_path_factory: pytest.
             t += len(wave) / RATE
     long = ClipRecord("long", tmp / "long.wav", clips[1].captions, "test", {}, moments)
     write_manifest([*clips, long], tmp / "m.jsonl")
-    path = export_bundle(tiny_checkpoint, manifest=tmp / "m.jsonl", out_dir=tmp / "out", progress=False)
-    return {"bundle": path, "manifest": tmp / "m.jsonl", "wave": long_wave, "tmp": tmp}
+    pass_reads: Counter[str] = Counter()
+    read = sf.SoundFile.read
+
+    def counted(self: sf.SoundFile, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "_counted", False):
+            self._counted = True
+            stack = [frame.filename for frame in traceback.extract_stack()]
+            if (any("/index/catalogue/" in f for f in stack)
+                    and not any(f.endswith("/index/moments/evaluate.py") for f in stack)):
+                pass_reads[Path(self.name).name] += 1
+        return read(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sf.SoundFile, "read", counted)
+        path = export_bundle(tiny_checkpoint, manifest=tmp / "m.jsonl", out_dir=tmp / "out", progress=False)
+    return {"bundle": path, "manifest": tmp / "m.jsonl", "wave": long_wave, "tmp": tmp, "pass_reads": pass_reads}
+
+
+def test_the_catalogue_pass_decodes_the_long_recording_once(exported: dict) -> None:
+    """Issue 54, part 5: its windows come from the decode of its clip vector (before, a second pass decoded it
+    again after the clips pass)."""
+    assert exported["pass_reads"]["long.wav"] == 1
+    assert sorted(exported["pass_reads"].values()) == [1, 1, 1, 1]  # the three clips and the long recording
 
 
 def test_export_stores_windows_of_long_recordings_only(exported: dict) -> None:

@@ -226,11 +226,11 @@ def _write_sections(steps: ExportSteps[E], model: ModelDescription, clips: ClipS
     write_eval_set(staging / fmt.EVAL_DIR, eval_set)
     evaluation, quantization = steps.evaluate(staged.handle, eval_set, staging / fmt.EVAL_DIR)
     quantize, tokenizer = staged.quantize, staged.tokenizer
-    moments = export_windows(  # long recordings as windows (SPEC §19, docs/bundle.md "Moments")
-        staging, [r.audio for r in done.records], encoder_file=fmt.AUDIO_ENCODER, sample_rate=model.sample_rate,
+    moments = export_windows(  # long recordings' windows, embedded by the clips pass (docs/bundle.md "Moments")
+        staging, done.windows, encoder_file=fmt.AUDIO_ENCODER, sample_rate=model.sample_rate,
         clip_samples=model.clip_samples, embed_dim=model.embed_dim, frontend=model.audio_frontend,
         providers=providers, heldout=clips.held_out_moments, languages=model.languages,
-        text_files=(fmt.TEXT_ENCODER, fmt.TOKENIZER), limits=steps.limits)
+        text_files=(fmt.TEXT_ENCODER, fmt.TOKENIZER))
     return {
         "audio_encoder": fmt.EncoderInfo(file=fmt.AUDIO_ENCODER, opset=OPSET, inputs=list(staged.audio_inputs),
                                          outputs=list(OUTPUTS), parity_min_cosine=staged.audio_cosine,

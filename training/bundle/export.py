@@ -44,6 +44,7 @@ from index.bundle import format as fmt
 from index.bundle.evalset import (
     EvalSet,
     load_eval_waveform,
+    prepare_waveform,
     read_eval_set,
 )
 from index.bundle.tokenizer import TextTokenizer
@@ -61,6 +62,7 @@ from index.catalogue.half_precision import (
     check_precision_options,
     probe_waves,
 )
+from index.catalogue.pass_windows import WindowedDecode, WindowPlan
 from index.catalogue.ray_embed import RayOptions, decode_whole, embed_audio_files, embed_captions
 from index.errors import BundleError
 from index.metrics.report import METRIC_CONVENTION
@@ -262,19 +264,37 @@ def embed_catalogue_audio(
     options: PassOptions | None = None, clock: PassClock | None = None, providers: Sequence[str] = CPU,
 ) -> PassResult:
     """The catalogue's clip embeddings with the evaluation policy (:func:`training.bundle.parts.embed_clips`:
-    decoded beside the encoder, checkpointed in chunks; undecodable clips skipped and listed). With
-    ``options.devices`` each device process loads ``encoder``'s file with ``providers`` (:func:`audio_spec`)."""
-    clip_samples, padding = clip_samples_of(cfg), short_clip_padding(cfg.frontend)
+    decoded beside the encoder, checkpointed in chunks; undecodable clips skipped and listed), and the moment
+    windows of the long recordings from the same decode (:func:`windowed_decode`). With ``options.devices``
+    each device process loads ``encoder``'s file with ``providers`` (:func:`audio_spec`)."""
     frontend = checkpoint_audio_frontend(cfg, model)
     options = options or PassOptions()
-    decode = DecodeCall(load_eval_waveform, kwargs={"sample_rate": cfg.frontend.sample_rate,
-                                                    "clip_samples": clip_samples, "policy": cfg.data.eval_crop,
-                                                    "padding": padding, **options.limits.kwargs()},
-                        sample_rate=cfg.frontend.sample_rate)
+    decode = windowed_decode(cfg, options.limits)
     call = options.codec_call_samples
     return embed_clips(records, decode, lambda waves: encode_bundle_audio(encoder, waves, cfg, frontend, call),
                        dim=cfg.model.embed_dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files,
                        options=options, clock=clock, spec=audio_spec(encoder, cfg, model, providers, call))
+
+
+def window_plan(cfg: TrainConfig) -> WindowPlan:
+    """The moment windows of a checkpoint's bundle: its model's window at its rate."""
+    return WindowPlan(cfg.frontend.sample_rate, clip_samples_of(cfg))
+
+
+def windowed_decode(cfg: TrainConfig, limits: DecodeLimits) -> WindowedDecode:
+    """The clips pass's decode: a clip under the evaluation policy (:func:`index.bundle.evalset.load_eval_waveform`)
+    and a long recording kept whole for its windows — decoded once: with ``center`` a file whose header says it
+    is long is decoded whole and cropped in memory (equal to the window decode)."""
+    rate, clip_samples, padding = cfg.frontend.sample_rate, clip_samples_of(cfg), short_clip_padding(cfg.frontend)
+    clip = DecodeCall(load_eval_waveform, kwargs={"sample_rate": rate, "clip_samples": clip_samples,
+                                                  "policy": cfg.data.eval_crop, "padding": padding, **limits.kwargs()},
+                      sample_rate=rate)
+    if cfg.data.eval_crop != "center":  # the clip is the whole recording
+        return WindowedDecode(clip, window_plan(cfg))
+    return WindowedDecode(clip, window_plan(cfg), whole=DecodeCall(decode_audio, kwargs={"sample_rate": rate,
+                                                                                         **limits.kwargs()}),
+                          prepare=functools.partial(prepare_waveform, clip_samples=clip_samples, policy="center",
+                                                    padding=padding))
 
 
 def audio_spec(encoder: OnnxEncoder, cfg: TrainConfig, model: Any, providers: Sequence[str],
@@ -315,10 +335,10 @@ def reflect_frontend(cfg: TrainConfig, model: Any = None) -> fmt.AudioFrontendIn
 def embed_catalogue_on_ray(
     encoders: _Encoders, records: Sequence[ClipRecord], cfg: TrainConfig, options: RayOptions, model: Any = None,
     *, checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES, limits: DecodeLimits | None = None,
-    call_samples: int | None = None,
+    call_samples: int | None = None, advance: Advance | None = None, clock: PassClock | None = None,
 ) -> PassResult:
-    """The catalogue's clip embeddings as Ray Data jobs, one a chunk, checkpointed as in process (same vectors);
-    each actor decodes under ``limits``."""
+    """The catalogue's clip embeddings and the long recordings' moment windows as Ray Data jobs, one a chunk,
+    checkpointed as in process (same vectors); each actor decodes under ``limits``."""
     dim, model_bytes = cfg.model.embed_dim, encoders.audio.path.read_bytes()
     decode = functools.partial(decode_whole, limits=limits or DecodeLimits())
 
@@ -327,9 +347,11 @@ def embed_catalogue_on_ray(
             paths, model_bytes, decode=decode, embed_dim=dim, sample_rate=cfg.frontend.sample_rate,
             clip_samples=clip_samples_of(cfg), policy=cfg.data.eval_crop, options=options,
             padding=short_clip_padding(cfg.frontend), frontend=reflect_frontend(cfg, model), call_samples=call_samples,
+            windows=window_plan(cfg),
         )
 
-    return embed_clips_on_ray(records, run, dim=dim, checkpoint=checkpoint, chunk_files=chunk_files)
+    return embed_clips_on_ray(records, run, dim=dim, checkpoint=checkpoint, chunk_files=chunk_files,
+                              advance=advance, clock=clock)
 
 
 def captions_on_ray(encoder: Path, tokenizer: TextTokenizer, texts: Sequence[str], dim: int, options: RayOptions,
@@ -482,7 +504,7 @@ class TrainedSteps(StepOptions):
         checkpoint, captions = pass_checkpoints(partial, encoders.audio.path, encoders.text.path,
                                                 providers=list(CPU) if ray is not None else list(self.providers),
                                                 frontend=audio_plan(cfg, ckpt.model), precision=self.precision,
-                                                limits=self.limits)
+                                                limits=self.limits, moments=window_plan(cfg).describe())
         audio, text = encoders.audio, encoders.text
         if ray is None and self.precision == "fp16":
             all_texts = [t["text"] for t in catalogue_texts(records, cfg.data.languages)[0]]
@@ -491,9 +513,11 @@ class TrainedSteps(StepOptions):
 
         def clips_pass(task: Callable[..., Advance]) -> PassResult:
             if ray is not None:
+                counted = PassClock(timed=False)  # the actors decode and encode: the windows are counted here
                 return embed_catalogue_on_ray(encoders, records, cfg, ray, ckpt.model, checkpoint=checkpoint,
                                               chunk_files=self.chunk_files, limits=self.limits,
-                                              call_samples=(self.pass_options or PassOptions()).codec_call_samples)
+                                              call_samples=(self.pass_options or PassOptions()).codec_call_samples,
+                                              advance=task("embedding clips", len(records), counted), clock=counted)
             clock = PassClock()
             return embed_catalogue_audio(audio, records, cfg, task("embedding clips", len(records), clock), ckpt.model,
                                          checkpoint=checkpoint, chunk_files=self.chunk_files,

@@ -21,7 +21,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,7 @@ from index.catalogue.half_precision import (
     gate,
     half_precision_copy,
 )
+from index.catalogue.pass_windows import bundle_windows
 from index.engines.faiss_index import BuiltIndex
 from index.errors import BundleError
 from index.ids import catalogue_ids
@@ -255,21 +256,25 @@ def partial_base(out_dir: Path, name: str, fingerprint: str) -> Path:
 
 
 def catalogue_checkpoint(base: Path, encoder: Path, *, providers: Sequence[str], frontend: dict[str, Any],
-                         precision: str = "fp32", name: str = "", limits: DecodeLimits | None = None) -> EmbedCheckpoint:
+                         precision: str = "fp32", name: str = "", limits: DecodeLimits | None = None,
+                         moments: dict[str, Any] | None = None) -> EmbedCheckpoint:
     """The checkpoint of a catalogue pass (``name`` ``""``: the clips, ``captions``: the captions): its pass
     digest is the encoder's sha256 (and its external data file's, if any), the ONNX Runtime providers, the
     audio preparation (``frontend``) and ``precision`` when not fp32 (`--precision fp16` embeds with fp16
     copies); an item is reused when its content key (:func:`index.catalogue.checkpoint.content_key`) is in a
     chunk saved under the same digest (a pass with another digest starts over and says what changed).
-    ``limits``: the decode limits, which decide the skips but no vector (other limits retry the saved skips)."""
+    ``limits``: the decode limits, which decide the skips but no vector (other limits retry the saved skips).
+    ``moments``: a clips pass that windows its long recordings, its :meth:`~index.catalogue.pass_windows.WindowPlan.describe`
+    (its chunks hold the windows; a pass that did not window is another pass)."""
     checksums = [fmt.sha256_file(p) for p in (encoder, external_data_file(encoder)) if p.is_file()]
     describe = {"encoder": checksums, "providers": list(providers), "frontend": frontend,
-                **({"precision": precision} if precision != "fp32" else {})}
+                **({"precision": precision} if precision != "fp32" else {}),
+                **({"moments": moments} if moments is not None else {})}
     return EmbedCheckpoint(base, pass_digest(**describe), name=name, describe=describe,
                            skips_under=limits.describe() if limits is not None else None)
 
 
-def embed_clips(records: Sequence[ClipRecord], decode: Callable[[Any], np.ndarray], encode: Callable[[list[np.ndarray]], np.ndarray],
+def embed_clips(records: Sequence[ClipRecord], decode: Callable[[Any], Any], encode: Callable[[list[np.ndarray]], np.ndarray],
                 *, dim: int, advance: Advance, checkpoint: EmbedCheckpoint | None, chunk_files: int = CHUNK_FILES,
                 options: PassOptions | None = None, clock: PassClock | None = None,
                 spec: EncoderSpec | None = None) -> PassResult:
@@ -278,7 +283,9 @@ def embed_clips(records: Sequence[ClipRecord], decode: Callable[[Any], np.ndarra
     beside the encoder ``encode`` (waves → (n, d)), in chunks checkpointed in ``checkpoint``
     (:func:`index.catalogue.checkpoint.embed_in_chunks`: a clip whose content a saved chunk holds is reused).
     A clip that cannot be decoded is skipped and listed in the result. With ``options.devices`` the clips
-    are split over one process per device, each running ``spec`` (:class:`index.catalogue.embed_pass.DevicePool`)."""
+    are split over one process per device, each running ``spec`` (:class:`index.catalogue.embed_pass.DevicePool`).
+    ``decode`` a :class:`~index.catalogue.pass_windows.WindowedDecode`: the long recordings' moment windows come
+    from the same decode, embedded beside their clip vectors (``PassResult.windows``)."""
     ids, paths = [r.id for r in records], [Path(r.audio) for r in records]
     items = file_items(ids, paths)
     with ExitStack() as stack:
@@ -289,18 +296,23 @@ def embed_clips(records: Sequence[ClipRecord], decode: Callable[[Any], np.ndarra
 
 def embed_clips_on_ray(records: Sequence[ClipRecord], run: Callable[[list[Path]], Any], *, dim: int,
                        checkpoint: EmbedCheckpoint | None, chunk_files: int = CHUNK_FILES,
-                       advance: Advance | None = None) -> PassResult:
+                       advance: Advance | None = None, clock: PassClock | None = None) -> PassResult:
     """The clips pass as Ray jobs (``run(paths)`` → :class:`index.catalogue.ray_embed.RayEmbedded`), one job a chunk,
-    checkpointed as the in-process pass is; a clip a worker could not decode is skipped and listed."""
+    checkpointed as the in-process pass is; a clip a worker could not decode is skipped and listed; the long
+    recordings' windows the actors embedded (``RayEmbedded.windows``) are checkpointed with the chunk and
+    counted on ``clock`` (the progress line's)."""
     ids, paths = [r.id for r in records], [Path(r.audio) for r in records]
 
     def embed(indices: Sequence[int], step: Callable[[int], None]) -> Chunk:
         done = run([paths[i] for i in indices])
         kept = [k for k, error in enumerate(done.errors) if not error]
+        long = {ids[indices[k]]: found for k, found in enumerate(done.windows or []) if found is not None}
+        if clock is not None:
+            clock.count_windows(sum(len(w[0]) for w in long.values()), len(long))
         step(len(indices))
         return Chunk([ids[indices[k]] for k in kept], np.asarray(done.embeddings[kept], np.float32),
                      [(ids[indices[k]], str(e).removeprefix(f"{paths[indices[k]]}: "))
-                      for k, e in enumerate(done.errors) if e])
+                      for k, e in enumerate(done.errors) if e], windows=long)
 
     return embed_in_chunks(file_items(ids, paths), embed, dim=dim, checkpoint=checkpoint, chunk_files=chunk_files,
                            advance=advance or _quiet)
@@ -363,13 +375,14 @@ def first_decodable(records: Sequence[ClipRecord], decode: Callable[[Any], np.nd
 
 
 def pass_checkpoints(partial: Path | None, audio: Path, text: Path, *, providers: Sequence[str],
-                     frontend: dict[str, Any], precision: str,
-                     limits: DecodeLimits | None = None) -> tuple[EmbedCheckpoint | None, EmbedCheckpoint | None]:
-    """The clips and the captions checkpoints of an export's catalogue pass (None, None: not checkpointed)."""
+                     frontend: dict[str, Any], precision: str, limits: DecodeLimits | None = None,
+                     moments: dict[str, Any] | None = None) -> tuple[EmbedCheckpoint | None, EmbedCheckpoint | None]:
+    """The clips and the captions checkpoints of an export's catalogue pass (None, None: not checkpointed);
+    ``moments``: the clips pass windows its long recordings (:func:`catalogue_checkpoint`)."""
     if partial is None:
         return None, None
     return (catalogue_checkpoint(partial, audio, providers=providers, frontend=frontend, precision=precision,
-                                 limits=limits),
+                                 limits=limits, moments=moments),
             catalogue_checkpoint(partial, text, providers=providers, frontend={}, precision=precision,
                                  name="captions"))
 
@@ -377,7 +390,8 @@ def pass_checkpoints(partial: Path | None, audio: Path, text: Path, *, providers
 @dataclass(frozen=True)
 class Catalogue:
     """An embedded catalogue: the clips kept (catalogue order), their vectors, the caption rows of those
-    clips with their vectors and language ranges, and the skipped clips (the manifest's ``skipped_clips``)."""
+    clips with their vectors and language ranges, the skipped clips (the manifest's ``skipped_clips``) and
+    the moment windows of the long recordings the clips pass embedded, ``(row of records, spans, vectors)``."""
 
     records: list[ClipRecord]
     audio: np.ndarray
@@ -385,6 +399,7 @@ class Catalogue:
     text_items: list[dict[str, Any]]
     ranges: dict[str, tuple[int, int]]
     skipped: list[fmt.SkippedClip] | None
+    windows: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
 def embed_catalogue(records: Sequence[ClipRecord], languages: Sequence[str], *, source_manifest: Path, progress: bool,
@@ -403,7 +418,8 @@ def embed_catalogue(records: Sequence[ClipRecord], languages: Sequence[str], *, 
             raise BundleError(f"{source_manifest}: none of the catalogue's clips could be decoded")
         text_items, ranges = catalogue_texts(kept, languages)
         text_emb = captions([t["text"] for t in text_items], task)
-    return Catalogue(kept, done.embeddings, text_emb, text_items, ranges, skipped)
+    return Catalogue(kept, done.embeddings, text_emb, text_items, ranges, skipped,
+                     bundle_windows([r.id for r in kept], done.windows))
 
 
 def write_catalogue(staging: Path, audio_emb: np.ndarray, text_emb: np.ndarray, records: Sequence[ClipRecord],

@@ -62,6 +62,7 @@ from index.catalogue.half_precision import (
     check_precision_options,
     probe_waves,
 )
+from index.catalogue.pass_windows import WindowedDecode, WindowPlan
 from index.catalogue.ray_embed import (
     RayOptions,
     decode_whole,
@@ -316,13 +317,20 @@ def embed_catalogue_audio(encoders: PretrainedEncoders, records: Sequence[ClipRe
                           checkpoint: EmbedCheckpoint | None = None, chunk_files: int = CHUNK_FILES,
                           options: PassOptions | None = None, clock: PassClock | None = None) -> PassResult:
     """The catalogue's clip embeddings (:func:`training.bundle.parts.embed_clips`: decoded beside the
-    encoder, checkpointed in chunks; undecodable clips skipped and listed); with ``options.devices`` each
-    device process loads the encoder's file as :meth:`PretrainedEncoders.spec` says."""
+    encoder, checkpointed in chunks; undecodable clips skipped and listed) and the long recordings' moment
+    windows from the same decode; with ``options.devices`` each device process loads the encoder's file as
+    :meth:`PretrainedEncoders.spec` says."""
     options = options or PassOptions()
-    decode = DecodeCall(decode_audio, kwargs={"sample_rate": rate, **options.limits.kwargs()}, sample_rate=rate)
+    decode = WindowedDecode(DecodeCall(decode_audio, kwargs={"sample_rate": rate, **options.limits.kwargs()},
+                                       sample_rate=rate), window_plan(encoders.clap))
     encode = functools.partial(encoders.encode_audio, max_call_samples=options.codec_call_samples)
     return embed_clips(records, decode, encode, dim=encoders.dim, advance=advance, checkpoint=checkpoint, chunk_files=chunk_files,
                        options=options, clock=clock, spec=encoders.spec(options.codec_call_samples))
+
+
+def window_plan(model: Pretrained) -> WindowPlan:
+    """The moment windows of a pretrained model's bundle: its window at its rate."""
+    return WindowPlan(model.settings.sample_rate, model.settings.clip_samples)
 
 
 def audio_plan(model: Pretrained) -> dict[str, Any]:
@@ -334,19 +342,22 @@ def audio_plan(model: Pretrained) -> dict[str, Any]:
 
 def _embed_on_ray(clap: Pretrained, encoders: PretrainedEncoders, records: Sequence[ClipRecord], options: RayOptions,
                   checkpoint: EmbedCheckpoint | None, chunk_files: int, limits: DecodeLimits,
-                  call_samples: int | None = None) -> PassResult:
+                  call_samples: int | None = None, advance: Advance | None = None,
+                  clock: PassClock | None = None) -> PassResult:
     """The catalogue's clip embeddings on a Ray cluster, one job a chunk: each actor runs the served encoder
     file and prepares a clip as :meth:`PretrainedEncoders.encode_audio` does (the manifest's ``audio_frontend``:
-    padding, then the chunk mean), so the vectors are the in-process pass's."""
+    padding, then the chunk mean), so the vectors are the in-process pass's; it windows the long recordings."""
     s, model_bytes = clap.settings, encoders.audio.path.read_bytes()
 
     def run(paths: list[Path]) -> Any:
         return embed_audio_files(paths, model_bytes, decode=functools.partial(decode_whole, limits=limits),
                                  embed_dim=encoders.dim,
                                  sample_rate=s.sample_rate, clip_samples=s.clip_samples, policy="chunk",
-                                 options=options, frontend=frontend_info(clap), call_samples=call_samples)
+                                 options=options, frontend=frontend_info(clap), call_samples=call_samples,
+                                 windows=window_plan(clap))
 
-    return embed_clips_on_ray(records, run, dim=encoders.dim, checkpoint=checkpoint, chunk_files=chunk_files)
+    return embed_clips_on_ray(records, run, dim=encoders.dim, checkpoint=checkpoint, chunk_files=chunk_files,
+                              advance=advance, clock=clock)
 
 
 def _held_out(records: Sequence[ClipRecord], languages: Sequence[str], rate: int, limits: DecodeLimits) -> EvalSet:
@@ -470,7 +481,7 @@ class PretrainedSteps(StepOptions):
         checkpoint, captions = pass_checkpoints(partial, served.audio.path, served.text.path,
                                                 providers=list(CPU) if ray is not None else list(self.providers),
                                                 frontend=audio_plan(clap), precision=self.precision,
-                                                limits=self.limits)
+                                                limits=self.limits, moments=window_plan(clap).describe())
         passing = served
         if ray is None and self.precision == "fp16":
             all_texts = [t["text"] for t in catalogue_texts(records, languages)[0]]
@@ -479,8 +490,10 @@ class PretrainedSteps(StepOptions):
 
         def clips_pass(task: Callable[..., Advance]) -> PassResult:
             if ray is not None:
+                counted = PassClock(timed=False)  # the actors decode and encode: the windows are counted here
                 return _embed_on_ray(clap, served, records, ray, checkpoint, self.chunk_files, self.limits,
-                                     (self.pass_options or PassOptions()).codec_call_samples)
+                                     (self.pass_options or PassOptions()).codec_call_samples,
+                                     task("embedding clips", len(records), counted), counted)
             clock = PassClock()
             return embed_catalogue_audio(passing, records, rate, task("embedding clips", len(records), clock),
                                          checkpoint=checkpoint, chunk_files=self.chunk_files,

@@ -58,6 +58,15 @@ class SourceHit:
     score: float
 
 
+READ_CHUNK = 8
+"""Recordings read and post-processed at a time, best first: with the sliding-window scorer the reading stops
+once ``k`` moments score above the next recording's best window (a recording yields several moments)."""
+
+
+def _kth_score(hits: Sequence[SourceHit], k: int) -> float:
+    return sorted((h.score for h in hits), reverse=True)[k - 1]
+
+
 def _key_order(key: Key) -> tuple[bool, int | str]:
     """Ties broken by key: rows before ids, rows by number, ids by name (a stable, comparable order)."""
     return (isinstance(key, str), key)
@@ -72,7 +81,8 @@ def search_sources(
 
     The best moment of a recording scores its best window (:func:`index.moments.postprocess.
     moments_from_scores`), so the top ``k`` moments come from the ``k`` recordings whose best window scores
-    highest over all sources; only those are read and post-processed. Their moments come from ``head``
+    highest over all sources; only those are read and post-processed, best first, and with the sliding-window
+    scorer only until ``k`` moments score above the next one's best window. Their moments come from ``head``
     (the bundle's trained moment head: scores are its relevance probabilities, ``min_score`` applies to
     them) or, without one, from the sliding-window scorer (cosines; a recording whose best window scores
     under ``min_score`` has no moment that passes, so it is not read)."""
@@ -88,16 +98,20 @@ def search_sources(
     candidates.sort(key=lambda c: (-c[0], c[1], _key_order(c[2])))
     candidates = candidates[:k]
     hits: list[SourceHit] = []
-    for index, source in enumerate(sources):
-        keys = [key for _, i, key in candidates if i == index]
-        if not keys:
-            continue
-        for key, (spans, vectors) in zip(keys, source.windows_of(keys), strict=True):
-            if not len(spans):
+    for first in range(0, len(candidates), READ_CHUNK):
+        if head is None and len(hits) >= k and candidates[first][0] < _kth_score(hits, k):
+            break  # no moment of a later recording can score above its best window: the top k are known
+        chunk = candidates[first : first + READ_CHUNK]
+        for index, source in enumerate(sources):
+            keys = [key for _, i, key in chunk if i == index]
+            if not keys:
                 continue
-            found = (moments_from_scores(spans, vectors @ q, params) if head is None
-                     else head.moments(spans, vectors, q))
-            hits.extend(SourceHit(index, key, m.start, m.end, m.score) for m in found
-                        if min_score is None or m.score >= min_score)
+            for key, (spans, vectors) in zip(keys, source.windows_of(keys), strict=True):
+                if not len(spans):
+                    continue
+                found = (moments_from_scores(spans, vectors @ q, params) if head is None
+                         else head.moments(spans, vectors, q))
+                hits.extend(SourceHit(index, key, m.start, m.end, m.score) for m in found
+                            if min_score is None or m.score >= min_score)
     hits.sort(key=lambda h: (-h.score, h.source, _key_order(h.key), h.start))
     return hits[:k]

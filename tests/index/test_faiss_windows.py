@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from index.moments.faiss_windows import FaissWindows, build_index, subquantizers
+from index.moments.postprocess import moments_from_scores
 from index.moments.sources import search_sources
 from index.moments.windows import ExactWindows, write_windows
 
@@ -110,3 +111,23 @@ def test_subquantizers_divide_the_dimension() -> None:
     assert subquantizers(512) == 64 and subquantizers(64) == 8 and subquantizers(100) == 10 and subquantizers(3) == 1
     index = build_index(np.eye(8, dtype=np.float32).repeat(40, axis=0), nlist=2)
     assert index.ntotal == 320
+
+
+def test_the_top_k_over_sources_equals_post_processing_every_recording(many_recordings) -> None:
+    """search_sources reads the best recordings only (and stops once k moments beat the next one's best window);
+    the answer is the one post-processing every recording of both sources gives."""
+    root, queries = many_recordings
+    exact = ExactWindows.load(root)
+    keys = exact.keys
+    half = len(keys) // 2
+    first = ExactWindows.of_recordings([(k, *exact.windows_of([k])[0]) for k in keys[:half]], DIM)
+    second = ExactWindows.of_recordings([(f"item-{k}", *exact.windows_of([k])[0]) for k in keys[half:]], DIM)
+    for query in queries[[0, 70]]:
+        everything = []
+        for index, source in enumerate((first, second)):
+            for key, (spans, vectors) in zip(source.keys, source.windows_of(source.keys), strict=True):
+                everything += [(m.score, index, str(key), m.start) for m in moments_from_scores(spans, vectors @ query)]
+        everything.sort(key=lambda h: -h[0])
+        for k in (1, 10, 50):
+            got = search_sources(query, k, [first, second])
+            assert [(h.score, h.source, str(h.key), h.start) for h in got] == everything[:k]

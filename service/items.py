@@ -153,9 +153,9 @@ class ItemStore:
                 if missing and attempt < SYNC_TRIES - 1 and self.log.history().generation != history.generation:
                     continue  # a compaction replaced the log meanwhile and removed that audio: replay the new file
                 searcher.items = overlay  # type: ignore[attr-defined]
-                retain = getattr(searcher, "retain_item_windows", None)
-                if retain is not None:  # the windows of deleted or replaced items go
-                    retain(overlay)
+                refresh = getattr(searcher, "refresh_item_windows", None)
+                if refresh is not None:  # the windows of deleted or replaced items go, the new ones' search is built
+                    refresh(overlay)
                 self._report(overlay)
                 return overlay
         raise AssertionError("unreachable")

@@ -314,6 +314,8 @@ class Searcher:
         self._item_windows_lock = threading.Lock()
         self._added_source: tuple[ItemOverlay, ExactWindows | None] | None = None
         """The added items' window source of the last overlay asked about (:meth:`added_window_source`)."""
+        self._added_windowed: tuple[tuple[str, str], ...] = ()
+        """The (id, audio) of the items with windows that source holds: a write that changes none reuses it."""
         self._windows_missing: set[str] = set()
         self.item_limits: AudioLimits | None = None
         """The item writes' limits (service.items sets them)."""
@@ -889,7 +891,8 @@ class Searcher:
     def added_window_source(self, items: ItemOverlay) -> ExactWindows | None:
         """The windows of ``items``' live added items, keyed by item id (None: none has windows): built from the
         windows service.items computed or read when it embedded them (:meth:`keep_item_windows`), once per
-        overlay version. Nothing is embedded here; a live item whose windows are unknown is a bug, logged."""
+        overlay version (by :meth:`refresh_item_windows` when it goes live). Nothing is embedded here; a live item
+        whose windows are unknown is a bug, logged."""
         with self._item_windows_lock:
             cached = self._added_source
             if cached is not None and cached[0] is items:
@@ -904,10 +907,15 @@ class Searcher:
                         log.error("added item %r (audio %s) is live without moment windows: its moments are not "
                                   "searched (service.items computes them when it embeds an item)", item.id, item.audio)
                     continue
-                recordings.append((item.id, *held))
-            found = ExactWindows.of_recordings(recordings, int(self.bundle.embed_dim))
-            source = found if found.n_recordings else None
-            self._added_source = (items, source)
+                if len(held[0]):
+                    recordings.append((item.id, item.audio, *held))
+            windowed = tuple((item_id, audio) for item_id, audio, _, _ in recordings)
+            if cached is not None and windowed == self._added_windowed:
+                source = cached[1]  # the write changed no recording with windows (a short item, metadata)
+            else:
+                found = ExactWindows.of_recordings([(i, s, v) for i, _, s, v in recordings], int(self.bundle.embed_dim))
+                source = found if found.n_recordings else None
+            self._added_source, self._added_windowed = (items, source), windowed
             return source
 
     def keep_item_windows(self, item_id: str, audio: str, spans: np.ndarray, vectors: np.ndarray) -> None:
@@ -917,13 +925,14 @@ class Searcher:
             self._item_windows[audio] = (np.asarray(spans, np.float64), np.asarray(vectors, np.float32))
             self._windows_missing.discard(audio)
 
-    def retain_item_windows(self, items: ItemOverlay) -> None:
-        """Forget the windows of audio no live item of ``items`` holds (deleted or replaced items; service.items
-        calls it when ``items`` went live)."""
+    def refresh_item_windows(self, items: ItemOverlay) -> None:
+        """``items`` went live (service.items, at the end of a sync): forget the windows of audio none of its live
+        items holds (deleted or replaced items) and build its window source now, so that no query pays for it."""
         live = {items.items[int(row)].audio for row in np.flatnonzero(items.alive)}
         with self._item_windows_lock:
             for audio in [a for a in self._item_windows if a not in live]:
                 del self._item_windows[audio]
+        self.added_window_source(items)
 
     def moment_scorer(self) -> Literal["head", "windows"]:
         """What scores the moments of :meth:`search_moments`: ``head`` (the bundle's trained moment head) or

@@ -8,11 +8,11 @@ bundle stores them beside its clip index:
 * ``moments/windows.npy`` — ``(W, d)`` float32, L2-normalized, grouped by recording in time order;
 * ``moments/spans.npy`` — ``(W, 3)`` float64: the recording's row in ``audio_ids.jsonl``, start, end.
 
-Search is exact (one matrix-vector product over every window: ~W·d multiply-adds, 7,200 windows for
-10 h of audio at a 5-s hop), so it does not depend on the clip index's backend (FAISS or Milvus).
-The best moment of a recording scores its best window, so the top ``k`` moments come from the ``k``
-recordings whose best window scores highest; only those are post-processed
-(:func:`index.moments.postprocess.moments_from_scores`).
+:class:`ExactWindows` searches windows exactly, in memory (one matrix-vector product over every window:
+~W·d multiply-adds, 7,200 windows for 10 h of audio at a 5-s hop): a bundle's below
+:data:`index.moments.faiss_windows.FAISS_MIN_WINDOWS` and the added items' on the file backend. It is one
+:class:`index.moments.sources.WindowSource`; :func:`index.moments.sources.search_sources` turns the
+recordings the sources name into moments (:func:`index.moments.postprocess.moments_from_scores`).
 """
 
 from __future__ import annotations

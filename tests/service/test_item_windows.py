@@ -51,12 +51,19 @@ def test_a_ten_minute_recording_is_searchable_at_its_201_without_an_encoder_call
     r = _post(fake_client, "walk-10min", _wav(_recording(600.0, EVENT)))
     assert r.status_code == 201, r.text
     assert counted.calls > 0  # its windows and vector were embedded by the write
+    searcher = fake_client.app.state.tonearm.registry.active_searcher()
+    built = searcher._added_source
+    assert built is not None and built[0] is searcher.items  # the items' window search was built by the write
 
     written = counted.calls
     (hit,) = _moments(fake_client, k=1)
     assert hit["id"] == "walk-10min" and _near(hit, EVENT), hit
-    assert _moments(fake_client, k=1) == [hit]  # the second query reads the cached source
+    assert _moments(fake_client, k=1) == [hit]
     assert counted.calls == written, "a moment query embedded audio"
+    assert searcher._added_source is built  # and no query rebuilt it
+
+    assert _post(fake_client, "chirp", _wav(_recording(1.5))).status_code == 201  # no windows: the search is kept
+    assert searcher._added_source is not built and searcher._added_source[1] is built[1]
 
 
 def test_a_deleted_or_replaced_recording_s_windows_are_never_returned(fake_client) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import io
 import logging
 import os
 import tempfile
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import soundfile as sf
 
 from index.items.embeddings import EmbeddingStore
 from index.items.embeddings import prune as prune_embeddings
@@ -56,6 +58,9 @@ log = logging.getLogger(__name__)
 ITEMS_DIR_NAME = ".items"
 """Under the bundles directory (a dot name: never listed as a bundle)."""
 EMBED_BATCH = 16
+SHORT_BY_HEADER = 0.9
+"""A stored vector without its windows entry (a store from before windows were kept) needs no decode when its
+header's length is below this share of two windows (an estimated header length, an MP3's, has room)."""
 SYNC_TRIES = 3
 """A sync that finds a record's stored audio gone (a compaction replaced the log meanwhile) reads
 the log again and retries: the new file no longer holds that record."""
@@ -237,12 +242,22 @@ class ItemStore:
         audios = [record.audio for record in records]
         found, out, sizes = stored.get(audios)  # embedded before, by this replica or another: not decoded again
         held_windows = stored.get_windows(audios)
+        window = int(bundle.clip_samples)  # type: ignore[attr-defined]
         for held in np.flatnonzero(found).tolist():
             entry = held_windows[held]
-            if entry is None or entry[0] != sizes[held] or not self._still_valid(records[held], int(sizes[held]), rate):
-                found[held] = False  # no windows kept (a store from before them), or stale: embedded again
+            if not self._still_valid(records[held], int(sizes[held]), rate) or (
+                    entry is not None and entry[0] != sizes[held]):
+                found[held] = False  # stale: embedded again
                 out[held] = np.nan
-            elif windows is not None:
+                continue
+            if entry is None:  # a store written before windows were kept: a short recording has none, say so
+                if not self._short_by_header(records[held], rate, window):
+                    found[held] = False  # embedded again (once) for its windows
+                    out[held] = np.nan
+                    continue
+                entry = (int(sizes[held]), np.zeros((0, 2)), np.zeros((0, out.shape[1]), np.float32))
+                stored.put_windows(audios[held] or "", entry[1], entry[2], entry[0])
+            if windows is not None:
                 windows(records[held].id, audios[held] or "", entry[1], entry[2])
         todo = [row for row in range(len(records)) if not found[row]]
         for first in range(0, len(todo), EMBED_BATCH):
@@ -284,6 +299,17 @@ class ItemStore:
         except (OSError, ServiceError):
             return False
         return True
+
+    def _short_by_header(self, record: ItemRecord, rate: int, window: int) -> bool:
+        """Whether the stored audio's header says it is well within two windows at the model's rate (then it has no
+        moment windows, known without decoding it); False when the header does not tell (it is decoded)."""
+        try:
+            info = sf.info(io.BytesIO(self.log.audio_path(record).read_bytes()))
+        except Exception:  # noqa: BLE001 - not readable by libsndfile: the decode decides
+            return False
+        if info.frames <= 0 or info.samplerate <= 0:
+            return False
+        return info.frames / info.samplerate * rate <= SHORT_BY_HEADER * LONG_RECORDING_WINDOWS * window
 
     def _embed_batch(self, bundle: object, records: Sequence[ItemRecord], batch: Sequence[int], out: np.ndarray, *,
                      rate: int, missing: list[str], windows: dict[int, tuple[np.ndarray, np.ndarray]]) -> list[int]:

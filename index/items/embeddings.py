@@ -19,7 +19,8 @@ the item is embedded, never at query time): the audio's size (8 bytes), the numb
 then ``m × 2`` float64 spans (seconds) and ``m × d`` float32 vectors, little-endian — ``m = 0`` for a recording no
 longer than two windows (it has none, and the entry says so). Same rules: written whole and renamed, a file of
 the wrong size ignored, pruned with its ``.f32``. A clip vector without its windows entry (a store written before
-windows were kept) counts as not held: the item is embedded again, off the request path.
+windows were kept) is completed by the item sync (service.items: an empty entry when the audio's header says it is
+short, else the item embedded again, off the request path).
 """
 
 from __future__ import annotations

@@ -109,3 +109,20 @@ def test_a_second_replica_answers_the_moment_from_the_stored_windows(fake_bundle
         assert state.registry.active_searcher().bundle.encode_audio.calls == before
         assert state.items.embedded_from_store >= 1  # its vector and windows were read, not embedded
     assert opened
+
+
+def test_a_store_written_before_windows_were_kept_is_completed_once_short_items_without_a_decode(
+        fake_bundles: Path, fake_client) -> None:
+    assert _post(fake_client, "walk-2min", _wav(_recording(120.0, (60.0, 64.0)))).status_code == 201
+    assert _post(fake_client, "chirp", _wav(_recording(1.5))).status_code == 201
+    (first,) = _moments(fake_client, k=1)
+    entries = sorted((fake_bundles / ".items" / "embeddings").rglob("*.win"))
+    assert len(entries) == 2
+    for entry in entries:
+        entry.unlink()  # as a store of the release before
+
+    settings = make_settings(bundles_dir=fake_bundles, bundle="fake-a", gate_metric="t2a_R@1_mean")
+    with running_client(create_app(settings, opener=fake_opener)) as replica:
+        assert _moments(replica, k=1) == [first]
+        assert replica.app.state.tonearm.items.embedded_from_store == 1  # the chirp: its header says it is short
+    assert sorted((fake_bundles / ".items" / "embeddings").rglob("*.win")) == entries  # both written again

@@ -78,9 +78,12 @@ def build_index(vectors: np.ndarray, *, nlist: int | None = None, seed: int = 0)
     """An IVF-PQ inner-product index over ``vectors`` (``(W, d)`` float32, L2-normalized; a memory-mapped array is
     read by blocks of :data:`ADD_BLOCK`)."""
     n, dim = vectors.shape
-    nlist = default_nlist(n) if nlist is None else nlist
+    if n == 0:
+        raise BundleError("moment windows: no window to index")
+    nlist = max(1, min(default_nlist(n) if nlist is None else nlist, n // 39))  # k-means: ≥ 39 points a list
+    bits = min(8, max(1, int(np.log2(n))))  # a PQ code's 2^bits centroids need as many points (8 from 256 windows)
     quantizer = faiss.IndexFlatIP(dim)
-    index = faiss.IndexIVFPQ(quantizer, dim, nlist, subquantizers(dim), 8, faiss.METRIC_INNER_PRODUCT)
+    index = faiss.IndexIVFPQ(quantizer, dim, nlist, subquantizers(dim), bits, faiss.METRIC_INNER_PRODUCT)
     sample = np.sort(np.random.default_rng(seed).choice(n, size=min(n, TRAIN_SAMPLE), replace=False))
     index.train(np.ascontiguousarray(vectors[sample], dtype=np.float32))
     for first in range(0, n, ADD_BLOCK):

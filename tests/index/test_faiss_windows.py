@@ -7,15 +7,19 @@ vectors memory-mapped, and save its index so that the next open reads it. ~7 s o
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from index.moments.faiss_windows import FaissWindows, build_index, subquantizers
+from index.moments.faiss_windows import MOMENT_INDEX_DIR, FaissWindows, build_index, subquantizers
 from index.moments.postprocess import moments_from_scores
 from index.moments.sources import search_sources
-from index.moments.windows import ExactWindows, write_windows
+from index.moments.windows import WINDOWS_FILE, ExactWindows, write_windows
+from index.runtime import loader
+from index.runtime.loader import LoadedBundle
 
 DIM, RECORDINGS, WINDOWS = 64, 600, 40
 
@@ -107,10 +111,25 @@ def test_an_allowed_filter_is_asked_about_candidates_and_honoured(many_recording
     assert [k for k, _ in found][:1] == exact[:1]
 
 
-def test_subquantizers_divide_the_dimension() -> None:
+def test_subquantizers_divide_the_dimension_and_a_small_set_still_builds() -> None:
     assert subquantizers(512) == 64 and subquantizers(64) == 8 and subquantizers(100) == 10 and subquantizers(3) == 1
-    index = build_index(np.eye(8, dtype=np.float32).repeat(40, axis=0), nlist=2)
-    assert index.ntotal == 320
+    assert build_index(np.eye(8, dtype=np.float32).repeat(40, axis=0), nlist=2).ntotal == 320
+    assert build_index(_unit(np.random.default_rng(0).normal(size=(20, DIM)))).ntotal == 20  # 1 list, 4-bit codes
+
+
+def test_the_loader_opens_faiss_windows_from_the_threshold_and_exact_windows_below(many_recordings, monkeypatch) -> None:
+    """index/runtime/loader.py moment_windows on the synthetic set, the threshold set around its size."""
+    root, _ = many_recordings
+    bundle = SimpleNamespace(path=root, _moment_lock=threading.Lock(), _moment_windows=None, manifest=SimpleNamespace(
+        files={}, moments=SimpleNamespace(n_windows=RECORDINGS * WINDOWS, windows_file=WINDOWS_FILE)))
+    monkeypatch.setattr(loader, "FAISS_MIN_WINDOWS", RECORDINGS * WINDOWS)
+    opened = LoadedBundle.moment_windows(bundle)
+    assert isinstance(opened, FaissWindows) and LoadedBundle.moment_windows(bundle) is opened
+    assert list((root.parent / MOMENT_INDEX_DIR).glob("*.faiss")), "the index was not kept beside the bundles"
+
+    bundle._moment_windows = None
+    monkeypatch.setattr(loader, "FAISS_MIN_WINDOWS", RECORDINGS * WINDOWS + 1)
+    assert isinstance(LoadedBundle.moment_windows(bundle), ExactWindows)
 
 
 def test_the_top_k_over_sources_equals_post_processing_every_recording(many_recordings) -> None:

@@ -50,7 +50,11 @@ MIN_CANDIDATES = 1024
 """1,024 rows of 512 floats are 2 MB read from the mapped file a query; fewer lost the top moment of ~3 % of the
 queries in tests/index/test_faiss_windows.py (a window the PQ codes ranked just below)."""
 MAX_CANDIDATES = 1 << 16
-"""The candidates grow ×4 until enough allowed recordings are found (a filter that passes few) or this cap."""
+"""The candidates grow ×4 until enough allowed recordings are found (a filter that passes few) or this cap; past
+it the recordings the filter passes are ranked exactly (:meth:`FaissWindows._best_of_allowed`)."""
+MAX_FILTERED_WINDOWS = 1 << 17
+"""Most windows that exact ranking scans (~180 h of recordings, 256 MB read at d = 512; a filter that passes more
+than that is found among the candidates first)."""
 NPROBE = 32
 """Inverted lists an index search visits at least (of :func:`default_nlist`); more when the candidates asked
 need them (twice the candidates' worth of lists)."""
@@ -156,7 +160,8 @@ class FaissWindows:
     def best_recordings(self, query: np.ndarray, n: int, allowed: Allowed | None = None) -> list[tuple[Key, float]]:
         """:meth:`index.moments.sources.WindowSource.best_recordings`: the index's top-M windows (M =
         :data:`CANDIDATES_PER_RECORDING` · ``n``, growing ×4 up to :data:`MAX_CANDIDATES` while too few allowed
-        recordings are among them) re-scored exactly from the mapped rows; each recording ranked by its best."""
+        recordings are among them) re-scored exactly from the mapped rows; each recording ranked by its best. A
+        filter that still leaves fewer than ``n``: the recordings it passes ranked exactly."""
         if not self.n_recordings or n <= 0:
             return []
         q = np.ascontiguousarray(np.asarray(query, dtype=np.float32).reshape(1, -1))
@@ -180,9 +185,34 @@ class FaissWindows:
                 if unknown:
                     verdict.update(zip(unknown, np.asarray(allowed(unknown), dtype=bool).tolist(), strict=True))
                 best = [(row, score) for row, score in best if verdict[row]]
-            if len(best) >= n or m >= self.n_windows or wanted >= MAX_CANDIDATES:
+            if len(best) >= n or m >= self.n_windows:
                 return list(best[:n])
+            if wanted >= MAX_CANDIDATES:  # a filter that passes few recordings: rank the ones it passes exactly
+                return self._best_of_allowed(q[0], n, allowed, verdict) if allowed is not None else list(best[:n])
             wanted *= 4
+
+    def _best_of_allowed(self, query: np.ndarray, n: int, allowed: Allowed, verdict: dict[int, bool]
+                         ) -> list[tuple[Key, float]]:
+        """The ``n`` best recordings among those ``allowed`` passes, by an exact scan of their windows (read from the
+        mapped file): what a selective filter costs once the candidates reached :data:`MAX_CANDIDATES` — at most
+        :data:`MAX_FILTERED_WINDOWS` windows are scanned, the best passing recordings' first."""
+        rows = self._rows.tolist()
+        unknown = [row for row in rows if row not in verdict]
+        for first in range(0, len(unknown), ADD_BLOCK):
+            chunk = unknown[first : first + ADD_BLOCK]
+            verdict.update(zip(chunk, np.asarray(allowed(chunk), dtype=bool).tolist(), strict=True))
+        best: list[tuple[Key, float]] = []
+        scanned = 0
+        for r in np.flatnonzero([verdict[row] for row in rows]).tolist():
+            a, b = int(self._starts[r]), int(self._stops[r])
+            if scanned + (b - a) > MAX_FILTERED_WINDOWS:
+                log.warning("moment search: the filter passes recordings of more than %d windows; the ones past it are "
+                            "not ranked", MAX_FILTERED_WINDOWS)
+                break
+            scanned += b - a
+            best.append((rows[r], float(np.max(np.asarray(self.vectors[a:b], np.float32) @ query))))
+        best.sort(key=lambda found: -found[1])
+        return best[:n]
 
     def windows_of(self, keys: Sequence[Key]) -> list[tuple[np.ndarray, np.ndarray]]:
         """:meth:`index.moments.sources.WindowSource.windows_of`: only these recordings' rows are read."""

@@ -14,7 +14,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from index.moments.faiss_windows import MOMENT_INDEX_DIR, FaissWindows, build_index, subquantizers
+from index.moments import faiss_windows
+from index.moments.faiss_windows import (
+    MIN_CANDIDATES,
+    MOMENT_INDEX_DIR,
+    FaissWindows,
+    build_index,
+    subquantizers,
+)
 from index.moments.postprocess import moments_from_scores
 from index.moments.sources import search_sources
 from index.moments.windows import WINDOWS_FILE, ExactWindows, write_windows
@@ -109,6 +116,20 @@ def test_an_allowed_filter_is_asked_about_candidates_and_honoured(many_recording
     assert len(asked) < RECORDINGS  # candidates only, never every recording
     exact = [k for k, _ in ExactWindows.load(root).best_recordings(queries[0], 5, only_high_rows)]
     assert [k for k, _ in found][:1] == exact[:1]
+
+
+def test_a_filter_passing_few_recordings_ranks_them_exactly(many_recordings, monkeypatch) -> None:
+    root, queries = many_recordings
+    ann, exact = FaissWindows(root, cache_dir=root / "cache"), ExactWindows.load(root)
+    monkeypatch.setattr(faiss_windows, "MAX_CANDIDATES", MIN_CANDIDATES)  # no growth: the exact fallback
+
+    def three(keys):
+        return np.isin(np.asarray(keys), [1, 601, 1199])
+
+    for query in queries[:5]:
+        got, want = ann.best_recordings(query, 2, three), exact.best_recordings(query, 2, three)
+        assert [k for k, _ in got] == [k for k, _ in want]
+        np.testing.assert_allclose([s for _, s in got], [s for _, s in want], rtol=1e-5)
 
 
 def test_subquantizers_divide_the_dimension_and_a_small_set_still_builds() -> None:

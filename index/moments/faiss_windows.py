@@ -24,7 +24,6 @@ import hashlib
 import logging
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +37,7 @@ from index.moments.sources import Allowed, Key
 from index.moments.windows import SPANS_FILE, WINDOWS_FILE
 
 log = logging.getLogger(__name__)
+_faiss: Any = faiss  # the SWIG stubs miss SearchParameters' keyword arguments
 
 FAISS_MIN_WINDOWS = 50_000
 """Windows from which a bundle's windows are searched through :class:`FaissWindows` (below it: exact, in memory;
@@ -120,8 +120,7 @@ class FaissWindows:
         self.nprobe = nprobe
         self.build_seconds = 0.0
         self.index = self._open_index(root, cache_dir, key)
-        self._ivf: Any = faiss.extract_index_ivf(self.index)  # its nprobe and nlist
-        self._lock = threading.Lock()  # the index's nprobe is set per search
+        self._ivf: Any = faiss.extract_index_ivf(self.index)  # its nlist
 
     @property
     def n_windows(self) -> int:
@@ -169,10 +168,9 @@ class FaissWindows:
         wanted = max(MIN_CANDIDATES, CANDIDATES_PER_RECORDING * n)
         while True:
             m = min(wanted, self.n_windows)
-            with self._lock:  # enough lists for twice the candidates asked
-                per_list = max(1, self._ivf.ntotal // self._ivf.nlist)
-                self._ivf.nprobe = min(self._ivf.nlist, max(self.nprobe, -(-2 * m // per_list)))
-                _, found = self.index.search(q, m)
+            per_list = max(1, self._ivf.ntotal // self._ivf.nlist)  # enough lists for twice the candidates asked
+            nprobe = min(self._ivf.nlist, max(self.nprobe, -(-2 * m // per_list)))
+            _, found = self.index.search(q, m, params=_faiss.SearchParametersIVF(nprobe=nprobe))  # per call: no lock
             ids = np.unique(found[0][found[0] >= 0])  # sorted: the mapped file read in order
             scores = np.asarray(self.vectors[ids], dtype=np.float32) @ q[0]
             recordings = np.searchsorted(self._starts, ids, side="right") - 1

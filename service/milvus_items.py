@@ -49,15 +49,18 @@ import numpy as np
 
 from index.engines.filters import Filter
 from index.engines.milvus_index import MilvusTarget
+from index.engines.milvus_windows import MilvusWindows
 from index.items.log import RECORD_MAX_FIELDS, ItemRecord, _now, check_metadata
 from index.items.milvus_store import (
     DOC_FIELD,
     ORDER_FIELD,
     MilvusItemStore,
+    _flush,
     flush_each_write,
     flushed_together,
 )
 from index.items.overlay import AddedItem
+from index.moments.windows import HOP_FRACTION, LONG_RECORDING_WINDOWS, embed_windows
 from service.audio_input import DecodedAudio, decode_upload, embed_upload, item_limits_of
 from service.errors import ServiceError
 from service.searcher import index_calls
@@ -74,6 +77,9 @@ replicas that stamp ``added_ms`` may differ by this much before a record could b
 FOLLOW_POLL_MIN_S = 1.0
 """The follower polls at ``max(TONEARM_ITEMS_POLL_S, this)``: a query per poll, not a ``stat``."""
 EMBED_BATCH = 16
+WINDOWS_INDEX = "HNSW"
+"""The added items' windows collection: HNSW from the start (it grows with every long recording added; Milvus
+searches a segment too small to index exactly anyway)."""
 
 
 class AudioStore:
@@ -165,9 +171,11 @@ class Record:
 class BundleItems:
     """One bundle's side of the catalogue: its item collection and the records (what the searcher asks)."""
 
-    def __init__(self, catalogue: MilvusCatalogue, store: MilvusItemStore) -> None:
+    def __init__(self, catalogue: MilvusCatalogue, store: MilvusItemStore, windows: MilvusWindows | None = None) -> None:
         self.catalogue = catalogue
         self.store = store
+        self.windows = windows
+        """The live added items' moment windows (a window source: ``searcher.milvus_item_windows``)."""
 
     def fields(self) -> dict[str, str]:
         """Field kinds of the added items (filters are checked against them and the bundle's)."""
@@ -228,6 +236,7 @@ class MilvusCatalogue:
         self.records = MilvusItemStore(target, dim=RECORD_DIM, name=RECORDS_NAME)
         self.audio = AudioStore(audio_url)
         self._stores: dict[str, MilvusItemStore] = {}
+        self._windows: dict[str, MilvusWindows] = {}
         self._stores_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -258,18 +267,33 @@ class MilvusCatalogue:
                 self._stores[name] = store
         return store
 
+    def window_store(self, searcher: Any) -> MilvusWindows:
+        """The moment windows of the added items in ``searcher``'s bundle: ``<item collection>_windows``."""
+        store = self.bundle_store(searcher)
+        with self._stores_lock:
+            windows = self._windows.get(store.collection)
+            if windows is None:
+                windows = MilvusWindows(self.target, f"{store.collection}_windows", dim=int(searcher.bundle.embed_dim),
+                                        index_type=WINDOWS_INDEX, consistency=store.consistency, flush=self.flush,
+                                        flusher=_flush).ensure()
+                self._windows[store.collection] = windows
+        return windows
+
     def sync(self, searcher: Any) -> BundleItems:
         """Bring ``searcher``'s bundle collection up to every record (re-embedding stale rows and retrying
         quarantined ones) and hook it into the searcher; index problems as ServiceErrors (503/504)."""
         with index_calls(), flushed_together():
             store = self.bundle_store(searcher)
+            windows = self.window_store(searcher)
             records = [Record.of(r) for r in self.records.rows()]
             held = {str(r["id"]): dict(r.get(DOC_FIELD) or {}) for r in store.rows()}
             self._apply(searcher, store, records, held, retry_quarantined=True)
             stale = sorted(set(held) - {r.id for r in records})
+            windows.delete(stale)
             store.delete(stale)  # rows whose record is gone (a reset of the records): not the catalogue's
-        items = BundleItems(self, store)
+        items = BundleItems(self, store, windows)
         searcher.engine_items = items
+        searcher.milvus_item_windows = windows
         return items
 
     def catch_up(self, searcher: Any) -> None:
@@ -286,9 +310,12 @@ class MilvusCatalogue:
     def _apply(self, searcher: Any, store: MilvusItemStore, records: Sequence[Record],
                held: Mapping[str, Mapping[str, Any]], *, retry_quarantined: bool) -> None:
         takedowns = [r for r in records if r.takedown and held.get(r.id, {}).get("digest") != "takedown"]
+        self.window_store(searcher).delete([r.id for r in takedowns])  # windows first: never found unreadable
         store.takedown([r.id for r in takedowns], docs=[{"digest": "takedown"} for _ in takedowns])
         stale = [r for r in records if not r.takedown and (
-            held.get(r.id, {}).get("digest") != r.digest or (retry_quarantined and "quarantine" in held.get(r.id, {})))]
+            held.get(r.id, {}).get("digest") != r.digest or (retry_quarantined and "quarantine" in held.get(r.id, {}))
+            # a row written before the windows were kept in Milvus: its windows are written by the next full sync
+            or (retry_quarantined and "windows" not in held.get(r.id, {"windows": 0})))]
         for start in range(0, len(stale), EMBED_BATCH):
             self._embed_into(searcher, store, stale[start : start + EMBED_BATCH])
         if stale or takedowns:
@@ -296,12 +323,14 @@ class MilvusCatalogue:
 
     def _embed_into(self, searcher: Any, store: MilvusItemStore, records: Sequence[Record],
                     waves: Sequence[np.ndarray] | None = None) -> None:
-        """Embed ``records`` (from their stored audio, or the decoded ``waves``) and upsert their rows; a
-        record that cannot be embedded gets a quarantined takedown row."""
+        """Embed ``records`` (from their stored audio, or the decoded ``waves``) and upsert their rows, their moment
+        windows first (a long recording's: :meth:`window_store`; written before the 201, read by every replica);
+        a record that cannot be embedded gets a quarantined takedown row and no windows."""
         bundle = searcher.bundle
         good: list[tuple[Record, np.ndarray]] = []
         bad: list[tuple[Record, str, str]] = []
         streamed: list[tuple[Record, np.ndarray]] = []  # long recordings: embedded by blocks from their bytes
+        windows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for i, record in enumerate(records):
             if waves is not None and waves[i].size:
                 good.append((record, waves[i]))
@@ -318,6 +347,7 @@ class MilvusCatalogue:
                     continue
                 if long is not None:
                     streamed.append((record, long.clip))
+                    windows[record.id] = (long.spans, long.vectors)
                     continue
                 good.append((record, decode_upload(data, sample_rate=int(bundle.sample_rate), limits=self.limits).waveform))
             except FileNotFoundError:
@@ -339,9 +369,16 @@ class MilvusCatalogue:
                         vectors.append(None)
                         bad.append((record, "embedding-failed", f"the encoder failed: {err}"[:300]))
         live = [(record, vec) for (record, _), vec in zip(good, vectors, strict=True) if vec is not None] + streamed
+        for (record, wave), vec in zip(good, vectors, strict=True):
+            if vec is not None:
+                windows[record.id] = _windows_of(bundle, wave)
+        window_store = self.window_store(searcher)
+        window_store.put([(r.id, *windows[r.id]) for r, _ in live])  # a short recording: none (a long one's replaced)
+        window_store.delete([r.id for r, _, _ in bad])
         store.put([(r.id, v, r.item.metadata) for r, v in live],
                   docs=[{"digest": r.digest, "audio": r.item.audio, "at": r.item.added_at,
-                         "metadata": r.item.metadata, "captions": r.item.captions} for r, _ in live])
+                         "metadata": r.item.metadata, "captions": r.item.captions, "windows": len(windows[r.id][0])}
+                        for r, _ in live])
         if bad:
             store.takedown([r.id for r, _, _ in bad], docs=[
                 {"digest": r.digest, "audio": r.item.audio, "at": r.item.added_at, "metadata": r.item.metadata,
@@ -396,6 +433,7 @@ class MilvusCatalogue:
         record = Record(item_id, True, {"at": _now(), "digest": "takedown"})
         with index_calls(), flushed_together():
             self.records.takedown([item_id], docs=[record.doc])
+            self.window_store(searcher).delete([item_id])
             self.bundle_store(searcher).takedown([item_id], docs=[{"digest": "takedown"}])
             self._sync_serving(registry, searcher, [record])
         return ItemRecord("delete", item_id, str(record.doc["at"]))
@@ -451,6 +489,16 @@ class MilvusCatalogue:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+
+def _windows_of(bundle: Any, wave: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The moment windows of a recording decoded whole: none unless it is long (more than
+    :data:`index.moments.windows.LONG_RECORDING_WINDOWS` windows), as a bundle's (:func:`embed_windows`)."""
+    window = int(bundle.clip_samples)
+    if len(wave) <= LONG_RECORDING_WINDOWS * window:
+        return np.zeros((0, 2)), np.zeros((0, int(bundle.embed_dim)), np.float32)
+    return embed_windows(wave, sample_rate=int(bundle.sample_rate), window_samples=window,
+                         hop_samples=max(1, round(window * HOP_FRACTION)), encode=bundle.encode_audio)
 
 
 def open_catalogue(settings: Settings, audio_url: str, *, metrics: Any = None) -> MilvusCatalogue:

@@ -384,11 +384,16 @@ class MilvusItemStore:
             return {}
         with _mapped(f"reading items from {self.collection}", self.target):
             rows = self.target.call("query", self.collection, filter=f"id in {_id_list(ids)}",
-                                    output_fields=["id", "takedown", META_FIELD, DOC_FIELD, "vector"],
+                                    output_fields=["id", "takedown", ORDER_FIELD, META_FIELD, DOC_FIELD, "vector"],
                                     consistency_level=self.consistency)
-        return {str(r["id"]): StoredItem(id=str(r["id"]), vector=np.asarray(r["vector"], dtype=np.float32),
-                                         metadata=dict(r[META_FIELD]), doc=dict(r[DOC_FIELD]), takedown=bool(r["takedown"]))
-                for r in rows}
+        latest: dict[str, Mapping[str, Any]] = {}
+        for r in rows:  # one row per id, unless Milvus shows an upsert's old row beside the new one: the newest wins
+            held = latest.get(str(r["id"]))
+            if held is None or _newer(r, held):
+                latest[str(r["id"])] = r
+        return {i: StoredItem(id=i, vector=np.asarray(r["vector"], dtype=np.float32), metadata=dict(r[META_FIELD]),
+                              doc=dict(r[DOC_FIELD]), takedown=bool(r["takedown"]))
+                for i, r in latest.items()}
 
     def present(self, ids: Iterable[str]) -> set[str]:
         """Which of ``ids`` have a row (an item or a takedown): one query by primary key."""
@@ -488,6 +493,12 @@ class MilvusItemStore:
             )
         return [sorted(((float(h["distance"]), _hit_id(h)) for h in hits), key=lambda h: (-h[0], h[1]))
                 for hits in found]
+
+
+def _newer(row: Mapping[str, Any], than: Mapping[str, Any]) -> bool:
+    """``row`` was written after ``than`` (two versions of one id): later ``added_ms``; at the same millisecond
+    a takedown (a delete follows the put it removes)."""
+    return (int(row[ORDER_FIELD]), bool(row["takedown"])) > (int(than[ORDER_FIELD]), bool(than["takedown"]))
 
 
 def _hit_id(hit: Mapping[str, Any]) -> str:

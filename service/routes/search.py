@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import asdict
-from pathlib import Path as PathType
 from typing import Annotated, Any
 
 import numpy as np
@@ -342,12 +341,6 @@ def _moments_response(searcher: Searcher, hits: list[MomentResult], **fields: An
     )
 
 
-def _stored_audio(request: Request) -> Callable[[str], PathType | None] | None:
-    """The item log's lookup of an added item's stored audio (None: no item store)."""
-    log = getattr(request.app.state.tonearm.items, "log", None)  # the Milvus item store has none: clips only
-    return log.stored_audio if log is not None else None
-
-
 @router.post("/moments", responses=problem_responses(400, 409, 415, 422, 503, 504))
 async def search_moments(
     body: MomentSearchRequest, searcher: SearcherDep, pool: PoolDep, request: Request
@@ -356,7 +349,8 @@ async def search_moments(
 
     Each recording longer than the model's window is indexed as windows; the query scores every
     window, adjacent windows near the recording's best are merged into a moment whose boundaries
-    are refined at half its peak, and overlapping moments are suppressed (docs/service.md, Moments).
+    are read at 0.65 of its height, and overlapping moments are suppressed (docs/service.md, Moments).
+    Windows were embedded when the recordings were written (bundle or added item), never on this request.
     A bundle carrying a trained moment head places and scores the moments with it instead; `scorer`
     says which (`head` or `windows`). Several hits may come from one recording."""
 
@@ -365,8 +359,7 @@ async def search_moments(
         text = searcher.normalized(body.query)
         clip_filter = searcher.clip_filter(body.filter)
         embedding = searcher.embed_texts([text])[0]
-        return searcher.search_moments(embedding, k=body.k, min_score=body.min_score, clip_filter=clip_filter,
-                                       stored_audio=_stored_audio(request))
+        return searcher.search_moments(embedding, k=body.k, min_score=body.min_score, clip_filter=clip_filter)
 
     hits = await pool.run(run)
     return _moments_response(searcher, hits, query=body.query, lang=body.lang)
@@ -392,8 +385,7 @@ async def search_moments_audio(
 
         def run() -> list[MomentResult]:
             embedding = np.asarray(searcher.bundle.encode_audio([audio.waveform]), dtype=np.float32)[0]
-            return searcher.search_moments(embedding, k=k, min_score=min_score, clip_filter=clip_filter,
-                                           stored_audio=_stored_audio(request))
+            return searcher.search_moments(embedding, k=k, min_score=min_score, clip_filter=clip_filter)
 
         hits = await pool.run(run)
     return _moments_response(searcher, hits, duration_seconds=audio.duration_seconds)

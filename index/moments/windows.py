@@ -310,26 +310,6 @@ def _rows_allowed(mask: np.ndarray, keys: Sequence[Key]) -> np.ndarray:
     return ok
 
 
-def index_recordings(
-    paths: Sequence[Path], *, sample_rate: int, window_samples: int,
-    decode: Callable[[Path, int], np.ndarray], encode: Callable[[Sequence[np.ndarray]], np.ndarray],
-) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """``(row, spans, vectors)`` of every long recording among ``paths`` (row i = paths[i]); the
-    others are not decoded when their header tells their length."""
-    hop = max(1, int(round(window_samples * HOP_FRACTION)))
-    found = []
-    for row, path in enumerate(paths):
-        seconds = _header_seconds(path)
-        if seconds is not None and seconds * sample_rate <= LONG_RECORDING_WINDOWS * window_samples:
-            continue
-        wave = decode(path, sample_rate)
-        if wave.shape[0] > LONG_RECORDING_WINDOWS * window_samples:
-            spans, vectors = embed_windows(wave, sample_rate=sample_rate, window_samples=window_samples,
-                                           hop_samples=hop, encode=encode)
-            found.append((row, spans, vectors))
-    return found
-
-
 def write_bundle_windows(
     staging: Path, recordings: Sequence[tuple[int, np.ndarray, np.ndarray]], *, sample_rate: int, window_samples: int,
 ) -> MomentsInfo:
@@ -338,15 +318,4 @@ def write_bundle_windows(
     hop = max(1, int(round(window_samples * HOP_FRACTION)))
     return MomentsInfo(windows_file=WINDOWS_FILE, spans_file=SPANS_FILE, window_seconds=window_samples / sample_rate,
                        hop_seconds=hop / sample_rate, n_windows=n_windows, n_recordings=n_recordings)
-
-
-def _header_seconds(path: Path) -> float | None:
-    """The duration a file's header declares (None: unknown, decode it to know)."""
-    import soundfile as sf
-
-    try:
-        info = sf.info(str(path))
-    except Exception:  # noqa: BLE001 - not readable by libsndfile: the decoder says why
-        return None
-    return float(info.frames) / info.samplerate if info.frames > 0 and info.samplerate > 0 else None
 

@@ -81,7 +81,7 @@ def bundle_windows_of(bundle: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def two_pass_windows(bundle: Path, folder: Path, clip_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """What the old second pass (index.moments.windows.index_recordings) wrote: each long file decoded again and
+    """What the old second pass (index_recordings, removed once the pass windowed in place) wrote: each long file decoded again and
     windowed by the source bundle's encoder, keyed by its row among ``clip_ids``."""
     source = LoadedBundle.open(bundle, verify=False)
     try:

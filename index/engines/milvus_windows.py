@@ -189,6 +189,26 @@ class MilvusWindows:
             for name in (self.collection, self.parts):
                 self.target.call("load_collection", name, bulk=True)
 
+    def wait_indexed(self, timeout_s: float = 3600.0, progress: Callable[[str], None] | None = None) -> None:
+        """Wait until Milvus has built the vector index of every sealed segment (a flush seals them; until then a
+        search scans those segments exactly, slowly)."""
+        deadline = time.monotonic() + timeout_s
+        shown = -1
+        while True:
+            with _mapped(f"reading the index state of {self.collection}", self.target):
+                names = self.target.call("list_indexes", self.collection, bulk=True)
+                state = self.target.call("describe_index", self.collection, index_name=names[0], bulk=True) if names else {}
+            pending = int(state.get("pending_index_rows", 0) or 0)
+            total, indexed = int(state.get("total_rows", 0) or 0), int(state.get("indexed_rows", 0) or 0)
+            if pending == 0 and indexed >= total:
+                return
+            if progress is not None and indexed != shown:
+                progress(f"index of {self.collection}: {indexed:,} / {total:,} rows built")
+                shown = indexed
+            if time.monotonic() > deadline:
+                raise TonearmError(f"{self.collection}: index not built after {timeout_s:.0f} s ({indexed}/{total} rows)")
+            time.sleep(1.0)
+
     def release(self) -> None:
         """Free both collections' Milvus memory (a bundle closed); never raises (a swap must not fail on it)."""
         if not self.target.release_closed:
@@ -325,9 +345,10 @@ class MilvusWindows:
             result = self.target.call(
                 "search", self.collection, data=[vector.tolist()], limit=limit, filter=expression,
                 search_params={"metric_type": "IP", "params": search_params(self.index_type, self.build, limit)},
-                output_fields=["key"], consistency_level=self.consistency,
+                output_fields=[], consistency_level=self.consistency,
             )
-        return [(float(hit["distance"]), str((hit.get("entity") or hit)["key"])) for hit in result[0]]
+        # the key from the primary key ("<key>#<seq>"): no output field, so Milvus skips the retrieve step
+        return [(float(hit["distance"]), _wid(hit).rsplit("#", 1)[0]) for hit in result[0]]
 
     def windows_of(self, keys: Sequence[Key]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each key's windows in time order: ``(spans (m, 2), vectors (m, d) float32)``; empty for a key
@@ -352,6 +373,15 @@ class MilvusWindows:
             vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
             out.append((spans, vectors))
         return out
+
+
+def _wid(hit: Any) -> str:
+    """A hit's primary key (the server keys hits ``id``, milvus-lite 3.x by the field's name)."""
+    for where in (hit, hit.get("entity") or {}):
+        for name in ("wid", "id"):
+            if name in where:
+                return str(where[name])
+    raise KeyError(f"no primary key in the hit {dict(hit)}")
 
 
 # ----------------------------------------------------------------------------- a bundle's windows
@@ -445,7 +475,8 @@ def publish_windows(root: Path, manifest: Any, captions: np.ndarray, *, target: 
     with _mapped(f"flushing {source.collection}", target):
         for name in (source.collection, source.parts):
             target.call("flush", name, bulk=True)
-    source.load()  # waits for the index build of the sealed segments
+    source.wait_indexed(progress=progress)  # served from the index at once, not by exact scans of its segments
+    source.load()
     built_s = time.monotonic() - began
     queries = captions if len(captions) else np.asarray(vectors[_sample_rows(len(vectors))], np.float32)
     queries = np.asarray(queries[_sample_rows(len(queries))][:RECALL_QUERIES], np.float32)

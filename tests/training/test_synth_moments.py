@@ -104,3 +104,29 @@ def test_same_seed_same_bytes(corpus: Path, tmp_path: Path) -> None:
     assert again.read_bytes() == corpus.read_bytes()
     first = sorted((corpus.parent / "audio").rglob("*.wav"))
     assert [p.read_bytes() for p in first] == [(tmp_path / p.relative_to(corpus.parent)).read_bytes() for p in first]
+
+
+def test_one_recording_in_four_holds_a_long_moment(corpus: Path, tmp_path: Path) -> None:
+    """Recordings 3, 7, 11 (LONG_EVENT_SHARE 0.25) hold one moment over most of the recording — its written span,
+    the audio's own, covers a large part of it (edges checked by the test above) — the others are the corpus
+    without long moments, byte for byte (``long_share=0``)."""
+    from training.data.synth_moments import generate_moment_corpus
+
+    rows = _rows(corpus)
+    long_rows = []
+    for i, row in enumerate(rows):
+        marked = [m for m, e in zip(row["moments"], row["meta"]["moment_events"], strict=True) if e.get("long")]
+        assert len(marked) == (1 if i % 4 == 3 else 0), row["id"]
+        if marked:
+            long_rows.append(row["id"])
+            cover = (marked[0]["end"] - marked[0]["start"]) / row["meta"]["duration"]
+            assert 0.3 <= cover <= 0.85, (row["id"], cover)
+            others = [m for m in row["moments"] if m is not marked[0]]
+            assert all(m["end"] - m["start"] <= 10.0 for m in others)
+        else:
+            assert all(m["end"] - m["start"] <= 10.0 for m in row["moments"])
+    assert len(long_rows) == 3
+    without = generate_moment_corpus(size="tiny", seed=3, out_dir=tmp_path, progress=False, long_share=0.0)
+    for row, old in zip(rows, _rows(without), strict=True):
+        same = row == old and (corpus.parent / row["audio"]).read_bytes() == (without.parent / old["audio"]).read_bytes()
+        assert same == (row["id"] not in long_rows), row["id"]

@@ -11,7 +11,11 @@ it — each moment a one- or two-event scene of the 14 synthetic classes
 (:mod:`training.data.synth`: single, repeated, A then B, A while B), with one
 caption per language (position ``i`` of every language is moment ``i``'s
 caption, so the translations form a query group as everywhere in tonearm).
-Moments usually sit apart; some overlap an earlier one (``OVERLAP_PROBABILITY``).
+Moments usually sit apart; some overlap an earlier one (``OVERLAP_PROBABILITY``). One recording in four
+(``LONG_EVENT_SHARE``, spread evenly over the indices: 3, 7, 11, …) also holds a **long** moment: one scene
+stretched over 40–85 % of the recording (``LONG_EVENT_FRACTION``: a rain, a dog barking on and off), beside
+the short ones — so a head trained on the corpus sees events that cover most of a recording. The other
+recordings are planned exactly as without it (``long_share=0`` writes the corpus of before, byte for byte).
 
 Boundaries are the samples' own: each moment is rendered alone, its 10-ms
 frame RMS is compared with the bed's RMS, and ``start``/``end`` are the first
@@ -25,7 +29,7 @@ Manifest: the moments schema of docs/corpus.md ("Moments: long recordings"): one
 line per recording, ``moments`` = ``[{"start", "end", "captions": {lang: [one caption]}}]``
 in seconds, the clip's own ``captions`` = the moments' captions (position i = moment i);
 ``meta.duration`` the recording's length, ``meta.moment_events`` what each moment holds
-(labels, relation), ``meta.bed_db`` the bed level. Determinism as in :mod:`training.data.synth`: plans from
+(labels, relation; ``"long": true`` on a long moment), ``meta.bed_db`` the bed level. Determinism as in :mod:`training.data.synth`: plans from
 ``(seed, 5, i)``, audio from ``(seed, 6, i)``; byte-identical for a seed.
 """
 
@@ -83,6 +87,10 @@ SECONDS_PER_MOMENT = (15.0, 25.0)
 BED_DB = (-40.0, -34.0)
 """The bed's RMS relative to an event's nominal level (EVENT_LEVEL)."""
 MIN_GAP = 1.0
+LONG_EVENT_SHARE = 0.25
+"""Default share of the recordings that hold a long moment (``generate_moment_corpus(long_share=...)``)."""
+LONG_EVENT_FRACTION = (0.40, 0.85)
+"""A long moment covers this fraction of its recording (nominal; its written span is its audio's own)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,8 @@ class PlannedMoment:
     start: float
     """Nominal start (s); the written boundaries are the rendered signal's own."""
     length: float
+    long: bool = False
+    """The recording's long moment (LONG_EVENT_FRACTION of it)."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +166,32 @@ def plan_recording(rng: np.random.Generator, duration: float) -> list[PlannedMom
                 used.update(e.label for e in scene.events)
                 out.append(PlannedMoment(scene, round(float(start), 3), round(float(length), 3)))
     return sorted(out, key=lambda m: m.start)
+
+
+def has_long_moment(index: int, share: float) -> bool:
+    """Whether recording ``index`` holds a long moment: the indices where ``floor((i + 1) · share)`` steps up,
+    so any run of recordings holds its share of them (0.25: 3, 7, 11, …)."""
+    return int((index + 1) * share) > int(index * share)
+
+
+def plan_long_recording(rng: np.random.Generator, duration: float) -> list[PlannedMoment]:
+    """One moment over LONG_EVENT_FRACTION of the recording, with :func:`plan_recording`'s short moments in the
+    time left (before it, after it, or both; none when that is too short for one), ≥ MIN_GAP apart from it."""
+    length = float(rng.uniform(*LONG_EVENT_FRACTION)) * duration
+    rest = duration - length - 2 * MIN_GAP
+    short = plan_recording(rng, rest) if rest >= MOMENT_SECONDS[0] + 2 * MIN_GAP else []
+    # the long moment goes in at a free point of the short moments' plan: the start or the end of it, or
+    # between two moments (never inside one); everything after that point moves past it
+    free = [0.0, rest] + [m.start + m.length for m in short]
+    free = sorted({round(t, 3) for t in free
+                   if not any(o.start < t < o.start + o.length for o in short) and t <= rest})
+    at = float(free[int(rng.integers(len(free)))])
+    used = {e.label for m in short for e in m.scene.events}
+    scene = _moment_scene(rng, used)
+    shift = length + 2 * MIN_GAP
+    moved = [m if m.start < at else PlannedMoment(m.scene, round(m.start + shift, 3), m.length) for m in short]
+    long = PlannedMoment(scene, round(at + MIN_GAP, 3), round(length, 3), long=True)
+    return sorted([*moved, long], key=lambda m: m.start)
 
 
 def render_moment(scene: Scene, length: float, rng: np.random.Generator) -> np.ndarray:
@@ -235,8 +271,8 @@ def _write(job: RecordingJob) -> list[tuple[float, float] | None]:
     return spans
 
 
-def plan_moment_corpus(*, size: str, seed: int, out_dir: Path,
-                       seconds: tuple[float, float] | None = None) -> list[tuple[RecordingJob, dict[str, list[str]], str]]:
+def plan_moment_corpus(*, size: str, seed: int, out_dir: Path, seconds: tuple[float, float] | None = None,
+                       long_share: float = LONG_EVENT_SHARE) -> list[tuple[RecordingJob, dict[str, list[str]], str]]:
     """Every recording's job, captions (position i = moment i of the job) and split."""
     spec = MOMENT_SIZES[size]
     lo, hi = seconds or (spec.min_seconds, spec.max_seconds)
@@ -246,7 +282,8 @@ def plan_moment_corpus(*, size: str, seed: int, out_dir: Path,
         for _ in range(quota):
             rng = np.random.default_rng([seed, 5, index])
             duration = round(float(rng.uniform(lo, hi)), 2)
-            moments = plan_recording(rng, duration)
+            long = has_long_moment(index, long_share)
+            moments = plan_long_recording(rng, duration) if long else plan_recording(rng, duration)
             captions: dict[str, list[str]] = {lang: [] for lang in DEFAULT_LANGUAGES}
             for moment in moments:
                 for lang, texts in scene_captions(rng, moment.scene, 1).items():
@@ -260,23 +297,28 @@ def plan_moment_corpus(*, size: str, seed: int, out_dir: Path,
 
 def moment_meta(job: RecordingJob, spans: Sequence[tuple[float, float] | None]) -> dict[str, Any]:
     """``meta`` of a recording: its length, bed level and what each (audible) moment holds."""
-    events = [{"labels": [e.label for e in m.scene.events], "relation": m.scene.relation}
+    events = [{"labels": [e.label for e in m.scene.events], "relation": m.scene.relation,
+               **({"long": True} if m.long else {})}
               for m, span in zip(job.moments, spans, strict=True) if span is not None]
     return {"duration": job.duration, "bed_db": job.bed_db, "moment_events": events, "kind": "moments"}
 
 
 def generate_moment_corpus(*, size: str, seed: int, out_dir: Path, workers: int | None = None,
-                           progress: bool = True, seconds: tuple[float, float] | None = None) -> Path:
+                           progress: bool = True, seconds: tuple[float, float] | None = None,
+                           long_share: float = LONG_EVENT_SHARE) -> Path:
     """Write the recordings (16-bit PCM, 16 kHz WAV) and ``manifest.jsonl``; return the manifest path.
 
-    ``seconds`` = (min, max) bed length overrides the size's (1–10 min: ``(60, 600)``).
+    ``seconds`` = (min, max) bed length overrides the size's (1–10 min: ``(60, 600)``); ``long_share`` is the
+    share of recordings with a long moment (:func:`has_long_moment`; 0: none, the corpus of before).
     """
     if size not in MOMENT_SIZES:
         raise ValueError(f"unknown moment corpus size {size!r}; use one of {', '.join(MOMENT_SIZES)}")
     if seconds is not None and not (10.0 <= seconds[0] <= seconds[1] <= 3600.0):
         raise ValueError(f"bed seconds {seconds}: need 10 <= min <= max <= 3600")
+    if not 0.0 <= long_share <= 1.0:
+        raise ValueError(f"long_share {long_share}: need 0 <= share <= 1")
     out_dir = Path(out_dir)
-    planned = plan_moment_corpus(size=size, seed=seed, out_dir=out_dir, seconds=seconds)
+    planned = plan_moment_corpus(size=size, seed=seed, out_dir=out_dir, seconds=seconds, long_share=long_share)
     jobs = [job for job, _, _ in planned]
     if workers is None:
         workers = 1 if len(jobs) < 32 else min(2, os.cpu_count() or 1)

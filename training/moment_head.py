@@ -72,13 +72,25 @@ def bundle_examples(bundle: Any, records: Sequence[Any], languages: Sequence[str
     return out
 
 
-def _batch(examples: Sequence[MomentExample]) -> dict[str, torch.Tensor]:
+def span_reach(head: MomentHead, hop_seconds: float) -> float:
+    """Seconds of recording one window's output depends on: its window plus the convolutions' context on
+    each side (kernel k: ±(k // 2) windows a layer; the default head: 5 s + 2 × 4 × 2.5 s = 25 s). Inside a
+    moment longer than that, windows see at most one of its edges: where the other is cannot be learned."""
+    context = sum(int(conv.kernel_size[0]) // 2 for conv in head.convs if isinstance(conv, torch.nn.Conv1d))
+    return round(head.window_seconds + 2 * context * hop_seconds, 3)
+
+
+def _batch(examples: Sequence[MomentExample], reach: float = float("inf")) -> dict[str, torch.Tensor]:
+    """Padded tensors of ``examples``; ``regress`` marks the positives of moments no longer than ``reach``
+    (:func:`span_reach`): the longer ones teach relevance only (their spans are the served curve rule's,
+    :meth:`index.moments.head.MomentHeadModel.moments`)."""
     size, d = len(examples), examples[0].windows.shape[1]
     t_max = max(len(e.spans) for e in examples)
     windows = np.zeros((size, t_max, d), np.float32)
     centres = np.zeros((size, t_max), np.float32)
     targets = np.zeros((size, t_max, 2), np.float32)
     positive = np.zeros((size, t_max), bool)
+    regress = np.zeros((size, t_max), bool)
     valid = np.zeros((size, t_max), bool)
     lengths = np.zeros(size, np.float32)
     for i, e in enumerate(examples):
@@ -90,31 +102,36 @@ def _batch(examples: Sequence[MomentExample]) -> dict[str, torch.Tensor]:
         for s, end in e.truth:
             inside = (c >= s) & (c <= end) & ~positive[i, :t]
             positive[i, :t] |= inside
+            regress[i, :t] |= inside & (end - s <= reach)
             targets[i, :t][inside] = (s, end)
     return {"windows": torch.from_numpy(windows), "text": torch.from_numpy(np.stack([e.text for e in examples])),
             "centres": torch.from_numpy(centres), "targets": torch.from_numpy(targets),
-            "positive": torch.from_numpy(positive), "valid": torch.from_numpy(valid),
+            "positive": torch.from_numpy(positive), "regress": torch.from_numpy(regress), "valid": torch.from_numpy(valid),
             "lengths": torch.from_numpy(lengths)}
 
 
 def train_head(examples: Sequence[MomentExample], *, seed: int = 0, steps: int = 300, batch_size: int = 32,
                lr: float = 3e-3, hidden: int = 64, layers: int = 2,
                objective: dict[str, Any] | None = None) -> MomentHead:
-    """Adam on random batches of ``examples``; deterministic for a seed (CPU)."""
+    """Adam on random batches of ``examples``; deterministic for a seed (CPU). Every positive window trains the
+    relevance; only those of moments within the head's reach (:func:`span_reach`) train the spans."""
     if not examples:
         raise ValueError("no moment examples to train on (does the manifest's split have moments?)")
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     window_seconds = float(examples[0].spans[0, 1] - examples[0].spans[0, 0])
     head = MomentHead(examples[0].windows.shape[1], hidden=hidden, layers=layers, window_seconds=window_seconds)
+    spans = examples[0].spans
+    reach = span_reach(head, float(spans[1, 0] - spans[0, 0]) if len(spans) > 1 else window_seconds)
     loss_fn = build_moment_loss(objective or {"name": "moment_span"})
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=1e-4)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
     for step in range(steps):
         picked = rng.choice(len(examples), min(batch_size, len(examples)), replace=False)
-        b = _batch([examples[i] for i in picked])
+        b = _batch([examples[i] for i in picked], reach)
         logits, distances = head(b["windows"], b["text"])
-        terms = loss_fn(logits, distances, b["centres"], b["targets"], b["positive"], b["valid"], b["lengths"])
+        terms = loss_fn(logits, distances, b["centres"], b["targets"], b["positive"], b["valid"], b["lengths"],
+                        regress=b["regress"])
         loss = sum(terms.values())
         optimizer.zero_grad()
         loss.backward()  # type: ignore[union-attr]
@@ -151,10 +168,14 @@ def export_head(head: MomentHead, out_dir: Path, *, window_seconds: float, hop_s
     return out_dir / HEAD_ONNX
 
 
-def longest_moment(examples: Sequence[MomentExample]) -> float:
-    """The longest ground-truth moment among ``examples`` (seconds): past it the served head's spans are not
-    what it learned (:meth:`index.moments.head.MomentHeadModel.moments`)."""
-    return round(max((end - start for e in examples for start, end in e.truth), default=0.0), 3)
+def longest_moment(examples: Sequence[MomentExample], reach: float = float("inf")) -> float:
+    """The longest ground-truth moment among ``examples`` whose span the head learned (no longer than ``reach``,
+    :func:`span_reach`; seconds): past it the served head's spans are not what it learned, and a long stretch of
+    its relevance curve is the moment (:meth:`index.moments.head.MomentHeadModel.moments`). ``reach`` when none is
+    that short."""
+    lengths = [end - start for e in examples for start, end in e.truth]
+    learned = [x for x in lengths if x <= reach]
+    return round(max(learned) if learned else (reach if lengths else 0.0), 3)
 
 
 def attach_moment_head(source: Path, train_records: Sequence[Any], out: Path, *, seed: int = 0, steps: int = 300,
@@ -175,7 +196,8 @@ def attach_moment_head(source: Path, train_records: Sequence[Any], out: Path, *,
         window = float(examples[0].spans[0, 1] - examples[0].spans[0, 0])
         hop = float(examples[0].spans[1, 0] - examples[0].spans[0, 0]) if len(examples[0].spans) > 1 else window
         described = {**(training or {}), "seed": seed, "steps": steps, "examples": len(examples),
-                     "longest_moment_seconds": longest_moment(examples)}
+                     "span_reach_seconds": span_reach(head, hop),
+                     "longest_moment_seconds": longest_moment(examples, span_reach(head, hop))}
         with tempfile.TemporaryDirectory(prefix="moment-head-") as folder:
             export_head(head, Path(folder), window_seconds=window, hop_seconds=hop,
                         extra={"bundle": source_id, "encoder_sha256": digests, **described})

@@ -19,7 +19,15 @@ from index.moments.head import MomentHeadModel
 from index.moments.postprocess import moments_from_scores, window_spans
 from index.runtime.loader import LoadedBundle
 from training.config import ConfigError
-from training.moment_head import MomentExample, export_head, longest_moment, train_head
+from training.models.moment_head import MomentHead
+from training.moment_head import (
+    MomentExample,
+    _batch,
+    export_head,
+    longest_moment,
+    span_reach,
+    train_head,
+)
 from training.objectives.moment_span import MomentSpanLoss, generalized_iou_1d
 from training.objectives.registry import build_moment_loss
 
@@ -53,6 +61,29 @@ def test_perfect_spans_cost_nothing_but_classification() -> None:
     assert float(terms["moment_l1_loss"]) == pytest.approx(0.0, abs=1e-6)
     assert float(terms["moment_giou_loss"]) == pytest.approx(0.0, abs=1e-6)
     assert float(terms["moment_cls_loss"]) < 1e-6
+
+
+def test_a_moment_beyond_the_heads_reach_trains_its_relevance_not_its_span() -> None:
+    """The default head sees 5 s + 2 × 4 hops around a window (25 s at hop 2.5 s): a 60-s moment's windows are
+    positives (relevance) but not regressed; its wrong spans cost nothing in L1/gIoU, a short moment's do;
+    the longest moment written for the served rule is the longest within reach."""
+    head = MomentHead(4, window_seconds=5.0)
+    assert span_reach(head, 2.5) == 25.0
+    spans = window_spans(100.0, 5.0, 2.5)
+    text = np.ones(4, np.float32) / 2
+    long = MomentExample(spans, np.zeros((len(spans), 4), np.float32), text, [(10.0, 70.0), (80.0, 88.0)], "eng", "r")
+    b = _batch([long], reach=25.0)
+    centres = spans.mean(axis=1)
+    assert b["positive"][0].numpy().tolist() == (((centres >= 10) & (centres <= 70)) | ((centres >= 80) & (centres <= 88))).tolist()
+    assert b["regress"][0].numpy().tolist() == ((centres >= 80) & (centres <= 88)).tolist()
+    loss = build_moment_loss({"name": "moment_span"})
+    perfect_short = torch.where(b["regress"][..., None], torch.stack(
+        [b["centres"] - b["targets"][..., 0], b["targets"][..., 1] - b["centres"]], dim=-1), torch.zeros(1))
+    args = (torch.zeros_like(b["centres"]), perfect_short, b["centres"], b["targets"], b["positive"], b["valid"],
+            b["lengths"])
+    assert float(loss(*args, regress=b["regress"])["moment_giou_loss"]) == pytest.approx(0.0, abs=1e-5)
+    assert float(loss(*args)["moment_giou_loss"]) > 0.5  # the same spans, the long moment's windows regressed
+    assert longest_moment([long], 25.0) == 8.0 and longest_moment([long]) == 60.0
 
 
 def _examples(seed: int, count: int) -> list[MomentExample]:

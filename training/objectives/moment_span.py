@@ -31,6 +31,10 @@ Args:
 
 Shapes: logits (B, T), distances (B, T, 2), centres (B, T), targets (B, T, 2) seconds with
 ``positive`` (B, T) bool and ``valid`` (B, T) bool masks (padding), lengths (B,) → scalar terms.
+``regress`` (B, T) bool, optional: the positives whose span enters L_L1 and L_gIoU (default: every
+positive). training/moment_head.py leaves out the windows of a moment longer than the head sees
+around a window (its far edges are out of the window's context: only that it is inside can be
+learned, through L_cls).
 """
 
 from __future__ import annotations
@@ -68,13 +72,13 @@ class MomentSpanLoss(nn.Module):
         self.config = config
 
     def forward(self, logits: Tensor, distances: Tensor, centres: Tensor, targets: Tensor, positive: Tensor,
-                valid: Tensor, lengths: Tensor) -> dict[str, Tensor]:
+                valid: Tensor, lengths: Tensor, regress: Tensor | None = None) -> dict[str, Tensor]:
         c = self.config
         weight = valid.float() * torch.where(positive, c.positive_weight, 1.0)
         cls = (F.binary_cross_entropy_with_logits(logits, positive.float(), reduction="none") * weight).sum()
         cls = cls / weight.sum().clamp(min=1.0)
         spans = torch.stack([centres - distances[..., 0], centres + distances[..., 1]], dim=-1)
-        pos = positive & valid
+        pos = positive & valid if regress is None else regress & positive & valid
         count = pos.sum().clamp(min=1)
         l1 = ((spans - targets).abs().sum(-1) / lengths[:, None]) * pos
         _, giou = generalized_iou_1d(spans, targets)

@@ -120,11 +120,12 @@ def _rss_mb() -> tuple[float, float]:
 
 def serve(args: argparse.Namespace) -> None:
     """Open one backend's source, run every query at each k, print one JSON line."""
-    from index.moments.sources import search_sources
+    from index.moments.sources import WindowSource, search_sources
 
     root = Path(args.root)
     queries = np.load(args.queries)
     opened = time.perf_counter()
+    source: WindowSource
     if args.backend == "exact":
         from index.moments.windows import ExactWindows
 

@@ -49,6 +49,7 @@ from training.moment_head import (
     bundle_examples,
     export_head,
     longest_moment,
+    span_reach,
     train_head,
 )
 
@@ -202,11 +203,12 @@ def beds_main(args: argparse.Namespace) -> None:
             "best single window": [[best_window(e.spans, e.windows @ e.text) for e in test]],
             "trained head, its own spans only": [], "trained head": []}
         train_seconds = []
-        longest = longest_moment(train)
         for seed in args.seeds:
             t1 = time.monotonic()
             head = train_head(train, seed=seed, steps=args.steps)
             train_seconds.append(time.monotonic() - t1)
+            reach = span_reach(head, hop)
+            longest = longest_moment(train, reach)  # as train-moments writes it
             folder = Path(tmp) / f"head-{seed}"
             export_head(head, folder, window_seconds=window, hop_seconds=hop,
                         extra={"longest_moment_seconds": longest})
@@ -216,6 +218,7 @@ def beds_main(args: argparse.Namespace) -> None:
                 answers[name].append([[tuple(m) for m in scorer.moments(e.spans, e.windows, e.text)]
                                       for e in test])
         train_hours = sum(r.meta["duration"] for r in records) / 3600
+        long_train = sum(any(e.get("long") for e in r.meta.get("moment_events", [])) for r in records)
     bed_hours = sum(len(w) for w, _ in recordings) / SR / 3600
 
     def reports(kind: str) -> dict[str, list[dict[str, float]]]:
@@ -241,9 +244,11 @@ def beds_main(args: argparse.Namespace) -> None:
              f"start; {dt.date.today().isoformat()}.", "",
              f"- encoders: `{bundle_id}` (frozen; window {window:g} s, hop {hop:g} s — the service's)",
              f"- head: `tonearm train-moments`' code on the train split of `synth --moments --size {args.size} "
-             f"--seed 100` ({len(records)} recordings, {train_hours:.2f} h, {len(train)} examples), {args.steps} "
-             f"steps, seeds {', '.join(map(str, args.seeds))}; exported to ONNX and run by onnxruntime; its "
-             f"training moments last at most {longest:g} s. *trained head*: as served (index/moments/head.py: a "
+             f"--seed 100` ({len(records)} recordings, {train_hours:.2f} h, {len(train)} examples; {long_train} of "
+             f"the recordings hold a long moment, one scene over 40–85 % of the recording), {args.steps} "
+             f"steps, seeds {', '.join(map(str, args.seeds))}; exported to ONNX and run by onnxruntime; every "
+             f"moment trains its relevance, those within its reach ({reach:g} s: window + its convolutions' "
+             f"context) its spans too, the longest {longest:g} s. *trained head*: as served (index/moments/head.py: a "
              f"stretch of its relevance curve longer than {LONGER_THAN:g} × that is a moment too); *its own spans "
              "only*: without that",
              f"- held out (not the generator's, bench/moments_baseline.py's set at `--seed {args.bed_seed}`): clips "

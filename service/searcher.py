@@ -995,10 +995,17 @@ class Searcher:
         )
 
     def heldout_report(self) -> HeldoutReport:
-        """The bundle's own held-out report: from its manifest, else computed once from its eval set."""
-        evaluation = getattr(getattr(self.bundle, "manifest", None), "evaluation", None)
-        moments = getattr(getattr(getattr(self.bundle, "manifest", None), "moments", None), "heldout", None) or {}
-        if evaluation is not None and evaluation.report:  # with the moment report's keys (moment_*), if any
+        """The bundle's own held-out report: from its manifest, else computed once from its eval set.
+
+        With the manifest's moment reports: the sliding windows' keys as they are (``moment_R1@0.7_eng`` …) and,
+        when the bundle carries a trained head, the head's on the same queries as ``moment_head_*``
+        (``moment_head_R1@0.7_eng`` …), so both scorers are side by side as in ``GET /v1/bundles``."""
+        manifest = getattr(self.bundle, "manifest", None)
+        evaluation = getattr(manifest, "evaluation", None)
+        moments = getattr(getattr(manifest, "moments", None), "heldout", None) or {}
+        head = getattr(getattr(manifest, "moment_head", None), "heldout", None) or {}
+        moments = {**moments, **{f"moment_head_{key.removeprefix('moment_')}": value for key, value in head.items()}}
+        if evaluation is not None and evaluation.report:  # with the moment reports' keys (moment_*), if any
             return HeldoutReport({**evaluation.report, **moments}, str(evaluation.convention), "manifest")
         if getattr(getattr(self.bundle, "manifest", None), "eval_set", True) is None:
             raise ServiceError(

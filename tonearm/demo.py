@@ -211,7 +211,7 @@ def add_moment_head(windows_only: Path, moment_manifest: Path, with_long: Path) 
     train = load_manifest(moment_manifest, languages=DEFAULT_LANGUAGES, split="train")
     heldout = load_manifest(with_long, languages=DEFAULT_LANGUAGES, split="long")
     log.info("demo bundle [3/3]: training the moment head (%d steps on %d recordings) for %s", MOMENT_HEAD_STEPS,
-             len(train), windows_only.name)
+             len(train), windows_only.name, extra={"demo_moment_head": True})  # bench/demo_build.py times it
     training = {"data_manifest": str(moment_manifest), "split": "train", "heldout_split": "long (the demo's long "
                 "recordings)"}
     return attach_moment_head(windows_only, train, windows_only.parent / f"{windows_only.name}-head", seed=0,

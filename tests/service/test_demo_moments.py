@@ -66,6 +66,13 @@ def test_the_demo_bundle_answers_a_moment_query_with_its_trained_head(
         first = body["hits"][0]
         assert first["id"] == recording and low <= (first["start"] + first["end"]) / 2 <= high, body["hits"]
         listed = {b["bundle_id"]: b for b in client.get("/v1/bundles", headers=ADMIN).json()["bundles"]}
+        # the consistency route's held-out report has both scorers too: the windows' moment_*, the head's moment_head_*
+        r = client.get("/v1/diagnostics/consistency")
+        assert r.status_code == 200, r.text
+        report = r.json()["report"]
+    assert {k: v for k, v in report.items() if k.startswith("moment_head_")} == pytest.approx(
+        {f"moment_head_{k.removeprefix('moment_')}": v for k, v in head.items()})
+    assert {k: report[k] for k in windows} == pytest.approx(windows)
     shown = listed[demo.name]
     assert shown["moment_scorer"] == "head"
     assert shown["moments_heldout"] == {"windows": pytest.approx(windows), "head": pytest.approx(head)}

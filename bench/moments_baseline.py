@@ -153,24 +153,33 @@ def build_recordings(
     return out
 
 
+def ask_recording(
+    bundle: Any, wave: np.ndarray, placed: Sequence[Placed], languages: Sequence[str],
+) -> tuple[np.ndarray, np.ndarray, dict[tuple[str, str], list[Placed]], np.ndarray]:
+    """One recording's windows at the service's window and hop, embedded by ``bundle``, and every caption of its
+    placed clips asked of it: ``(spans, window vectors, {(lang, text): the clips it names}, text vectors)``, the
+    text vectors in the dict's order."""
+    window = int(bundle.clip_samples)
+    hop = max(1, int(round(window * HOP_FRACTION)))
+    spans, vectors = embed_windows(wave, sample_rate=bundle.sample_rate, window_samples=window,
+                                   hop_samples=hop, encode=bundle.encode_audio)
+    asked: dict[tuple[str, str], list[Placed]] = {}
+    for p in placed:
+        for lang in languages:
+            for text in p.captions.get(lang, []):
+                asked.setdefault((lang, text), []).append(p)
+    texts = np.asarray(bundle.encode_text([t for _, t in asked]), dtype=np.float32)
+    return spans, vectors, asked, texts
+
+
 def score_queries(bundle: Any, recordings: Sequence[tuple[np.ndarray, list[Placed]]],
                   languages: Sequence[str]) -> list[Query]:
     """Every caption of every placed clip, asked of its recording (the windows scored by ``bundle``)."""
-    window = int(bundle.clip_samples)
-    hop = max(1, int(round(window * HOP_FRACTION)))
     queries = []
     for wave, placed in recordings:
-        spans, vectors = embed_windows(wave, sample_rate=bundle.sample_rate, window_samples=window,
-                                       hop_samples=hop, encode=bundle.encode_audio)
-        asked: dict[tuple[str, str], list[Placed]] = {}
-        for p in placed:
-            for lang in languages:
-                for text in p.captions.get(lang, []):
-                    asked.setdefault((lang, text), []).append(p)
-        keys = list(asked)
-        texts = np.asarray(bundle.encode_text([t for _, t in keys]), dtype=np.float32)
+        spans, vectors, asked, texts = ask_recording(bundle, wave, placed, languages)
         scores = texts @ vectors.T
-        for key, row in zip(keys, scores, strict=True):
+        for key, row in zip(asked, scores, strict=True):
             truth = asked[key]
             kind = "long" if any(p.long for p in truth) else "short"
             queries.append(Query(key[0], kind, spans, row.astype(np.float64), [(p.start, p.end) for p in truth],

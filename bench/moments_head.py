@@ -40,7 +40,6 @@ from index.languages import DEFAULT_LANGUAGES
 from index.metrics.moments import MomentQuery, moment_report
 from index.moments.head import LONGER_THAN, MomentHeadModel
 from index.moments.postprocess import moments_from_scores
-from index.moments.windows import HOP_FRACTION, embed_windows
 from index.runtime.loader import LoadedBundle
 from training.data.manifest import load_manifest
 from training.data.synth_moments import generate_moment_corpus
@@ -54,7 +53,7 @@ from training.moment_head import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moments_baseline import SR, best_window, build_recordings, clip_source  # noqa: E402
+from moments_baseline import SR, ask_recording, best_window, build_recordings, clip_source  # noqa: E402
 
 from benchlib import bundle_or_demo, cpu_model, publish_section  # noqa: E402
 
@@ -288,21 +287,10 @@ def bed_examples(bundle: Any, recordings: list[tuple[np.ndarray, list[Any]]],
                  languages: list[str]) -> tuple[list[Any], list[str]]:
     """Every caption of every placed clip, asked of its recording, as the head's examples; and each one's kind
     (``long`` when a placed clip repeated over most of the recording carries the caption)."""
-
-    window = int(bundle.clip_samples)
-    hop = max(1, int(round(window * HOP_FRACTION)))
     examples, kinds = [], []
     for r, (wave, placed) in enumerate(recordings):
-        spans, vectors = embed_windows(wave, sample_rate=bundle.sample_rate, window_samples=window,
-                                       hop_samples=hop, encode=bundle.encode_audio)
-        asked: dict[tuple[str, str], list[Any]] = {}
-        for p in placed:
-            for lang in languages:
-                for text in p.captions.get(lang, []):
-                    asked.setdefault((lang, text), []).append(p)
-        keys = list(asked)
-        texts = np.asarray(bundle.encode_text([t for _, t in keys]), dtype=np.float32)
-        for key, text in zip(keys, texts, strict=True):
+        spans, vectors, asked, texts = ask_recording(bundle, wave, placed, languages)
+        for key, text in zip(asked, texts, strict=True):
             truth = asked[key]
             examples.append(MomentExample(spans, vectors, text, [(p.start, p.end) for p in truth], key[0],
                                           f"bed-{r}"))

@@ -46,6 +46,10 @@ def s3_endpoint() -> Iterator[str]:
            "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # s3fs caches its filesystems by constructor arguments, not by the endpoint they read from the environment:
+    # one made while another test module's server was in AWS_ENDPOINT_URL (a module may import this fixture, so
+    # a worker can hold two) would keep reading that server — a bucket just made here then "does not exist"
+    _forget_s3_filesystems()
     try:
         wait_for_port(port, server, "moto_server")
         yield env["AWS_ENDPOINT_URL"]
@@ -57,6 +61,13 @@ def s3_endpoint() -> Iterator[str]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        _forget_s3_filesystems()
+
+
+def _forget_s3_filesystems() -> None:
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 class CountingProxy:

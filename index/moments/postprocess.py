@@ -223,9 +223,16 @@ def non_maximum_suppression(
 
 
 def moments_from_scores(
-    spans: np.ndarray, scores: np.ndarray, params: MomentParams | None = None
+    spans: np.ndarray, scores: np.ndarray, params: MomentParams | None = None, *, floor: float | None = None,
+    background: float | None = None,
 ) -> list[Moment]:
-    """Moments of one recording from its windows' ``spans`` (in time order) and ``scores``, best first."""
+    """Moments of one recording from its windows' ``spans`` (in time order) and ``scores``, best first.
+
+    ``floor``: a run whose best window scores under it is not refined and not returned — a caller that keeps
+    only moments scoring at least ``floor`` (a search's k-th best recording) gets the same moments, since
+    suppression only ever drops a moment for a better one. On a noisy curve most runs are such, and refining
+    them was most of a query's post-processing. ``background``: the recording's background level when the
+    caller knows it (:func:`background_level` of all its windows, when ``spans`` are only some of them)."""
     params = params or MomentParams()
     spans = np.asarray(spans, dtype=np.float64).reshape(-1, 2)
     scores = np.asarray(scores, dtype=np.float64).reshape(-1)
@@ -237,15 +244,16 @@ def moments_from_scores(
         raise ValueError("window scores must be finite")
     if (np.diff(spans[:, 0]) < 0).any():
         raise ValueError("window spans must be in time order")
-    if params.background == "median":
-        background = _sorted_median(np.sort(scores))
-    else:
-        background = background_level(scores, params.merge_ratio)
+    if background is None:
+        background = (_sorted_median(np.sort(scores)) if params.background == "median"
+                      else background_level(scores, params.merge_ratio))
     best = float(scores.max())
     active = scores >= background + params.merge_ratio * (best - background)
     moments = []
     for first, last in _runs(active):
         peak = first + int(np.argmax(scores[first : last + 1]))
+        if floor is not None and scores[peak] < floor:
+            continue
         start, end = refine(spans, scores, peak, background, params.edge_level, (first, last))
         moments.append(Moment(start, end, float(scores[peak])))
     return non_maximum_suppression(moments, params.nms_iou, params.max_moments)

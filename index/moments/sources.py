@@ -63,6 +63,11 @@ READ_CHUNK = 8
 once ``k`` moments score above the next recording's best window (a recording yields several moments)."""
 
 
+FLOOR_MARGIN = 0.01
+"""How far under the k-th candidate recording's best window a run may peak and still be post-processed: an ANN
+source's candidate scores are its index's (Milvus's float32 against the float16 windows read back: ~1e-3)."""
+
+
 def _kth_score(hits: Sequence[SourceHit], k: int) -> float:
     return sorted((h.score for h in hits), reverse=True)[k - 1]
 
@@ -97,6 +102,11 @@ def search_sources(
                 candidates.append((float(best), index, key))
     candidates.sort(key=lambda c: (-c[0], c[1], _key_order(c[2])))
     candidates = candidates[:k]
+    # the k recordings each give a moment scoring their best window: a run of windows under the k-th best
+    # cannot rank (FLOOR_MARGIN: a source's candidate score may be its index's, a hair off the windows' own)
+    floor = candidates[-1][0] - FLOOR_MARGIN if head is None and len(candidates) == k else None
+    if min_score is not None and head is None:
+        floor = min_score if floor is None else max(floor, min_score)
     hits: list[SourceHit] = []
     for first in range(0, len(candidates), READ_CHUNK):
         if head is None and len(hits) >= k and candidates[first][0] < _kth_score(hits, k):
@@ -109,7 +119,7 @@ def search_sources(
             for key, (spans, vectors) in zip(keys, source.windows_of(keys), strict=True):
                 if not len(spans):
                     continue
-                found = (moments_from_scores(spans, vectors @ q, params) if head is None
+                found = (moments_from_scores(spans, vectors @ q, params, floor=floor) if head is None
                          else head.moments(spans, vectors, q))
                 hits.extend(SourceHit(index, key, m.start, m.end, m.score) for m in found
                             if min_score is None or m.score >= min_score)

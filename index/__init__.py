@@ -9,8 +9,9 @@ rank  package                    holds
 1     languages, cpus, ids       language codes, usable CPUs, the id grammar of clips and added items
 2     audio, metrics             decoding and formats; pure-numpy retrieval and moment metrics
 3     bundle                     the bundle on disk: manifest, checksums, eval set, tokenizer
-4     engines, moments           vector search (FAISS, Milvus, filters); window scores to moments
-5     items, runtime             added items (log, overlay, Milvus store); a bundle opened for use
-6     catalogue                  embedding passes over a catalogue (decode workers, checkpoints, Ray)
+4     moments                    window scores to moments; the window-source protocol and its search
+5     engines                    vector search (FAISS, Milvus — moment windows too —, filters)
+6     items, runtime             added items (log, overlay, Milvus store); a bundle opened for use
+7     catalogue                  embedding passes over a catalogue (decode workers, checkpoints, Ray)
 ====  =========================  =====================================================================
 """

@@ -1,19 +1,27 @@
 """Moment windows in Milvus: the window source of the Milvus backend (issue 54, part 4; docs/service.md
 "Moments on the Milvus backend").
 
-A :class:`MilvusWindows` is an ``index.moments.sources.WindowSource`` (same methods, no import: engines and
-moments are parts of one rank) over two collections:
+A :class:`MilvusWindows` is an :class:`index.moments.sources.ExcerptSource` over two collections:
 
 * ``<name>`` — one row per window: ``wid`` (primary key ``"<key>#<seq>"``), ``key`` (the recording: a
   bundle's audio-index row as text, or an added item's id), ``seq`` (the window's position in time order) and
   its L2-normalized ``vector``. This is what :meth:`MilvusWindows.best_recordings` searches (an ANN index by
   size: :func:`window_index_type`).
 * ``<name>_parts`` — each recording's windows packed for reading back: ``key``, ``part`` and ``data``, base64 of
-  up to :data:`PART_BYTES` bytes (per window its start and end, float64, then its vector, float16).
-  :meth:`MilvusWindows.windows_of` reads a recording in one row per ~90 windows: a query returning one row per
-  window with its vector costs ~0.1 s per 1,000 windows in pymilvus (measured on 2.3.5, two cores: building
-  a Python list per vector), the packed rows ~10 times less. float16 keeps a cosine within ~1e-3 of the
-  float32 one (the windows are unit vectors) and halves what is read.
+  up to :data:`PART_BYTES` bytes (per window its start and end, float64, then its vector, float16), primary key
+  ``"<key>#<part>"``: part ``p`` holds the windows ``p·P … p·P + P − 1`` (``P``: :data:`PART_WINDOWS`, fewer for
+  wide vectors). One more row per recording, ``"<key>#s"`` (part −1), holds its window count and a *sample*:
+  up to :data:`SAMPLE_WINDOWS` windows spread evenly over it. A query returning one row per window with its
+  vector costs ~0.1 s per 1,000 windows in pymilvus (measured on 2.3.5, two cores: building a Python list per
+  vector), the packed rows ~10 times less. float16 keeps a cosine within ~1e-3 of the float32 one (the windows
+  are unit vectors) and halves what is read.
+
+The moment search reads little of a recording (:class:`index.moments.sources.ExcerptSource`):
+:meth:`MilvusWindows.hot_windows` finds the windows of its best recordings that can make a moment (one search
+restricted to them), :meth:`MilvusWindows.excerpts` reads the parts around those windows and the sample by
+primary key — at 1,000 h, reading the 10 best recordings whole (~740 windows each) cost more than the rest of a
+query (bench/moments_scale.py). :meth:`MilvusWindows.windows_of` still reads a recording whole (the trained head,
+and keys written before samples were).
 
 Keys are written parts first, then windows (a recording is found by a search only once it can be read), and
 deleted windows first. Primary keys are deterministic, so a put is an upsert: two replicas writing the same
@@ -55,15 +63,20 @@ from index.engines.milvus_index import (
 from index.engines.milvus_index import cli_publish as publish_clips
 from index.errors import BundleError, TonearmError
 from index.ids import MAX_ID_BYTES
-
-Key = int | str
-"""A recording: a bundle's audio-index row (int) or an added item's id (str); stored as text."""
-Allowed = Callable[[Sequence[Key]], np.ndarray]
+from index.moments.sources import Allowed, Excerpt, Key, Stretch
 
 KEY_MAX = MAX_ID_BYTES
 WID_MAX = KEY_MAX + 16
 PART_BYTES = 48_000
-"""Raw bytes of one packed row (base64: 64,000 characters, under Milvus's 65,535-byte VARCHAR)."""
+"""Raw bytes of one packed row at most (base64: 64,000 characters, under Milvus's 65,535-byte VARCHAR)."""
+PART_WINDOWS = 32
+"""Windows a packed row holds (fewer when they exceed :data:`PART_BYTES`): what a read around a hot window costs
+at least — 17 KB at 256-d, where a part of 90 windows (the byte limit) read three times as much per stretch."""
+SAMPLE_WINDOWS = 64
+"""Windows of a recording's sample row (fewer when they exceed :data:`PART_BYTES`): its background level's
+quantile and medians come from them (:func:`index.moments.sources._excerpt_moments`)."""
+SAMPLE_PART = -1
+"""The ``part`` of the sample row."""
 DATA_MAX = 65_535
 FLAT_UP_TO = 50_000
 """Windows searched exactly (FLAT) up to this many; HNSW above (:func:`window_index_type`)."""
@@ -77,6 +90,9 @@ IN_LIST_MAX = 4096
 HNSW_EF = 1024
 """Smallest HNSW ``ef`` of a windows search (:meth:`MilvusWindows._search_params`)."""
 READ_KEYS = 64
+HOT_PER_KEY = 16
+"""Windows per recording :meth:`MilvusWindows.hot_windows` asks for: an event's windows (2–16 at the demo's hop)
+and a second run's; a run longer than that is read on from its stretch's edges anyway."""
 """Keys per query of :meth:`MilvusWindows.windows_of`."""
 
 
@@ -133,7 +149,9 @@ class MilvusWindows:
         self.flusher = flusher
         """How a write flushes a collection (the item store's :func:`index.items.milvus_store._flush`, which
         defers to the end of a :func:`index.items.milvus_store.flushed_together` block); None: at once."""
-        self._per_part = max(1, PART_BYTES // (16 + 2 * self.dim))
+        record = 16 + 2 * self.dim
+        self._per_part = max(1, min(PART_WINDOWS, PART_BYTES // record))
+        self._per_sample = max(1, min(SAMPLE_WINDOWS, (PART_BYTES - 8) // record))
 
     # ------------------------------------------------------------------ collections
 
@@ -259,6 +277,10 @@ class MilvusWindows:
                     last = first + self._per_part
                     part_rows.append({"pid": f"{key}#{part}", "key": key, "part": part, "vector": [0.0, 0.0],
                                       "data": base64.b64encode(_pack(spans[first:last], vectors[first:last])).decode()})
+                picked = sample_positions(len(spans), self._per_sample)
+                header = np.asarray([len(spans)], "<i8").tobytes()
+                part_rows.append({"pid": f"{key}#s", "key": key, "part": SAMPLE_PART, "vector": [0.0, 0.0],
+                                  "data": base64.b64encode(header + _pack(spans[picked], vectors[picked])).decode()})
             for first in range(0, len(part_rows), 64):  # 64 × 64 KB: one call well under gRPC's message limit
                 self.target.call(method, self.parts, part_rows[first : first + 64], bulk=True)
             batch: list[dict[str, Any]] = []
@@ -343,14 +365,19 @@ class MilvusWindows:
         return found[:n]
 
     def _search(self, vector: np.ndarray, limit: int, expression: str) -> list[tuple[float, str]]:
+        """(score, key) of the top ``limit`` windows passing ``expression``."""
+        return [(score, wid.rsplit("#", 1)[0]) for score, wid in self._search_ids(vector, limit, expression)]
+
+    def _search_ids(self, vector: np.ndarray, limit: int, expression: str) -> list[tuple[float, str]]:
+        """(score, primary key ``"<key>#<seq>"``) of the top ``limit`` windows passing ``expression``."""
         with _mapped(f"searching {self.collection}", self.target):
             result = self.target.call(
                 "search", self.collection, data=[vector.tolist()], limit=limit, filter=expression,
                 search_params={"metric_type": "IP", "params": self._search_params(limit)},
                 output_fields=[], consistency_level=self.consistency,
             )
-        # the key from the primary key ("<key>#<seq>"): no output field, so Milvus skips the retrieve step
-        return [(float(hit["distance"]), _wid(hit).rsplit("#", 1)[0]) for hit in result[0]]
+        # the key and position from the primary key: no output field, so Milvus skips the retrieve step
+        return [(float(hit["distance"]), _wid(hit)) for hit in result[0]]
 
     def _search_params(self, limit: int) -> dict[str, int]:
         """:func:`index.engines.milvus_index.search_params`, with HNSW's ``ef`` at least :data:`HNSW_EF`: an event's
@@ -369,7 +396,7 @@ class MilvusWindows:
         with _mapped(f"reading windows from {self.parts}", self.target):
             for first in range(0, len(texts), READ_KEYS):
                 chunk = list(dict.fromkeys(texts[first : first + READ_KEYS]))
-                rows = self.target.call("query", self.parts, filter=f"key in {_text_list(chunk)}",
+                rows = self.target.call("query", self.parts, filter=f"key in {_text_list(chunk)} and part >= 0",
                                         output_fields=["key", "part", "data"], limit=MAX_LIMIT,
                                         consistency_level=self.consistency)
                 for row in rows:
@@ -381,9 +408,78 @@ class MilvusWindows:
                 out.append((np.zeros((0, 2)), np.zeros((0, self.dim), np.float32)))
                 continue
             spans, vectors = _unpack(b"".join(held[p] for p in sorted(held)), self.dim)
-            vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-            out.append((spans, vectors))
+            out.append((spans, _normalized(vectors)))
         return out
+
+
+    def hot_windows(self, query: np.ndarray, keys: Sequence[Key], floor: float) -> list[list[int]]:
+        """:meth:`index.moments.sources.ExcerptSource.hot_windows`: one search restricted to ``keys`` (their top
+        :data:`HOT_PER_KEY` windows each); each key's best window, and those scoring ``floor`` or more."""
+        if not keys:
+            return []
+        texts = [str(key) for key in keys]
+        limit = min(MAX_LIMIT, HOT_PER_KEY * len(set(texts)))
+        seqs: dict[str, list[int]] = {t: [] for t in texts}
+        for score, wid in self._search_ids(np.asarray(query, np.float32).reshape(-1), limit,
+                                           f"key in {_text_list(dict.fromkeys(texts))}"):
+            key, seq = wid.rsplit("#", 1)
+            if key in seqs and (score >= floor or not seqs[key]):
+                seqs[key].append(int(seq))
+        return [sorted(seqs[t]) for t in texts]
+
+    def excerpts(self, wanted: Sequence[tuple[Key, Sequence[tuple[int, int]]]]) -> list[Excerpt | None]:
+        """:meth:`index.moments.sources.ExcerptSource.excerpts`: the parts holding the windows asked and the sample
+        row, read by primary key in one query per :data:`READ_KEYS` keys; None for a key without a sample row."""
+        out: list[Excerpt | None] = []
+        for first in range(0, len(wanted), READ_KEYS):
+            chunk = wanted[first : first + READ_KEYS]
+            pids: list[str] = []
+            for key, ranges in chunk:
+                pids.append(f"{key}#s")
+                for a, b in ranges:
+                    pids.extend(f"{key}#{p}" for p in range(max(0, a) // self._per_part,
+                                                            (max(a + 1, b) - 1) // self._per_part + 1))
+            with _mapped(f"reading windows from {self.parts}", self.target):
+                rows = self.target.call("query", self.parts, filter=f"pid in {_text_list(dict.fromkeys(pids))}",
+                                        output_fields=["key", "part", "data"], limit=MAX_LIMIT,
+                                        consistency_level=self.consistency)
+            blobs: dict[str, dict[int, bytes]] = {str(key): {} for key, _ in chunk}
+            for row in rows:
+                if str(row["key"]) in blobs:
+                    blobs[str(row["key"])][int(row["part"])] = base64.b64decode(row["data"])
+            out.extend(self._excerpt(blobs[str(key)]) for key, _ in chunk)
+        return out
+
+    def _excerpt(self, held: dict[int, bytes]) -> Excerpt | None:
+        sample = held.pop(SAMPLE_PART, None)
+        if sample is None:
+            return None
+        n_windows = int(np.frombuffer(sample[:8], "<i8")[0])
+        spans, vectors = _unpack(sample[8:], self.dim)
+        stretches: list[Stretch] = []
+        for part in sorted(held):
+            part_spans, part_vectors = _unpack(held[part], self.dim)
+            at = part * self._per_part
+            if stretches and stretches[-1].stop == at:
+                last = stretches.pop()
+                part_spans = np.concatenate([last.spans, part_spans])
+                part_vectors = np.concatenate([last.vectors, part_vectors])
+                at = last.first
+            stretches.append(Stretch(at, part_spans, part_vectors))
+        return Excerpt(n_windows, Stretch(0, spans, _normalized(vectors)),
+                       [Stretch(s.first, s.spans, _normalized(s.vectors)) for s in stretches])
+
+
+def sample_positions(n: int, count: int) -> np.ndarray:
+    """``count`` (at most ``n``) window positions spread evenly over ``n`` windows, first and last included."""
+    if n <= count:
+        return np.arange(n)
+    return np.unique(np.rint(np.linspace(0, n - 1, count)).astype(np.int64))
+
+
+def _normalized(vectors: np.ndarray) -> np.ndarray:
+    vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    return vectors
 
 
 def _wid(hit: Any) -> str:

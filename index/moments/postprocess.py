@@ -190,6 +190,14 @@ def _sorted_median(ordered: np.ndarray) -> float:
     return float(ordered[n // 2]) if n % 2 else float((ordered[n // 2 - 1] + ordered[n // 2]) / 2)
 
 
+def background_of(scores: np.ndarray, params: MomentParams) -> float:
+    """The background level of a recording's window ``scores`` as ``params.background`` says."""
+    scores = np.asarray(scores, dtype=np.float64).reshape(-1)
+    if params.background == "median":
+        return _sorted_median(np.sort(scores))
+    return background_level(scores, params.merge_ratio)
+
+
 def refine(
     spans: np.ndarray, scores: np.ndarray, peak: int, background: float, edge_level: float = 0.5,
     run: tuple[int, int] | None = None,
@@ -224,7 +232,7 @@ def non_maximum_suppression(
 
 def moments_from_scores(
     spans: np.ndarray, scores: np.ndarray, params: MomentParams | None = None, *, floor: float | None = None,
-    background: float | None = None,
+    background: float | None = None, top: float | None = None,
 ) -> list[Moment]:
     """Moments of one recording from its windows' ``spans`` (in time order) and ``scores``, best first.
 
@@ -232,7 +240,8 @@ def moments_from_scores(
     only moments scoring at least ``floor`` (a search's k-th best recording) gets the same moments, since
     suppression only ever drops a moment for a better one. On a noisy curve most runs are such, and refining
     them was most of a query's post-processing. ``background``: the recording's background level when the
-    caller knows it (:func:`background_level` of all its windows, when ``spans`` are only some of them)."""
+    caller knows it (:func:`background_level` of all its windows, when ``spans`` are only some of them), and
+    ``top`` its best window's score (default: the best of ``scores``)."""
     params = params or MomentParams()
     spans = np.asarray(spans, dtype=np.float64).reshape(-1, 2)
     scores = np.asarray(scores, dtype=np.float64).reshape(-1)
@@ -245,9 +254,8 @@ def moments_from_scores(
     if (np.diff(spans[:, 0]) < 0).any():
         raise ValueError("window spans must be in time order")
     if background is None:
-        background = (_sorted_median(np.sort(scores)) if params.background == "median"
-                      else background_level(scores, params.merge_ratio))
-    best = float(scores.max())
+        background = background_of(scores, params)
+    best = float(scores.max()) if top is None else float(top)
     active = scores >= background + params.merge_ratio * (best - background)
     moments = []
     for first, last in _runs(active):

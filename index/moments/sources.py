@@ -16,12 +16,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from index.moments.head import MomentHeadModel
-from index.moments.postprocess import MomentParams, moments_from_scores
+from index.moments.postprocess import (
+    Moment,
+    MomentParams,
+    background_of,
+    moments_from_scores,
+    non_maximum_suppression,
+)
 
 Key = int | str
 """A recording of a source: a bundle recording's audio-index row (int), an added item's id (str)."""
@@ -47,6 +53,50 @@ class WindowSource(Protocol):
 
 
 @dataclass(frozen=True)
+class Stretch:
+    """Consecutive windows of a recording: the position of the first in the recording's time order, and
+    ``spans`` (m, 2) seconds and ``vectors`` (m, d) as :meth:`WindowSource.windows_of` gives them."""
+
+    first: int
+    spans: np.ndarray
+    vectors: np.ndarray
+
+    @property
+    def stop(self) -> int:
+        return self.first + len(self.spans)
+
+
+@dataclass(frozen=True)
+class Excerpt:
+    """Some of a recording's windows, read instead of all of them (:class:`ExcerptSource`)."""
+
+    n_windows: int
+    """How many windows the recording has."""
+    sample: Stretch
+    """Windows spread evenly over the whole recording (every s-th; ``first`` is meaningless): what its
+    background level is read from (:func:`index.moments.postprocess.background_level`)."""
+    stretches: list[Stretch]
+    """The ranges asked for, clipped to the recording, merged where they touch; in time order."""
+
+
+@runtime_checkable
+class ExcerptSource(WindowSource, Protocol):
+    """A window source whose reads cost by the window (Milvus: they cross the network): the moment search reads
+    stretches around a recording's best windows and a sample for its background, not the whole recording
+    (:func:`search_sources`, "bounded reads")."""
+
+    def hot_windows(self, query: np.ndarray, keys: Sequence[Key], floor: float) -> list[list[int]]:
+        """For each key, the positions of its windows scoring at least ``floor`` for ``query`` — its best window
+        at least — as far as one search finds them (a stretch that turns out to need more is read on)."""
+        ...
+
+    def excerpts(self, wanted: Sequence[tuple[Key, Sequence[tuple[int, int]]]]) -> list[Excerpt | None]:
+        """For each ``(key, [(first, stop), ...])`` those windows and the key's sample; None for a key written
+        without a sample (read it whole with :meth:`WindowSource.windows_of`)."""
+        ...
+
+
+@dataclass(frozen=True)
 class SourceHit:
     """A moment of recording ``key`` of ``sources[source]``: seconds from its start, and its score (the
     cosine of its best window, or the head's relevance probability)."""
@@ -66,6 +116,14 @@ once ``k`` moments score above the next recording's best window (a recording yie
 FLOOR_MARGIN = 0.01
 """How far under the k-th candidate recording's best window a run may peak and still be post-processed: an ANN
 source's candidate scores are its index's (Milvus's float32 against the float16 windows read back: ~1e-3)."""
+
+
+EXCERPT_RADIUS = 8
+"""Windows read on each side of a hot window (:meth:`ExcerptSource.hot_windows`) at first: an event of up to 16
+windows (40 s at the demo's hop) is read in one go; a run still active at a stretch's cut edge is read on."""
+EXCERPT_ROUNDS = 4
+"""Reads of more windows per query before a recording whose run keeps going is read whole (an event covering most
+of a long recording)."""
 
 
 def _kth_score(hits: Sequence[SourceHit], k: int) -> float:
@@ -116,6 +174,12 @@ def search_sources(
             keys = [key for _, i, key in chunk if i == index]
             if not keys:
                 continue
+            if head is None and floor is not None and isinstance(source, ExcerptSource):
+                found_bounded, keys = _bounded_moments(source, q, keys, floor, params or MomentParams())
+                hits.extend(SourceHit(index, key, m.start, m.end, m.score) for key, found in found_bounded.items()
+                            for m in found if min_score is None or m.score >= min_score)
+                if not keys:
+                    continue
             for key, (spans, vectors) in zip(keys, source.windows_of(keys), strict=True):
                 if not len(spans):
                     continue
@@ -125,3 +189,62 @@ def search_sources(
                             if min_score is None or m.score >= min_score)
     hits.sort(key=lambda h: (-h.score, h.source, _key_order(h.key), h.start))
     return hits[:k]
+
+
+def _bounded_moments(source: ExcerptSource, query: np.ndarray, keys: list[Key], floor: float, params: MomentParams
+                     ) -> tuple[dict[Key, list[Moment]], list[Key]]:
+    """The moments scoring at least ``floor`` of ``keys``' recordings from stretches around their hot windows
+    (:data:`EXCERPT_RADIUS` each side) and a sample for the background; the keys to read whole instead (no
+    sample, or still growing after :data:`EXCERPT_ROUNDS`).
+
+    Within a stretch the post-processing is the whole recording's as long as the stretch's cut edges hold
+    no active window (one at or above the merge level, ``b + merge_ratio · (P − b)``): a run cannot cross
+    such an edge, and refinement never walks past a run's ends into windows below the merge level. A stretch
+    whose cut edge is active is read on, twice as far, and processed again. What differs from reading the
+    whole recording: the background comes from the sample (a quantile and medians of ~40–90 windows spread
+    over it instead of all of them) — edges move by a fraction of what the background's error moves the edge
+    level — and a hot window the source's search did not return (bench/moments_scale.py measures the top
+    moment against the exact source)."""
+    hot = source.hot_windows(query, keys, floor)
+    ranges = {key: [(max(0, s - EXCERPT_RADIUS), s + EXCERPT_RADIUS + 1) for s in seqs]
+              for key, seqs in zip(keys, hot, strict=True) if seqs}
+    whole = [key for key in keys if key not in ranges]
+    found: dict[Key, list[Moment]] = {}
+    for _ in range(EXCERPT_ROUNDS):
+        if not ranges:
+            break
+        asked = list(ranges.items())
+        more: dict[Key, list[tuple[int, int]]] = {}
+        for (key, wanted), excerpt in zip(asked, source.excerpts(asked), strict=True):
+            if excerpt is None or not excerpt.stretches:
+                whole.append(key)
+                continue
+            moments, grow = _excerpt_moments(excerpt, query, floor, params)
+            if grow:
+                more[key] = [*wanted, *grow]
+            else:
+                found[key] = moments
+        ranges = more
+    whole.extend(ranges)
+    return found, whole
+
+
+def _excerpt_moments(excerpt: Excerpt, query: np.ndarray, floor: float, params: MomentParams
+                     ) -> tuple[list[Moment], list[tuple[int, int]]]:
+    """The moments of one excerpt, or the ranges to read on when a stretch's cut edge is active."""
+    background = background_of(excerpt.sample.vectors @ query, params)
+    curves = [np.asarray(s.vectors @ query, np.float64) for s in excerpt.stretches]
+    top = max(float(c.max()) for c in curves)
+    active = background + params.merge_ratio * (top - background)
+    grow: list[tuple[int, int]] = []
+    for stretch, scores in zip(excerpt.stretches, curves, strict=True):
+        reach = max(2 * EXCERPT_RADIUS, len(scores))
+        if stretch.first > 0 and scores[0] >= active:
+            grow.append((max(0, stretch.first - reach), stretch.first))
+        if stretch.stop < excerpt.n_windows and scores[-1] >= active:
+            grow.append((stretch.stop, stretch.stop + reach))
+    if grow:
+        return [], grow
+    moments = [m for stretch, scores in zip(excerpt.stretches, curves, strict=True)
+               for m in moments_from_scores(stretch.spans, scores, params, floor=floor, background=background, top=top)]
+    return non_maximum_suppression(moments, params.nms_iou, params.max_moments), []

@@ -84,3 +84,48 @@ def test_exact_best_recordings_reads_the_windows_by_chunks() -> None:
         for q, query in enumerate(queries):
             best = [float((v @ query).max()) for _, v in recordings]
             assert found[q] == [10 + i for i in np.argsort(best)[::-1][:2]]
+
+
+def test_moment_search_reads_stretches_and_a_sample_and_finds_what_exact_search_finds(milvus_uri: str) -> None:
+    """The bounded reads of the moment search (index.moments.sources.ExcerptSource) against the exact source over
+    the same windows: same top moments (edges within a window's hop), parts read around the hot windows only, and
+    a key written without a sample row (before samples existed) read whole."""
+    from index.engines.milvus_windows import SAMPLE_PART, sample_positions
+    from index.moments.sources import search_sources
+    from index.moments.windows import ExactWindows
+
+    rng = np.random.default_rng(11)
+    event = rng.standard_normal(DIM)
+    recordings = {}
+    for i in range(10):
+        spans, vectors = _recording(rng, 120 + 37 * i)
+        at = int(rng.integers(0, len(spans) - 6))
+        vectors[at : at + 4] += (1.5 + 0.1 * i) * event / np.linalg.norm(event)
+        recordings[f"rec-{i}"] = (spans, vectors / np.linalg.norm(vectors, axis=1, keepdims=True))
+    source = MilvusWindows(MilvusTarget(uri=milvus_uri), f"t_{uuid.uuid4().hex[:8]}_windows", dim=DIM).ensure()
+    try:
+        source.put([(key, spans, vectors) for key, (spans, vectors) in recordings.items()])
+        exact = ExactWindows.of_recordings([(key, s, v) for key, (s, v) in recordings.items()], DIM)
+        query = (event / np.linalg.norm(event)).astype(np.float32)
+        for k in (1, 5):
+            got, want = search_sources(query, k, [source]), search_sources(query, k, [exact])
+            assert [h.key for h in got] == [h.key for h in want]
+            np.testing.assert_allclose([(h.start, h.end) for h in got], [(h.start, h.end) for h in want], atol=2.5)
+
+        hot = source.hot_windows(query, ["rec-3"], floor=0.5)[0]
+        assert hot and (recordings["rec-3"][1][hot] @ query).max() == (recordings["rec-3"][1] @ query).max()
+        excerpt = source.excerpts([("rec-3", [(40, 41)])])[0]
+        assert excerpt is not None and excerpt.n_windows == 231
+        first = 40 // source._per_part * source._per_part
+        assert [(s.first, s.stop) for s in excerpt.stretches] == [(first, first + source._per_part)]
+        np.testing.assert_array_equal(excerpt.stretches[0].spans, recordings["rec-3"][0][first : first + source._per_part])
+        picked = sample_positions(231, source._per_sample)
+        np.testing.assert_array_equal(excerpt.sample.spans, recordings["rec-3"][0][picked])
+
+        source.target.call("delete", source.parts, filter='pid == "rec-3#s"', bulk=True)  # as written before samples
+        assert source.excerpts([("rec-3", [(40, 41)])]) == [None]
+        assert SAMPLE_PART < 0 and len(source.windows_of(["rec-3"])[0][0]) == 231  # the sample row is not a part
+        got = search_sources(query, 10, [source])
+        assert [h.key for h in got] == [h.key for h in search_sources(query, 10, [exact])]
+    finally:
+        source.drop()

@@ -63,15 +63,16 @@ from index.engines.milvus_index import (
 from index.engines.milvus_index import cli_publish as publish_clips
 from index.errors import BundleError, TonearmError
 from index.ids import MAX_ID_BYTES
-from index.moments.sources import Allowed, Excerpt, Key, Stretch
+from index.moments.sources import Allowed, Excerpt, HotWindows, Key, Stretch
 
 KEY_MAX = MAX_ID_BYTES
 WID_MAX = KEY_MAX + 16
 PART_BYTES = 48_000
 """Raw bytes of one packed row at most (base64: 64,000 characters, under Milvus's 65,535-byte VARCHAR)."""
-PART_WINDOWS = 32
+PART_WINDOWS = 16
 """Windows a packed row holds (fewer when they exceed :data:`PART_BYTES`): what a read around a hot window costs
-at least — 17 KB at 256-d, where a part of 90 windows (the byte limit) read three times as much per stretch."""
+at least — 8.4 KB at 256-d. At 100 h (bench/moments_scale.py's catalogue, k = 10) a query took 21 ms p50 with
+parts of 16 windows, 26 ms with 32; whole recordings read as parts of 90 (the byte limit) took ~70 ms."""
 SAMPLE_WINDOWS = 64
 """Windows of a recording's sample row (fewer when they exceed :data:`PART_BYTES`): its background level's
 quantile and medians come from them (:func:`index.moments.sources._excerpt_moments`)."""
@@ -340,33 +341,43 @@ class MilvusWindows:
         each at its best window; the next search excludes them. At most :data:`ROUNDS` searches. ``allowed`` is
         asked about each search's new recordings only (a filter passing few recordings that score low may find
         none within the rounds: the cap that keeps a query from reading every window)."""
+        return self.best_recordings_hot(query, n, allowed)[0]
+
+    def best_recordings_hot(self, query: np.ndarray, n: int, allowed: Allowed | None = None
+                            ) -> tuple[list[tuple[Key, float]], dict[Key, HotWindows]]:
+        """:meth:`best_recordings`, and each recording's windows its searches returned: all of its windows scoring
+        above the last one of the search that found it (later searches exclude it) — what the moment search
+        needs of it without searching again (:meth:`index.moments.sources.ExcerptSource.best_recordings_hot`)."""
         if n < 1:
-            return []
+            return [], {}
         vector = np.asarray(query, dtype=np.float32).reshape(-1)
         found: list[tuple[Key, float]] = []
+        hot: dict[Key, HotWindows] = {}
         seen: list[str] = []
         limit = min(MAX_LIMIT, max(FIRST_LIMIT, 8 * n))
         for _ in range(ROUNDS):
-            hits = self._search(vector, limit, f"key not in {_text_list(seen)}" if seen else "")
-            new: dict[str, float] = {}
-            for score, key in hits:
-                if key not in new:
-                    new[key] = score
+            hits = self._search_ids(vector, limit, f"key not in {_text_list(seen)}" if seen else "")
+            new: dict[str, list[tuple[int, float]]] = {}
+            for score, wid in hits:
+                text, seq = wid.rsplit("#", 1)
+                new.setdefault(text, []).append((int(seq), score))
             if new:
                 texts = list(new)
                 keep = np.ones(len(texts), bool) if allowed is None else np.asarray(
                     allowed([self._key(t) for t in texts]), dtype=bool)
-                found.extend((self._key(t), new[t]) for t, ok in zip(texts, keep, strict=True) if ok)
+                last = hits[-1][0] if len(hits) >= limit else -math.inf  # fewer than asked: every window returned
+                for text, ok in zip(texts, keep, strict=True):
+                    if ok:
+                        key = self._key(text)
+                        found.append((key, new[text][0][1]))
+                        hot[key] = HotWindows([seq for seq, _ in new[text]], [sc for _, sc in new[text]], last)
                 seen.extend(texts)
             if len(found) >= n or len(hits) < limit or len(seen) > IN_LIST_MAX:
                 break
             limit = min(MAX_LIMIT, limit * 2)
         found.sort(key=lambda pair: -pair[1])
-        return found[:n]
-
-    def _search(self, vector: np.ndarray, limit: int, expression: str) -> list[tuple[float, str]]:
-        """(score, key) of the top ``limit`` windows passing ``expression``."""
-        return [(score, wid.rsplit("#", 1)[0]) for score, wid in self._search_ids(vector, limit, expression)]
+        kept = found[:n]
+        return kept, {key: hot[key] for key, _ in kept}
 
     def _search_ids(self, vector: np.ndarray, limit: int, expression: str) -> list[tuple[float, str]]:
         """(score, primary key ``"<key>#<seq>"``) of the top ``limit`` windows passing ``expression``."""

@@ -79,11 +79,27 @@ class Excerpt:
     """The ranges asked for, clipped to the recording, merged where they touch; in time order."""
 
 
+@dataclass(frozen=True)
+class HotWindows:
+    """The windows of a candidate recording that a source's candidate search returned (positions and scores),
+    and the score above which it returned every window of that recording (``-inf``: every window)."""
+
+    seqs: list[int]
+    scores: list[float]
+    complete_above: float
+
+
 @runtime_checkable
 class ExcerptSource(WindowSource, Protocol):
     """A window source whose reads cost by the window (Milvus: they cross the network): the moment search reads
     stretches around a recording's best windows and a sample for its background, not the whole recording
     (:func:`search_sources`, "bounded reads")."""
+
+    def best_recordings_hot(self, query: np.ndarray, n: int, allowed: Allowed | None = None
+                            ) -> tuple[list[tuple[Key, float]], dict[Key, HotWindows]]:
+        """:meth:`WindowSource.best_recordings` and, per recording returned, the windows its search saw (a
+        recording whose hot windows are known from there needs no :meth:`hot_windows` search)."""
+        ...
 
     def hot_windows(self, query: np.ndarray, keys: Sequence[Key], floor: float) -> list[list[int]]:
         """For each key, the positions of its windows scoring at least ``floor`` for ``query`` — its best window
@@ -154,8 +170,14 @@ def search_sources(
     q = np.asarray(query, dtype=np.float32).reshape(-1)
     filters = list(allowed) if allowed is not None else [None] * len(sources)
     candidates: list[tuple[float, int, Key]] = []
+    seen_hot: dict[tuple[int, Key], HotWindows] = {}
     for index, (source, keep) in enumerate(zip(sources, filters, strict=True)):
-        for key, best in source.best_recordings(q, k, keep):
+        if head is None and isinstance(source, ExcerptSource):
+            best_of, hot_of = source.best_recordings_hot(q, k, keep)
+            seen_hot.update(((index, key), hot) for key, hot in hot_of.items())
+        else:
+            best_of = source.best_recordings(q, k, keep)
+        for key, best in best_of:
             if np.isfinite(best) and (head is not None or min_score is None or best >= min_score):
                 candidates.append((float(best), index, key))
     candidates.sort(key=lambda c: (-c[0], c[1], _key_order(c[2])))
@@ -175,7 +197,8 @@ def search_sources(
             if not keys:
                 continue
             if head is None and floor is not None and isinstance(source, ExcerptSource):
-                found_bounded, keys = _bounded_moments(source, q, keys, floor, params or MomentParams())
+                known = {key: seen_hot[(index, key)] for key in keys if (index, key) in seen_hot}
+                found_bounded, keys = _bounded_moments(source, q, keys, floor, params or MomentParams(), known)
                 hits.extend(SourceHit(index, key, m.start, m.end, m.score) for key, found in found_bounded.items()
                             for m in found if min_score is None or m.score >= min_score)
                 if not keys:
@@ -191,8 +214,8 @@ def search_sources(
     return hits[:k]
 
 
-def _bounded_moments(source: ExcerptSource, query: np.ndarray, keys: list[Key], floor: float, params: MomentParams
-                     ) -> tuple[dict[Key, list[Moment]], list[Key]]:
+def _bounded_moments(source: ExcerptSource, query: np.ndarray, keys: list[Key], floor: float, params: MomentParams,
+                     known: dict[Key, HotWindows]) -> tuple[dict[Key, list[Moment]], list[Key]]:
     """The moments scoring at least ``floor`` of ``keys``' recordings from stretches around their hot windows
     (:data:`EXCERPT_RADIUS` each side) and a sample for the background; the keys to read whole instead (no
     sample, or still growing after :data:`EXCERPT_ROUNDS`).
@@ -204,10 +227,18 @@ def _bounded_moments(source: ExcerptSource, query: np.ndarray, keys: list[Key], 
     whole recording: the background comes from the sample (a quantile and medians of ~40–90 windows spread
     over it instead of all of them) — edges move by a fraction of what the background's error moves the edge
     level — and a hot window the source's search did not return (bench/moments_scale.py measures the top
-    moment against the exact source)."""
-    hot = source.hot_windows(query, keys, floor)
-    ranges = {key: [(max(0, s - EXCERPT_RADIUS), s + EXCERPT_RADIUS + 1) for s in seqs]
-              for key, seqs in zip(keys, hot, strict=True) if seqs}
+    moment against the exact source). ``known``: keys whose hot windows the candidate search returned; those it
+    returned every window at ``floor`` or more of (up to :data:`FLOOR_MARGIN`) need no search of their own."""
+    hot: dict[Key, list[int]] = {}
+    for key, seen in known.items():
+        if seen.complete_above <= floor + FLOOR_MARGIN:
+            hot[key] = [seq for i, (seq, score) in enumerate(zip(seen.seqs, seen.scores, strict=True))
+                        if score >= floor or i == 0]
+    unknown = [key for key in keys if key not in hot]
+    if unknown:
+        hot.update(zip(unknown, source.hot_windows(query, unknown, floor), strict=True))
+    ranges = {key: [(max(0, s - EXCERPT_RADIUS), s + EXCERPT_RADIUS + 1) for s in hot[key]]
+              for key in keys if hot.get(key)}
     whole = [key for key in keys if key not in ranges]
     found: dict[Key, list[Moment]] = {}
     for _ in range(EXCERPT_ROUNDS):
@@ -231,20 +262,30 @@ def _bounded_moments(source: ExcerptSource, query: np.ndarray, keys: list[Key], 
 
 def _excerpt_moments(excerpt: Excerpt, query: np.ndarray, floor: float, params: MomentParams
                      ) -> tuple[list[Moment], list[tuple[int, int]]]:
-    """The moments of one excerpt, or the ranges to read on when a stretch's cut edge is active."""
+    """The moments of one excerpt, or the ranges to read on: a cut edge (one that is not the recording's) is read
+    past when the run of active windows reaching it peaks at ``floor`` or more inside the stretch, or a moment that
+    ranks has its edge there (refinement walked off the stretch). A run reaching a cut edge that peaks lower there
+    matters only if it rises to ``floor`` outside, where that window is hot and its own stretch grows towards this
+    one."""
     background = background_of(excerpt.sample.vectors @ query, params)
     curves = [np.asarray(s.vectors @ query, np.float64) for s in excerpt.stretches]
     top = max(float(c.max()) for c in curves)
-    active = background + params.merge_ratio * (top - background)
+    active_level = background + params.merge_ratio * (top - background)
     grow: list[tuple[int, int]] = []
+    moments: list[Moment] = []
     for stretch, scores in zip(excerpt.stretches, curves, strict=True):
+        found = moments_from_scores(stretch.spans, scores, params, floor=floor, background=background, top=top)
+        moments.extend(found)
         reach = max(2 * EXCERPT_RADIUS, len(scores))
-        if stretch.first > 0 and scores[0] >= active:
+        inactive = np.flatnonzero(scores < active_level)
+        left_run = scores[: inactive[0] if len(inactive) else len(scores)]
+        right_run = scores[inactive[-1] + 1 if len(inactive) else 0 :]
+        at_start = any(m.start <= stretch.spans[0, 0] for m in found)
+        at_end = any(m.end >= stretch.spans[-1, 1] for m in found)
+        if stretch.first > 0 and (at_start or (len(left_run) and left_run.max() >= floor)):
             grow.append((max(0, stretch.first - reach), stretch.first))
-        if stretch.stop < excerpt.n_windows and scores[-1] >= active:
+        if stretch.stop < excerpt.n_windows and (at_end or (len(right_run) and right_run.max() >= floor)):
             grow.append((stretch.stop, stretch.stop + reach))
     if grow:
         return [], grow
-    moments = [m for stretch, scores in zip(excerpt.stretches, curves, strict=True)
-               for m in moments_from_scores(stretch.spans, scores, params, floor=floor, background=background, top=top)]
     return non_maximum_suppression(moments, params.nms_iou, params.max_moments), []

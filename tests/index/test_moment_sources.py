@@ -65,11 +65,25 @@ class PartedWindows(ExactWindows):
     sample of ``sample`` windows (None: every window, so the background is the whole recording's and the
     bounded answer must be the exact one). Counts the windows it hands out."""
 
-    def __init__(self, recordings, dim: int, part: int = 32, sample: int | None = None) -> None:
+    def __init__(self, recordings, dim: int, part: int = 32, sample: int | None = None, tell_hot: bool = False) -> None:
         kept = [(key, s, v) for key, s, v in recordings if len(s)]
         table = np.concatenate([np.column_stack([np.full(len(s), i, np.float64), s]) for i, (_, s, _) in enumerate(kept)])
         super().__init__(np.concatenate([v for _, _, v in kept]).astype(np.float32), table, [k for k, _, _ in kept])
-        self.part, self.sample, self.read = part, sample, 0
+        self.part, self.sample, self.read, self.tell_hot = part, sample, 0, tell_hot
+
+    def best_recordings_hot(self, query, n, allowed=None):
+        """With ``tell_hot`` every window of each recording (so no hot_windows search); else none known."""
+        from index.moments.sources import HotWindows
+
+        found = self.best_recordings(query, n, allowed)
+        if not self.tell_hot:
+            return found, {}
+        hot = {}
+        for (key, _), (_, vectors) in zip(found, self.windows_of([key for key, _ in found]), strict=True):
+            scores = vectors @ query
+            order = np.argsort(-scores, kind="stable")
+            hot[key] = HotWindows(order.tolist(), scores[order].tolist(), -np.inf)
+        return found, hot
 
     def hot_windows(self, query, keys, floor):
         out = []
@@ -100,9 +114,10 @@ class PartedWindows(ExactWindows):
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("k", [1, 10, 40])
-def test_bounded_reads_give_the_exact_answer_when_the_sample_is_every_window(seed: int, k: int) -> None:
+@pytest.mark.parametrize("tell_hot", [False, True])
+def test_bounded_reads_give_the_exact_answer_when_the_sample_is_every_window(seed: int, k: int, tell_hot: bool) -> None:
     recordings = noisy_recordings(seed)
-    source = PartedWindows(recordings, dim=32, part=8)
+    source = PartedWindows(recordings, dim=32, part=8, tell_hot=tell_hot)
     rng = np.random.default_rng(200 + seed)
     for _ in range(5):
         query = recordings[int(rng.integers(len(recordings)))][2].mean(axis=0) + 0.3 * rng.standard_normal(32)

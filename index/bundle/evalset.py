@@ -100,14 +100,20 @@ def to_int16(wave: np.ndarray) -> np.ndarray:
     return np.clip(np.round(np.asarray(wave, dtype=np.float64) * _SCALE), -32768, 32767).astype(np.int16)
 
 
+def _save_waveforms(path: Path, waveforms: Sequence[np.ndarray]) -> list[int]:
+    """Save ``waveforms`` as one zero-padded int16 matrix (a row each) at ``path``; their lengths."""
+    lengths = [len(w) for w in waveforms]
+    matrix = np.zeros((len(lengths), max(lengths, default=0)), dtype=np.int16)
+    for row, wave in enumerate(waveforms):
+        matrix[row, : len(wave)] = to_int16(wave)
+    np.save(path, matrix, allow_pickle=False)
+    return lengths
+
+
 def write_eval_set(directory: Path, eval_set: EvalSet) -> None:
     """Write ``eval_set`` into ``directory`` (created)."""
     directory.mkdir(parents=True, exist_ok=True)
-    lengths = [len(w) for w in eval_set.waveforms]
-    matrix = np.zeros((len(lengths), max(lengths, default=0)), dtype=np.int16)
-    for row, wave in enumerate(eval_set.waveforms):
-        matrix[row, : len(wave)] = to_int16(wave)
-    np.save(directory / WAVEFORMS, matrix, allow_pickle=False)
+    lengths = _save_waveforms(directory / WAVEFORMS, eval_set.waveforms)
     _write_jsonl(
         directory / CLIPS,
         ({"id": cid, "num_samples": n} for cid, n in zip(eval_set.clip_ids, lengths, strict=True)),
@@ -221,11 +227,7 @@ class MomentSet:
 def write_moment_set(directory: Path, moment_set: MomentSet) -> None:
     """Write ``moment_set`` into ``directory`` (created) as int16 waveforms and two JSONL files."""
     directory.mkdir(parents=True, exist_ok=True)
-    lengths = [len(w) for w in moment_set.waveforms]
-    matrix = np.zeros((len(lengths), max(lengths, default=0)), dtype=np.int16)
-    for row, wave in enumerate(moment_set.waveforms):
-        matrix[row, : len(wave)] = to_int16(wave)
-    np.save(directory / MOMENT_WAVEFORMS, matrix, allow_pickle=False)
+    lengths = _save_waveforms(directory / MOMENT_WAVEFORMS, moment_set.waveforms)
     _write_jsonl(directory / MOMENT_RECORDINGS,
                  ({"id": rid, "num_samples": n, "sample_rate": moment_set.sample_rate}
                   for rid, n in zip(moment_set.recording_ids, lengths, strict=True)))

@@ -30,7 +30,9 @@ A pass over files (or captions) becomes one Ray Data pipeline::
   Milvus collection (:class:`index.engines.milvus_index.CollectionSink`, row = the file's position), with
   each file's metadata object (``metas``, laid out on the driver; it travels in the file's row as
   JSON, so each actor gets only its own files'), and returns only row numbers and errors: the
-  driver never holds the vectors.
+  driver never holds the vectors. With a *window sink* as well, an actor writes the moment windows of the
+  long recordings it decodes there too (:class:`index.catalogue.milvus_pass_windows.MilvusWindowSink`, keyed by
+  the file's row) and returns only how many it wrote per row.
 
 Addresses (``--ray [ADDRESS]``) and Ray token authentication: :mod:`index.catalogue.ray_connect`. Audio paths
 must be readable at the same path on every worker (a shared volume); docs/deploy.md, "Ray".
@@ -80,6 +82,10 @@ function (Ray pickles it by reference)."""
 Sink = Callable[[np.ndarray, np.ndarray, list[dict[str, Any]]], None]
 """(row numbers, vectors, the rows' metadata objects) -> None: where an actor writes its vectors
 itself instead of returning them to the driver (:class:`index.engines.milvus_index.CollectionSink`); picklable."""
+WindowSink = Callable[[list[tuple[int, np.ndarray, np.ndarray]]], None]
+"""``[(row number, spans (m, 2), vectors (m, d)), ...]`` -> None: where an actor writes the moment windows of the
+long recordings it decodes instead of returning them (:class:`index.catalogue.milvus_pass_windows.MilvusWindowSink`);
+picklable."""
 AUDIO_BATCH_FILES = 16
 """Files per actor call (the single-process `tonearm index` embeds 16 at a time too)."""
 AUDIO_GROUP_FILES = 4
@@ -174,9 +180,10 @@ class AudioEmbedder:
     def __init__(self, model: Any, *, decode: Decode, embed_dim: int, sample_rate: int, clip_samples: int,
                  policy: Policy, threads: int, sink: Sink | None = None, padding: Padding = "pad",
                  frontend: AudioFrontendInfo | None = None, device: str = "cpu", call_samples: int | None = None,
-                 windows: WindowPlan | None = None) -> None:
+                 windows: WindowPlan | None = None, window_sink: WindowSink | None = None) -> None:
         self.encoder = _session(model, AUDIO_INPUTS, embed_dim, threads, device)
         self.windows = windows  # long recordings' moment windows, from the decode of their clip vector
+        self.window_sink = window_sink  # where they go instead of back to the driver (then only counts go back)
         self.call_samples = call_samples  # a whole-clip encoder's samples a call (PassOptions.codec_call_samples)
         self.decode = decode
         self.sink = sink
@@ -223,6 +230,7 @@ class AudioEmbedder:
         errors = [""] * len(paths)
         out = np.zeros((len(paths), self.embed_dim), np.float32)
         windows = [b""] * len(paths)
+        counts = np.zeros(len(paths), np.int64)  # windows written to the window sink, by row
 
         def submit(g: int) -> list[Future[tuple[np.ndarray | None, np.ndarray | None, str]]]:
             return [self.decoding.submit(self._decoded, paths[i], g) for i in groups[g]] if g < len(groups) else []
@@ -244,15 +252,25 @@ class AudioEmbedder:
                 out[kept] = self._encode(waves, g)
             if long and self.windows is not None:  # only then is a recording kept whole
                 encode = functools.partial(self._encode_windows, group=g)
+                written = []
                 for row, whole in long:
-                    windows[row] = serialize_windows(self.windows.embed(whole, encode))
+                    spans, vectors = self.windows.embed(whole, encode)
+                    if self.window_sink is None:
+                        windows[row] = serialize_windows((spans, vectors))
+                    elif len(spans):
+                        counts[row] = len(spans)
+                        written.append((int(batch["row"][row]), spans, vectors))
+                if written and self.window_sink is not None:  # a group's windows at a time: held no longer
+                    self.window_sink(written)
             pending = following
         ok = np.array([not e for e in errors], dtype=bool)
         if self.sink is not None:  # written from here: only row numbers and errors go back to the driver
             metas = [json.loads(str(meta)) for meta in batch["meta"][ok]]
             self.sink(batch["row"][ok].astype(np.int64), out[ok], metas)
             out = out[:, :0]
-        found = {"windows": np.array(windows, dtype=object)} if self.windows is not None and self.sink is None else {}
+        found = ({"n_windows": counts} if self.window_sink is not None
+                 else {"windows": np.array(windows, dtype=object)} if self.windows is not None and self.sink is None
+                 else {})
         return {"row": batch["row"], "embedding": out, "error": np.array(errors, dtype=object), **found,
                 **_stamps(len(errors), began)}
 
@@ -293,6 +311,8 @@ class RayEmbedded:
     the pass's fixed costs (actor start, session creation) — rows / busy_s is its throughput."""
     windows: list[Windows | None] | None = None
     """With a :class:`~index.catalogue.pass_windows.WindowPlan`: each row's moment windows (None: not long)."""
+    window_counts: list[int] | None = None
+    """With a window sink: the windows each row's actor wrote there (0: not long, or not decoded)."""
 
 
 def pool_size(options: RayOptions, resources: dict[str, float]) -> int:
@@ -333,7 +353,10 @@ def _run(rows: list[dict[str, Any]], actor: type, constructor: dict[str, Any], *
     dataset = build_dataset(rows, actor, constructor, batch_size=batch_size, options=options, workers=workers)
     embeddings = np.zeros((len(rows), 0 if constructor.get("sink") is not None else dim), np.float32)
     errors = [""] * len(rows)
-    windows: list[Windows | None] | None = [None] * len(rows) if constructor.get("windows") is not None else None
+    counted = constructor.get("window_sink") is not None
+    windows: list[Windows | None] | None = (
+        [None] * len(rows) if constructor.get("windows") is not None and not counted else None)
+    counts: list[int] | None = [0] * len(rows) if counted else None
     seen: set[int] = set()
     first, last = float("inf"), 0.0
     try:
@@ -346,6 +369,9 @@ def _run(rows: list[dict[str, Any]], actor: type, constructor: dict[str, Any], *
             if windows is not None and "windows" in batch:
                 for row, data in zip(order, batch["windows"], strict=True):
                     windows[int(row)] = deserialize_windows(bytes(data), dim)
+            if counts is not None and "n_windows" in batch:
+                for row, n in zip(order, batch["n_windows"], strict=True):
+                    counts[int(row)] = int(n)
             seen.update(int(w) for w in batch["worker"])
             if advance is not None:
                 advance(len(order))
@@ -353,7 +379,7 @@ def _run(rows: list[dict[str, Any]], actor: type, constructor: dict[str, Any], *
         raise _worker_error(err) from None
     log.info("Ray pass: %d rows on %d worker processes (pool of %d)", len(rows), len(seen), workers)
     return RayEmbedded(embeddings=embeddings, errors=errors, workers=len(seen), busy_s=max(0.0, last - first),
-                       windows=windows)
+                       windows=windows, window_counts=counts)
 
 
 def _worker_error(err: BaseException) -> TonearmError:
@@ -375,19 +401,26 @@ def embed_audio_files(paths: Sequence[Path | str], model: bytes, *, decode: Deco
                       advance: Callable[[int], None] | None = None, sink: Sink | None = None,
                       metas: Sequence[dict[str, Any]] | None = None,
                       padding: Padding = "pad", frontend: AudioFrontendInfo | None = None,
-                      call_samples: int | None = None, windows: WindowPlan | None = None) -> RayEmbedded:
+                      call_samples: int | None = None, windows: WindowPlan | None = None,
+                      window_sink: WindowSink | None = None) -> RayEmbedded:
     """Clip embeddings of ``paths`` (decoded, prepared with ``policy``, chunk-averaged) on Ray; with
     ``windows`` also the moment windows of the long recordings among them (``RayEmbedded.windows``).
 
     ``sink``: each actor writes its vectors there (row = position in ``paths``) with ``metas[row]``
     (the row's metadata object; ``{}`` when not given) and the driver gets none back
-    (``embeddings`` is (n, 0)): a collection larger than the driver's memory."""
+    (``embeddings`` is (n, 0)): a collection larger than the driver's memory. Without ``window_sink`` such a
+    pass windows nothing; with it (and ``windows``) each actor writes the long recordings' windows there (key =
+    the row) and the driver gets only their counts (``RayEmbedded.window_counts``)."""
+    if window_sink is not None and windows is None:
+        raise ValueError("a window sink needs the windows' plan")
     if not paths:
-        return RayEmbedded(np.zeros((0, 0 if sink is not None else embed_dim), np.float32), [], 0)
+        return RayEmbedded(np.zeros((0, 0 if sink is not None else embed_dim), np.float32), [], 0,
+                           window_counts=[] if window_sink is not None else None)
     ray = connect(options.address)
     constructor = {"model": ray.put(model), "decode": decode, "embed_dim": embed_dim, "sample_rate": sample_rate,
                    "clip_samples": clip_samples, "policy": policy, "sink": sink, "padding": padding,
-                   "frontend": frontend, "call_samples": call_samples, "windows": windows if sink is None else None}
+                   "frontend": frontend, "call_samples": call_samples,
+                   "windows": windows if sink is None or window_sink is not None else None, "window_sink": window_sink}
     rows: list[dict[str, Any]] = [{"row": i, "path": str(p)} for i, p in enumerate(paths)]
     if metas is not None and len(metas) != len(rows):
         raise ValueError(f"{len(metas)} metadata objects for {len(rows)} files")

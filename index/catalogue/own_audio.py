@@ -25,12 +25,14 @@ embedded by the process that decodes and embeds its clip vector — in this proc
 (:mod:`index.catalogue.pass_windows`).
 
 With ``milvus`` as well (`tonearm index --ray --milvus-uri URI`) each Ray actor writes its own
-vectors into the bundle's Milvus collection and the driver never holds them: the collection
-is then indexed, its recall measured and the bundle registered exactly as `tonearm bundle
-publish` does (:mod:`index.engines.milvus_index`), and the bundle written locally has the ids,
-encoders and tokenizer but no FAISS file (``manifest.milvus_only``): it is served with
-``TONEARM_INDEX_BACKEND=milvus`` only (docs/deploy.md, "Publishing straight to Milvus"). That pass holds no
-vectors in the driver and is not checkpointed: rerun it whole.
+vectors into the bundle's Milvus collection, and the moment windows of its long files into the bundle's
+windows collections (:mod:`index.catalogue.milvus_pass_windows`), and the driver never holds them: the
+collections are then indexed, their recall measured and the bundle registered exactly as `tonearm bundle
+publish` does (:mod:`index.engines.milvus_index`, :mod:`index.engines.milvus_windows`), and the bundle
+written locally has the ids, encoders and tokenizer but no FAISS file (``manifest.milvus_only``) and no
+windows files (its ``moments`` entry counts the windows in Milvus): it is served with
+``TONEARM_INDEX_BACKEND=milvus`` only, its moments from Milvus (docs/deploy.md, "Publishing straight to
+Milvus"). That pass holds no vectors in the driver and is not checkpointed: rerun it whole.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ class IndexedFolder:
     """(clip id, reason) of every file that could not be decoded or whose path is outside the id grammar
     (then its path as :func:`index.ids.shown_id` shows it), in folder order."""
     published: dict[str, Any] | None = None
-    """With ``milvus``: what the Milvus registry recorded (sizes, index type, recall@10)."""
+    """With ``milvus``: what the Milvus registry recorded (sizes, index type, recall@10; ``windows``: the
+    moment windows' entry when a file was long)."""
 
 
 @dataclass(frozen=True)
@@ -325,7 +328,15 @@ def _index_into_milvus(
     The format check runs here first, so a file it refuses takes no collection key; a file that
     passes it but fails to decode on a worker leaves a gap (``manifest.milvus_only.gaps``). Each row's
     metadata is laid out here, before the pass, by the publish's own :func:`catalogue_metas` over the
-    clips the bundle holds if every candidate decodes."""
+    clips the bundle holds if every candidate decodes. The actors window the long files into the bundle's
+    windows collections, which are finished (:func:`index.catalogue.milvus_pass_windows.finish_windows`) before
+    the registry row is written."""
+    from index.catalogue.milvus_pass_windows import (
+        MilvusWindowSink,
+        begin_windows,
+        finish_windows,
+        moments_info,
+    )
     from index.catalogue.ray_connect import connect
     from index.catalogue.ray_embed import embed_audio_files
     from index.engines import milvus_index
@@ -350,11 +361,18 @@ def _index_into_milvus(
     items = [clip_item(rel, metas, folder.uris[rel]) for rel in rels]
     written_fields, row_metas = milvus_index.catalogue_metas(items)
     sink = milvus_index.begin_audio_publish(target, out.name, dim=dim, index_type=index_type, n=len(candidates))
+    plan = WindowPlan(manifest.sample_rate, manifest.clip_samples)
+    windows = begin_windows(target, out.name, dim=dim)
     done = embed_audio_files(
         candidates, (source / manifest.audio_encoder.file).read_bytes(), decode=limited(options.limits), embed_dim=dim,
         sample_rate=manifest.sample_rate, clip_samples=manifest.clip_samples, policy="chunk", options=ray, sink=sink,
         metas=row_metas, frontend=manifest.audio_frontend, call_samples=options.codec_call_samples,
+        windows=plan, window_sink=MilvusWindowSink.of(windows),
     )
+    counts = done.window_counts or [0] * len(candidates)
+    if any(counts):
+        log.info("index progress: %d moment windows of %d long files written to %s", sum(counts),
+                 sum(1 for n in counts if n), windows.collection)
     gaps = [i for i, error in enumerate(done.errors) if error]
     # in file order, as the single-process path lists them
     skipped = folder.in_order(skipped + [(rels[i], done.errors[i].removeprefix(f"{candidates[i]}: ")) for i in gaps])
@@ -364,15 +382,18 @@ def _index_into_milvus(
     with fmt.staged_bundle(out.parent, out.name) as staging:
         kept = milvus_index.kept_fields(written_fields, [item for item, error in zip(items, done.errors, strict=True)
                                                          if not error])
+        entry = finish_windows(windows, counts, [i for i, error in enumerate(done.errors) if not error],
+                               progress=log.info)
         info = milvus_index.finish_audio_publish(target, out.name, dim=dim, index_type=index_type,
-                                                 n_max=len(candidates), n=len(clip_ids), gaps=gaps, meta_fields=kept)
+                                                 n_max=len(candidates), n=len(clip_ids), gaps=gaps, meta_fields=kept,
+                                                 extra=entry)
         audio_index = fmt.IndexInfo(
             file="", ids_file=fmt.AUDIO_IDS, factory=f"milvus:{index_type}", dim=dim, ntotal=len(clip_ids),
             ann_recall_at_10=float(info["recall_at_10"]["audio"]),
         )
         only = fmt.MilvusOnlyInfo(uri=target.uri, index_type=index_type, gaps=gaps)
         path = _write_bundle(staging, source, manifest, audio_dir, out.name, clip_ids, audio_index, only, metas=metas,
-                             uris=folder.uris, skipped=skipped)
+                             uris=folder.uris, skipped=skipped, moments=moments_info(plan, entry))
     return IndexedFolder(path=path, clip_ids=clip_ids, skipped=skipped, published=info)
 
 
@@ -510,4 +531,11 @@ def cli_index(args: argparse.Namespace) -> int:
             f"({result.published['index_type']}, recall@10 {result.published['recall_at_10']['audio']}); the bundle "
             "holds no FAISS file: serve it with TONEARM_INDEX_BACKEND=milvus", highlight=False, soft_wrap=True,
         )
+        found = result.published.get("windows")
+        if found:
+            console.print(
+                f"moment windows published as {milvus.target.collection(result.path.name, 'windows')}: "
+                f"{found['n_windows']} windows of {found['n_recordings']} long files ({found['index_type']}, "
+                f"recall@10 of the best recordings {found['recall_at_10']})", highlight=False, soft_wrap=True,
+            )
     return 0

@@ -44,7 +44,9 @@ bundle's collections, which is what other consumers and replicas read (docs/serv
   :func:`write_rows` as :func:`publish`, by upsert), and :func:`finish_audio_publish` checks the
   count, measures recall against exact search streamed out of the collection and writes the
   same registry row. Such a bundle has no FAISS file (``manifest.milvus_only``; its ``gaps``
-  are collection rows with no vector, mapped away by :class:`MilvusVectorIndex`).
+  are collection rows with no vector, mapped away by :class:`MilvusVectorIndex`). The long files' moment
+  windows go the same way, into the windows collections `bundle publish` writes
+  (:mod:`index.catalogue.milvus_pass_windows`), registered in the same row.
 
 pymilvus is imported lazily: only the ``milvus`` extra needs it.
 """
@@ -776,11 +778,14 @@ def begin_audio_publish(target: MilvusTarget, bundle_id: str, *, dim: int, index
 
 
 def finish_audio_publish(target: MilvusTarget, bundle_id: str, *, dim: int, index_type: str, n_max: int,
-                         n: int, gaps: Sequence[int], meta_fields: Mapping[str, str]) -> dict[str, Any]:
+                         n: int, gaps: Sequence[int], meta_fields: Mapping[str, str],
+                         extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """After the writers of :func:`begin_audio_publish`: flush, check the collection holds exactly the
     ``n`` vectors expected (keys ``0 .. n + len(gaps)`` but ``gaps``), measure recall@10 on a sample of
     its own vectors against exact search streamed out of it (the driver never holds them all), and
-    record the bundle in the registry with ``meta_fields`` (:func:`kept_fields`). Returns the registry info."""
+    record the bundle in the registry with ``meta_fields`` (:func:`kept_fields`) and ``extra`` (entries of
+    collections written beside it: the moment windows, :mod:`index.catalogue.milvus_pass_windows`). Returns
+    the registry info."""
     audio, text = target.collection(bundle_id, "audio"), target.collection(bundle_id, "text")
     build = build_params(index_type, n_max)
     with _mapped(f"publishing {bundle_id}", target):
@@ -802,7 +807,7 @@ def finish_audio_publish(target: MilvusTarget, bundle_id: str, *, dim: int, inde
             "n_audio": n, "n_text": 0, "index_type": index_type, "dim": dim,
             "build_params": {"audio": build, "text": build_params(index_type, 0)},
             "recall_at_10": {"audio": _measure_recall(index, queries, exact), "text": 1.0},
-            "meta_fields": dict(meta_fields),
+            "meta_fields": dict(meta_fields), **(extra or {}),
         }
         _register(target, bundle_id, info)
     return info

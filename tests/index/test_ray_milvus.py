@@ -16,6 +16,13 @@ metadata (as written in the table, checked here in plain Python) passes. The cor
 gives ``rating`` a second type among the candidates: the Ray layout, made before decoding, leaves
 that field out and the registry does not list it, so that filter is evaluated on our side — with
 the same answer.
+
+Moment windows (issue 54, part 5): on a folder with two long files after a file that fails to decode on a
+worker (tests/index/test_pass_windows.py's), the actors write the long files' windows into the bundle's windows
+collections; they are the in-process pass's (count, spans, vectors to float16), keyed by the audio-index rows,
+registered as `tonearm bundle publish` registers the same bundle's, and a moment search over
+``published_windows`` finds the long file. The driver's finish (moves, index type, recall) is also run alone
+on synthetic windows, past a lowered FLAT threshold, so its HNSW switch is exercised without 50,000 windows.
 """
 
 from __future__ import annotations
@@ -214,3 +221,114 @@ def test_refusals_are_one_line_errors(
                     "--ray", "--milvus-uri", milvus_server.uri, home=ray_home)
     assert again.returncode == 2 and "already published to Milvus" in again.stderr
     assert len(again.stderr.strip().splitlines()) == 1, again.stderr
+
+
+def test_ray_workers_publish_the_windows_of_long_files(
+    ray_address: str, ray_home: Path, tiny_bundle: Path, milvus_server, tmp_path: Path
+) -> None:
+    """`index --ray --milvus-uri` on a folder with long files: their windows are in Milvus as `bundle publish` of
+    the in-process bundle puts them, the manifest counts them, and a moment search over them finds the file — the
+    source a replica serving the bundle from Milvus answers /v1/search/moments with (service/bundles.py; the route
+    itself is tests/service/test_moments_milvus.py's: a replica's start on the Milvus backend costs ~30 s here)."""
+    from index.engines.milvus_windows import (
+        MilvusWindows,
+        published_windows,
+        window_index_type,
+        windows_build_params,
+    )
+    from index.moments.sources import search_sources
+    from tests.index.test_pass_windows import bundle_windows_of, write_long_folder
+
+    target = MilvusTarget(uri=milvus_server.uri)
+    tag = uuid.uuid4().hex[:8]
+    folder = write_long_folder(tmp_path / "sounds", read_manifest(tiny_bundle).sample_rate)
+    local = index_folder(folder, tiny_bundle, tmp_path / f"local-{tag}")
+    out = tmp_path / f"ray-{tag}"
+    run = tonearm("-v", "index", str(folder), "--bundle", str(tiny_bundle), "--out", str(out),
+                  "--ray", ray_address, "--ray-workers", "2", "--milvus-uri", target.uri, home=ray_home)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "4 files indexed, 1 skipped" in run.stdout and "b_broken.wav" in run.stdout
+    assert "11 moment windows of 2 long files" in run.stderr
+    assert "moment windows published" in run.stdout and "11 windows of 2 long files" in run.stdout
+
+    manifest, theirs = read_manifest(out), read_manifest(local.path)
+    assert manifest.milvus_only is not None and manifest.milvus_only.gaps == [1]  # b_broken.wav: keys 2, 4 moved
+    assert manifest.moments == theirs.moments and theirs.moments is not None and theirs.moments.n_windows == 11
+    assert not (out / theirs.moments.windows_file).exists()
+    entry = published_info(target, out.name)["windows"]  # type: ignore[index]
+    # what publish_windows records for these windows (its own functions: publishing the local bundle too cost ~15 s)
+    assert {k: v for k, v in entry.items() if k != "build_s"} == {
+        "n_windows": 11, "n_recordings": 2, "dim": manifest.embed_dim, "index_type": window_index_type(11),
+        "build_params": windows_build_params("FLAT", 11), "recall_at_10": 1.0}
+
+    spans, vectors = bundle_windows_of(local.path)
+    bundle = LoadedBundle.open(out, milvus=target)
+    try:
+        source = published_windows(bundle)
+        assert isinstance(source, MilvusWindows) and source.count() == 11
+        rows = [i for i, item in enumerate(bundle.audio_items) if item["id"] in ("c_long.wav", "e_long.wav")]
+        assert rows == [1, 3] and sorted({int(r) for r in spans[:, 0]}) == rows
+        for row, (got_spans, got) in zip(rows, source.windows_of(rows), strict=True):
+            mine = spans[:, 0] == row
+            np.testing.assert_allclose(got_spans, spans[mine, 1:], atol=1e-9)
+            np.testing.assert_allclose(got, vectors[mine], atol=2e-3)  # stored as float16
+        window = np.flatnonzero(spans[:, 0] == 3)[4]  # a window of e_long.wav
+        (hit, *_) = search_sources(vectors[window], 2, [source])
+        assert hit.key == 3 and bundle.audio_items[3]["id"] == "e_long.wav"
+        assert hit.start <= spans[window, 1:].mean() <= hit.end  # the moment holds the query window's centre
+        source.release()
+    finally:
+        bundle.close()
+
+
+def test_the_driver_moves_counts_and_indexes_the_windows_the_writers_left(
+    milvus_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """finish_windows on windows written as the actors write them (keys: rows among the files that passed the
+    format check, two of which failed to decode; one batch written twice, as by a retried Ray task): each moves to
+    its audio-index row, the count is checked, past the FLAT threshold the index becomes HNSW, and the recall of
+    the best recordings is measured against exact search read back in chunks (12 recordings: the top 10 is a cut)."""
+    from index.catalogue import milvus_pass_windows as pass_windows
+    from index.engines import milvus_windows
+
+    monkeypatch.setattr(milvus_windows, "FLAT_UP_TO", 20)  # what window_index_type reads: HNSW above 20 windows
+    monkeypatch.setattr(pass_windows, "PUBLISH_BATCH", 8)  # the exact side reads 2-3 recordings a chunk
+    target = MilvusTarget(uri=milvus_server.uri, release_closed=False)  # left loaded for the checks (~3 s)
+    rng = np.random.default_rng(5)
+    gaps = (1, 4)
+    sizes = {key: 0 if key in (2, 6, 10) else 3 + key % 2 for key in range(17) if key not in gaps}  # 0: short
+    written = {}
+    for key, n in sizes.items():
+        vectors = rng.normal(size=(n, 8)).astype(np.float32)
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        written[key] = (np.column_stack([np.arange(n) * 1.0, np.arange(n) + 2.0]), vectors)
+    long = [key for key, n in sizes.items() if n]
+    store = pass_windows.begin_windows(target, f"synthetic-{uuid.uuid4().hex[:8]}", dim=8)
+    sink = pass_windows.MilvusWindowSink.of(store)
+    for batch in (long[6:], long[:6], long[6:9]):  # two actors in any order, then a batch again
+        sink([(key, *written[key]) for key in batch])
+    counts = [sizes.get(key, 0) for key in range(17)]
+    kept = sorted(sizes)
+    entry = pass_windows.finish_windows(store, counts, kept)["windows"]
+    n_windows = sum(sizes.values())
+    assert (len(long), n_windows) == (12, 43)
+    assert {k: entry[k] for k in ("n_windows", "n_recordings", "dim", "index_type")} == {
+        "n_windows": n_windows, "n_recordings": 12, "dim": 8, "index_type": "HNSW"}
+    assert entry["build_params"] == milvus_windows.windows_build_params("HNSW", n_windows)
+    assert entry["recall_at_10"] == 1.0  # 43 windows: HNSW at ef >= 1024 is exact
+    state = target.call("describe_index", store.collection, index_name=target.call("list_indexes", store.collection)[0])
+    assert state["index_type"] == "HNSW"
+    source = milvus_windows.MilvusWindows(target, store.collection, dim=8, index_type="HNSW",
+                                          build=entry["build_params"], int_keys=True, flush=False)
+    source.load()
+    try:
+        assert source.count() == n_windows
+        rows = [kept.index(key) for key in long]  # audio-index row ← written key
+        for key, (spans, vectors) in zip(long, source.windows_of(rows), strict=True):
+            np.testing.assert_allclose(spans, written[key][0])
+            np.testing.assert_allclose(vectors, written[key][1], atol=2e-3)
+        others = sorted(set(range(17)) - set(rows))
+        assert [len(s) for s, _ in source.windows_of(others)] == [0] * len(others)
+        assert source.best_recordings(written[16][1][2], 1)[0][0] == kept.index(16) == 14
+    finally:
+        source.drop()

@@ -394,7 +394,7 @@ class MilvusWindows:
         """:func:`index.engines.milvus_index.search_params`, with HNSW's ``ef`` at least :data:`HNSW_EF`: an event's
         few windows lie far from their recording's others: at ``ef`` 80 the top recording was missed for 8 % of the
         queries at 100 h, at 256 for 39 % at 1,000 h. At 1,000 h (1.4 M windows, M 16, k = 10, 100 queries, two
-        cores shared with the server; /tmp/prof/ef.py of 2026-11-29): ef 1024 missed it for 11 % (p50 / p99 26 / 76 ms
+        cores shared with the server, bench/moments_scale.py's catalogue, 2026-11-29, AMD EPYC): ef 1024 missed it for 11 % (p50 / p99 26 / 76 ms
         a query), 2048 for 3 % (38 / 169 ms), 4096 for 1 % (59 / 79 ms), 8192 for none (119 / 157 ms) — 1024 keeps a
         query within the 50-ms target; docs/BENCHMARKS.md "moments_scale" says what that costs."""
         params = search_params(self.index_type, self.build, limit)

@@ -82,6 +82,12 @@ from index.catalogue.half_precision import (
     check_precision_options,
     probe_waves,
 )
+from index.catalogue.milvus_pass_windows import (
+    MilvusWindowSink,
+    begin_windows,
+    finish_windows,
+    moments_info,
+)
 from index.catalogue.pass_windows import WindowedDecode, WindowPlan, bundle_windows
 from index.catalogue.ray_embed import RayOptions, ray_options_from_args
 from index.engines.faiss_ondisk import build_and_save
@@ -331,12 +337,6 @@ def _index_into_milvus(
     clips the bundle holds if every candidate decodes. The actors window the long files into the bundle's
     windows collections, which are finished (:func:`index.catalogue.milvus_pass_windows.finish_windows`) before
     the registry row is written."""
-    from index.catalogue.milvus_pass_windows import (
-        MilvusWindowSink,
-        begin_windows,
-        finish_windows,
-        moments_info,
-    )
     from index.catalogue.ray_connect import connect
     from index.catalogue.ray_embed import embed_audio_files
     from index.engines import milvus_index
